@@ -1,0 +1,34 @@
+"""User-facing errors: every mistake a user can make is a `FinetuneError` subclass.
+
+The message says what is wrong, where (dotted key, file, line, record number) and how to fix it, on
+one line, because the CLI prints it as-is and exits 2. Internal invariants use `assert` instead.
+
+Example:
+    raise DataError(f"{path}: record 17 has no field 'response'; set data.response_field or fix the file")
+"""
+
+from __future__ import annotations
+
+
+class FinetuneError(Exception):
+    """Base class for errors caused by user input; the CLI prints `error: <message>` and exits 2."""
+
+
+class RecipeError(FinetuneError):
+    """The recipe file or a command-line override is malformed or invalid."""
+
+
+class DataError(FinetuneError):
+    """A data source is missing, unreadable, empty or has records the chosen format cannot use."""
+
+
+class ModelError(FinetuneError):
+    """The base model cannot be loaded or does not fit the recipe (e.g. target modules match nothing)."""
+
+
+class AdapterError(FinetuneError):
+    """An adapter is missing, malformed, unsafe or does not fit the base it is applied to."""
+
+
+class CheckpointError(FinetuneError):
+    """A training checkpoint cannot be resumed from."""
