@@ -1,0 +1,42 @@
+"""Next-token cross-entropy as a (sum, count) pair, so callers can normalise by label tokens.
+
+Averaging per micro-batch and then over micro-batches weights short batches as heavily as long ones;
+summing token losses and dividing once by the total number of label tokens (across gradient
+accumulation and processes) makes accumulated training equal to one big batch.
+
+Labels follow the Hugging Face convention: aligned with `input_ids`, -100 where no loss is taken; the
+shift happens here. In a packed row each document's first label is -100, so no token is ever predicted
+from the previous document.
+
+Example:
+    loss_sum, num_label_tokens = token_loss_sum(model(input_ids).logits, labels)
+    (loss_sum / num_label_tokens).backward()
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+IGNORE_INDEX = -100
+
+
+def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed next-token loss and the number of label tokens it covers.
+
+    Args:
+        logits: (B, T, V) model outputs; upcast to float32 before the softmax.
+        labels: (B, T) target ids aligned with the inputs, IGNORE_INDEX where no loss is taken.
+
+    Returns:
+        (loss_sum, num_label_tokens): a float32 scalar and an int64 scalar.
+    """
+    shift_logits = logits[:, :-1, :].float()  # (B, T-1, V): position t predicts token t+1
+    shift_labels = labels[:, 1:]  # (B, T-1)
+    loss_sum = F.cross_entropy(
+        shift_logits.reshape(-1, shift_logits.size(-1)),
+        shift_labels.reshape(-1),
+        ignore_index=IGNORE_INDEX,
+        reduction="sum",
+    )
+    return loss_sum, (shift_labels != IGNORE_INDEX).sum()

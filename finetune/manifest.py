@@ -1,0 +1,101 @@
+"""`manifest.json`: what made an adapter (base, recipe, data) and how well it did.
+
+It sits beside peft's `adapter_config.json` and `adapter_model.safetensors` in an adapter directory;
+plain peft ignores it, `finetune` reads it to find the base, check fingerprints and list the store.
+
+Example:
+    manifest = read_manifest(Path("adapters/legal"))
+    manifest.base.path, manifest.base.fingerprint
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from finetune.errors import AdapterError
+
+MANIFEST_NAME = "manifest.json"
+MANIFEST_FORMAT = "finetune-adapter/1"
+
+
+class BaseInfo(BaseModel):
+    """The base model an adapter was trained on."""
+
+    model_config = ConfigDict(extra="allow")
+
+    id: str
+    """As the recipe named it (a hub id, a path, or `embedded:tiny-llama`)."""
+    path: str
+    """What `from_pretrained` loads: a local directory or a hub id."""
+    revision: str | None = None
+    fingerprint: str
+    """`finetune.fingerprint` of the base weights, e.g. `sha256:ab12...`."""
+    dtype: str | None = None
+    quantization: str = "none"
+
+
+class DataInfo(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    fingerprint: str
+    sources: list[str] = []
+    stats: dict[str, Any] = {}
+
+
+class Manifest(BaseModel):
+    """The contents of `manifest.json`."""
+
+    model_config = ConfigDict(extra="allow")
+
+    format: str = MANIFEST_FORMAT
+    name: str
+    base: BaseInfo
+    recipe: dict[str, Any] | None = None
+    data: DataInfo | None = None
+    metrics: dict[str, Any] = {}
+    versions: dict[str, str] = {}
+    created: str = ""
+
+
+def library_versions() -> dict[str, str]:
+    """Versions of the libraries that shape an adapter's numbers."""
+    import accelerate
+    import peft
+    import torch
+    import transformers
+
+    from finetune import __version__
+
+    return {
+        "finetune": __version__,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "peft": peft.__version__,
+        "accelerate": accelerate.__version__,
+    }
+
+
+def now_iso() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+def write_manifest(adapter_dir: Path, manifest: Manifest) -> None:
+    """Write `manifest.json` into `adapter_dir` (callers write the whole directory atomically)."""
+    (adapter_dir / MANIFEST_NAME).write_text(json.dumps(manifest.model_dump(mode="json"), indent=2) + "\n")
+
+
+def read_manifest(adapter_dir: Path) -> Manifest | None:
+    """The adapter's manifest, or None for a plain peft adapter that has none."""
+    path = Path(adapter_dir) / MANIFEST_NAME
+    if not path.is_file():
+        return None
+    try:
+        return Manifest.model_validate_json(path.read_text(encoding="utf-8"))
+    except (ValidationError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        first = str(exc).splitlines()[0]
+        raise AdapterError(f"{path} is not a valid finetune manifest ({first}); re-create the adapter") from None
