@@ -1,0 +1,153 @@
+"""Resumable training checkpoints, written atomically, in safe formats only.
+
+A checkpoint is a directory `checkpoint-000120/` in the run directory holding everything that decides
+what the next step computes: the trainable (LoRA) weights, the optimizer and scheduler state, every
+process's RNG state, and the position in the data stream. Resuming from it and training on gives the
+same adapter as never stopping (bit for bit on CPU).
+
+Tensors go to safetensors and everything else to JSON: nothing here is ever unpickled. A checkpoint is
+written into a `.tmp` directory and renamed into place, so a crash mid-write never leaves something
+that looks like a whole checkpoint.
+
+Example:
+    save_checkpoint(run_dir, step=120, trainable=state, optimizer=opt, scheduler=sched, state={...}, keep=2)
+    path = latest_checkpoint(run_dir)
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from finetune.errors import CheckpointError
+
+PREFIX = "checkpoint-"
+TRAINABLE_FILE = "trainable.safetensors"
+OPTIMIZER_TENSORS_FILE = "optimizer.safetensors"
+STATE_FILE = "trainer_state.json"
+
+
+def capture_rng_state() -> dict[str, Any]:
+    """This process's RNG states (torch CPU and CUDA, Python), as JSON-ready data."""
+    state: dict[str, Any] = {
+        "torch_cpu": torch.get_rng_state().tolist(),
+        "python": _to_json(random.getstate()),
+    }
+    if torch.cuda.is_available():
+        state["torch_cuda"] = [s.tolist() for s in torch.cuda.get_rng_state_all()]
+    return state
+
+
+def restore_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(torch.tensor(state["torch_cpu"], dtype=torch.uint8))
+    random.setstate(_from_json(state["python"]))
+    if "torch_cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([torch.tensor(s, dtype=torch.uint8) for s in state["torch_cuda"]])
+
+
+def _to_json(value: Any) -> Any:
+    if isinstance(value, tuple):
+        return {"tuple": [_to_json(v) for v in value]}
+    return value
+
+
+def _from_json(value: Any) -> Any:
+    if isinstance(value, dict) and "tuple" in value:
+        return tuple(_from_json(v) for v in value["tuple"])
+    return value
+
+
+def _split_tensors(value: Any, prefix: str, tensors: dict[str, torch.Tensor]) -> Any:
+    """Replace every tensor inside `value` by a reference, collecting the tensors under dotted names."""
+    if isinstance(value, torch.Tensor):
+        tensors[prefix] = value.detach().cpu().contiguous()
+        return {"tensor": prefix}
+    if isinstance(value, dict):
+        return {"dict": [[k, _split_tensors(v, f"{prefix}.{k}", tensors)] for k, v in value.items()]}
+    if isinstance(value, (list, tuple)):
+        return {"list": [_split_tensors(v, f"{prefix}.{i}", tensors) for i, v in enumerate(value)]}
+    return value
+
+
+def _join_tensors(value: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    if isinstance(value, dict) and "tensor" in value:
+        return tensors[value["tensor"]]
+    if isinstance(value, dict) and "dict" in value:
+        return {k: _join_tensors(v, tensors) for k, v in value["dict"]}
+    if isinstance(value, dict) and "list" in value:
+        return [_join_tensors(v, tensors) for v in value["list"]]
+    return value
+
+
+def checkpoint_path(run_dir: Path, step: int) -> Path:
+    return run_dir / f"{PREFIX}{step:06d}"
+
+
+def save_checkpoint(
+    run_dir: Path,
+    *,
+    step: int,
+    trainable: dict[str, torch.Tensor],
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    state: dict[str, Any],
+    keep: int,
+) -> Path:
+    """Write checkpoint `step` atomically and prune all but the newest `keep`.
+
+    Args:
+        trainable: the trainable weights (peft's adapter state dict).
+        state: JSON-ready trainer state: step, data position, per-process RNG states, recipe digest.
+    """
+    final = checkpoint_path(run_dir, step)
+    tmp = final.with_name(final.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    save_file({k: v.detach().cpu().contiguous() for k, v in trainable.items()}, tmp / TRAINABLE_FILE)
+    optimizer_tensors: dict[str, torch.Tensor] = {}
+    optimizer_structure = _split_tensors(optimizer.state_dict(), "optimizer", optimizer_tensors)
+    save_file(optimizer_tensors, tmp / OPTIMIZER_TENSORS_FILE)
+    document = {**state, "step": step, "optimizer": optimizer_structure, "scheduler": scheduler.state_dict()}
+    (tmp / STATE_FILE).write_text(json.dumps(document))
+    if final.exists():
+        shutil.rmtree(final)
+    tmp.rename(final)
+    for old in list_checkpoints(run_dir)[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def list_checkpoints(run_dir: Path) -> list[Path]:
+    """Complete checkpoints in `run_dir`, oldest first (`.tmp` leftovers of a crash are ignored)."""
+    if not run_dir.is_dir():
+        return []
+    found = [p for p in run_dir.iterdir() if p.name.startswith(PREFIX) and p.name[len(PREFIX) :].isdigit()]
+    return sorted(found, key=lambda p: int(p.name[len(PREFIX) :]))
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    found = list_checkpoints(run_dir)
+    return found[-1] if found else None
+
+
+def load_checkpoint(
+    path: Path, *, optimizer: torch.optim.Optimizer, scheduler: Any
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Restore optimizer and scheduler in place; return (trainable weights, trainer state)."""
+    try:
+        document = json.loads((path / STATE_FILE).read_text())
+        trainable = load_file(path / TRAINABLE_FILE)
+        optimizer_tensors = load_file(path / OPTIMIZER_TENSORS_FILE)
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"checkpoint {path} is unreadable ({exc}); delete it to resume from an earlier one") from None
+    optimizer_state = _join_tensors(document.pop("optimizer"), optimizer_tensors)
+    optimizer_state["state"] = {int(k): v for k, v in optimizer_state["state"].items()}
+    optimizer.load_state_dict(optimizer_state)
+    scheduler.load_state_dict(document.pop("scheduler"))
+    return trainable, document

@@ -1,0 +1,194 @@
+"""Load a base causal LM and its tokenizer, and wrap it with LoRA adapters from a recipe.
+
+The base comes from a local directory or a hub id through the real `from_pretrained` (offline here,
+so a hub id works only when it is already in the local cache), or from `embedded:tiny-llama`, which is
+built locally on first use. Loading mistakes become `ModelError`s that say what to do.
+
+Example:
+    model, tokenizer, base_path = load_base("embedded:tiny-llama", dtype="float32")
+    peft_model = wrap_with_lora(model, LoraConfig(r=8))
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from finetune.errors import ModelError
+from finetune.recipe import LoraConfig, ModelConfig
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _resolve(base: str) -> str:
+    """Map `embedded:*` ids to their local directory; check that a local path is a model directory."""
+    from finetune.embedded import resolve_base_id
+
+    resolved = resolve_base_id(base)
+    path = Path(resolved).expanduser()
+    looks_local = path.exists() or resolved.startswith((".", "/", "~")) or resolved.count("/") > 1
+    if looks_local:
+        if not path.exists():
+            raise ModelError(f"base model {base!r}: no such directory; give a model directory or a hub id")
+        if not path.is_dir() or not (path / "config.json").is_file():
+            raise ModelError(
+                f"base model {base!r} is not a model directory (no config.json); point model.base at a "
+                "directory written by save_pretrained"
+            )
+        return str(path)
+    return resolved
+
+
+def _quantization_config(config: ModelConfig, compute_dtype: torch.dtype):
+    if config.quantization == "none":
+        return None
+    try:
+        import bitsandbytes  # noqa: F401
+        from transformers import BitsAndBytesConfig
+    except ImportError:
+        raise ModelError(
+            f"model.quantization={config.quantization} needs bitsandbytes; pip install 'finetune[quantization]'"
+        ) from None
+    if config.quantization == "8bit":
+        return BitsAndBytesConfig(load_in_8bit=True)
+    return BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type=config.bnb_4bit_quant_type,
+        bnb_4bit_use_double_quant=config.bnb_4bit_use_double_quant,
+        bnb_4bit_compute_dtype=compute_dtype,
+    )
+
+
+def load_tokenizer(source: str, *, revision: str | None = None, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
+    """The tokenizer at `source`, with a pad token guaranteed.
+
+    A tokenizer without a pad token gets EOS as pad. That is safe here because labels are built before
+    padding (padding positions get label -100 from the attention mask, never by comparing ids with the
+    pad id), so EOS stays a trained label.
+    """
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source, revision=revision, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as exc:
+        raise ModelError(f"cannot load a tokenizer from {source!r}: {str(exc).splitlines()[0]}") from None
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_base(
+    base: str,
+    *,
+    dtype: str = "float32",
+    revision: str | None = None,
+    attn_implementation: str = "sdpa",
+    trust_remote_code: bool = False,
+    quantization: str = "none",
+    tokenizer: str | None = None,
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, str]:
+    """Load base model and tokenizer.
+
+    Returns:
+        (model in eval mode, tokenizer, resolved source: the local directory or hub id that was loaded).
+    """
+    config = ModelConfig(
+        base=base,
+        dtype=dtype,
+        revision=revision,
+        attn_implementation=attn_implementation,
+        trust_remote_code=trust_remote_code,
+        quantization=quantization,
+        tokenizer=tokenizer,
+    )
+    return load_base_from_config(config)
+
+
+def load_base_from_config(config: ModelConfig) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, str]:
+    """`load_base` for a recipe's `model` section."""
+    source = _resolve(config.base)
+    dtype = DTYPES[config.dtype]
+    kwargs = dict(
+        dtype=dtype,
+        revision=config.revision,
+        attn_implementation=config.attn_implementation,
+        trust_remote_code=config.trust_remote_code,
+    )
+    quantization = _quantization_config(config, dtype)
+    if quantization is not None:
+        kwargs["quantization_config"] = quantization
+    try:
+        model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
+    except (OSError, ValueError) as exc:
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise ModelError(f"cannot load base model {config.base!r}: {first}") from None
+    tokenizer_source = _resolve(config.tokenizer) if config.tokenizer else source
+    tokenizer = load_tokenizer(tokenizer_source, revision=config.revision, trust_remote_code=config.trust_remote_code)
+    return model.eval(), tokenizer, source
+
+
+def linear_module_names(model: torch.nn.Module) -> list[str]:
+    """Distinct last name parts of the model's linear layers (what `target_modules` can name)."""
+    names = set()
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) or type(module).__name__ in ("Linear8bitLt", "Linear4bit"):
+            names.add(name.rsplit(".", 1)[-1])
+    return sorted(names)
+
+
+def _check_targets(model: torch.nn.Module, targets: list[str]) -> None:
+    """Refuse target names that match no module, listing those that do exist."""
+    module_names = [name for name, _ in model.named_modules()]
+    missing = [
+        t for t in targets if not any(n == t or n.endswith("." + t) or re.fullmatch(t, n) for n in module_names)
+    ]
+    if missing:
+        raise ModelError(
+            f"lora.target_modules {missing} match no module of the base model; linear layers that exist: "
+            f"{', '.join(linear_module_names(model))} (or use target_modules: all-linear)"
+        )
+
+
+def peft_lora_config(config: LoraConfig, model: torch.nn.Module):
+    """Translate the recipe's `lora` section into a `peft.LoraConfig` for `model`."""
+    from peft import LoraConfig as PeftLoraConfig
+
+    if isinstance(config.target_modules, list):
+        _check_targets(model, config.target_modules)
+    init = {"default": True, "gaussian": "gaussian", "pissa": "pissa", "olora": "olora"}[config.init]
+    return PeftLoraConfig(
+        task_type="CAUSAL_LM",
+        r=config.r,
+        lora_alpha=config.alpha,
+        lora_dropout=config.dropout,
+        target_modules=config.target_modules,
+        exclude_modules=config.exclude_modules or None,
+        use_rslora=config.use_rslora,
+        use_dora=config.use_dora,
+        init_lora_weights=init,
+        bias=config.bias,
+    )
+
+
+def wrap_with_lora(model: PreTrainedModel, config: LoraConfig):
+    """Freeze `model` and add trainable LoRA adapters (a `peft.PeftModel`, adapter name `default`)."""
+    from peft import get_peft_model, prepare_model_for_kbit_training
+
+    lora_config = peft_lora_config(config, model)
+    if getattr(model, "is_loaded_in_4bit", False) or getattr(model, "is_loaded_in_8bit", False):
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+    peft_model = get_peft_model(model, lora_config)
+    # LoRA weights train in float32 even on a 16-bit base: Adam updates are too small for bf16.
+    for parameter in peft_model.parameters():
+        if parameter.requires_grad and parameter.dtype != torch.float32:
+            parameter.data = parameter.data.float()
+    return peft_model
+
+
+def describe_trainable(model: torch.nn.Module) -> str:
+    """'trainable 65,536 of 1,300,000 parameters (5.04%)' for the log."""
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in model.parameters())
+    return f"trainable {trainable:,} of {total:,} parameters ({100 * trainable / max(total, 1):.2f}%)"
+
