@@ -1,0 +1,161 @@
+"""`finetune adapters ...`: merge, subtract, swap, combine, list and inspect LoRA adapters on disk.
+
+Every command that writes builds its result in a temporary directory beside `--out` and renames it into
+place at the end, so an interrupted run leaves nothing at `--out`. The arithmetic lives in
+`finetune.adapters`; this module only parses arguments and prints.
+
+Example:
+    finetune adapters merge --base embedded:tiny-llama --adapter adapters/legal:1.0 --out merged/legal
+    finetune adapters swap --model merged/legal --remove legal --add adapters/med --out merged/med
+"""
+
+from __future__ import annotations
+
+import argparse
+
+
+def _add_safety_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--force", action="store_true", help="apply adapters even if the base fingerprint differs")
+    parser.add_argument(
+        "--allow-pickle", action="store_true", help="accept adapter_model.bin (pickle) files, loaded weights-only"
+    )
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("adapters", help="merge, subtract, swap, combine, list and inspect adapters")
+    sub = parser.add_subparsers(dest="adapters_command", required=True, metavar="SUBCOMMAND")
+
+    merge = sub.add_parser("merge", help="merge adapters into a base, writing a full model directory")
+    merge.add_argument("--base", required=True, help="base model: local dir, hub id, embedded:tiny-llama or a merged model")
+    merge.add_argument(
+        "--adapter", action="append", required=True, metavar="PATH[:WEIGHT]", help="adapter dir, optional weight (repeat)"
+    )
+    merge.add_argument("--out", required=True, help="output directory (must not exist)")
+    merge.add_argument("--dtype", default=None, help="write tensors as float32|bfloat16|float16 (default: as stored)")
+    merge.add_argument(
+        "--quantization", default=None, choices=["none", "int8", "nf4", "fp4"],
+        help="quantization the adapters were trained on (default: from their manifest)",
+    )
+    merge.add_argument("--shard-size-mb", type=float, default=None, help="re-shard output (default: keep base sharding)")
+    _add_safety_flags(merge)
+    merge.set_defaults(handler=_merge)
+
+    subtract = sub.add_parser("subtract", help="take an adapter back out of a merged model")
+    subtract.add_argument("--model", required=True, help="a merged model directory written by `adapters merge`")
+    subtract.add_argument("--adapter", required=True, metavar="NAME|PATH[:WEIGHT]", help="adapter to take out")
+    subtract.add_argument("--out", required=True)
+    subtract.add_argument("--base", default=None, help="pristine base (default: the one the ledger records)")
+    subtract.add_argument(
+        "--negate", action="store_true", help="subtract an adapter that was never merged (task negation)"
+    )
+    _add_safety_flags(subtract)
+    subtract.set_defaults(handler=_subtract)
+
+    swap = sub.add_parser("swap", help="replace one merged adapter by another")
+    swap.add_argument("--model", required=True)
+    swap.add_argument("--remove", required=True, metavar="NAME|PATH")
+    swap.add_argument("--add", required=True, metavar="PATH[:WEIGHT]")
+    swap.add_argument("--out", required=True)
+    swap.add_argument("--base", default=None, help="pristine base (default: the one the ledger records)")
+    _add_safety_flags(swap)
+    swap.set_defaults(handler=_swap)
+
+    combine = sub.add_parser("combine", help="combine adapters into one adapter (weighted sum of updates)")
+    combine.add_argument("adapters", nargs="+", metavar="ADAPTER")
+    combine.add_argument("--weights", default=None, help="comma-separated, e.g. 1,-0.5 (default: all 1)")
+    combine.add_argument("--method", default="cat", choices=["cat", "svd", "ties", "dare"])
+    combine.add_argument("--rank", type=int, default=None, help="rank of svd/ties/dare results (default: max input rank)")
+    combine.add_argument("--density", type=float, default=0.5, help="fraction kept by ties/dare (default 0.5)")
+    combine.add_argument("--seed", type=int, default=0, help="dare's random drop seed")
+    combine.add_argument("--out", required=True)
+    combine.add_argument("--allow-pickle", action="store_true")
+    combine.set_defaults(handler=_combine)
+
+    listing = sub.add_parser("list", help="list the adapters in a store directory")
+    listing.add_argument("store", nargs="?", default="adapters", help="directory holding adapter dirs (default: adapters)")
+    listing.set_defaults(handler=_list)
+
+    info = sub.add_parser("info", help="show one adapter or merged model in detail")
+    info.add_argument("adapter", help="adapter dir, merged model dir, or a name in --store")
+    info.add_argument("--store", default="adapters")
+    info.set_defaults(handler=_info)
+
+
+def _merge(args: argparse.Namespace) -> int:
+    from finetune.adapters.ondisk import merge_checkpoint, parse_adapter_spec
+
+    report = merge_checkpoint(
+        args.base,
+        [parse_adapter_spec(spec) for spec in args.adapter],
+        args.out,
+        dtype=args.dtype,
+        quantization=args.quantization,
+        force=args.force,
+        allow_pickle=args.allow_pickle,
+        shard_size_mb=args.shard_size_mb,
+    )
+    print(report.summary())
+    return 0
+
+
+def _subtract(args: argparse.Namespace) -> int:
+    from finetune.adapters.ondisk import parse_adapter_spec, subtract_checkpoint
+
+    report = subtract_checkpoint(
+        args.model,
+        parse_adapter_spec(args.adapter),
+        args.out,
+        base=args.base,
+        negate=args.negate,
+        force=args.force,
+        allow_pickle=args.allow_pickle,
+    )
+    print(report.summary())
+    return 0
+
+
+def _swap(args: argparse.Namespace) -> int:
+    from finetune.adapters.ondisk import parse_adapter_spec, swap_checkpoint
+
+    report = swap_checkpoint(
+        args.model,
+        parse_adapter_spec(args.remove),
+        parse_adapter_spec(args.add),
+        args.out,
+        base=args.base,
+        force=args.force,
+        allow_pickle=args.allow_pickle,
+    )
+    print(report.summary())
+    return 0
+
+
+def _combine(args: argparse.Namespace) -> int:
+    from finetune.adapters.combine import combine_adapters, parse_weights
+
+    report = combine_adapters(
+        args.adapters,
+        args.out,
+        weights=parse_weights(args.weights, len(args.adapters)),
+        method=args.method,
+        rank=args.rank,
+        density=args.density,
+        seed=args.seed,
+        allow_pickle=args.allow_pickle,
+    )
+    print(report.summary())
+    return 0
+
+
+def _list(args: argparse.Namespace) -> int:
+    from finetune.adapters.store import format_table, list_store
+
+    print(format_table(list_store(args.store)))
+    return 0
+
+
+def _info(args: argparse.Namespace) -> int:
+    from finetune.adapters.store import describe, resolve_adapter_path
+
+    print(describe(resolve_adapter_path(args.adapter, args.store)))
+    return 0
