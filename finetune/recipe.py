@@ -312,15 +312,32 @@ def _section_fields(location: tuple[Any, ...]) -> list[str]:
     """The valid keys of the recipe section at `location` (used for 'did you mean')."""
     model: type[BaseModel] | None = Recipe
     for part in location:
-        if model is None or not isinstance(part, str) or part not in model.model_fields:
+        if isinstance(part, int):  # an item of a list of sections, e.g. data.train[0]
+            continue
+        if model is None or part not in model.model_fields:
             return []
-        annotation = model.model_fields[part].annotation
-        candidates = [annotation, *getattr(annotation, "__args__", ())]
-        model = next((c for c in candidates if isinstance(c, type) and issubclass(c, BaseModel)), None)
-        if model is None:  # a list of sections, e.g. data.train[0]
-            inner = [a for c in candidates for a in getattr(c, "__args__", ())]
-            model = next((c for c in inner if isinstance(c, type) and issubclass(c, BaseModel)), None)
+        model = _section_type(model.model_fields[part].annotation)
     return list(model.model_fields) if model else []
+
+
+def _section_type(annotation: Any) -> type[BaseModel] | None:
+    """The section class inside an annotation such as `X`, `X | None` or `list[X]`, if any."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for argument in getattr(annotation, "__args__", ()):
+        found = _section_type(argument)
+        if found is not None:
+            return found
+    return None
+
+
+def closest_key(key: str, valid: list[str]) -> str | None:
+    """The valid key a typo most likely meant: by spelling, else by shared prefix (`rank` -> `r`)."""
+    close = difflib.get_close_matches(key, valid, n=1)
+    if close:
+        return close[0]
+    prefixed = [v for v in valid if key.startswith(v) or v.startswith(key)]
+    return max(prefixed, key=len) if prefixed else None
 
 
 def _format_location(location: tuple[Any, ...]) -> str:
@@ -339,8 +356,8 @@ def format_validation_error(exc: ValidationError, source: str) -> str:
         if error["type"] == "extra_forbidden":
             parent, key = location[:-1], location[-1]
             valid = _section_fields(parent)
-            close = difflib.get_close_matches(str(key), valid, n=1)
-            hint = f"did you mean '{close[0]}'? " if close else ""
+            close = closest_key(str(key), valid)
+            hint = f"did you mean '{close}'? " if close else ""
             problems.append(f"{where}: unknown key; {hint}valid keys here: {', '.join(valid)}")
         elif error["type"] == "missing":
             problems.append(f"{where}: required key is missing")

@@ -26,6 +26,7 @@ def run_train(args: argparse.Namespace) -> int:
     from finetune.train import train
 
     adapter_dir, metrics = train(args.recipe, args.overrides, resume=args.resume)
+    print(f"adapter: {adapter_dir}")
     return 0
 
 

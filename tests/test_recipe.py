@@ -1,0 +1,118 @@
+"""The recipe schema: defaults, overrides, and every way a recipe can be wrong, each with a useful error."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from finetune.errors import RecipeError
+from finetune.recipe import Recipe, load_recipe, parse_override
+
+REPO = Path(__file__).resolve().parents[1]
+
+MINIMAL = "data:\n  train: data.jsonl\noutput:\n  name: demo\n"
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "recipe.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_minimal_recipe_fills_defaults(tmp_path):
+    recipe = load_recipe(write(tmp_path, MINIMAL))
+    assert recipe.model.base == "embedded:tiny-llama"
+    assert recipe.model.trust_remote_code is False
+    assert recipe.lora.target_modules == "all-linear"
+    assert recipe.data.train[0].path == "data.jsonl"
+    assert recipe.output.adapter_dir == Path("adapters/demo")
+    assert recipe.output.run_path == Path("runs/demo")
+
+
+@pytest.mark.parametrize(
+    ("override", "check"),
+    [
+        ("train.lr=1e-4", lambda r: r.train.lr == 1e-4),
+        ("lora.r=16", lambda r: r.lora.r == 16),
+        ("lora.target_modules=[q_proj,v_proj]", lambda r: r.lora.target_modules == ["q_proj", "v_proj"]),
+        ("data.packing=false", lambda r: r.data.packing is False),
+        ("train.max_grad_norm=null", lambda r: r.train.max_grad_norm is None),
+        ("output.name=other", lambda r: r.output.adapter_dir == Path("adapters/other")),
+        ("data.train=[a.jsonl,b.csv]", lambda r: [s.path for s in r.data.train] == ["a.jsonl", "b.csv"]),
+    ],
+)
+def test_overrides_apply_through_the_schema(tmp_path, override, check):
+    assert check(load_recipe(write(tmp_path, MINIMAL), [override]))
+
+
+@pytest.mark.parametrize(
+    ("text", "overrides", "expected"),
+    [
+        # unknown key: dotted path, suggestion, the valid keys at that level
+        (MINIMAL + "lora:\n  rank: 4\n", [], ["lora.rank: unknown key", "did you mean 'r'", "valid keys here: r, alpha"]),
+        (MINIMAL + "trian:\n  lr: 1\n", [], ["trian: unknown key", "did you mean 'train'"]),
+        ("data:\n  train:\n    - path: a.jsonl\n      splt: x\noutput:\n  name: d\n", [], ["data.train[0].splt", "'split'"]),
+        # wrong type and out of range, all reported at once
+        (MINIMAL + "train:\n  lr: fast\n  micro_batch_size: 0\n", [], ["2 problems", "train.lr", "train.micro_batch_size", "greater than or equal to 1"]),
+        (MINIMAL + "lora:\n  dropout: 1.5\n", [], ["lora.dropout", "less than 1"]),
+        (MINIMAL + "model:\n  dtype: float8\n", [], ["model.dtype", "'float32', 'bfloat16' or 'float16'"]),
+        ("output:\n  name: x\n", [], ["data: required key is missing"]),
+        (MINIMAL.replace("demo", "../evil"), [], ["output.name", "not a valid adapter name"]),
+        (MINIMAL + "data:\n  format: text\n", [], ["key 'data' is given twice", ":5:"]),
+        # YAML syntax error names file and line
+        (MINIMAL + "train:\n  lr: [1e-4\n", [], ["YAML syntax error", "recipe.yaml:"]),
+        ("- a\n- b\n", [], ["must be a mapping"]),
+        ("", [], ["is empty"]),
+        # overrides go through the same validation
+        (MINIMAL, ["train.lrr=1"], ["train.lrr: unknown key", "did you mean 'lr'"]),
+        (MINIMAL, ["train.lr"], ["not key=value"]),
+        (MINIMAL, ["=3"], ["not key=value"]),
+        (MINIMAL + "train:\n  lr: 0.1\n", ["train.lr.x=3"], ["train.lr is a value, not a section"]),
+        (MINIMAL, ["train.lr.x=3"], ["train.lr: Input should be a valid number"]),
+        (MINIMAL, ["lora.r=-1"], ["lora.r", "greater than or equal to 1"]),
+        (MINIMAL, ["data.prompt_template=no placeholder"], ["must contain '{prompt}'"]),
+    ],
+)
+def test_bad_recipes_fail_with_one_line_that_says_where(tmp_path, text, overrides, expected):
+    with pytest.raises(RecipeError) as info:
+        load_recipe(write(tmp_path, text), overrides)
+    message = str(info.value)
+    assert "\n" not in message
+    for fragment in expected:
+        assert fragment in message, message
+
+
+def test_missing_and_unreadable_recipes(tmp_path):
+    with pytest.raises(RecipeError, match="does not exist"):
+        load_recipe(tmp_path / "nope.yaml")
+    with pytest.raises(RecipeError, match="is a directory"):
+        load_recipe(tmp_path)
+    binary = tmp_path / "bin.yaml"
+    binary.write_bytes(b"\xff\xfe\x00garbage")
+    with pytest.raises(RecipeError, match="cannot be read"):
+        load_recipe(binary)
+
+
+def test_override_values_parse_as_yaml():
+    assert parse_override("a.b=3") == (["a", "b"], 3)
+    assert parse_override("a=true") == (["a"], True)
+    assert parse_override("a=x=y") == (["a"], "x=y")
+    assert parse_override("a=") == (["a"], "")
+
+
+def test_recipe_object_with_overrides_is_copied(tmp_path):
+    recipe = load_recipe(write(tmp_path, MINIMAL))
+    changed = load_recipe(recipe, ["lora.r=32"])
+    assert changed.lora.r == 32 and recipe.lora.r == 8
+
+
+def _all_recipe_files() -> list[Path]:
+    return sorted((REPO / "recipes").rglob("*.yaml")) + sorted((REPO / "recipes").rglob("*.yml"))
+
+
+def test_every_shipped_recipe_validates():
+    files = _all_recipe_files()
+    assert files, "recipes/ holds no YAML"
+    for path in files:  # rglob: subfolders too
+        assert isinstance(load_recipe(path), Recipe)
