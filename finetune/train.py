@@ -152,6 +152,28 @@ def _forward_loss(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, 
     return token_loss_sum(logits, batch["labels"])
 
 
+def accumulate_gradients(model, micro_batches: list[dict[str, torch.Tensor]], accelerator) -> float:
+    """Backward every micro-batch of one optimizer step; return the step's mean token loss.
+
+    Each micro-batch's summed token loss is divided by the label tokens of the whole step, summed over
+    processes, and multiplied by the process count (DDP averages gradients over processes): the
+    gradients are those of one batch holding every token, however the tokens were split up.
+    """
+    local_tokens = sum(int((b["labels"][:, 1:] != -100).sum()) for b in micro_batches)
+    global_tokens = int(accelerator.reduce(torch.tensor(local_tokens, device=accelerator.device), reduction="sum"))
+    loss_sum = 0.0
+    for index, batch in enumerate(micro_batches):
+        is_last = index == len(micro_batches) - 1
+        sync = nullcontext() if is_last else accelerator.no_sync(model)
+        with sync:  # the backward too: DDP all-reduces gradients during it, on the last micro-batch only
+            with accelerator.autocast():
+                batch_loss_sum, _ = _forward_loss(model, _to_device(batch, accelerator.device))
+            accelerator.backward(batch_loss_sum * accelerator.num_processes / max(global_tokens, 1))
+        loss_sum += batch_loss_sum.item()
+    total = accelerator.reduce(torch.tensor(loss_sum, dtype=torch.float64, device=accelerator.device), reduction="sum")
+    return float(total) / max(global_tokens, 1)
+
+
 @torch.no_grad()
 def evaluate(model, rows, *, collate, micro_batch_size: int, accelerator, max_batches: int | None = None) -> dict[str, float]:
     """Mean token loss and perplexity over `rows`, each process taking a strided share."""
@@ -326,17 +348,7 @@ def train(
         micro_batches = [
             collate([data.train[i] for i in stream.indices(position + k)]) for k in range(recipe.train.grad_accum_steps)
         ]
-        local_tokens = sum(int((b["labels"][:, 1:] != -100).sum()) for b in micro_batches)
-        global_tokens = int(accelerator.reduce(torch.tensor(local_tokens, device=accelerator.device), reduction="sum"))
-        loss_sum_total = 0.0
-        for index, batch in enumerate(micro_batches):
-            is_last = index == len(micro_batches) - 1
-            sync = nullcontext() if is_last else accelerator.no_sync(model_for_step)
-            with sync, accelerator.autocast():
-                batch_loss_sum, _ = _forward_loss(model_for_step, _to_device(batch, accelerator.device))
-                loss = batch_loss_sum * accelerator.num_processes / max(global_tokens, 1)
-            accelerator.backward(loss)
-            loss_sum_total += batch_loss_sum.item()
+        mean_loss = accumulate_gradients(model_for_step, micro_batches, accelerator)
         grad_norm = None
         if recipe.train.max_grad_norm is not None:
             grad_norm = accelerator.clip_grad_norm_(trainable_parameters, recipe.train.max_grad_norm)
@@ -346,8 +358,6 @@ def train(
         step += 1
         position += recipe.train.grad_accum_steps
         tokens_seen += sum(int(b["input_ids"].numel()) for b in micro_batches) * accelerator.num_processes
-
-        mean_loss = float(accelerator.reduce(torch.tensor(loss_sum_total, device=accelerator.device), "sum")) / max(global_tokens, 1)
         bar.update(1)
         bar.set_postfix(loss=f"{mean_loss:.4f}", refresh=False)
         if step % recipe.train.log_every_steps == 0 or step == plan.total_steps:

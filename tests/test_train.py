@@ -1,0 +1,206 @@
+"""The training loop: exact gradient accumulation, exact resume, and adapters plain peft can load."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from finetune.errors import CheckpointError, FinetuneError, ModelError, RecipeError
+from finetune.recipe import LoraConfig
+from finetune.train import accumulate_gradients, train
+
+
+def _instruction_records(count: int) -> list[dict]:
+    colours = ["red", "green", "blue", "amber", "violet", "teal", "ochre"]
+    records = []
+    for i in range(count):
+        colour = colours[i % len(colours)]
+        records.append({
+            "instruction": f"What colour is crate {i}?",
+            "input": "" if i % 3 else f"warehouse {i % 5}",
+            "output": f"Crate {i} is {colour}, shelf {i % 4}.",
+        })
+    return records
+
+
+@pytest.fixture()
+def workdir(tmp_path, monkeypatch, tiny_base_dir):
+    """A working directory holding train/valid data and a recipe on the tiny base; cwd is set to it."""
+    monkeypatch.chdir(tmp_path)
+    records = _instruction_records(48)
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records[:40]))
+    (tmp_path / "valid.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records[40:]))
+    (tmp_path / "recipe.yaml").write_text(
+        f"""
+model:
+  base: {tiny_base_dir}
+lora:
+  r: 4
+  alpha: 8
+  dropout: 0.1
+data:
+  train: train.jsonl
+  validation: valid.jsonl
+  format: instruction
+  max_seq_len: 64
+train:
+  max_steps: 6
+  micro_batch_size: 4
+  grad_accum_steps: 2
+  lr: 0.005
+  warmup_steps: 1
+  log_every_steps: 2
+output:
+  name: crates
+"""
+    )
+    return tmp_path
+
+
+def _lora_model(base_dir: Path):
+    from transformers import AutoModelForCausalLM
+
+    from finetune.model import wrap_with_lora
+
+    model = AutoModelForCausalLM.from_pretrained(base_dir)
+    torch.manual_seed(0)  # the same LoRA initialisation every time
+    peft_model = wrap_with_lora(model, LoraConfig(r=4, alpha=8, dropout=0.0, init="gaussian"))
+    return peft_model.train()
+
+
+def test_uneven_micro_batches_accumulate_to_the_one_batch_gradient(tiny_base_dir):
+    """Two micro-batches of 7 and 13 tokens give the gradients of one padded batch holding both."""
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(cpu=True)
+    generator = torch.Generator().manual_seed(0)
+    lengths = (7, 13)
+    rows = [torch.randint(10, 200, (n,), generator=generator) for n in lengths]
+    labels = [r.clone() for r in rows]
+    labels[0][:3] = -100  # some positions carry no loss, as with prompts
+
+    def single(i):
+        return {"input_ids": rows[i][None], "labels": labels[i][None], "attention_mask": torch.ones(1, lengths[i], dtype=torch.long)}
+
+    width = max(lengths)
+    padded = {
+        "input_ids": torch.stack([torch.nn.functional.pad(r, (0, width - len(r)), value=2) for r in rows]),
+        "labels": torch.stack([torch.nn.functional.pad(r, (0, width - len(r)), value=-100) for r in labels]),
+        "attention_mask": torch.stack([(torch.arange(width) < n).long() for n in lengths]),
+    }
+
+    gradients = []
+    losses = []
+    for micro_batches in ([single(0), single(1)], [padded]):
+        model = _lora_model(tiny_base_dir)
+        losses.append(accumulate_gradients(model, micro_batches, accelerator))
+        gradients.append({n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad})
+    assert losses[0] == pytest.approx(losses[1], abs=1e-6)
+    for name, grad in gradients[0].items():
+        torch.testing.assert_close(grad, gradients[1][name], atol=1e-6, rtol=0)
+    assert any(g.abs().max() > 1e-4 for g in gradients[0].values())  # the comparison is not vacuous
+
+
+def test_train_writes_a_complete_adapter_that_plain_peft_loads(workdir):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    adapter_dir, metrics = train("recipe.yaml")
+    assert adapter_dir == Path("adapters/crates")
+    files = sorted(p.name for p in adapter_dir.iterdir())
+    assert files == ["adapter_config.json", "adapter_model.safetensors", "manifest.json", "recipe.yaml"]
+    assert not [p for p in Path("adapters").iterdir() if p.name.startswith(".")]  # no temp leftovers
+
+    manifest = json.loads((adapter_dir / "manifest.json").read_text())
+    assert manifest["base"]["fingerprint"].startswith("sha256:")
+    assert manifest["recipe"]["lora"]["r"] == 4
+    assert manifest["data"]["fingerprint"]
+    assert manifest["metrics"]["step"] == 6
+    assert set(manifest["versions"]) >= {"torch", "transformers", "peft", "accelerate", "finetune"}
+
+    # Plain peft, from nothing but the adapter directory, reproduces the eval loss training reported.
+    config = json.loads((adapter_dir / "adapter_config.json").read_text())
+    base = AutoModelForCausalLM.from_pretrained(config["base_model_name_or_path"])
+    model = PeftModel.from_pretrained(base, adapter_dir).eval()
+    from finetune.data import build_datasets, collate_batch
+    from finetune.loss import token_loss_sum
+    from finetune.recipe import load_recipe
+    from transformers import AutoTokenizer
+
+    recipe = load_recipe("recipe.yaml")
+    tokenizer = AutoTokenizer.from_pretrained(config["base_model_name_or_path"])
+    data = build_datasets(recipe.data, tokenizer, seed=0, log=lambda m: None)
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for start in range(0, len(data.validation), 4):
+            batch = collate_batch([data.validation[i] for i in range(start, min(start + 4, len(data.validation)))],
+                                  pad_token_id=tokenizer.pad_token_id, packing=True)
+            labels = batch.pop("labels")
+            loss_sum, n = token_loss_sum(model(**batch, use_cache=False).logits, labels)
+            total, count = total + loss_sum.item(), count + int(n)
+    assert total / count == pytest.approx(metrics["eval_loss"], abs=1e-5)
+    assert metrics["eval_loss"] < metrics["base_eval_loss"]
+
+    run_dir = Path("runs/crates")
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in lines if "loss" in m] == [2, 4, 6]
+    assert any("eval_loss" in m for m in lines)
+    assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
+
+
+def test_resume_ends_with_the_same_adapter_bit_for_bit(workdir):
+    overrides = ["train.save_every_steps=3", "train.keep_checkpoints=5"]
+    uninterrupted, _ = train("recipe.yaml", overrides)
+    # Start a second run whose only history is the step-3 checkpoint of the first: as if killed after it.
+    shutil.copytree("runs/crates/checkpoint-000003", "runs/resumed/checkpoint-000003")
+    resumed, metrics = train("recipe.yaml", [*overrides, "output.name=resumed"], resume=True)
+    assert metrics["step"] == 6
+    expected = load_file(uninterrupted / "adapter_model.safetensors")
+    actual = load_file(resumed / "adapter_model.safetensors")
+    assert expected.keys() == actual.keys()
+    for name in expected:
+        assert torch.equal(expected[name], actual[name]), name
+
+
+def test_resume_refuses_a_checkpoint_of_another_recipe(workdir):
+    train("recipe.yaml", ["train.max_steps=2", "train.save_every_steps=1"])
+    with pytest.raises(CheckpointError, match="different recipe"):
+        train("recipe.yaml", ["train.max_steps=4", "lora.r=8"], resume=True)
+
+
+def test_resume_without_a_checkpoint_is_an_error(workdir):
+    with pytest.raises(CheckpointError, match="no checkpoint"):
+        train("recipe.yaml", resume=True)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "error", "fragments"),
+    [
+        (["lora.target_modules=[qkv_proj]"], ModelError, ["qkv_proj", "q_proj", "all-linear"]),
+        (["model.base=./no-such-model"], ModelError, ["no such directory"]),
+        (["model.base=."], ModelError, ["not a model directory"]),
+        (["data.train=missing.jsonl"], FinetuneError, ["missing.jsonl"]),
+    ],
+)
+def test_bad_input_fails_before_writing_anything(workdir, overrides, error, fragments):
+    with pytest.raises(error) as info:
+        train("recipe.yaml", overrides)
+    for fragment in fragments:
+        assert fragment in str(info.value)
+    assert not Path("adapters").exists() or not any(Path("adapters").iterdir())
+
+
+def test_existing_adapter_is_not_overwritten_unless_asked(workdir):
+    Path("adapters/crates").mkdir(parents=True)
+    (Path("adapters/crates") / "keep.txt").write_text("mine")
+    with pytest.raises(RecipeError, match="already exists"):
+        train("recipe.yaml")
+    assert (Path("adapters/crates") / "keep.txt").read_text() == "mine"
+    train("recipe.yaml", ["output.overwrite=true", "train.max_steps=1"])
+    assert (Path("adapters/crates") / "adapter_model.safetensors").exists()
+    assert not (Path("adapters/crates") / "keep.txt").exists()
