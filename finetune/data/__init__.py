@@ -1,0 +1,18 @@
+"""The data pipeline: recipe data sources → tokenized, labelled, packed rows → micro-batches.
+
+One job per module: `sources` (files and saved datasets → records), `formats` (record → token ids and
+labels), `packing` (documents → rows with restarting position ids), `cache` (fingerprint and on-disk
+cache), `pipeline` (the steps in order), `collate` (rows → tensors).
+
+Example:
+    bundle = build_datasets(recipe.data, tokenizer, seed=recipe.train.seed, log=print)
+    batch = collate_batch([bundle.train[0], bundle.train[1]], pad_token_id=tokenizer.pad_token_id,
+                          packing=recipe.data.packing)
+    logits = model(**{k: v for k, v in batch.items() if k != "labels"}, use_cache=False).logits
+"""
+
+from finetune.data.cache import data_fingerprint
+from finetune.data.collate import collate_batch
+from finetune.data.pipeline import DataBundle, build_datasets
+
+__all__ = ["DataBundle", "build_datasets", "collate_batch", "data_fingerprint"]

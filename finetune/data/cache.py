@@ -1,0 +1,162 @@
+"""The data fingerprint, and an on-disk cache of tokenized rows keyed by it.
+
+Why an explicit cache rather than `datasets`' own `.map` cache: `.map` caches only datasets that are
+already backed by Arrow files, keys them by hashing the mapped function (a closure over a tokenizer hashes
+slowly and, when it cannot, silently falls back to a random key), and still re-reads and re-parses the
+sources on every run. Here the key is computed from what decides the result and nothing else:
+
+- the bytes of every source (in order; with split and max_records), not their paths, so moving data
+  keeps the cache;
+- the data config fields the chosen format reads (e.g. `text_field` only for `text`), max_seq_len,
+  overlength, packing, and the validation split with its seed only when a split is taken;
+- the tokenizer's identity: its full serialisation (vocabulary, merges, normalisers), special tokens and
+  chat template;
+- `PIPELINE_VERSION`, bumped whenever this package changes what it produces.
+
+A hit loads the rows memory-mapped with `load_from_disk` and tokenizes nothing. A miss builds the rows,
+writes them to a temporary directory beside the cache entry and renames it into place, so a crash never
+leaves a half-written entry and two processes racing to write the same entry both end up reading one
+complete copy. The cache lives in `$HF_DATASETS_CACHE/finetune` (next to `datasets`' own cache, moved
+by the same variables) unless a directory is passed in.
+
+Example:
+    fingerprint = data_fingerprint(config, tokenizer, seed=0)   # "sha256:3f1c..."
+    entry = load_cached(cache_root, fingerprint)                  # None on a miss
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import datasets
+from transformers import PreTrainedTokenizerBase
+
+from finetune.data.sources import source_content_hash
+from finetune.recipe import DataConfig
+
+PIPELINE_VERSION = 1
+"""Bump when the rows this package produces change for the same inputs; old cache entries are then unused."""
+
+_FORMAT_FIELDS = {
+    "text": ("text_field",),
+    "instruction": ("prompt_field", "input_field", "response_field", "prompt_template",
+                    "prompt_with_input_template", "completion_only_loss"),
+    "chat": ("messages_field", "chat_template", "completion_only_loss"),
+}
+_ROW_FIELDS = ("format", "max_seq_len", "overlength", "packing")
+
+
+def default_cache_root() -> Path:
+    """`$HF_DATASETS_CACHE/finetune`: beside `datasets`' cache, so its environment variables move both."""
+    return Path(datasets.config.HF_DATASETS_CACHE) / "finetune"
+
+
+def tokenizer_identity(tokenizer: PreTrainedTokenizerBase) -> str:
+    """SHA-256 of what decides how the tokenizer encodes: its full serialisation and special tokens."""
+    digest = hashlib.sha256(type(tokenizer).__name__.encode())
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        digest.update(backend.to_str().encode())
+    else:  # a slow tokenizer: its vocabulary stands in for the model file
+        digest.update(json.dumps(sorted(tokenizer.get_vocab().items())).encode())
+    special = {
+        "bos": tokenizer.bos_token_id,
+        "eos": tokenizer.eos_token_id,
+        "pad": tokenizer.pad_token_id,
+        "chat_template": tokenizer.chat_template,
+    }
+    digest.update(json.dumps(special, sort_keys=True, default=str).encode())
+    return digest.hexdigest()
+
+
+def fingerprint_inputs(config: DataConfig, tokenizer: PreTrainedTokenizerBase, seed: int) -> dict[str, Any]:
+    """Everything the rows depend on, as a JSON-able mapping (hashed by `data_fingerprint`)."""
+    fields = {name: getattr(config, name) for name in (*_ROW_FIELDS, *_FORMAT_FIELDS[config.format])}
+    if not config.validation and config.validation_split > 0:
+        fields["validation_split"] = config.validation_split
+        fields["seed"] = seed
+
+    def describe(sources):
+        return [{"sha256": source_content_hash(s), "split": s.split, "max_records": s.max_records} for s in sources]
+
+    return {
+        "pipeline_version": PIPELINE_VERSION,
+        "config": fields,
+        "train": describe(config.train),
+        "validation": describe(config.validation),
+        "tokenizer": tokenizer_identity(tokenizer),
+    }
+
+
+def fingerprint_of(inputs: dict[str, Any]) -> str:
+    """`sha256:<hex>` of `fingerprint_inputs(...)`: the data fingerprint."""
+    return "sha256:" + hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()
+
+
+def data_fingerprint(config: DataConfig, tokenizer: PreTrainedTokenizerBase, seed: int) -> str:
+    """`sha256:<hex>` over the source bytes, the config fields that matter and the tokenizer identity."""
+    return fingerprint_of(fingerprint_inputs(config, tokenizer, seed))
+
+
+@dataclass(frozen=True)
+class CacheEntry:
+    """Rows and stats of one fingerprint, as stored on disk."""
+
+    train: datasets.Dataset
+    validation: datasets.Dataset | None
+    stats: dict[str, Any]
+    path: Path
+
+
+def _entry_dir(cache_root: Path, fingerprint: str) -> Path:
+    return cache_root / fingerprint.removeprefix("sha256:")
+
+
+def load_cached(cache_root: Path, fingerprint: str) -> CacheEntry | None:
+    """The entry for `fingerprint`, memory-mapped, or None when there is none (or it is damaged)."""
+    path = _entry_dir(cache_root, fingerprint)
+    meta_path = path / "meta.json"
+    if not meta_path.is_file():
+        return None
+    try:
+        meta = json.loads(meta_path.read_text(encoding="utf-8"))
+        train = datasets.load_from_disk(str(path / "train"))
+        validation = datasets.load_from_disk(str(path / "validation")) if meta["has_validation"] else None
+    except (OSError, ValueError, KeyError):
+        return None  # damaged by hand: rebuilt and replaced by the caller
+    return CacheEntry(train, validation, meta["stats"], path)
+
+
+def store(cache_root: Path, fingerprint: str, train: datasets.Dataset, validation: datasets.Dataset | None,
+          stats: dict[str, Any], inputs: dict[str, Any]) -> Path:
+    """Write an entry atomically (temporary directory, then rename) and return its path."""
+    path = _entry_dir(cache_root, fingerprint)
+    cache_root.mkdir(parents=True, exist_ok=True)
+    staging = cache_root / f".tmp-{path.name[:16]}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    try:
+        train.save_to_disk(str(staging / "train"))
+        if validation is not None:
+            validation.save_to_disk(str(staging / "validation"))
+        meta = {"fingerprint": fingerprint, "has_validation": validation is not None, "stats": stats, "inputs": inputs}
+        (staging / "meta.json").write_text(json.dumps(meta, indent=2, sort_keys=True), encoding="utf-8")
+        if path.exists():
+            if load_cached(cache_root, fingerprint) is not None:
+                return path  # another process wrote the same entry first: keep theirs, it may be in use
+            damaged = cache_root / f".damaged-{uuid.uuid4().hex[:8]}"
+            os.rename(path, damaged)
+            shutil.rmtree(damaged, ignore_errors=True)
+        try:
+            os.rename(staging, path)
+        except OSError:
+            if load_cached(cache_root, fingerprint) is None:
+                raise  # not a lost race: a real failure to write the cache
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return path

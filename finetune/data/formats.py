@@ -1,0 +1,251 @@
+"""Record formats: one raw record → one document of token ids and labels (-100 where no loss).
+
+Labels are aligned with `input_ids` (the shift happens in `finetune.loss`). Every document's first
+label is -100: nothing precedes it, and in a packed row it must not be predicted from the previous
+document. EOS always ends a document as a trained label, so the tuned model learns to stop.
+
+- `text`: BOS (when the tokenizer has one) + text + EOS; loss on every token but the first.
+- `instruction`: BOS + rendered prompt, then response + EOS. The two parts are tokenized separately, as
+  they are at inference (the prompt is encoded, the model writes the rest), so no BPE merge crosses the
+  boundary. With `completion_only_loss` the loss is on response + EOS only.
+- `chat`: the messages rendered by the chat template (`data.chat_template`, else the tokenizer's), which
+  owns BOS and the turn delimiters. With `completion_only_loss` the loss is on the assistant turns only:
+  from `return_assistant_tokens_mask` when the template marks them with `{% generation %}`, otherwise by
+  rendering each assistant turn's prefix and taking the characters the turn adds, up to and including
+  its last EOS (the template must render conversations incrementally: each prefix a prefix of the whole).
+
+A record with nothing to train on (empty text, a chat without assistant turns under completion-only
+loss) encodes to None and is dropped by the caller, who counts it.
+
+Example:
+    docs = encode_records([{"text": "hello"}], config, tokenizer, locate=lambda i: f"record {i + 1}")
+    docs[0].input_ids  # [bos, ..., eos]
+    docs[0].labels     # [-100, ..., eos]
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from transformers import PreTrainedTokenizerBase
+
+from finetune.errors import DataError
+from finetune.loss import IGNORE_INDEX
+from finetune.recipe import DataConfig
+
+_GENERATION_MARKER = re.compile(r"\{%-?\s*generation\s*-?%\}")
+_PLACEHOLDER = re.compile(r"\{(prompt|input)\}")
+_SENTINEL = "\u2063ft-assistant-turn\u2063"  # invisible separator: never in real data, survives `| trim`
+
+
+@dataclass(frozen=True)
+class Document:
+    """One record as tokens. `labels[i]` is the target at position i, or -100 for no loss."""
+
+    input_ids: list[int]
+    labels: list[int]
+
+
+Locate = Callable[[int], str]
+"""Names record i (0-based, within the batch's source) for an error message, e.g. `a.jsonl line 3 (record 3)`."""
+
+
+def encode_records(
+    records: list[dict[str, Any]], config: DataConfig, tokenizer: PreTrainedTokenizerBase, locate: Locate
+) -> list[Document | None]:
+    """Encode a batch of records of one source; None where a record has nothing to train on.
+
+    Args:
+        records: raw records; `locate(i)` names records[i] in errors.
+        config: the format and its field names, templates and loss choice.
+        tokenizer: supplies ids, BOS/EOS and the chat template.
+
+    Raises:
+        DataError: a record lacks a field its format needs, or a field has the wrong type.
+    """
+    if tokenizer.eos_token_id is None:
+        raise DataError("the tokenizer has no EOS token, so documents cannot end with a trained stop token; "
+                        "use a tokenizer that defines eos_token")
+    encoder = {"text": _encode_text, "instruction": _encode_instruction, "chat": _encode_chat}[config.format]
+    return encoder(records, config, tokenizer, locate)
+
+
+def _bos(tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    return [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+
+
+def _string_field(record: dict[str, Any], name: str, config_key: str, where: str, required: bool = True) -> str | None:
+    """The string value of `record[name]`; a missing or null optional field is None."""
+    value = record.get(name)
+    if value is None:
+        if not required:
+            return None
+        if name not in record:
+            have = ", ".join(repr(key) for key in record) or "none"
+            raise DataError(f"{where}: no field {name!r} (fields it has: {have}); set data.{config_key} "
+                            f"to the field that holds it, or fix the record")
+        raise DataError(f"{where}: field {name!r} is null; give it a string or remove the record")
+    if not isinstance(value, str):
+        raise DataError(f"{where}: field {name!r} must be a string, got {type(value).__name__} "
+                        f"{_preview(value)}; fix the record or set data.{config_key}")
+    return value
+
+
+def _preview(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _tokenize(tokenizer: PreTrainedTokenizerBase, texts: list[str]) -> list[list[int]]:
+    """Token ids of each text, without special tokens (the formats add BOS/EOS themselves)."""
+    if not texts:
+        return []
+    return tokenizer(texts, add_special_tokens=False)["input_ids"]
+
+
+def _encode_text(records, config, tokenizer, locate) -> list[Document | None]:
+    texts = [_string_field(r, config.text_field, "text_field", locate(i)) for i, r in enumerate(records)]
+    keep = [i for i, text in enumerate(texts) if text.strip()]
+    token_ids = _tokenize(tokenizer, [texts[i] for i in keep])
+    documents: list[Document | None] = [None] * len(records)
+    for i, ids in zip(keep, token_ids):
+        input_ids = _bos(tokenizer) + ids + [tokenizer.eos_token_id]
+        documents[i] = Document(input_ids, [IGNORE_INDEX] + input_ids[1:])
+    return documents
+
+
+def render_prompt(template: str, prompt: str, input_text: str | None = None) -> str:
+    """Fill `{prompt}` and `{input}` in one pass: braces elsewhere stay, and values are never re-expanded."""
+    values = {"prompt": prompt, "input": input_text or ""}
+    return _PLACEHOLDER.sub(lambda match: values[match.group(1)], template)
+
+
+def _encode_instruction(records, config, tokenizer, locate) -> list[Document | None]:
+    prompts, responses = [], []
+    for i, record in enumerate(records):
+        where = locate(i)
+        prompt = _string_field(record, config.prompt_field, "prompt_field", where)
+        response = _string_field(record, config.response_field, "response_field", where)
+        extra = _string_field(record, config.input_field, "input_field", where, required=False) if config.input_field else None
+        if extra and extra.strip():
+            prompts.append(render_prompt(config.prompt_with_input_template, prompt, extra))
+        else:
+            prompts.append(render_prompt(config.prompt_template, prompt))
+        responses.append(response)
+    documents: list[Document | None] = []
+    for prompt_ids, response_ids in zip(_tokenize(tokenizer, prompts), _tokenize(tokenizer, responses)):
+        prompt_ids = _bos(tokenizer) + prompt_ids
+        response_ids = response_ids + [tokenizer.eos_token_id]
+        input_ids = prompt_ids + response_ids
+        if config.completion_only_loss:
+            labels = [IGNORE_INDEX] * len(prompt_ids) + response_ids
+        else:
+            labels = list(input_ids)
+        labels[0] = IGNORE_INDEX
+        documents.append(Document(input_ids, labels))
+    return documents
+
+
+def _encode_chat(records, config, tokenizer, locate) -> list[Document | None]:
+    template = chat_template_of(config, tokenizer)
+    marked = bool(_GENERATION_MARKER.search(template))
+    documents: list[Document | None] = []
+    for i, record in enumerate(records):
+        where = locate(i)
+        messages = _messages_field(record, config.messages_field, where)
+        if marked:
+            input_ids, trained = _render_with_mask(messages, template, tokenizer, where)
+        else:
+            input_ids, trained = _render_by_prefixes(messages, template, tokenizer, where)
+        if config.completion_only_loss:
+            labels = [token if keep else IGNORE_INDEX for token, keep in zip(input_ids, trained)]
+        else:
+            labels = list(input_ids)
+        if not input_ids:
+            documents.append(None)
+            continue
+        labels[0] = IGNORE_INDEX
+        documents.append(Document(input_ids, labels) if any(x != IGNORE_INDEX for x in labels) else None)
+    return documents
+
+
+def chat_template_of(config: DataConfig, tokenizer: PreTrainedTokenizerBase) -> str:
+    """The Jinja template chat records are rendered with: `data.chat_template`, else the tokenizer's."""
+    if config.chat_template is not None:
+        return config.chat_template
+    try:
+        return tokenizer.get_chat_template()
+    except ValueError:
+        raise DataError("data.format is chat but the tokenizer has no chat template; set data.chat_template "
+                        "to a Jinja template (with {% generation %} around assistant turns)") from None
+
+
+def _messages_field(record: dict[str, Any], name: str, where: str) -> list[dict[str, Any]]:
+    messages = record.get(name)
+    if messages is None:
+        _string_field(record, name, "messages_field", where)  # raises the missing/null error
+    if not isinstance(messages, list) or not messages:
+        kind = "an empty list" if isinstance(messages, list) else f"{type(messages).__name__} {_preview(messages)}"
+        raise DataError(f"{where}: field {name!r} must be a non-empty list of {{role, content}} messages, got "
+                        f"{kind}; fix the record or set data.messages_field")
+    for number, message in enumerate(messages, start=1):
+        if not isinstance(message, dict):
+            raise DataError(f"{where}: {name}[{number - 1}] must be an object with 'role' and 'content', got "
+                            f"{type(message).__name__} {_preview(message)}; fix the record")
+        for key in ("role", "content"):
+            if not isinstance(message.get(key), str):
+                got = "missing" if key not in message else f"{type(message[key]).__name__}"
+                raise DataError(f"{where}: {name}[{number - 1}].{key} must be a string, got {got}; "
+                                f"each message needs a string 'role' and 'content'")
+    return messages
+
+
+def _apply_template(tokenizer, messages, template: str, where: str, **kwargs):
+    from jinja2 import TemplateError
+
+    try:
+        return tokenizer.apply_chat_template(messages, chat_template=template, **kwargs)
+    except TemplateError as exc:
+        raise DataError(f"{where}: the chat template cannot render this conversation ({exc}); fix the "
+                        f"messages or data.chat_template") from None
+
+
+def _render_with_mask(messages, template, tokenizer, where) -> tuple[list[int], list[bool]]:
+    out = _apply_template(tokenizer, messages, template, where, tokenize=True, return_dict=True,
+                          return_assistant_tokens_mask=True)
+    return list(out["input_ids"]), [bool(flag) for flag in out["assistant_masks"]]
+
+
+def _render_by_prefixes(messages, template, tokenizer, where) -> tuple[list[int], list[bool]]:
+    """Assistant-token flags for a template without `{% generation %}`: find each turn's characters.
+
+    A turn starts where its content would (found by rendering a sentinel in its place) and ends where
+    the conversation up to and including it ends, cut after the turn's last EOS so that separators the
+    template writes between turns stay unlabelled.
+    """
+    render = lambda conversation: _apply_template(tokenizer, conversation, template, where, tokenize=False)  # noqa: E731
+    full = render(messages)
+    spans = []
+    for index, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        with_sentinel = render([*messages[:index], {**message, "content": _SENTINEL}])
+        start = with_sentinel.find(_SENTINEL)
+        through_turn = render(messages[: index + 1])
+        if start < 0 or not full.startswith(through_turn) or through_turn[:start] != with_sentinel[:start]:
+            raise DataError(f"{where}: the chat template does not render conversations incrementally, so "
+                            f"assistant turns cannot be located; add {{% generation %}}...{{% endgeneration %}} "
+                            f"around assistant content in data.chat_template, or set data.completion_only_loss=false")
+        end = len(through_turn)
+        if tokenizer.eos_token and (eos_at := full.rfind(tokenizer.eos_token, start, end)) >= 0:
+            end = eos_at + len(tokenizer.eos_token)
+        spans.append((start, end))
+    if not getattr(tokenizer, "is_fast", False):
+        raise DataError("chat records with a template without {% generation %} markers need a fast tokenizer "
+                        "(character offsets); add the markers to data.chat_template")
+    encoded = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
+    flags = [any(first < end and last > start for start, end in spans) for first, last in encoded["offset_mapping"]]
+    return list(encoded["input_ids"]), flags
