@@ -14,6 +14,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     train.add_argument("recipe", help="YAML recipe, e.g. recipes/quickstart.yaml")
     train.add_argument("overrides", nargs="*", metavar="key=value", help="recipe overrides, e.g. train.lr=1e-4")
     train.add_argument("--resume", action="store_true", help="continue from the newest checkpoint of the run")
+    scale = train.add_argument_group("several processes (handed to accelerate launch)")
+    scale.add_argument("--nproc", type=int, default=1, help="processes per node (GPUs, or CPU ranks over gloo)")
+    scale.add_argument("--nnodes", type=int, default=1, help="number of nodes")
+    scale.add_argument("--node-rank", type=int, default=0, help="this node's rank, 0 .. nnodes-1")
+    scale.add_argument("--main-address", help="address of the rank-0 node (multi-node)")
+    scale.add_argument("--main-port", type=int, help="port of the rank-0 node (default: a free one)")
     train.set_defaults(handler=run_train)
 
     validate = subparsers.add_parser("validate", help="check a recipe (and overrides) without running it")
@@ -23,6 +29,22 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run_train(args: argparse.Namespace) -> int:
+    from finetune.launch import already_launched, launch_command, run_launched
+
+    if (args.nproc > 1 or args.nnodes > 1) and not already_launched():
+        import torch
+
+        from finetune.recipe import load_recipe
+
+        load_recipe(args.recipe, args.overrides)  # a bad recipe fails here, once, not on every rank
+        use_cpu = not torch.cuda.is_available()
+        train_args = [args.recipe, *args.overrides, *(["--resume"] if args.resume else [])]
+        command = launch_command(
+            train_args, nproc=args.nproc, nnodes=args.nnodes, node_rank=args.node_rank,
+            main_address=args.main_address, main_port=args.main_port, use_cpu=use_cpu,
+        )
+        return run_launched(command, use_cpu=use_cpu)
+
     from finetune.train import train
 
     adapter_dir, metrics = train(args.recipe, args.overrides, resume=args.resume)

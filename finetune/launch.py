@@ -1,0 +1,64 @@
+"""Hand a `finetune train` run to accelerate's launcher for several processes or nodes.
+
+No home-made process management: `finetune train RECIPE --nproc N` re-runs the same command under
+`accelerate launch`, which starts N processes (DDP on GPUs; gloo on CPUs) and sets the rank variables
+the training loop's `Accelerator` reads. On a machine without CUDA, `ACCELERATE_USE_CPU=true` plus
+`--multi_gpu` is what gives N synchronised CPU ranks (`--cpu --num_processes N` starts one process).
+
+Example:
+    finetune train recipes/quickstart.yaml --nproc 2          # two ranks on this machine
+    finetune train r.yaml --nproc 8 --nnodes 2 --node-rank 0 --main-address 10.0.0.1
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from collections.abc import Sequence
+
+
+def already_launched() -> bool:
+    """True inside a process started by a distributed launcher (accelerate, torchrun)."""
+    return "LOCAL_RANK" in os.environ or "RANK" in os.environ
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def launch_command(
+    train_args: Sequence[str],
+    *,
+    nproc: int,
+    nnodes: int = 1,
+    node_rank: int = 0,
+    main_address: str | None = None,
+    main_port: int | None = None,
+    use_cpu: bool,
+) -> list[str]:
+    """The `accelerate launch` command line that runs `finetune train <train_args>` on every rank."""
+    threads_per_process = max(1, (os.cpu_count() or 1) // nproc) if use_cpu else 1
+    command = [
+        sys.executable, "-m", "accelerate.commands.launch",
+        "--multi_gpu",
+        "--num_processes", str(nproc * nnodes),
+        "--num_machines", str(nnodes),
+        "--machine_rank", str(node_rank),
+        "--main_process_port", str(main_port or _free_port()),
+        "--num_cpu_threads_per_process", str(threads_per_process),
+    ]
+    if main_address:
+        command += ["--main_process_ip", main_address]
+    return [*command, "-m", "finetune", "train", *train_args]
+
+
+def run_launched(command: list[str], *, use_cpu: bool) -> int:
+    """Run the launcher in the foreground and return its exit code."""
+    env = dict(os.environ)
+    if use_cpu:
+        env["ACCELERATE_USE_CPU"] = "true"
+    return subprocess.call(command, env=env)
