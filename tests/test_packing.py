@@ -1,0 +1,151 @@
+"""Packed, padding-free batches train exactly as their documents would one by one.
+
+The property behind `data.packing`: rows of several documents, concatenated into one (1, total_len)
+sequence with restarting position ids and no attention mask, give the same token losses and the same
+LoRA gradients as running each document alone, under eager and sdpa attention, with the KV cache off.
+Padded batches (packing=False) must agree too.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from peft import LoraConfig, get_peft_model
+from transformers import AutoModelForCausalLM
+
+from finetune.data import build_datasets, collate_batch
+from finetune.loss import IGNORE_INDEX, token_loss_sum
+from finetune.recipe import DataConfig
+
+WORDS = "the model reads a document and predicts the next token while the adapter learns".split()
+# Uneven on purpose: a 1-word document, long ones, short ones, so rows mix lengths and some rows
+# hold one document only.
+DOCUMENT_WORDS = [1, 37, 5, 60, 2, 14, 23, 3, 48, 9]
+MAX_SEQ_LEN = 96
+
+
+def _documents_file(tmp_path) -> str:
+    path = tmp_path / "docs.jsonl"
+    lines = [json.dumps({"text": " ".join(WORDS[(i + k) % len(WORDS)] for k in range(n))}) for i, n in enumerate(DOCUMENT_WORDS)]
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def bundles(tmp_path_factory, tiny_tokenizer):
+    """The same documents as packed rows and as one-document rows."""
+    tmp_path = tmp_path_factory.mktemp("packing")
+    source = _documents_file(tmp_path)
+    packed = build_datasets(DataConfig(train=[source], max_seq_len=MAX_SEQ_LEN, packing=True), tiny_tokenizer,
+                            cache_dir=tmp_path / "cache")
+    single = build_datasets(DataConfig(train=[source], max_seq_len=MAX_SEQ_LEN, packing=False), tiny_tokenizer,
+                            cache_dir=tmp_path / "cache")
+    assert packed.stats["num_rows"] < single.stats["num_rows"] == len(DOCUMENT_WORDS)
+    assert any(len(set(row["position_ids"])) < len(row["position_ids"]) for row in packed.train), "no row holds two documents"
+    return packed, single
+
+
+def _lora_model(base_dir, attn_implementation: str):
+    """The tiny base with LoRA on every linear layer; B is random (not zero) so every LoRA weight has a gradient."""
+    base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32, attn_implementation=attn_implementation)
+    config = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear", init_lora_weights=False)
+    torch.manual_seed(0)
+    return get_peft_model(base, config).train()
+
+
+def _token_losses(model, batch: dict[str, torch.Tensor], use_cache: bool = False) -> torch.Tensor:
+    """Per-token losses at the labelled positions, in order; (N,) float32, with the graph kept."""
+    inputs = {key: value for key, value in batch.items() if key != "labels"}
+    logits = model(**inputs, use_cache=use_cache).logits  # (B, T, V)
+    labels = batch["labels"][:, 1:]
+    losses = F.cross_entropy(logits[:, :-1].float().transpose(1, 2), labels, ignore_index=IGNORE_INDEX, reduction="none")
+    return losses[labels != IGNORE_INDEX]
+
+
+def _lora_grads(model) -> dict[str, torch.Tensor]:
+    grads = {name: param.grad.detach().clone() for name, param in model.named_parameters() if param.requires_grad}
+    model.zero_grad(set_to_none=True)
+    return grads
+
+
+def _separate(model, single_rows, pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """Token losses of each document run alone, in document order, and the gradient of their mean."""
+    losses = torch.cat([_token_losses(model, collate_batch([row], pad_token_id, packing=False)) for row in single_rows])
+    num_label_tokens = sum(sum(label != IGNORE_INDEX for label in row["labels"]) for row in single_rows)
+    assert losses.numel() == num_label_tokens
+    (losses.sum() / num_label_tokens).backward()
+    return losses.detach(), torch.tensor(num_label_tokens), _lora_grads(model)
+
+
+def _by_document(rows) -> list[tuple[int, ...]]:
+    """The documents of `rows` as token tuples (split where position ids restart), to align orders."""
+    documents = []
+    for row in rows:
+        for ids, position in zip(row["input_ids"], row["position_ids"]):
+            if position == 0:
+                documents.append([])
+            documents[-1].append(ids)
+    return [tuple(document) for document in documents]
+
+
+def _relative_error(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> float:
+    assert got.keys() == want.keys() and got
+    return max(((got[k] - want[k]).norm() / want[k].norm()).item() for k in want)
+
+
+@pytest.mark.parametrize("attn_implementation", ["eager", "sdpa"])
+def test_packed_padding_free_batch_matches_documents_one_by_one(bundles, tiny_base_dir, tiny_tokenizer, attn_implementation):
+    packed, single = bundles
+    model = _lora_model(tiny_base_dir, attn_implementation)
+    single_rows = list(single.train)
+    separate_losses, num_label_tokens, separate_grads = _separate(model, single_rows, tiny_tokenizer.pad_token_id)
+
+    batch = collate_batch(list(packed.train), pad_token_id=tiny_tokenizer.pad_token_id, packing=True)
+    assert set(batch) == {"input_ids", "labels", "position_ids"} and batch["input_ids"].shape[0] == 1
+    inputs = {key: value for key, value in batch.items() if key != "labels"}
+    loss_sum, packed_label_tokens = token_loss_sum(model(**inputs, use_cache=False).logits, batch["labels"])
+    assert packed_label_tokens.item() == num_label_tokens.item() == packed.stats["num_label_tokens"]
+    (loss_sum / packed_label_tokens).backward()
+    packed_grads = _lora_grads(model)
+
+    assert loss_sum.item() / packed_label_tokens.item() == pytest.approx(separate_losses.mean().item(), rel=1e-5, abs=1e-5)
+    # Token by token too: reorder the separate losses into the packed document order.
+    packed_losses = _token_losses(model, batch).detach()
+    separate_by_doc = dict(zip(_by_document(single_rows), torch.split(separate_losses, [
+        sum(label != IGNORE_INDEX for label in row["labels"]) for row in single_rows])))
+    reordered = torch.cat([separate_by_doc[document] for document in _by_document(packed.train)])
+    torch.testing.assert_close(packed_losses, reordered, rtol=1e-5, atol=1e-5)
+    assert _relative_error(packed_grads, separate_grads) < 1e-5
+
+
+def test_padded_batch_matches_documents_one_by_one(bundles, tiny_base_dir, tiny_tokenizer):
+    _, single = bundles
+    model = _lora_model(tiny_base_dir, "sdpa")
+    single_rows = list(single.train)
+    separate_losses, _, separate_grads = _separate(model, single_rows, tiny_tokenizer.pad_token_id)
+
+    batch = collate_batch(single_rows, pad_token_id=tiny_tokenizer.pad_token_id, packing=False)
+    assert batch["input_ids"].shape == (len(single_rows), max(len(row["input_ids"]) for row in single_rows))
+    padded_losses = _token_losses(model, batch)
+    (padded_losses.sum() / padded_losses.numel()).backward()
+    torch.testing.assert_close(padded_losses.detach(), separate_losses, rtol=1e-5, atol=1e-5)
+    assert _relative_error(_lora_grads(model), separate_grads) < 1e-5
+
+
+def test_packing_leaks_across_documents_when_the_kv_cache_is_on(bundles, tiny_base_dir, tiny_tokenizer):
+    """Why the training loop must pass use_cache=False: with a cache, position ids no longer isolate documents.
+
+    If this starts failing, transformers changed how it detects packed sequences; revisit the facts in
+    ARCHITECTURE.md and the comment in finetune/data/collate.py.
+    """
+    packed, single = bundles
+    model = _lora_model(tiny_base_dir, "sdpa")
+    with torch.no_grad():
+        separate = torch.cat([_token_losses(model, collate_batch([row], tiny_tokenizer.pad_token_id, packing=False))
+                              for row in single.train])
+        batch = collate_batch(list(packed.train), pad_token_id=tiny_tokenizer.pad_token_id, packing=True)
+        cached = _token_losses(model, batch, use_cache=True)
+    assert abs(cached.mean().item() - separate.mean().item()) > 1e-4
