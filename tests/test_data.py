@@ -1,0 +1,465 @@
+"""The data pipeline: labels per format, every source type, validation, truncation, cache, fingerprint, errors.
+
+Everything goes through the public `build_datasets` with a real tokenizer and real files in tmp_path;
+`packing=False` where a test looks at one document per row.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import datasets
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import finetune.data.pipeline as pipeline
+from finetune.data import build_datasets, collate_batch, data_fingerprint
+from finetune.data.packing import pack_document_lengths
+from finetune.embedded.tokenizer import CHAT_TEMPLATE, train_tokenizer
+from finetune.errors import DataError
+from finetune.loss import IGNORE_INDEX
+from finetune.recipe import DataConfig
+
+CHAT = [
+    {"role": "system", "content": "be brief"},
+    {"role": "user", "content": "the model"},
+    {"role": "assistant", "content": "reads a document"},
+    {"role": "user", "content": "and"},
+    {"role": "assistant", "content": "predicts"},
+]
+UNMARKED_CHAT_TEMPLATE = CHAT_TEMPLATE.replace("{% generation %}", "").replace("{% endgeneration %}", "")
+assert UNMARKED_CHAT_TEMPLATE != CHAT_TEMPLATE
+
+
+def write_records(path: Path, records: list[dict]) -> str:
+    """Write `records` in the format `path`'s extension names; returns the path as a string."""
+    suffix = path.suffix
+    if suffix == ".jsonl":
+        path.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
+    elif suffix == ".json":
+        path.write_text(json.dumps(records, indent=1), encoding="utf-8")
+    elif suffix == ".csv":
+        datasets.Dataset.from_list(records).to_csv(str(path), index=False)
+    elif suffix == ".parquet":
+        pq.write_table(pa.Table.from_pylist(records), path)
+    elif suffix == ".txt":
+        path.write_text("\n\n\n".join(r["text"] for r in records) + "\n", encoding="utf-8")
+    else:
+        raise AssertionError(suffix)
+    return str(path)
+
+
+def build(tmp_path: Path, tokenizer, **config):
+    """build_datasets with the cache in tmp_path; `config` fields override a packing=False text config."""
+    seed = config.pop("seed", 0)
+    return build_datasets(DataConfig(**{"packing": False, **config}), tokenizer, seed=seed, cache_dir=tmp_path / "cache")
+
+
+def decode_labelled(tokenizer, row) -> str:
+    return tokenizer.decode([label for label in row["labels"] if label != IGNORE_INDEX])
+
+
+# ---------------------------------------------------------------------------------------------------
+# Labels, format by format
+
+
+INSTRUCTION = {"instruction": "add two numbers", "input": "", "output": "return a + b"}
+INSTRUCTION_WITH_INPUT = {"instruction": "add", "input": "a and b", "output": "a + b"}
+
+LABEL_CASES = [
+    # (id, config, record, full decoded row, decoded labelled tokens)
+    ("text", {"format": "text"}, {"text": "the model reads\na document"},
+     "<s>the model reads\na document</s>", "the model reads\na document</s>"),
+    ("instruction", {"format": "instruction"}, INSTRUCTION,
+     "<s>### Instruction:\nadd two numbers\n\n### Response:\nreturn a + b</s>", "return a + b</s>"),
+    ("instruction-with-input", {"format": "instruction"}, INSTRUCTION_WITH_INPUT,
+     "<s>### Instruction:\nadd\n\n### Input:\na and b\n\n### Response:\na + b</s>", "a + b</s>"),
+    ("instruction-all-tokens", {"format": "instruction", "completion_only_loss": False}, INSTRUCTION,
+     "<s>### Instruction:\nadd two numbers\n\n### Response:\nreturn a + b</s>",
+     "### Instruction:\nadd two numbers\n\n### Response:\nreturn a + b</s>"),
+    ("instruction-braces-in-template", {"format": "instruction", "prompt_template": "{\"q\": {prompt}}\n"},
+     {"instruction": "{input}", "output": "ok"}, "<s>{\"q\": {input}}\nok</s>", "ok</s>"),
+    ("chat-generation-markers", {"format": "chat"}, {"messages": CHAT},
+     "<s><|system|>\nbe brief</s>\n<|user|>\nthe model</s>\n<|assistant|>\nreads a document</s>\n<|user|>\nand</s>\n"
+     "<|assistant|>\npredicts</s>\n", "reads a document</s>predicts</s>"),
+    ("chat-template-without-markers", {"format": "chat", "chat_template": UNMARKED_CHAT_TEMPLATE}, {"messages": CHAT},
+     "<s><|system|>\nbe brief</s>\n<|user|>\nthe model</s>\n<|assistant|>\nreads a document</s>\n<|user|>\nand</s>\n"
+     "<|assistant|>\npredicts</s>\n", "reads a document</s>predicts</s>"),
+    ("chat-all-tokens", {"format": "chat", "completion_only_loss": False}, {"messages": CHAT[:3]},
+     "<s><|system|>\nbe brief</s>\n<|user|>\nthe model</s>\n<|assistant|>\nreads a document</s>\n",
+     "<|system|>\nbe brief</s>\n<|user|>\nthe model</s>\n<|assistant|>\nreads a document</s>\n"),
+]
+
+
+@pytest.mark.parametrize(("config", "record", "full_text", "labelled_text"),
+                         [case[1:] for case in LABEL_CASES], ids=[case[0] for case in LABEL_CASES])
+def test_labels_cover_exactly_what_is_trained(tmp_path, tiny_tokenizer, config, record, full_text, labelled_text):
+    source = write_records(tmp_path / "data.jsonl", [record])
+    row = build(tmp_path, tiny_tokenizer, train=[source], **config).train[0]
+    assert tiny_tokenizer.decode(row["input_ids"]) == full_text
+    assert decode_labelled(tiny_tokenizer, row) == labelled_text
+    assert row["labels"][0] == IGNORE_INDEX, "a document's first token is never a target"
+    assert tiny_tokenizer.eos_token_id in row["labels"], "EOS must stay a trained label"
+    assert all(label in (IGNORE_INDEX, token) for label, token in zip(row["labels"], row["input_ids"]))
+    assert row["position_ids"] == list(range(len(row["input_ids"])))
+
+
+def test_chat_labels_agree_with_and_without_generation_markers(tmp_path, tiny_tokenizer):
+    conversations = [{"messages": CHAT}, {"messages": CHAT[1:3]}, {"messages": [CHAT[2], CHAT[1], CHAT[4]]}]
+    source = write_records(tmp_path / "chat.jsonl", conversations)
+    marked = build(tmp_path, tiny_tokenizer, train=[source], format="chat").train
+    unmarked = build(tmp_path, tiny_tokenizer, train=[source], format="chat", chat_template=UNMARKED_CHAT_TEMPLATE).train
+    assert marked["labels"] == unmarked["labels"] and marked["input_ids"] == unmarked["input_ids"]
+
+
+def test_records_with_nothing_to_train_on_are_dropped_and_counted(tmp_path, tiny_tokenizer):
+    records = [{"messages": CHAT[:2]}, {"messages": CHAT}]  # the first has no assistant turn
+    source = write_records(tmp_path / "chat.jsonl", records)
+    lines: list[str] = []
+    bundle = build_datasets(DataConfig(train=[source], format="chat"), tiny_tokenizer, cache_dir=tmp_path, log=lines.append)
+    assert (bundle.stats["num_records"], bundle.stats["num_dropped"]) == (1, 1)
+    assert any("dropped 1 of 2 records" in line for line in lines)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Sources
+
+
+RECORDS = [{"text": "the model reads"}, {"text": "a document"}, {"text": "and predicts\nthe next token"}]
+
+
+def _saved_dataset(tmp_path: Path) -> str:
+    datasets.Dataset.from_list(RECORDS).save_to_disk(str(tmp_path / "saved"))
+    return str(tmp_path / "saved")
+
+
+def _saved_dataset_dict(tmp_path: Path) -> str:
+    splits = {"train": datasets.Dataset.from_list(RECORDS[:1]), "test": datasets.Dataset.from_list(RECORDS)}
+    datasets.DatasetDict(splits).save_to_disk(str(tmp_path / "saved_dict"))
+    return str(tmp_path / "saved_dict")
+
+
+def _json_lines_named_json(tmp_path: Path) -> str:
+    path = tmp_path / "lines.json"
+    path.write_text("".join(json.dumps(r) + "\n" for r in RECORDS), encoding="utf-8")
+    return str(path)
+
+
+SOURCE_CASES = {
+    "jsonl": lambda tmp: {"path": write_records(tmp / "d.jsonl", RECORDS)},
+    "json-array": lambda tmp: {"path": write_records(tmp / "d.json", RECORDS)},
+    "json-lines-in-.json": lambda tmp: {"path": _json_lines_named_json(tmp)},
+    "csv": lambda tmp: {"path": write_records(tmp / "d.csv", RECORDS)},
+    "parquet": lambda tmp: {"path": write_records(tmp / "d.parquet", RECORDS)},
+    "txt-blank-line-separated": lambda tmp: {"path": write_records(tmp / "d.txt", RECORDS)},
+    "saved-dataset": lambda tmp: {"path": _saved_dataset(tmp)},
+    "saved-dataset-dict-split": lambda tmp: {"path": _saved_dataset_dict(tmp), "split": "test"},
+}
+
+
+@pytest.mark.parametrize("make_source", SOURCE_CASES.values(), ids=SOURCE_CASES.keys())
+def test_every_source_type_loads_its_records_in_order(tmp_path, tiny_tokenizer, make_source):
+    bundle = build(tmp_path, tiny_tokenizer, train=[make_source(tmp_path)])
+    texts = [tiny_tokenizer.decode(row["input_ids"][1:-1]) for row in bundle.train]
+    assert texts == [record["text"] for record in RECORDS]
+
+
+def test_saved_dataset_dict_reads_train_split_by_default(tmp_path, tiny_tokenizer):
+    bundle = build(tmp_path, tiny_tokenizer, train=[_saved_dataset_dict(tmp_path)])
+    assert bundle.stats["num_records"] == 1
+
+
+def test_max_records_reads_a_prefix_of_each_source(tmp_path, tiny_tokenizer):
+    first = write_records(tmp_path / "a.jsonl", RECORDS)
+    second = write_records(tmp_path / "b.csv", RECORDS)
+    bundle = build(tmp_path, tiny_tokenizer, train=[{"path": first, "max_records": 2}, {"path": second, "max_records": 1}])
+    texts = [tiny_tokenizer.decode(row["input_ids"][1:-1]) for row in bundle.train]
+    assert texts == [RECORDS[0]["text"], RECORDS[1]["text"], RECORDS[0]["text"]]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Validation
+
+
+MANY = [{"text": f"the model reads document {i}"} for i in range(20)]
+
+
+def _split_texts(tmp_path, tokenizer, seed: int) -> tuple[list[str], list[str]]:
+    source = write_records(tmp_path / "many.jsonl", MANY)
+    bundle = build(tmp_path, tokenizer, train=[source], validation_split=0.25, seed=seed)
+    decode = lambda rows: [tokenizer.decode(row["input_ids"][1:-1]) for row in rows]  # noqa: E731
+    return decode(bundle.train), decode(bundle.validation)
+
+
+def test_validation_split_is_seeded_and_disjoint(tmp_path, tiny_tokenizer):
+    train, validation = _split_texts(tmp_path, tiny_tokenizer, seed=0)
+    assert len(validation) == 5 and len(train) == 15
+    assert sorted(train + validation) == sorted(r["text"] for r in MANY)
+    assert _split_texts(tmp_path, tiny_tokenizer, seed=0) == (train, validation)
+    assert _split_texts(tmp_path, tiny_tokenizer, seed=1)[1] != validation
+
+
+def test_validation_sources_and_no_validation(tmp_path, tiny_tokenizer):
+    train = write_records(tmp_path / "train.jsonl", MANY)
+    held_out = write_records(tmp_path / "valid.jsonl", RECORDS)
+    bundle = build(tmp_path, tiny_tokenizer, train=[train], validation=[held_out], validation_split=0.5)
+    assert (bundle.stats["num_records"], bundle.stats["validation_num_records"]) == (20, 3)
+    assert bundle.validation.column_names == bundle.train.column_names == ["input_ids", "labels", "position_ids"]
+    assert build(tmp_path, tiny_tokenizer, train=[train]).validation is None
+
+
+# ---------------------------------------------------------------------------------------------------
+# Overlength
+
+
+LONG = [{"text": "short"}, {"text": " ".join(["the model reads a document"] * 10)}, {"text": "the model " * 20}]
+
+
+def test_truncate_cuts_long_records_and_counts_them(tmp_path, tiny_tokenizer):
+    source = write_records(tmp_path / "long.jsonl", LONG)
+    lines: list[str] = []
+    config = DataConfig(train=[source], max_seq_len=16, overlength="truncate")
+    bundle = build_datasets(config, tiny_tokenizer, cache_dir=tmp_path, log=lines.append)
+    assert bundle.stats["num_truncated"] == 2
+    assert all(len(row["input_ids"]) <= 16 for row in bundle.train)
+    assert any("truncated 2 of 3 records to max_seq_len=16" in line for line in lines)
+
+
+def test_overlength_error_names_file_and_record(tmp_path, tiny_tokenizer):
+    source = write_records(tmp_path / "long.jsonl", LONG)
+    with pytest.raises(DataError, match=r"long\.jsonl line 2 \(record 2\): \d+ tokens, longer than data\.max_seq_len=16"):
+        build(tmp_path, tiny_tokenizer, train=[source], max_seq_len=16, overlength="error")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Packing and collation
+
+
+def test_packed_rows_hold_whole_documents_with_restarting_positions(tmp_path, tiny_tokenizer):
+    source = write_records(tmp_path / "many.jsonl", MANY)
+    packed = build(tmp_path, tiny_tokenizer, train=[source], packing=True, max_seq_len=32)
+    single = build(tmp_path, tiny_tokenizer, train=[source], packing=False, max_seq_len=32)
+    assert packed.stats["num_rows"] < single.stats["num_rows"]
+    assert {key: packed.stats[key] for key in ("num_tokens", "num_label_tokens")} == \
+           {key: single.stats[key] for key in ("num_tokens", "num_label_tokens")}
+    documents = []
+    for row in packed.train:
+        assert len(row["input_ids"]) <= 32
+        for token, label, position in zip(row["input_ids"], row["labels"], row["position_ids"]):
+            if position == 0:
+                assert label == IGNORE_INDEX, "a packed document is predicted from the previous one"
+                documents.append([])
+            documents[-1].append(token)
+    assert sorted(documents) == sorted(row["input_ids"] for row in single.train)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(1, 64), max_size=60), st.integers(64, 128))
+def test_best_fit_decreasing_places_every_document_once_within_capacity(lengths, max_seq_len):
+    rows = pack_document_lengths(lengths, max_seq_len)
+    assert sorted(index for row in rows for index in row) == list(range(len(lengths)))
+    assert all(sum(lengths[i] for i in row) <= max_seq_len for row in rows)
+    # No two rows could be merged: best fit never leaves two rows that together fit in one.
+    totals = sorted(sum(lengths[i] for i in row) for row in rows)
+    assert len(totals) < 2 or totals[0] + totals[1] > max_seq_len
+    assert rows == pack_document_lengths(lengths, max_seq_len)
+
+
+def test_pack_document_lengths_example():
+    assert pack_document_lengths([5, 3, 4, 2], max_seq_len=8) == [[0, 1], [2, 3]]
+
+
+def test_collate_padding_free_and_padded(tiny_tokenizer):
+    eos, pad = tiny_tokenizer.eos_token_id, tiny_tokenizer.pad_token_id
+    rows = [
+        {"input_ids": [0, 7, eos, 0, eos], "labels": [-100, 7, eos, -100, eos], "position_ids": [0, 1, 2, 0, 1]},
+        {"input_ids": [0, 9, eos], "labels": [-100, 9, eos], "position_ids": [0, 1, 2]},
+    ]
+    packed = collate_batch(rows, pad_token_id=pad, packing=True)
+    assert {key: value.tolist() for key, value in packed.items()} == {
+        "input_ids": [[0, 7, eos, 0, eos, 0, 9, eos]],
+        "labels": [[-100, 7, eos, -100, eos, -100, 9, eos]],
+        "position_ids": [[0, 1, 2, 0, 1, 0, 1, 2]],
+    }
+    padded = collate_batch(rows[1:] + [{"input_ids": [0, eos], "labels": [-100, eos], "position_ids": [0, 1]}],
+                           pad_token_id=pad, packing=False)
+    assert {key: value.tolist() for key, value in padded.items()} == {
+        "input_ids": [[0, 9, eos], [0, eos, pad]],
+        "labels": [[-100, 9, eos], [-100, eos, -100]],
+        "position_ids": [[0, 1, 2], [0, 1, 0]],
+        "attention_mask": [[1, 1, 1], [1, 1, 0]],
+    }
+
+
+# ---------------------------------------------------------------------------------------------------
+# Cache and fingerprint
+
+
+def test_second_run_loads_the_cache_and_tokenizes_nothing(tmp_path, tiny_tokenizer, monkeypatch):
+    source = write_records(tmp_path / "many.jsonl", MANY)
+    config = DataConfig(train=[source], validation_split=0.2)
+    calls = {"encode": 0, "load": 0}
+
+    def counting(name, function):
+        def wrapper(*args, **kwargs):
+            calls[name] += 1
+            return function(*args, **kwargs)
+        return wrapper
+
+    monkeypatch.setattr(pipeline, "encode_records", counting("encode", pipeline.encode_records))
+    monkeypatch.setattr(pipeline, "load_source", counting("load", pipeline.load_source))
+    first = build_datasets(config, tiny_tokenizer, cache_dir=tmp_path / "cache")
+    assert not first.cache_hit and calls == {"encode": 1, "load": 1}
+    second = build_datasets(config, tiny_tokenizer, cache_dir=tmp_path / "cache")
+    assert second.cache_hit and calls == {"encode": 1, "load": 1}, "the second run read or tokenized the data again"
+    assert second.fingerprint == first.fingerprint and second.stats == first.stats
+    assert second.train.to_dict() == first.train.to_dict() and second.validation.to_dict() == first.validation.to_dict()
+    assert [p.name for p in (tmp_path / "cache").iterdir()] == [first.fingerprint.removeprefix("sha256:")]
+
+
+def test_damaged_cache_entry_is_rebuilt(tmp_path, tiny_tokenizer):
+    source = write_records(tmp_path / "many.jsonl", MANY)
+    config = DataConfig(train=[source])
+    first = build_datasets(config, tiny_tokenizer, cache_dir=tmp_path / "cache")
+    for arrow_file in (first.cache_path / "train").glob("*.arrow"):
+        arrow_file.unlink()
+    again = build_datasets(config, tiny_tokenizer, cache_dir=tmp_path / "cache")
+    assert not again.cache_hit and again.stats == first.stats
+
+
+@pytest.fixture(scope="module")
+def other_tokenizer():
+    from conftest import _tokenizer_corpus
+
+    return train_tokenizer(_tokenizer_corpus(), vocab_size=400, max_model_len=512)
+
+
+def _append_record(config, data_file: Path, tokenizer):
+    with open(data_file, "a", encoding="utf-8") as handle:
+        handle.write('{"text": "one more"}\n')
+    return config, tokenizer
+
+
+def _other_chat_template(tokenizer):
+    changed = copy.deepcopy(tokenizer)
+    changed.chat_template = UNMARKED_CHAT_TEMPLATE
+    return changed
+
+
+FINGERPRINT_CASES = [
+    # (id, change to (config dict, data file, tokenizer), whether the fingerprint must change)
+    ("file-content", _append_record, True),
+    ("max_seq_len", lambda c, f, t: ({**c, "max_seq_len": 256}, t), True),
+    ("packing", lambda c, f, t: ({**c, "packing": False}, t), True),
+    ("overlength", lambda c, f, t: ({**c, "overlength": "error"}, t), True),
+    ("text_field", lambda c, f, t: ({**c, "text_field": "body"}, t), True),
+    ("max_records", lambda c, f, t: ({**c, "train": [{"path": str(f), "max_records": 1}]}, t), True),
+    ("validation_split", lambda c, f, t: ({**c, "validation_split": 0.1}, t), True),
+    ("tokenizer", lambda c, f, t: (c, "other"), True),
+    ("tokenizer-chat-template", lambda c, f, t: (c, _other_chat_template(t)), True),
+    ("same-config", lambda c, f, t: (dict(c), t), False),
+    ("moved-file", lambda c, f, t: ({**c, "train": [str(f.rename(f.with_name("moved.jsonl")))]}, t), False),
+    ("field-of-another-format", lambda c, f, t: ({**c, "prompt_field": "question", "messages_field": "m"}, t), False),
+    ("completion-only-irrelevant-to-text", lambda c, f, t: ({**c, "completion_only_loss": False}, t), False),
+    ("seed-without-validation-split", lambda c, f, t: ({**c, "seed": 7}, t), False),
+]
+
+
+@pytest.mark.parametrize(("change", "changes"), [case[1:] for case in FINGERPRINT_CASES], ids=[c[0] for c in FINGERPRINT_CASES])
+def test_fingerprint_changes_exactly_when_the_result_can(tmp_path, tiny_tokenizer, other_tokenizer, change, changes):
+    data_file = tmp_path / "data.jsonl"
+    write_records(data_file, MANY)
+    config = {"train": [str(data_file)], "max_seq_len": 128}
+    before = data_fingerprint(DataConfig(**config), tiny_tokenizer, seed=0)
+    new_config, tokenizer = change(config, data_file, tiny_tokenizer)
+    tokenizer = other_tokenizer if tokenizer == "other" else tokenizer
+    seed = new_config.pop("seed", 0)
+    after = data_fingerprint(DataConfig(**new_config), tokenizer, seed=seed)
+    assert (after != before) is changes
+    assert before.startswith("sha256:") and len(before) == len("sha256:") + 64
+
+
+def test_fingerprint_tracks_the_seed_when_a_validation_split_is_taken(tmp_path, tiny_tokenizer):
+    config = DataConfig(train=[write_records(tmp_path / "d.jsonl", MANY)], validation_split=0.2)
+    assert data_fingerprint(config, tiny_tokenizer, seed=0) != data_fingerprint(config, tiny_tokenizer, seed=1)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Bad input: one DataError line saying what, where and how to fix
+
+
+def _file(name: str, content: str | bytes):
+    def make(tmp: Path) -> str:
+        path = tmp / name
+        path.write_bytes(content if isinstance(content, bytes) else content.encode())
+        return str(path)
+    return make
+
+
+def _directory(tmp: Path) -> str:
+    (tmp / "plain_dir").mkdir()
+    (tmp / "plain_dir" / "notes.md").write_text("hi")
+    return str(tmp / "plain_dir")
+
+
+BAD_INPUT_CASES = [
+    # (id, make source -> path or source dict, config fields, fragments the message must contain)
+    ("missing-file", lambda tmp: str(tmp / "nope.jsonl"), {}, ["nope.jsonl", "does not exist"]),
+    ("unsupported-extension", _file("data.xml", "<a/>"), {}, ["data.xml", "unsupported extension '.xml'", ".jsonl"]),
+    ("not-a-saved-dataset", _directory, {}, ["plain_dir", "not one written by datasets.save_to_disk"]),
+    ("garbage-parquet", _file("d.parquet", b"not parquet at all"), {}, ["d.parquet", "cannot be read as Parquet"]),
+    ("invalid-json-line", _file("d.jsonl", '{"text": "a"}\n{"text": \n'), {}, ["d.jsonl line 2", "invalid JSON"]),
+    ("json-not-an-array", _file("d.json", '"just a string"'), {}, ["d.json", "expected a JSON array"]),
+    ("record-not-an-object", _file("d.jsonl", '{"text": "a"}\n[1, 2]\n'), {}, ["d.jsonl line 2 (record 2)", "got list"]),
+    ("ragged-csv", _file("d.csv", "text,extra\na,b\nc,d,e\n"), {}, ["d.csv line 3", "3 values", "header has 2"]),
+    ("non-utf8", _file("d.jsonl", b'{"text": "ok"}\n{"text": "caf\xe9"}\n'), {},
+     ["d.jsonl", "not valid UTF-8", "byte 0xe9", "byte offset 28", "line 2"]),
+    ("empty-file", _file("d.jsonl", "\n\n"), {}, ["d.jsonl", "has no records"]),
+    ("empty-after-filtering", _file("d.jsonl", '{"text": ""}\n{"text": "  "}\n'), {},
+     ["d.jsonl", "no usable records", "all 2 were dropped"]),
+    ("missing-text-field", _file("d.jsonl", '{"text": "a"}\n{"body": "b", "id": 2}\n'), {},
+     ["d.jsonl line 2 (record 2)", "no field 'text'", "fields it has: 'body', 'id'", "data.text_field"]),
+    ("missing-response-field", _file("d.json", '[{"instruction": "a", "output": "b"}, {"instruction": "c"}]'),
+     {"format": "instruction"}, ["d.json record 2", "no field 'output'", "fields it has: 'instruction'", "data.response_field"]),
+    ("null-prompt", _file("d.jsonl", '{"instruction": null, "output": "b"}\n'), {"format": "instruction"},
+     ["record 1", "field 'instruction' is null"]),
+    ("text-not-a-string", _file("d.jsonl", '{"text": 5}\n'), {}, ["record 1", "field 'text' must be a string, got int"]),
+    ("input-not-a-string", _file("d.jsonl", '{"instruction": "a", "input": [1], "output": "b"}\n'), {"format": "instruction"},
+     ["record 1", "field 'input' must be a string, got list"]),
+    ("messages-not-a-list", _file("d.jsonl", '{"messages": "hello"}\n'), {"format": "chat"},
+     ["d.jsonl line 1 (record 1)", "field 'messages' must be a non-empty list", "got str"]),
+    ("missing-messages", _file("d.jsonl", '{"conversation": []}\n'), {"format": "chat"},
+     ["record 1", "no field 'messages'", "fields it has: 'conversation'", "data.messages_field"]),
+    ("message-without-content", _file("d.jsonl", '{"messages": [{"role": "user"}]}\n'), {"format": "chat"},
+     ["record 1", "messages[0].content must be a string, got missing"]),
+    ("split-on-a-file", lambda tmp: {"path": write_records(tmp / "d.jsonl", RECORDS), "split": "test"}, {},
+     ["d.jsonl", "'split' only applies"]),
+    ("missing-split", lambda tmp: {"path": _saved_dataset_dict(tmp), "split": "validation"}, {},
+     ["saved_dict", "no split 'validation'", "test, train"]),
+    ("validation-split-too-large", lambda tmp: write_records(tmp / "d.jsonl", RECORDS[:1]), {"validation_split": 0.5},
+     ["validation_split=0.5", "leaves none for training"]),
+]
+
+
+@pytest.mark.parametrize(("make_source", "config", "fragments"), [case[1:] for case in BAD_INPUT_CASES],
+                         ids=[case[0] for case in BAD_INPUT_CASES])
+def test_bad_input_raises_one_line_data_error(tmp_path, tiny_tokenizer, make_source, config, fragments):
+    with pytest.raises(DataError) as caught:
+        build(tmp_path, tiny_tokenizer, train=[make_source(tmp_path)], **config)
+    message = str(caught.value)
+    assert "\n" not in message
+    for fragment in fragments:
+        assert fragment in message, f"{fragment!r} not in {message!r}"
+
+
+def test_chat_without_any_template_says_how_to_fix(tmp_path, tiny_tokenizer):
+    no_template = copy.deepcopy(tiny_tokenizer)
+    no_template.chat_template = None
+    source = write_records(tmp_path / "chat.jsonl", [{"messages": CHAT}])
+    with pytest.raises(DataError, match="tokenizer has no chat template; set data.chat_template"):
+        build(tmp_path, no_template, train=[source], format="chat")
