@@ -47,7 +47,7 @@ data:
   train: train.jsonl
   validation: valid.jsonl
   format: instruction
-  max_seq_len: 64
+  max_seq_len: 128
 train:
   max_steps: 6
   micro_batch_size: 4
@@ -113,7 +113,7 @@ def test_train_writes_a_complete_adapter_that_plain_peft_loads(workdir):
     adapter_dir, metrics = train("recipe.yaml")
     assert adapter_dir == Path("adapters/crates")
     files = sorted(p.name for p in adapter_dir.iterdir())
-    assert files == ["adapter_config.json", "adapter_model.safetensors", "manifest.json", "recipe.yaml"]
+    assert files == ["README.md", "adapter_config.json", "adapter_model.safetensors", "manifest.json", "recipe.yaml"]
     assert not [p for p in Path("adapters").iterdir() if p.name.startswith(".")]  # no temp leftovers
 
     manifest = json.loads((adapter_dir / "manifest.json").read_text())
