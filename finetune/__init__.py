@@ -9,6 +9,7 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
+from finetune.api import load_model
 from finetune.errors import AdapterError, DataError, FinetuneError, ModelError, RecipeError
 from finetune.recipe import Recipe, load_recipe
 

@@ -1,0 +1,348 @@
+"""`LoadedModel`: a base model with named LoRA adapters that can be merged, subtracted and swapped exactly.
+
+State is the ledger (adapter name -> weight). Every operation computes the new ledger, then rewrites
+only the tensors whose terms changed, each as round(W_base + Σ wᵢ·ΔWᵢ) from the pristine base
+(`arithmetic.merged_weight`), in place (the `nn.Parameter` objects stay the same). Hence, in any dtype:
+subtracting everything gives the base bit for bit, and `swap(a, b)` equals merging `b` into a fresh base.
+If any tensor would hold NaN/Inf, the tensors already rewritten are recomputed from the old ledger and
+the operation raises: a failed operation leaves the model as it was.
+
+`use(name)` switches an *unmerged* adapter on for every forward (peft's multi-adapter mode, loaded on
+first use); `use(None)` switches it off. Rules: an adapter cannot be both merged and in use (that would
+count it twice), so `use` refuses a merged adapter and `merge`/`swap` refuse the adapter in use; other
+adapters may be merged underneath the one in use (its LoRA adds on top of the merged weights). On a
+quantized base, `use` and merges exclude each other (peft's quantized LoRA layers need the quantized
+layer underneath).
+
+Example:
+    m = finetune.load_model("models/tiny", adapters={"legal": "adapters/legal", "med": "adapters/med"})
+    m.merge("legal"); m.swap("legal", "med"); m.subtract("med")      # back to the base, bit for bit
+    m.use("legal"); m.model.generate(...); m.use(None)
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from finetune.adapters import quantized
+from finetune.adapters.arithmetic import Term, changed_modules, module_terms, merged_weight
+from finetune.adapters.files import copy_side_files, shard_file_name, staging_dir, write_config, write_index, write_shard
+from finetune.adapters.ledger import Ledger
+from finetune.adapters import AdapterWarning
+from finetune.adapters.pristine import PristineWeights
+from finetune.adapters.weights import Adapter
+from finetune.errors import AdapterError
+from finetune.fingerprint import base_state_items
+
+
+@dataclass
+class OperationReport:
+    """What one merge/subtract/swap did: for logs and benchmarks."""
+
+    operation: str
+    merged: dict[str, float]
+    tensors_rewritten: int
+    seconds: float
+    notes: list[str] = field(default_factory=list)
+
+    def summary(self) -> str:
+        merged = ", ".join(f"{n}:{w:g}" for n, w in self.merged.items()) or "nothing"
+        lines = [f"{self.operation}: rewrote {self.tensors_rewritten} tensors in {self.seconds:.3f} s; merged now: {merged}"]
+        return "\n".join(lines + self.notes)
+
+
+class LoadedModel:
+    """A transformers model + tokenizer, its named adapters, and the ledger of what is merged.
+
+    Attributes:
+        model: the transformers model (usable with `generate`); merges change its weights in place.
+        tokenizer: the base's tokenizer.
+        adapters: name -> `Adapter` (fp32 A/B per module).
+        base_source: the directory or hub id the base was loaded from.
+        dtype: the dtype merged tensors are written in (the base's compute dtype for quantized layers).
+    """
+
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        *,
+        base_source: str,
+        base_dir: Path | None,
+        base_fingerprint: str,
+        dtype: torch.dtype,
+        requantize: bool = False,
+    ):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.base_source = base_source
+        self.base_dir = base_dir
+        self.dtype = dtype
+        self.requantize = requantize
+        self.adapters: dict[str, Adapter] = {}
+        self.last_report: OperationReport | None = None
+        self._ledger = Ledger(base_path=str(base_dir or base_source), base_fingerprint=base_fingerprint)
+        self._pristine = PristineWeights(base_dir)
+        self._quantized_originals: dict[str, torch.nn.Module] = {}
+        self._requantization_errors: dict[str, float] = {}
+        self._peft = None
+        self._active: str | None = None
+
+    # ---- state -------------------------------------------------------------------------------------
+    @property
+    def merged(self) -> dict[str, float]:
+        """The ledger: adapter name -> merged weight, sorted by name (a copy)."""
+        return self._ledger.weights
+
+    @property
+    def ledger(self) -> Ledger:
+        return self._ledger
+
+    @property
+    def active(self) -> str | None:
+        """The adapter switched on by `use`, or None."""
+        return self._active
+
+    @property
+    def pristine_copy_bytes(self) -> int:
+        """Bytes of base tensors kept in memory because they could not be read back from the base files."""
+        return self._pristine.copied_bytes
+
+    @property
+    def requantization_errors(self) -> dict[str, float]:
+        """module -> relative Frobenius error added by requantizing its merged weight (requantize=True)."""
+        return dict(self._requantization_errors)
+
+    # ---- adapters ----------------------------------------------------------------------------------
+    def add_adapter(self, adapter: Adapter) -> None:
+        """Make `adapter` available under `adapter.name`, after checking that it fits this base."""
+        if adapter.name in self.adapters:
+            raise AdapterError(f"an adapter named {adapter.name!r} is already loaded; give the new one another name")
+        self._check_fits(adapter)
+        self.adapters[adapter.name] = adapter
+
+    def _check_fits(self, adapter: Adapter) -> None:
+        tied = _tied_parameter_names(self.model)
+        for module, lora in sorted(adapter.modules.items()):
+            try:
+                layer = self._layer(module)[2]
+            except AttributeError:
+                raise AdapterError(
+                    f"adapter {adapter.name!r} ({adapter.path}) targets {module}, which the base {self.base_source} does "
+                    "not have: it was trained on another architecture"
+                ) from None
+            shape = _weight_shape(layer)
+            if shape is None:
+                raise AdapterError(f"adapter {adapter.name!r}: {module} is a {type(layer).__name__}, not a linear layer")
+            if shape != lora.weight_shape:
+                raise AdapterError(
+                    f"adapter {adapter.name!r} ({adapter.path}): {module} is {tuple(shape)} in the base but the update is "
+                    f"{lora.weight_shape}: the adapter was trained on another base size"
+                )
+            if module + ".weight" in tied:
+                raise AdapterError(
+                    f"adapter {adapter.name!r}: {module}.weight is tied to {tied[module + '.weight']}; merging into it "
+                    "would change both (untie the weights or drop this target)"
+                )
+
+    def _adapter(self, name: str) -> Adapter:
+        if name not in self.adapters:
+            loaded = ", ".join(sorted(self.adapters)) or "none"
+            raise AdapterError(f"no adapter named {name!r} is loaded (loaded: {loaded}); pass it to load_model(adapters=...)")
+        return self.adapters[name]
+
+    # ---- arithmetic --------------------------------------------------------------------------------
+    def merge(self, name: str, weight: float = 1.0) -> OperationReport:
+        """Add `weight`·ΔW of adapter `name` into the weights (adds to its weight if already merged)."""
+        self._adapter(name)
+        return self._apply(self._ledger.plus(name, weight, self.adapters[name]), f"merge {name}:{weight:g}")
+
+    def subtract(self, name: str, weight: float | None = None, *, negate: bool = False) -> OperationReport:
+        """Take `weight` of adapter `name` back out (default: all of it), exactly: tensors come from the base.
+
+        Subtracting an adapter that is not merged (or more of it than is merged) is task negation: it
+        subtracts an update the model never had, and needs `negate=True`.
+        """
+        self._adapter(name)
+        merged_weight_now = self._ledger.weights.get(name, 0.0)
+        if weight is None:
+            weight = merged_weight_now if merged_weight_now else 1.0
+        remaining = merged_weight_now - weight
+        if not negate and (merged_weight_now == 0.0 or (remaining * merged_weight_now < 0)):
+            raise AdapterError(
+                f"adapter {name!r} is merged with weight {merged_weight_now:g}, so subtracting {weight:g} would be task "
+                "negation (removing an update the model never had); pass negate=True (--negate) if that is the intent"
+            )
+        return self._apply(self._ledger.plus(name, -weight, self.adapters[name]), f"subtract {name}:{weight:g}")
+
+    def swap(self, old: str, new: str, weight: float = 1.0) -> OperationReport:
+        """Take `old` out entirely and merge `new` with `weight`: equal to merging `new` into a fresh base."""
+        self._adapter(old), self._adapter(new)
+        if old not in self._ledger.entries:
+            raise AdapterError(f"cannot swap out {old!r}: it is not merged (merged: {self.merged or 'nothing'})")
+        ledger = self._ledger.plus(old, -self._ledger.entries[old].weight).plus(new, weight, self.adapters[new])
+        return self._apply(ledger, f"swap {old} -> {new}:{weight:g}")
+
+    def _apply(self, ledger: Ledger, operation: str) -> OperationReport:
+        started = time.perf_counter()
+        if self._active is not None and self._active in ledger.entries:
+            raise AdapterError(f"adapter {self._active!r} is in use unmerged; call use(None) before merging it")
+        if self._peft is not None and self._active is not None and self._quantized_base():
+            raise AdapterError("on a quantized base an adapter in use() and merges exclude each other; call use(None) first")
+        modules = changed_modules(self._ledger, ledger, self.adapters)
+        old_terms = module_terms(self._ledger.weights, self.adapters)
+        new_terms = module_terms(ledger.weights, self.adapters)
+        rewritten: list[str] = []
+        try:
+            for module in modules:
+                self._write(module, new_terms.get(module, []))
+                rewritten.append(module)
+        except AdapterError:
+            for module in rewritten:  # back to the old ledger's tensors, exactly
+                self._write(module, old_terms.get(module, []))
+            raise
+        self._ledger = ledger
+        notes = []
+        if self._requantization_errors and self.requantize:
+            worst = max(self._requantization_errors.items(), key=lambda kv: kv[1])
+            notes.append(f"requantized merged layers: largest relative error added {worst[1]:.3e} ({worst[0]})")
+        self.last_report = OperationReport(operation, self.merged, len(rewritten), time.perf_counter() - started, notes)
+        return self.last_report
+
+    def _layer(self, module: str) -> tuple[torch.nn.Module, str, torch.nn.Module]:
+        """(parent, attribute, layer) holding the base weight of `module`, looking through peft's LoRA wrapper."""
+        parent_name, _, attribute = module.rpartition(".")
+        parent = self.model.get_submodule(parent_name) if parent_name else self.model
+        layer = getattr(parent, attribute)
+        if not isinstance(layer, torch.nn.Module):
+            raise AttributeError(module)
+        if hasattr(layer, "base_layer"):  # peft LoraLayer after use()
+            parent, attribute, layer = layer, "base_layer", layer.base_layer
+        return parent, attribute, layer
+
+    def _quantized_base(self) -> bool:
+        return bool(self._quantized_originals) or any(quantized.is_quantized_linear(m) for m in self.model.modules())
+
+    def _write(self, module: str, terms: list[Term]) -> None:
+        parent, attribute, layer = self._layer(module)
+        if module not in self._quantized_originals and quantized.is_quantized_linear(layer):
+            self._quantized_originals[module] = layer
+        original = self._quantized_originals.get(module)
+        if original is not None:
+            self._write_quantized(module, parent, attribute, original, terms)
+            return
+        parameter = layer.weight
+        name = module + ".weight"
+        self._pristine.remember(name, parameter.data)
+        new = merged_weight(self._pristine.get(name, parameter.dtype), terms, parameter.dtype, module=module)
+        with torch.no_grad():
+            parameter.data.copy_(new)
+
+    def _write_quantized(self, module: str, parent, attribute: str, original, terms: list[Term]) -> None:
+        """Replace a quantized layer by round(deq(W_q) + Σ w·ΔW) (dense, or requantized), or restore it."""
+        if not terms:
+            setattr(parent, attribute, original)
+            self._requantization_errors.pop(module, None)
+            return
+        weight = merged_weight(quantized.dequantize(original), terms, self.dtype, module=module)
+        if self.requantize:
+            layer, relative_error = quantized.requantize(original, weight)
+            self._requantization_errors[module] = relative_error
+        else:
+            layer = quantized.dense_linear_like(original, weight)
+        setattr(parent, attribute, layer)
+
+    # ---- unmerged switching ------------------------------------------------------------------------
+    def use(self, name: str | None) -> None:
+        """Switch adapter `name` on, unmerged, for every forward (peft multi-adapter); None switches it off."""
+        if name is None:
+            if self._peft is not None:
+                self._peft.base_model.disable_adapter_layers()
+            self._active = None
+            return
+        adapter = self._adapter(name)
+        if name in self._ledger.entries:
+            raise AdapterError(f"adapter {name!r} is merged; using it unmerged too would count it twice (subtract it first)")
+        if self._ledger.entries and self._quantized_base():
+            raise AdapterError("on a quantized base use() needs nothing merged; subtract the merged adapters first")
+        from peft import PeftModel
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            if self._peft is None:
+                self._peft = PeftModel.from_pretrained(self.model, str(adapter.path), adapter_name=name, is_trainable=False)
+            elif name not in self._peft.peft_config:
+                self._peft.load_adapter(str(adapter.path), adapter_name=name, is_trainable=False)
+        self._peft.set_adapter(name)
+        self._peft.base_model.enable_adapter_layers()
+        self._active = name
+
+    # ---- saving ------------------------------------------------------------------------------------
+    def merged_state(self) -> dict[str, torch.Tensor]:
+        """The model's base weights as `save_pretrained` names them, quantized layers dequantized to `dtype`."""
+        state = dict(base_state_items(self.model))
+        for module_name, layer in self.model.named_modules():
+            if quantized.is_quantized_linear(layer):
+                clean = module_name.replace(".base_layer", "")
+                for key in [k for k in state if k.startswith(clean + ".") and k != clean + ".bias"]:
+                    del state[key]
+                state[clean + ".weight"] = quantized.dequantize(layer).to(self.dtype)
+        return state
+
+    def save_merged(self, out_dir: str | Path, *, max_shard_mb: float = 5000.0) -> Path:
+        """Write the model with what is merged (not an adapter in `use`) as a plain transformers directory.
+
+        The ledger goes into config.json and the safetensors metadata; quantized layers are written
+        dequantized in `dtype`. The directory appears at `out_dir` only once complete.
+        """
+        if self._active is not None:
+            warnings.warn(f"save_merged writes merged weights only; {self._active!r} is in use unmerged and is not saved", AdapterWarning, stacklevel=2)
+        state = self.merged_state()
+        max_shard_bytes = int(max_shard_mb * 2**20)
+        shards: list[dict[str, torch.Tensor]] = [{}]
+        shard_bytes = 0
+        for name, tensor in state.items():
+            size = tensor.numel() * tensor.element_size()
+            if shards[-1] and shard_bytes + size > max_shard_bytes:
+                shards.append({})
+                shard_bytes = 0
+            shards[-1][name] = tensor
+            shard_bytes += size
+        with staging_dir(out_dir) as tmp:
+            weight_map: dict[str, str] = {}
+            for index, shard in enumerate(shards):
+                weight_map.update(write_shard(tmp, shard_file_name(index, len(shards)), shard, self._ledger))
+            if len(shards) > 1:
+                write_index(tmp, weight_map, sum(t.numel() * t.element_size() for t in state.values()))
+            if self.base_dir is not None:
+                copy_side_files(self.base_dir, tmp)
+            if self.tokenizer is not None:
+                self.tokenizer.save_pretrained(tmp)
+            write_config(tmp, self.model.config.to_dict(), self._ledger, self.dtype)
+        return Path(out_dir)
+
+
+def _weight_shape(layer: torch.nn.Module) -> tuple[int, int] | None:
+    if quantized.is_quantized_linear(layer):
+        return (layer.out_features, layer.in_features)
+    weight = getattr(layer, "weight", None)
+    if isinstance(weight, torch.Tensor) and weight.dim() == 2 and isinstance(layer, torch.nn.Linear):
+        return tuple(weight.shape)
+    return None
+
+
+def _tied_parameter_names(model: torch.nn.Module) -> dict[str, str]:
+    """parameter name -> another name sharing its storage, for every tied parameter."""
+    names_by_id: dict[int, list[str]] = {}
+    for name, parameter in model.named_parameters(remove_duplicate=False):
+        names_by_id.setdefault(id(parameter), []).append(name.replace(".base_layer", ""))
+    tied: dict[str, str] = {}
+    for names in names_by_id.values():
+        for name in names if len(names) > 1 else []:
+            tied[name] = next(other for other in names if other != name)
+    return tied

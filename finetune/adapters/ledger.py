@@ -1,0 +1,104 @@
+"""The ledger: which adapters are merged into a model, with what weight, on top of which base.
+
+A merged model's touched tensors equal round(W_base + Σ wᵢ·ΔWᵢ), summed in fp32 over the ledger's
+entries in sorted-name order (`canonical_terms`); merge, subtract and swap only edit the ledger and then
+recompute the tensors whose terms changed, from the pristine base. The ledger travels with a merged
+checkpoint in `config.json` (key `finetune_merged`) and in every shard's safetensors metadata (same JSON
+string), so a later `subtract` or `swap` knows what it is undoing and where the base was.
+
+Example:
+    ledger = Ledger(base_path="models/tiny", base_fingerprint="sha256:...")
+    ledger = ledger.plus("legal", 1.0, adapter)          # a new Ledger; this one is unchanged
+    ledger.weights                                        # {'legal': 1.0}
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from finetune.errors import AdapterError
+
+LEDGER_KEY = "finetune_merged"
+LEDGER_FORMAT = "finetune-merged/1"
+_ZERO_WEIGHT = 1e-12
+
+
+def clean_weight(weight: float) -> float:
+    """A weight rounded to 12 significant digits, so 0.1 + 0.2 - 0.3 is recorded as 0, not 5.6e-17.
+
+    The rounded value is the one both the ledger and the arithmetic use, so tensors still follow it exactly.
+    """
+    return float(f"{float(weight):.12g}")
+
+
+@dataclass(frozen=True)
+class LedgerEntry:
+    weight: float
+    path: str = ""
+    sha256: str = ""
+    """sha256 of the adapter file, so a ledger can tell a retrained adapter from the one it merged."""
+
+
+@dataclass(frozen=True)
+class Ledger:
+    base_path: str = ""
+    base_fingerprint: str = ""
+    entries: dict[str, LedgerEntry] = field(default_factory=dict)
+
+    @property
+    def weights(self) -> dict[str, float]:
+        """name -> weight, in canonical (sorted) order."""
+        return {name: self.entries[name].weight for name in sorted(self.entries)}
+
+    def plus(self, name: str, weight: float, adapter=None) -> "Ledger":
+        """The ledger after adding `weight` of adapter `name`; an entry whose weight reaches 0 disappears."""
+        entries = dict(self.entries)
+        old = entries.get(name)
+        total = clean_weight((old.weight if old else 0.0) + weight)
+        if abs(total) < _ZERO_WEIGHT:
+            entries.pop(name, None)
+        else:
+            path = str(adapter.path) if adapter is not None else (old.path if old else "")
+            sha = adapter.file_sha256 if adapter is not None else (old.sha256 if old else "")
+            entries[name] = LedgerEntry(weight=total, path=path, sha256=sha)
+        return replace(self, entries=entries)
+
+    def to_json(self) -> str:
+        return json.dumps(
+            {
+                "format": LEDGER_FORMAT,
+                "base": {"path": self.base_path, "fingerprint": self.base_fingerprint},
+                "adapters": {
+                    name: {"weight": e.weight, "path": e.path, "sha256": e.sha256} for name, e in sorted(self.entries.items())
+                },
+            },
+            sort_keys=True,
+        )
+
+    @classmethod
+    def from_json(cls, text: str | dict, where: str = "ledger") -> "Ledger":
+        try:
+            data = json.loads(text) if isinstance(text, str) else text
+            entries = {
+                name: LedgerEntry(weight=float(e["weight"]), path=e.get("path", ""), sha256=e.get("sha256", ""))
+                for name, e in data["adapters"].items()
+            }
+            return cls(data["base"].get("path", ""), data["base"].get("fingerprint", ""), entries)
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise AdapterError(f"{where}: the merge ledger is malformed ({exc!r}); re-create the merged model") from None
+
+
+def read_ledger(model_dir: str | Path) -> Ledger | None:
+    """The ledger of a merged model directory (from config.json), or None for a model nobody merged into."""
+    config_file = Path(model_dir) / "config.json"
+    if not config_file.is_file():
+        return None
+    try:
+        config = json.loads(config_file.read_text(encoding="utf-8"))
+    except ValueError:
+        return None
+    if LEDGER_KEY not in config:
+        return None
+    return Ledger.from_json(config[LEDGER_KEY], where=str(config_file))

@@ -1,0 +1,88 @@
+"""bitsandbytes layers for adapter arithmetic: dequantize to fp32, build the merged dense layer, requantize.
+
+An adapter trained on a 4-bit or 8-bit base learned its update against the *dequantized* weights, so a
+merge is round(dequantize(W_q) + Σ w·ΔW) in a 16/32-bit dtype: the quantized layer is replaced by a
+dense `nn.Linear`. The original quantized layer is the pristine source (smaller than the dense weight)
+and is put back when nothing is merged into it any more, so subtracting everything restores it exactly.
+Requantizing a merged layer (only when asked) rounds again; `requantize` returns the relative
+Frobenius error that adds, so it can be printed.
+
+Example:
+    dense_weight = dequantize(layer)                      # fp32, (out, in)
+    merged = dense_linear_like(layer, dense_weight.to(torch.bfloat16))
+    requantized, relative_error = requantize(layer, merged.weight)
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _bnb():
+    try:
+        import bitsandbytes as bnb
+    except ImportError:  # no quantized layer can exist without it
+        return None
+    return bnb
+
+
+def is_quantized_linear(module: torch.nn.Module) -> bool:
+    bnb = _bnb()
+    return bnb is not None and isinstance(module, (bnb.nn.Linear4bit, bnb.nn.Linear8bitLt))
+
+
+def dequantize(module: torch.nn.Module) -> torch.Tensor:
+    """The weight a bitsandbytes linear layer computes with, in fp32, shaped (out, in)."""
+    import bitsandbytes.functional as F
+
+    bnb = _bnb()
+    if isinstance(module, bnb.nn.Linear4bit):
+        return F.dequantize_4bit(module.weight.data, module.weight.quant_state).to(torch.float32)
+    weight = module.weight
+    scales = getattr(weight, "SCB", None)
+    if scales is None:
+        scales = module.state.SCB
+    return F.int8_vectorwise_dequant(weight.data, scales).to(torch.float32)
+
+
+def quantization_name(module: torch.nn.Module) -> str:
+    bnb = _bnb()
+    if isinstance(module, bnb.nn.Linear4bit):
+        return f"4-bit {module.weight.quant_type}"
+    return "8-bit"
+
+
+def dense_linear_like(module: torch.nn.Module, weight: torch.Tensor) -> torch.nn.Linear:
+    """A plain `nn.Linear` holding `weight` (and the quantized layer's bias), in `weight`'s dtype."""
+    dense = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=module.bias is not None, device="meta")
+    dense.weight = torch.nn.Parameter(weight, requires_grad=False)
+    if module.bias is not None:
+        dense.bias = torch.nn.Parameter(module.bias.detach().to(weight.dtype).clone(), requires_grad=False)
+    return dense
+
+
+def requantize(module: torch.nn.Module, weight: torch.Tensor) -> tuple[torch.nn.Module, float]:
+    """`weight` quantized the way `module` is, and the relative Frobenius error ‖deq(q(W)) − W‖ / ‖W‖ it adds."""
+    bnb = _bnb()
+    if isinstance(module, bnb.nn.Linear4bit):
+        state = module.weight.quant_state
+        layer = bnb.nn.Linear4bit(
+            weight.shape[1], weight.shape[0], bias=module.bias is not None, compute_dtype=module.compute_dtype,
+            compress_statistics=state.nested, quant_type=state.quant_type, device="cpu",
+        )
+        layer.weight = bnb.nn.Params4bit(
+            weight.detach().to(state.dtype).clone(), requires_grad=False, compress_statistics=state.nested,
+            quant_type=state.quant_type, blocksize=state.blocksize,
+        )
+    else:
+        layer = bnb.nn.Linear8bitLt(
+            weight.shape[1], weight.shape[0], bias=module.bias is not None, has_fp16_weights=False,
+            threshold=module.state.threshold, device="cpu",
+        )
+        layer.weight = bnb.nn.Int8Params(weight.detach().to(torch.float16).clone(), requires_grad=False, has_fp16_weights=False)
+    layer = layer.to("cpu")  # bitsandbytes quantizes when the parameter is moved to a device
+    if module.bias is not None:
+        layer.bias = torch.nn.Parameter(module.bias.detach().clone(), requires_grad=False)
+    exact = weight.detach().to(torch.float32)
+    relative_error = (dequantize(layer) - exact).norm() / exact.norm().clamp_min(1e-30)
+    return layer, float(relative_error)

@@ -1,0 +1,223 @@
+"""Read a LoRA adapter directory into fp32 (A, B, scale) per targeted module, and compute its updates.
+
+This module owns what an adapter *is* for the arithmetic: for every targeted linear layer the update
+ΔW = scale · B · A (transposed for `fan_in_fan_out`), with scale = alpha / r, or alpha / sqrt(r) for
+rsLoRA, per-module r and alpha from `rank_pattern` / `alpha_pattern`: the semantics of peft's
+`LoraLayer.get_delta_weight`, computed in fp32. Everything that cannot be written as such a sum is
+refused with an `AdapterError` rather than merged approximately: DoRA (its update depends on the norm of
+the weight it is merged into, so weighted sums and exact subtraction have no meaning), LoRA biases,
+embedding/conv LoRA, `modules_to_save` and trainable tokens (full replacement weights, not updates).
+
+It also owns the safety checks that need only the adapter: names (no path separators, nothing peft or
+torch reserve), pickle files (`adapter_model.bin` is refused unless `allow_pickle`, then read with
+`torch.load(weights_only=True)`), NaN/Inf in A or B (named by adapter and module).
+
+Example:
+    adapter = read_adapter("adapters/legal")
+    delta = adapter.delta("model.layers.0.self_attn.q_proj", weight=0.5)   # fp32, shape of W
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from finetune.errors import AdapterError
+from finetune.manifest import Manifest, read_manifest
+
+CONFIG_NAME = "adapter_config.json"
+SAFETENSORS_NAME = "adapter_model.safetensors"
+PICKLE_NAME = "adapter_model.bin"
+PEFT_PREFIX = "base_model.model."
+# peft refuses adapter names contained in its tuner prefix ("lora_"), e.g. "lora" or "a".
+PEFT_LORA_PREFIX = "lora_"
+_NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_\-]{0,63}$")
+_LORA_KEY = re.compile(r"^(?P<module>.+)\.lora_(?P<which>A|B)\.weight$")
+# Config switches whose adapters are not a plain sum of B·A updates; value = why we refuse.
+_UNSUPPORTED_CONFIG = {
+    "use_dora": "DoRA's update depends on the norm of the weight it is merged into, so it has no exact weighted sum",
+    "lora_bias": "LoRA biases are not supported by adapter arithmetic",
+    "modules_to_save": "modules_to_save replaces whole modules instead of adding an update",
+    "trainable_token_indices": "trainable tokens replace embedding rows instead of adding an update",
+    "layer_replication": "layer replication changes the model's structure",
+    "target_parameters": "LoRA on raw parameters (target_parameters) is not supported",
+    "use_qalora": "QA-LoRA's pooled update is not supported",
+    "use_bdlora": "block-diagonal LoRA is not supported",
+    "alora_invocation_tokens": "activated LoRA only applies after invocation tokens, it cannot be merged",
+}
+
+
+def validate_adapter_name(name: str) -> str:
+    """Return `name` if it can name an adapter in peft and in the ledger, else raise `AdapterError`.
+
+    Refused: path separators and dots (peft uses names as module keys, where "." splits the path),
+    names contained in peft's "lora_" prefix (peft raises on them), and attribute names of torch's
+    `ModuleDict` (e.g. "training", "keys"), which peft's per-adapter dicts cannot hold.
+    """
+    if not _NAME_PATTERN.match(name or ""):
+        raise AdapterError(
+            f"adapter name {name!r} is invalid: use 1-64 letters, digits, '_' or '-', starting with a letter or "
+            "digit (no '/', '.', spaces)"
+        )
+    if name in PEFT_LORA_PREFIX or hasattr(torch.nn.ModuleDict(), name):
+        raise AdapterError(f"adapter name {name!r} is reserved by peft/torch; rename the adapter")
+    return name
+
+
+@dataclass(frozen=True)
+class LoraWeights:
+    """One targeted linear layer: A (r, in), B (out, r) in fp32 and the scale applied to B·A."""
+
+    A: torch.Tensor
+    B: torch.Tensor
+    scale: float
+    fan_in_fan_out: bool = False
+
+    @property
+    def rank(self) -> int:
+        return self.A.shape[0]
+
+    @property
+    def weight_shape(self) -> tuple[int, int]:
+        """Shape of the base weight this update is added to."""
+        out_features, in_features = self.B.shape[0], self.A.shape[1]
+        return (in_features, out_features) if self.fan_in_fan_out else (out_features, in_features)
+
+    def delta(self, weight: float = 1.0) -> torch.Tensor:
+        """weight · scale · B·A in fp32, shaped like the base weight.
+
+        The scalar is folded in first (one multiply per B element) so the same call always rounds the
+        same way: the arithmetic in `inmemory` and `ondisk` relies on identical results for identical inputs.
+        """
+        update = (self.B * (weight * self.scale)) @ self.A  # (out, r) @ (r, in) -> (out, in)
+        return update.T if self.fan_in_fan_out else update
+
+
+@dataclass
+class Adapter:
+    """A LoRA adapter read from disk: per-module weights keyed by module name (`model.layers.0.self_attn.q_proj`)."""
+
+    name: str
+    path: Path
+    config: dict
+    modules: dict[str, LoraWeights]
+    manifest: Manifest | None
+    file_sha256: str = field(default="")
+
+    @property
+    def base_path(self) -> str | None:
+        """Where the base lives: the manifest's path, else peft's `base_model_name_or_path`."""
+        if self.manifest is not None:
+            return self.manifest.base.path
+        return self.config.get("base_model_name_or_path") or None
+
+    @property
+    def base_fingerprint(self) -> str | None:
+        return self.manifest.base.fingerprint if self.manifest is not None else None
+
+    @property
+    def ranks(self) -> set[int]:
+        return {w.rank for w in self.modules.values()}
+
+    def delta(self, module: str, weight: float = 1.0) -> torch.Tensor:
+        return self.modules[module].delta(weight)
+
+
+def _scale(config: dict, module: str, rank: int) -> float:
+    from peft.utils.other import get_pattern_key
+
+    rank_pattern = config.get("rank_pattern") or {}
+    alpha_pattern = config.get("alpha_pattern") or {}
+    expected_rank = rank_pattern.get(get_pattern_key(rank_pattern.keys(), module), config.get("r", 8))
+    alpha = alpha_pattern.get(get_pattern_key(alpha_pattern.keys(), module), config.get("lora_alpha", 8))
+    if expected_rank != rank:
+        raise AdapterError(f"adapter module {module}: lora_A has rank {rank} but adapter_config.json says r={expected_rank}")
+    return alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
+
+
+def _read_tensors(path: Path, allow_pickle: bool) -> tuple[dict[str, torch.Tensor], str]:
+    """The adapter file's tensors and the sha256 of the file."""
+    safetensors_file, pickle_file = path / SAFETENSORS_NAME, path / PICKLE_NAME
+    if safetensors_file.is_file():
+        from safetensors.torch import load
+
+        data = safetensors_file.read_bytes()
+        try:
+            return load(data), hashlib.sha256(data).hexdigest()
+        except Exception as exc:  # safetensors raises SafetensorError, a plain Exception subclass
+            raise AdapterError(f"{safetensors_file} is not a readable safetensors file ({exc}); re-save it") from None
+    if pickle_file.is_file():
+        if not allow_pickle:
+            raise AdapterError(
+                f"{pickle_file} is a pickle file, which can run code when loaded; convert it to safetensors or pass "
+                "--allow-pickle (allow_pickle=True) if you trust it"
+            )
+        data = pickle_file.read_bytes()
+        try:
+            tensors = torch.load(pickle_file, map_location="cpu", weights_only=True)
+        except Exception as exc:
+            raise AdapterError(f"{pickle_file} cannot be read weights-only ({str(exc).splitlines()[0]})") from None
+        return tensors, hashlib.sha256(data).hexdigest()
+    raise AdapterError(f"{path} has no {SAFETENSORS_NAME}; point at a directory written by peft's save_pretrained")
+
+
+def read_adapter(path: str | Path, name: str | None = None, *, allow_pickle: bool = False) -> Adapter:
+    """Read and check an adapter directory.
+
+    Args:
+        path: directory with `adapter_config.json` and `adapter_model.safetensors` (+ optional manifest).
+        name: how the ledger and peft will call it; default: the manifest's name, else the directory name.
+        allow_pickle: accept `adapter_model.bin`, read with `torch.load(weights_only=True)`.
+
+    Raises:
+        AdapterError: missing/malformed files, unsupported LoRA variants, NaN/Inf, invalid name.
+    """
+    path = Path(path)
+    config_file = path / CONFIG_NAME
+    if not config_file.is_file():
+        raise AdapterError(f"{path} is not an adapter directory (no {CONFIG_NAME}); give a directory written by peft")
+    try:
+        config = json.loads(config_file.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise AdapterError(f"{config_file} is not valid JSON ({exc}); re-save the adapter") from None
+    if config.get("peft_type", "LORA") != "LORA":
+        raise AdapterError(f"{path}: peft_type {config.get('peft_type')!r} is not LoRA; only LoRA adapters can be merged")
+    for key, why in _UNSUPPORTED_CONFIG.items():
+        if config.get(key):
+            raise AdapterError(f"{path}: {key} is set: {why}")
+    manifest = read_manifest(path)
+    name = validate_adapter_name(name or (manifest.name if manifest is not None else path.resolve().name))
+    tensors, file_sha256 = _read_tensors(path, allow_pickle)
+
+    pairs: dict[str, dict[str, torch.Tensor]] = {}
+    for key, tensor in tensors.items():
+        module_key = key.removeprefix(PEFT_PREFIX)
+        match = _LORA_KEY.match(module_key)
+        if match is None:
+            raise AdapterError(
+                f"{path}: tensor {key} is not a LoRA A/B weight of a linear layer (embedding/conv LoRA and saved "
+                "full modules are not supported by adapter arithmetic)"
+            )
+        pairs.setdefault(match["module"], {})[match["which"]] = tensor
+    if not pairs:
+        raise AdapterError(f"{path}: the adapter file holds no LoRA weights")
+
+    modules: dict[str, LoraWeights] = {}
+    for module in sorted(pairs):
+        pair = pairs[module]
+        if set(pair) != {"A", "B"}:
+            raise AdapterError(f"{path}: module {module} has lora_{''.join(pair)} but not both lora_A and lora_B")
+        A, B = pair["A"].to(torch.float32), pair["B"].to(torch.float32)
+        if A.dim() != 2 or B.dim() != 2 or A.shape[0] != B.shape[1]:
+            raise AdapterError(f"{path}: module {module} has A {tuple(A.shape)} and B {tuple(B.shape)}, not (r, in) and (out, r)")
+        for which, tensor in (("lora_A", A), ("lora_B", B)):
+            if not torch.isfinite(tensor).all():
+                raise AdapterError(f"adapter {name!r} ({path}): module {module} {which} holds NaN or Inf; refusing it")
+        modules[module] = LoraWeights(A, B, _scale(config, module, A.shape[0]), bool(config.get("fan_in_fan_out")))
+    return Adapter(name=name, path=path, config=config, modules=modules, manifest=manifest, file_sha256=file_sha256)

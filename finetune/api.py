@@ -1,0 +1,145 @@
+"""`finetune.load_model`: a base model with named adapters, ready for exact merge/subtract/swap and `use`.
+
+Example:
+    m = finetune.load_model("models/tiny", adapters={"legal": "adapters/legal", "med": "adapters/med"})
+    m.merge("legal", 0.5); m.merged                 # {'legal': 0.5}
+    m.swap("legal", "med"); m.save_merged("merged/med")
+    m = finetune.load_model("adapters/legal")       # the base comes from the adapter's manifest; in use, unmerged
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from finetune.adapters import AdapterWarning
+from finetune.errors import AdapterError
+
+if TYPE_CHECKING:  # torch and transformers load when a model does, so `import finetune` stays instant
+    from finetune.adapters.inmemory import LoadedModel
+    from finetune.adapters.weights import Adapter
+
+__all__ = ["load_model", "check_fingerprint", "local_model_dir"]
+
+DTYPES = ("float32", "bfloat16", "float16")
+ADAPTER_CONFIG_NAME = "adapter_config.json"
+
+
+def local_model_dir(source: str, revision: str | None = None) -> Path | None:
+    """The local directory holding `source`'s files: itself, or its hub-cache snapshot; None if neither."""
+    if Path(source).is_dir():
+        return Path(source)
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(source, revision=revision, local_files_only=True))
+    except Exception:  # not a hub id, or not cached: no files to read a pristine copy from
+        return None
+
+
+def check_fingerprint(adapter: "Adapter", base_fingerprint: str | None, base_where: str, *, force: bool) -> None:
+    """Refuse an adapter trained on another base (unless `force`); warn when no check is possible."""
+    if adapter.base_fingerprint is None:
+        warnings.warn(
+            f"adapter {adapter.name!r} ({adapter.path}) has no manifest.json, so whether it was trained on {base_where} "
+            "cannot be checked",
+            AdapterWarning,
+            stacklevel=3,
+        )
+        return
+    if base_fingerprint is None or adapter.base_fingerprint == base_fingerprint:
+        return
+    message = (
+        f"adapter {adapter.name!r} ({adapter.path}) was trained on base {adapter.manifest.base.path} "
+        f"({adapter.base_fingerprint}) but {base_where} is {base_fingerprint}; use the right base or pass --force "
+        "(force=True)"
+    )
+    if not force:
+        raise AdapterError(message)
+    warnings.warn("forced: " + message, AdapterWarning, stacklevel=3)
+
+
+def _named_paths(adapters: Mapping[str, str | Path] | Sequence[str | Path] | None) -> list[tuple[str | None, Path]]:
+    if adapters is None:
+        return []
+    if isinstance(adapters, Mapping):
+        return [(name, Path(path)) for name, path in adapters.items()]
+    if isinstance(adapters, (str, Path)):
+        return [(None, Path(adapters))]
+    return [(None, Path(path)) for path in adapters]
+
+
+def load_model(
+    base: str | Path,
+    adapters: Mapping[str, str | Path] | Sequence[str | Path] | None = None,
+    *,
+    dtype: str = "float32",
+    quantization: str | None = None,
+    requantize: bool = False,
+    force: bool = False,
+    allow_pickle: bool = False,
+    revision: str | None = None,
+    attn_implementation: str = "sdpa",
+    trust_remote_code: bool = False,
+) -> "LoadedModel":
+    """Load a base and its adapters into a `LoadedModel`.
+
+    Args:
+        base: a model directory, hub id or `embedded:tiny-llama`; or an adapter directory, whose manifest
+            (else `base_model_name_or_path`) names the base; that adapter is then switched on with `use`.
+        adapters: name -> adapter directory (or a list of directories, named by manifest or directory).
+        dtype: float32 | bfloat16 | float16: the model's dtype, and that of merged weights.
+        quantization: none | 4bit | 8bit (bitsandbytes); default: what the adapters' manifests record.
+            Merging into a quantized layer dequantizes it and writes a dense `dtype` layer.
+        requantize: requantize merged layers instead (their added error is in `requantization_errors`).
+        force: apply adapters whose recorded base fingerprint differs from this base's.
+        allow_pickle: accept `adapter_model.bin` files (read with `torch.load(weights_only=True)`).
+
+    Raises:
+        AdapterError: unreadable/unsafe adapters, fingerprint or shape mismatch, no base to be found.
+        ModelError: the base cannot be loaded.
+    """
+    import torch
+
+    from finetune.adapters.inmemory import LoadedModel
+    from finetune.adapters.weights import read_adapter
+    from finetune.fingerprint import fingerprint_model, fingerprint_model_dir
+    from finetune.model import load_base
+
+    if dtype not in DTYPES:
+        raise AdapterError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+    named = _named_paths(adapters)
+    use_first = None
+    if (Path(base) / ADAPTER_CONFIG_NAME).is_file():
+        lead = read_adapter(base, allow_pickle=allow_pickle)
+        if lead.base_path is None:
+            raise AdapterError(f"adapter {base} records no base (no manifest, no base_model_name_or_path); pass the base")
+        named.insert(0, (lead.name, Path(base)))
+        use_first, base = lead.name, lead.base_path
+    read = [read_adapter(path, name, allow_pickle=allow_pickle) for name, path in named]
+    if quantization is None:
+        recorded = {a.manifest.base.quantization for a in read if a.manifest is not None}
+        quantization = recorded.pop() if len(recorded) == 1 else "none"
+    model, tokenizer, source = load_base(
+        str(base), dtype=dtype, revision=revision, attn_implementation=attn_implementation,
+        trust_remote_code=trust_remote_code, quantization=quantization,
+    )
+    base_dir = local_model_dir(source, revision)
+    if base_dir is not None and any(base_dir.glob("*.safetensors")):
+        base_fingerprint = fingerprint_model_dir(base_dir)
+    elif quantization == "none":
+        base_fingerprint = fingerprint_model(model)
+    else:
+        base_fingerprint = None
+    loaded = LoadedModel(
+        model, tokenizer, base_source=source, base_dir=base_dir, base_fingerprint=base_fingerprint or "",
+        dtype=getattr(torch, dtype), requantize=requantize,
+    )
+    for adapter in read:
+        check_fingerprint(adapter, base_fingerprint, str(base_dir or source), force=force)
+        loaded.add_adapter(adapter)
+    if use_first is not None:
+        loaded.use(use_first)
+    return loaded

@@ -1,0 +1,204 @@
+"""In-memory adapter arithmetic: bit-exact subtract and swap in fp32/bf16/fp16, the ledger invariant under
+random operation sequences (hypothesis), merged logits vs peft's unmerged ones, and the safety refusals."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from peft import PeftModel
+from transformers import AutoModelForCausalLM
+
+import finetune
+from finetune.adapters import AdapterWarning
+from finetune.adapters.inmemory import LoadedModel
+from finetune.adapters.weights import read_adapter
+from finetune.errors import AdapterError
+
+from adapter_fixtures import adapter_dirs, assert_tensors_equal, base_tensors, make_adapter  # noqa: F401
+
+DTYPES = ["float32", "bfloat16", "float16"]
+
+
+def _load(tiny_base_dir, adapter_dirs, dtype="float32") -> LoadedModel:
+    return finetune.load_model(str(tiny_base_dir), {name: str(path) for name, path in adapter_dirs.items()}, dtype=dtype)
+
+
+def _expected(base: dict[str, torch.Tensor], m: LoadedModel) -> dict[str, torch.Tensor]:
+    """The invariant, computed independently: round(W_base + Σ w·ΔW) in fp32, adapters in sorted-name order."""
+    expected = dict(base)
+    accumulators: dict[str, torch.Tensor] = {}
+    for name, weight in sorted(m.merged.items()):
+        for module, lora in m.adapters[name].modules.items():
+            key = module + ".weight"
+            accumulators.setdefault(key, base[key].to(torch.float32).clone())
+            accumulators[key] += lora.delta(weight)
+    for key, accumulator in accumulators.items():
+        expected[key] = accumulator.to(base[key].dtype)
+    return expected
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_subtracting_everything_gives_the_base_bit_for_bit(tiny_base_dir, adapter_dirs, dtype):
+    m = _load(tiny_base_dir, adapter_dirs, dtype)
+    base = base_tensors(m.model)
+    for _ in range(20):  # peft's merge/unmerge drifts in bf16 over cycles like these; ours must not
+        m.merge("legal")
+        m.merge("med", 0.7)
+        m.merge("code", -1.3)
+        m.subtract("med")
+        m.swap("legal", "med", 2.0)
+        assert m.merged == {"code": -1.3, "med": 2.0}
+        assert not torch.equal(m.model.model.layers[0].self_attn.q_proj.weight, base["model.layers.0.self_attn.q_proj.weight"])
+        m.subtract("med")
+        m.subtract("code")
+    assert m.merged == {}
+    assert_tensors_equal(base, base_tensors(m.model))
+    assert m.pristine_copy_bytes == 0  # the pristine source was the memory-mapped files
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_swap_equals_a_fresh_merge_bit_for_bit(tiny_base_dir, adapter_dirs, dtype):
+    m = _load(tiny_base_dir, adapter_dirs, dtype)
+    m.merge("legal")
+    m.merge("code", 0.5)
+    m.swap("legal", "med")
+    fresh = _load(tiny_base_dir, adapter_dirs, dtype)
+    fresh.merge("med")
+    fresh.merge("code", 0.5)
+    assert m.merged == fresh.merged == {"code": 0.5, "med": 1.0}
+    assert_tensors_equal(base_tensors(fresh.model), base_tensors(m.model))
+
+
+_models: dict[str, tuple[LoadedModel, dict[str, torch.Tensor]]] = {}
+_operation = st.one_of(
+    st.tuples(st.just("merge"), st.sampled_from(["legal", "med", "code"]), st.sampled_from([1.0, 0.5, -1.0, 2.0, 0.1])),
+    st.tuples(st.just("subtract"), st.sampled_from(["legal", "med", "code"]), st.sampled_from([None, 0.5])),
+    st.tuples(st.just("swap"), st.sampled_from(["legal", "med", "code"]), st.sampled_from(["legal", "med", "code"])),
+)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(operations=st.lists(_operation, min_size=1, max_size=8))
+def test_invariant_holds_for_random_operation_sequences(tiny_base_dir, adapter_dirs, dtype, operations):
+    if dtype not in _models:
+        m = _load(tiny_base_dir, adapter_dirs, dtype)
+        _models[dtype] = (m, base_tensors(m.model))
+    m, base = _models[dtype]
+    for operation, name, argument in operations:
+        try:
+            if operation == "merge":
+                m.merge(name, argument)
+            elif operation == "subtract":
+                m.subtract(name, argument)
+            else:
+                m.swap(name, argument)
+        except AdapterError:
+            pass  # refused (e.g. subtracting what is not merged): must leave the state consistent
+        assert_tensors_equal(_expected(base, m), base_tensors(m.model))
+    for name in list(m.merged):
+        m.subtract(name, negate=True)
+    assert_tensors_equal(base, base_tensors(m.model))
+
+
+def test_delta_matches_peft_get_delta_weight(tiny_base_dir, adapter_dirs):
+    for name, path in adapter_dirs.items():
+        model = AutoModelForCausalLM.from_pretrained(tiny_base_dir, dtype=torch.float32)
+        peft_model = PeftModel.from_pretrained(model, str(path))
+        adapter = read_adapter(path)
+        for module, lora in adapter.modules.items():
+            reference = peft_model.base_model.model.get_submodule(module).get_delta_weight("default")
+            torch.testing.assert_close(lora.delta(), reference, rtol=1e-6, atol=1e-7, msg=f"{name} {module}")
+
+
+def _logits(model, input_ids) -> torch.Tensor:
+    with torch.no_grad():
+        return model(input_ids=input_ids).logits
+
+
+def test_merged_logits_match_unmerged_peft_logits(tiny_base_dir, adapter_dirs, tiny_tokenizer):
+    input_ids = tiny_tokenizer(["the model reads a document and predicts"], return_tensors="pt").input_ids
+    m = _load(tiny_base_dir, adapter_dirs)
+    base_logits = _logits(m.model, input_ids)
+    for name in ("legal", "med", "code"):
+        reference = PeftModel.from_pretrained(
+            AutoModelForCausalLM.from_pretrained(tiny_base_dir, dtype=torch.float32), str(adapter_dirs[name])
+        )
+        expected = _logits(reference, input_ids)
+        m.use(name)
+        torch.testing.assert_close(_logits(m.model, input_ids), expected, rtol=0, atol=1e-5)
+        m.use(None)
+        torch.testing.assert_close(_logits(m.model, input_ids), base_logits, rtol=0, atol=0)
+        m.merge(name)
+        assert (_logits(m.model, input_ids) - expected).abs().max() < 1e-5
+        assert (expected - base_logits).abs().max() > 1e-3  # the adapter does change the output
+        m.subtract(name)
+    assert torch.equal(_logits(m.model, input_ids), base_logits)
+
+
+def test_use_and_merge_exclude_each_other_for_the_same_adapter(tiny_base_dir, adapter_dirs, tiny_tokenizer):
+    input_ids = tiny_tokenizer(["the adapter learns"], return_tensors="pt").input_ids
+    m = _load(tiny_base_dir, adapter_dirs)
+    m.merge("legal")
+    with pytest.raises(AdapterError, match="would count it twice"):
+        m.use("legal")
+    m.use("med")  # another adapter on top of the merged one is fine
+    with pytest.raises(AdapterError, match="in use unmerged"):
+        m.merge("med")
+    on_top = _logits(m.model, input_ids)
+    m.use(None)
+    m.merge("med")
+    torch.testing.assert_close(_logits(m.model, input_ids), on_top, rtol=0, atol=1e-5)
+    assert m.active is None and m.merged == {"legal": 1.0, "med": 1.0}
+
+
+def test_subtracting_what_is_not_merged_is_task_negation_and_must_be_asked_for(tiny_base_dir, adapter_dirs):
+    m = _load(tiny_base_dir, adapter_dirs)
+    with pytest.raises(AdapterError, match="task negation"):
+        m.subtract("legal")
+    m.merge("legal", 0.5)
+    with pytest.raises(AdapterError, match="task negation"):
+        m.subtract("legal", 1.0)
+    m.subtract("legal", 1.0, negate=True)
+    assert m.merged == {"legal": -0.5}
+
+
+def test_weights_that_cancel_in_decimal_leave_nothing_merged(tiny_base_dir, adapter_dirs):
+    m = _load(tiny_base_dir, adapter_dirs, "bfloat16")
+    base = base_tensors(m.model)
+    m.merge("legal", 0.1)
+    m.merge("legal", 0.2)
+    m.subtract("legal", 0.3)
+    assert m.merged == {}
+    assert_tensors_equal(base, base_tensors(m.model))
+
+
+def test_overflow_is_refused_and_the_model_is_left_unchanged(tiny_base_dir, tmp_path):
+    huge = make_adapter(tiny_base_dir, tmp_path / "huge", seed=4, targets=("q_proj", "down_proj"), magnitude=300.0)
+    m = finetune.load_model(str(tiny_base_dir), {"huge": str(huge)}, dtype="float16")
+    base = base_tensors(m.model)
+    m.merge("huge", 1e-6)  # small enough to fit
+    merged = base_tensors(m.model)
+    with pytest.raises(AdapterError, match="huge into model.layers.0.*NaN/Inf in float16"):
+        m.merge("huge", 1.0)
+    assert m.merged == {"huge": 1e-6}
+    assert_tensors_equal(merged, base_tensors(m.model))
+    m.subtract("huge")
+    assert_tensors_equal(base, base_tensors(m.model))
+
+
+def test_base_built_in_memory_keeps_a_copy_of_targeted_tensors_only(tiny_base_dir, adapter_dirs, tiny_tokenizer):
+    model = AutoModelForCausalLM.from_pretrained(tiny_base_dir, dtype=torch.bfloat16)
+    m = LoadedModel(model, tiny_tokenizer, base_source="in memory", base_dir=None, base_fingerprint="", dtype=torch.bfloat16)
+    m.add_adapter(read_adapter(adapter_dirs["legal"]))
+    base = base_tensors(m.model)
+    with pytest.warns(AdapterWarning, match="keeping an in-memory copy"):
+        m.merge("legal")
+    targeted = [p for n, p in model.named_parameters() if "q_proj" in n or "v_proj" in n]
+    assert m.pristine_copy_bytes == sum(p.numel() * p.element_size() for p in targeted)
+    m.subtract("legal")
+    assert_tensors_equal(base, base_tensors(m.model))
