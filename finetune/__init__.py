@@ -21,5 +21,6 @@ __all__ = [
     "Recipe",
     "RecipeError",
     "__version__",
+    "load_model",
     "load_recipe",
 ]
