@@ -169,6 +169,12 @@ def test_every_source_type_loads_its_records_in_order(tmp_path, tiny_tokenizer, 
     assert texts == [record["text"] for record in RECORDS]
 
 
+def test_json_file_holding_one_object_on_one_line_is_one_record(tmp_path, tiny_tokenizer):
+    source = tmp_path / "one.json"
+    source.write_text(json.dumps(RECORDS[0]), encoding="utf-8")
+    assert build(tmp_path, tiny_tokenizer, train=[str(source)]).stats["num_records"] == 1
+
+
 def test_saved_dataset_dict_reads_train_split_by_default(tmp_path, tiny_tokenizer):
     bundle = build(tmp_path, tiny_tokenizer, train=[_saved_dataset_dict(tmp_path)])
     assert bundle.stats["num_records"] == 1
@@ -351,6 +357,12 @@ def _other_chat_template(tokenizer):
     return changed
 
 
+def _used_with_truncation_and_padding(config, data_file: Path, tokenizer):
+    used = copy.deepcopy(tokenizer)
+    used(["the model reads"] * 2, truncation=True, max_length=2, padding="max_length")  # leaves backend state
+    return config, used
+
+
 FINGERPRINT_CASES = [
     # (id, change to (config dict, data file, tokenizer), whether the fingerprint must change)
     ("file-content", _append_record, True),
@@ -366,6 +378,7 @@ FINGERPRINT_CASES = [
     ("moved-file", lambda c, f, t: ({**c, "train": [str(f.rename(f.with_name("moved.jsonl")))]}, t), False),
     ("field-of-another-format", lambda c, f, t: ({**c, "prompt_field": "question", "messages_field": "m"}, t), False),
     ("completion-only-irrelevant-to-text", lambda c, f, t: ({**c, "completion_only_loss": False}, t), False),
+    ("tokenizer-after-a-truncating-call", _used_with_truncation_and_padding, False),
     ("seed-without-validation-split", lambda c, f, t: ({**c, "seed": 7}, t), False),
 ]
 
@@ -414,7 +427,10 @@ BAD_INPUT_CASES = [
     ("not-a-saved-dataset", _directory, {}, ["plain_dir", "not one written by datasets.save_to_disk"]),
     ("garbage-parquet", _file("d.parquet", b"not parquet at all"), {}, ["d.parquet", "cannot be read as Parquet"]),
     ("invalid-json-line", _file("d.jsonl", '{"text": "a"}\n{"text": \n'), {}, ["d.jsonl line 2", "invalid JSON"]),
-    ("json-not-an-array", _file("d.json", '"just a string"'), {}, ["d.json", "expected a JSON array"]),
+    ("json-not-an-array", _file("d.json", '"just a string"'), {}, ["d.json", "expected a JSON array", "got str"]),
+    ("json-object-not-an-array", _file("d.json", '{\n "data": []\n}'), {}, ["d.json", "expected a JSON array", "got an object"]),
+    ("invalid-json", _file("d.json", '[{"text": "a"},\n {"text": }]'), {}, ["d.json line 2", "invalid JSON"]),
+    ("invalid-json-lines-in-.json", _file("d.json", '{"text": "a"}\n{"text": }\n'), {}, ["d.json line 2", "invalid JSON"]),
     ("record-not-an-object", _file("d.jsonl", '{"text": "a"}\n[1, 2]\n'), {}, ["d.jsonl line 2 (record 2)", "got list"]),
     ("ragged-csv", _file("d.csv", "text,extra\na,b\nc,d,e\n"), {}, ["d.csv line 3", "3 values", "header has 2"]),
     ("non-utf8", _file("d.jsonl", b'{"text": "ok"}\n{"text": "caf\xe9"}\n'), {},

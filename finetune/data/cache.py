@@ -63,7 +63,10 @@ def tokenizer_identity(tokenizer: PreTrainedTokenizerBase) -> str:
     digest = hashlib.sha256(type(tokenizer).__name__.encode())
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is not None:
-        digest.update(backend.to_str().encode())
+        # Truncation and padding are call-time state that transformers leaves behind in the backend after
+        # a call like tokenizer(..., truncation=True); they do not change how text maps to ids.
+        serialised = {key: value for key, value in json.loads(backend.to_str()).items() if key not in ("truncation", "padding")}
+        digest.update(json.dumps(serialised, sort_keys=True).encode())
     else:  # a slow tokenizer: its vocabulary stands in for the model file
         digest.update(json.dumps(sorted(tokenizer.get_vocab().items())).encode())
     special = {

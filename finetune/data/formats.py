@@ -164,11 +164,10 @@ def _encode_chat(records, config, tokenizer, locate) -> list[Document | None]:
             labels = [token if keep else IGNORE_INDEX for token, keep in zip(input_ids, trained)]
         else:
             labels = list(input_ids)
-        if not input_ids:
-            documents.append(None)
-            continue
-        labels[0] = IGNORE_INDEX
-        documents.append(Document(input_ids, labels) if any(x != IGNORE_INDEX for x in labels) else None)
+        if labels:
+            labels[0] = IGNORE_INDEX
+        trainable = any(label != IGNORE_INDEX for label in labels)
+        documents.append(Document(input_ids, labels) if trainable else None)
     return documents
 
 
@@ -191,14 +190,14 @@ def _messages_field(record: dict[str, Any], name: str, where: str) -> list[dict[
         kind = "an empty list" if isinstance(messages, list) else f"{type(messages).__name__} {_preview(messages)}"
         raise DataError(f"{where}: field {name!r} must be a non-empty list of {{role, content}} messages, got "
                         f"{kind}; fix the record or set data.messages_field")
-    for number, message in enumerate(messages, start=1):
+    for index, message in enumerate(messages):
         if not isinstance(message, dict):
-            raise DataError(f"{where}: {name}[{number - 1}] must be an object with 'role' and 'content', got "
+            raise DataError(f"{where}: {name}[{index}] must be an object with 'role' and 'content', got "
                             f"{type(message).__name__} {_preview(message)}; fix the record")
         for key in ("role", "content"):
             if not isinstance(message.get(key), str):
-                got = "missing" if key not in message else f"{type(message[key]).__name__}"
-                raise DataError(f"{where}: {name}[{number - 1}].{key} must be a string, got {got}; "
+                got = "missing" if key not in message else type(message[key]).__name__
+                raise DataError(f"{where}: {name}[{index}].{key} must be a string, got {got}; "
                                 f"each message needs a string 'role' and 'content'")
     return messages
 
@@ -226,6 +225,9 @@ def _render_by_prefixes(messages, template, tokenizer, where) -> tuple[list[int]
     the conversation up to and including it ends, cut after the turn's last EOS so that separators the
     template writes between turns stay unlabelled.
     """
+    if not getattr(tokenizer, "is_fast", False):
+        raise DataError("chat records rendered by a template without {% generation %} markers need a fast "
+                        "tokenizer (for character offsets); add the markers to data.chat_template")
     render = lambda conversation: _apply_template(tokenizer, conversation, template, where, tokenize=False)  # noqa: E731
     full = render(messages)
     spans = []
@@ -243,9 +245,6 @@ def _render_by_prefixes(messages, template, tokenizer, where) -> tuple[list[int]
         if tokenizer.eos_token and (eos_at := full.rfind(tokenizer.eos_token, start, end)) >= 0:
             end = eos_at + len(tokenizer.eos_token)
         spans.append((start, end))
-    if not getattr(tokenizer, "is_fast", False):
-        raise DataError("chat records with a template without {% generation %} markers need a fast tokenizer "
-                        "(character offsets); add the markers to data.chat_template")
     encoded = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
     flags = [any(first < end and last > start for start, end in spans) for first, last in encoded["offset_mapping"]]
     return list(encoded["input_ids"]), flags

@@ -10,7 +10,7 @@ in memory while they are tokenized; the tokenized result is Arrow on disk (see `
 
 File rules:
 - `.jsonl`: one JSON object per line; blank lines are skipped.
-- `.json`: a JSON array of objects; a file that starts with `{` is read as JSON Lines.
+- `.json`: a JSON array of objects; JSON Lines saved as `.json` (objects one per line) is read as such.
 - `.csv`: a header row, then one record per row (every value is a string; empty cells are "").
 - `.parquet`: one record per row.
 - `.txt`: documents separated by one or more blank lines (`datasets`' `sample_by="paragraph"`); line
@@ -152,10 +152,10 @@ def _load_file(path: Path, raw_path: str, text_field: str) -> RawSource:
     if suffix == ".parquet":
         return RawSource(raw_path, _read_parquet(path, raw_path))
     text = _read_utf8(path, raw_path)
-    if suffix == ".jsonl" or (suffix == ".json" and text.lstrip().startswith("{")):
+    if suffix == ".jsonl":
         records, lines = _parse_json_lines(text, raw_path)
     elif suffix == ".json":
-        records, lines = _parse_json_array(text, raw_path), None
+        records, lines = _parse_json(text, raw_path)
     elif suffix == ".csv":
         records, lines = _parse_csv(text, raw_path)
     else:
@@ -192,18 +192,23 @@ def _parse_json_lines(text: str, raw_path: str) -> tuple[list[dict[str, Any]], l
     return records, lines
 
 
-def _parse_json_array(text: str, raw_path: str) -> list[dict[str, Any]]:
+def _parse_json(text: str, raw_path: str) -> tuple[list[dict[str, Any]], list[int] | None]:
+    """A JSON array of records; JSON Lines saved as `.json` (a common mix-up) is read as JSON Lines."""
     try:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
+        if exc.msg == "Extra data" and text.lstrip().startswith("{"):
+            return _parse_json_lines(text, raw_path)
         raise DataError(f"{raw_path} line {exc.lineno}: invalid JSON ({exc.msg} at column {exc.colno}); "
                         f"fix the syntax, or use .jsonl with one object per line") from None
+    if isinstance(data, dict) and len(text.strip().splitlines()) == 1:
+        return _parse_json_lines(text, raw_path)  # JSON Lines with a single record
     if not isinstance(data, list):
-        raise DataError(f"{raw_path}: expected a JSON array of records, got {type(data).__name__}; "
+        raise DataError(f"{raw_path}: expected a JSON array of records, got {'an object' if isinstance(data, dict) else type(data).__name__}; "
                         f"write [{{...}}, {{...}}] or use .jsonl with one object per line")
     for index, record in enumerate(data):
         _check_object(record, f"{raw_path} record {index + 1}")
-    return data
+    return data, None
 
 
 def _check_object(record: Any, where: str) -> None:
