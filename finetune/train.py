@@ -35,7 +35,7 @@ import torch
 from finetune import checkpoint as ckpt
 from finetune.batches import MicroBatchStream
 from finetune.errors import CheckpointError, RecipeError
-from finetune.loss import token_loss_sum
+from finetune.evaluate import evaluate, forward_loss, to_device
 from finetune.recipe import Recipe, load_recipe, recipe_to_dict
 
 Log = Callable[[str], None]
@@ -142,16 +142,6 @@ class _MetricsWriter:
             self._tensorboard.close()
 
 
-def _to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
-    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
-
-
-def _forward_loss(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    inputs = {k: v for k, v in batch.items() if k != "labels"}
-    logits = model(**inputs, use_cache=False).logits
-    return token_loss_sum(logits, batch["labels"])
-
-
 def accumulate_gradients(model, micro_batches: list[dict[str, torch.Tensor]], accelerator) -> float:
     """Backward every micro-batch of one optimizer step; return the step's mean token loss.
 
@@ -167,32 +157,11 @@ def accumulate_gradients(model, micro_batches: list[dict[str, torch.Tensor]], ac
         sync = nullcontext() if is_last else accelerator.no_sync(model)
         with sync:  # the backward too: DDP all-reduces gradients during it, on the last micro-batch only
             with accelerator.autocast():
-                batch_loss_sum, _ = _forward_loss(model, _to_device(batch, accelerator.device))
+                batch_loss_sum, _ = forward_loss(model, to_device(batch, accelerator.device))
             accelerator.backward(batch_loss_sum * accelerator.num_processes / max(global_tokens, 1))
         loss_sum += batch_loss_sum.item()
     total = accelerator.reduce(torch.tensor(loss_sum, dtype=torch.float64, device=accelerator.device), reduction="sum")
     return float(total) / max(global_tokens, 1)
-
-
-@torch.no_grad()
-def evaluate(model, rows, *, collate, micro_batch_size: int, accelerator, max_batches: int | None = None) -> dict[str, float]:
-    """Mean token loss and perplexity over `rows`, each process taking a strided share."""
-    was_training = model.training
-    model.eval()
-    loss_sum = torch.zeros((), dtype=torch.float64, device=accelerator.device)
-    num_tokens = torch.zeros((), dtype=torch.float64, device=accelerator.device)
-    indices = list(range(accelerator.process_index, len(rows), accelerator.num_processes))
-    batches = [indices[i : i + micro_batch_size] for i in range(0, len(indices), micro_batch_size)]
-    for batch_indices in batches[:max_batches]:
-        batch = _to_device(collate([rows[i] for i in batch_indices]), accelerator.device)
-        with accelerator.autocast():
-            batch_loss, batch_tokens = _forward_loss(model, batch)
-        loss_sum += batch_loss.double()
-        num_tokens += batch_tokens.double()
-    totals = accelerator.reduce(torch.stack([loss_sum, num_tokens]), reduction="sum")
-    model.train(was_training)
-    mean_loss = (totals[0] / totals[1].clamp(min=1)).item()
-    return {"eval_loss": mean_loss, "eval_ppl": math.exp(min(mean_loss, 50.0)), "eval_tokens": int(totals[1].item())}
 
 
 def _write_adapter_atomically(peft_model, recipe: Recipe, manifest, final_dir: Path) -> None:

@@ -1,0 +1,112 @@
+"""`finetune eval` (perplexity on a data file) and `finetune generate` (text from a prompt).
+
+Both load a base with an optional adapter switched on unmerged through `finetune.load_model`; the base
+may be left out when the adapter's manifest names it.
+
+Example:
+    finetune eval --adapter adapters/quickstart --data data/quickstart/valid.jsonl --format instruction
+    finetune generate --adapter adapters/quickstart "### Instruction:\\nWhat is ...\\n\\n### Response:\\n"
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from finetune.errors import FinetuneError
+
+ADAPTER_NAME = "adapter"
+
+
+def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--base", help="base model directory, hub id or embedded:tiny-llama (default: the adapter's)")
+    parser.add_argument("--adapter", help="adapter directory, applied unmerged")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--force", action="store_true", help="apply an adapter trained on another base")
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    evaluate = subparsers.add_parser("eval", help="perplexity of a base (and base + adapter) on a data file")
+    _add_model_arguments(evaluate)
+    evaluate.add_argument("--data", required=True, help="a .jsonl/.json/.csv/.parquet/.txt file or saved dataset")
+    evaluate.add_argument("--format", default="text", choices=["text", "instruction", "chat"])
+    evaluate.add_argument("--max-seq-len", type=int, default=1024)
+    evaluate.add_argument("--batch-size", type=int, default=8)
+    evaluate.set_defaults(handler=run_eval)
+
+    generate = subparsers.add_parser("generate", help="continue a prompt with a base (and adapter)")
+    _add_model_arguments(generate)
+    generate.add_argument("prompt", help="the prompt text")
+    generate.add_argument("--chat", action="store_true", help="wrap the prompt as a user turn of the chat template")
+    generate.add_argument("--max-new-tokens", type=int, default=64)
+    generate.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    generate.add_argument("--seed", type=int, default=0)
+    generate.set_defaults(handler=run_generate)
+
+
+def _load(args: argparse.Namespace):
+    """(LoadedModel, adapter name or None) for the --base/--adapter arguments."""
+    from finetune.api import load_model
+
+    if args.base is None and args.adapter is None:
+        raise FinetuneError("give --base, --adapter, or both")
+    if args.base is None:
+        loaded = load_model(args.adapter, dtype=args.dtype, force=args.force)
+        return loaded, loaded.active
+    adapters = {ADAPTER_NAME: args.adapter} if args.adapter else None
+    loaded = load_model(args.base, adapters, dtype=args.dtype, force=args.force)
+    if args.adapter:
+        loaded.use(ADAPTER_NAME)
+    return loaded, (ADAPTER_NAME if args.adapter else None)
+
+
+def run_eval(args: argparse.Namespace) -> int:
+    from accelerate import Accelerator
+
+    from finetune.data import build_datasets, collate_batch
+    from finetune.evaluate import evaluate
+    from finetune.recipe import DataConfig
+
+    loaded, adapter = _load(args)
+    config = DataConfig(train=[args.data], format=args.format, max_seq_len=args.max_seq_len, packing=True)
+    rows = build_datasets(config, loaded.tokenizer, seed=0).train
+
+    def collate(batch_rows):
+        return collate_batch(batch_rows, pad_token_id=loaded.tokenizer.pad_token_id, packing=True)
+
+    accelerator = Accelerator(cpu=True)
+
+    def perplexity() -> dict[str, float]:
+        return evaluate(loaded.model, rows, collate=collate, micro_batch_size=args.batch_size, accelerator=accelerator)
+
+    if adapter is not None:
+        loaded.use(None)
+    base = perplexity()
+    print(f"base: perplexity {base['eval_ppl']:.4f} (loss {base['eval_loss']:.4f} over {base['eval_tokens']:,} tokens)")
+    if adapter is not None:
+        loaded.use(adapter)
+        tuned = perplexity()
+        cut = 100 * (1 - tuned["eval_ppl"] / base["eval_ppl"])
+        print(f"base + adapter: perplexity {tuned['eval_ppl']:.4f} (loss {tuned['eval_loss']:.4f}; {cut:.1f}% lower)")
+    return 0
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    import torch
+
+    loaded, _ = _load(args)
+    tokenizer = loaded.tokenizer
+    if args.chat:
+        input_ids = tokenizer.apply_chat_template(
+            [{"role": "user", "content": args.prompt}], add_generation_prompt=True, return_tensors="pt", return_dict=True
+        )["input_ids"]
+    else:
+        input_ids = tokenizer(args.prompt, return_tensors="pt")["input_ids"]
+    torch.manual_seed(args.seed)
+    sampling = dict(do_sample=True, temperature=args.temperature) if args.temperature > 0 else dict(do_sample=False)
+    with torch.no_grad():
+        output = loaded.model.generate(
+            input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=args.max_new_tokens,
+            pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, **sampling,
+        )
+    print(tokenizer.decode(output[0, input_ids.shape[1]:], skip_special_tokens=True))
+    return 0

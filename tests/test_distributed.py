@@ -1,0 +1,40 @@
+"""Two CPU processes over gloo, launched the way users launch them, train the same adapter as one."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from finetune.train import train
+
+from test_train import workdir  # noqa: F401  (fixture)
+
+
+@pytest.mark.slow
+def test_two_gloo_ranks_match_one_process(workdir):  # noqa: F811
+    # Same global batch (2 ranks x 2 rows = 1 process x 4 rows), no dropout: the runs differ only in
+    # how gradients are summed, so the adapters agree to float rounding.
+    common = ["lora.dropout=0", "train.max_steps=2", "train.save_every_steps=100"]
+    single, _ = train("recipe.yaml", [*common, "train.micro_batch_size=4", "output.name=single"])
+
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    result = subprocess.run(
+        [sys.executable, "-m", "finetune", "train", "recipe.yaml", *common, "train.micro_batch_size=2",
+         "output.name=ranks", "--nproc", "2"],
+        capture_output=True, text=True, env=env, timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "2 process(es)" in result.stderr
+
+    expected = load_file(single / "adapter_model.safetensors")
+    actual = load_file(Path("adapters/ranks/adapter_model.safetensors"))
+    assert expected.keys() == actual.keys()
+    largest = max((expected[k] - actual[k]).abs().max().item() for k in expected)
+    assert largest < 1e-5, largest
+    assert any(t.abs().max() > 0 for t in actual.values())
