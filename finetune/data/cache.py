@@ -65,7 +65,9 @@ def tokenizer_identity(tokenizer: PreTrainedTokenizerBase) -> str:
     if backend is not None:
         # Truncation and padding are call-time state that transformers leaves behind in the backend after
         # a call like tokenizer(..., truncation=True); they do not change how text maps to ids.
-        serialised = {key: value for key, value in json.loads(backend.to_str()).items() if key not in ("truncation", "padding")}
+        serialised = json.loads(backend.to_str())
+        serialised.pop("truncation", None)
+        serialised.pop("padding", None)
         digest.update(json.dumps(serialised, sort_keys=True).encode())
     else:  # a slow tokenizer: its vocabulary stands in for the model file
         digest.update(json.dumps(sorted(tokenizer.get_vocab().items())).encode())

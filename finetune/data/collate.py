@@ -27,7 +27,9 @@ import torch
 from finetune.loss import IGNORE_INDEX
 
 
-def collate_batch(rows: Sequence[Mapping[str, Sequence[int]]], pad_token_id: int | None, packing: bool) -> dict[str, torch.Tensor]:
+def collate_batch(
+    rows: Sequence[Mapping[str, Sequence[int]]], pad_token_id: int | None, packing: bool
+) -> dict[str, torch.Tensor]:
     """Stack rows into a micro-batch.
 
     Args:

@@ -129,7 +129,9 @@ def _encode_instruction(records, config, tokenizer, locate) -> list[Document | N
         where = locate(i)
         prompt = _string_field(record, config.prompt_field, "prompt_field", where)
         response = _string_field(record, config.response_field, "response_field", where)
-        extra = _string_field(record, config.input_field, "input_field", where, required=False) if config.input_field else None
+        extra = None
+        if config.input_field:
+            extra = _string_field(record, config.input_field, "input_field", where, required=False)
         if extra and extra.strip():
             prompts.append(render_prompt(config.prompt_with_input_template, prompt, extra))
         else:
@@ -156,14 +158,13 @@ def _encode_chat(records, config, tokenizer, locate) -> list[Document | None]:
     for i, record in enumerate(records):
         where = locate(i)
         messages = _messages_field(record, config.messages_field, where)
-        if marked:
-            input_ids, trained = _render_with_mask(messages, template, tokenizer, where)
-        else:
-            input_ids, trained = _render_by_prefixes(messages, template, tokenizer, where)
-        if config.completion_only_loss:
-            labels = [token if keep else IGNORE_INDEX for token, keep in zip(input_ids, trained)]
-        else:
+        if not config.completion_only_loss:
+            input_ids = list(_apply_template(tokenizer, messages, template, where, tokenize=True, return_dict=False))
             labels = list(input_ids)
+        else:
+            render = _render_with_mask if marked else _render_by_prefixes
+            input_ids, trained = render(messages, template, tokenizer, where)
+            labels = [token if keep else IGNORE_INDEX for token, keep in zip(input_ids, trained)]
         if labels:
             labels[0] = IGNORE_INDEX
         trainable = any(label != IGNORE_INDEX for label in labels)
@@ -228,7 +229,10 @@ def _render_by_prefixes(messages, template, tokenizer, where) -> tuple[list[int]
     if not getattr(tokenizer, "is_fast", False):
         raise DataError("chat records rendered by a template without {% generation %} markers need a fast "
                         "tokenizer (for character offsets); add the markers to data.chat_template")
-    render = lambda conversation: _apply_template(tokenizer, conversation, template, where, tokenize=False)  # noqa: E731
+
+    def render(conversation: list[dict[str, Any]]) -> str:
+        return _apply_template(tokenizer, conversation, template, where, tokenize=False)
+
     full = render(messages)
     spans = []
     for index, message in enumerate(messages):

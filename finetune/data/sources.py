@@ -132,7 +132,8 @@ def _load_saved_dataset(path: Path, source: SourceConfig) -> RawSource:
         loaded = datasets.load_from_disk(str(path), keep_in_memory=False)
     except FileNotFoundError:
         raise DataError(f"data source {source.path} is a directory but not one written by datasets.save_to_disk "
-                        f"(no dataset_info.json or dataset_dict.json); point at a data file or a saved dataset") from None
+                        f"(no dataset_info.json or dataset_dict.json); point at a data file or a saved dataset"
+                        ) from None
     except Exception as exc:  # noqa: BLE001 - arrow/json errors of a damaged directory
         raise DataError(f"data source {source.path} cannot be read as a saved dataset ({type(exc).__name__}: "
                         f"{str(exc).splitlines()[0] if str(exc) else ''}); re-save it with save_to_disk") from None
@@ -204,7 +205,8 @@ def _parse_json(text: str, raw_path: str) -> tuple[list[dict[str, Any]], list[in
     if isinstance(data, dict) and len(text.strip().splitlines()) == 1:
         return _parse_json_lines(text, raw_path)  # JSON Lines with a single record
     if not isinstance(data, list):
-        raise DataError(f"{raw_path}: expected a JSON array of records, got {'an object' if isinstance(data, dict) else type(data).__name__}; "
+        got = "an object" if isinstance(data, dict) else type(data).__name__
+        raise DataError(f"{raw_path}: expected a JSON array of records, got {got}; "
                         f"write [{{...}}, {{...}}] or use .jsonl with one object per line")
     for index, record in enumerate(data):
         _check_object(record, f"{raw_path} record {index + 1}")
