@@ -1,0 +1,83 @@
+"""The `finetune` command, in-process and as a real subprocess: results on stdout, user errors as one line + exit 2."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from finetune.cli import main
+
+from test_train import workdir  # noqa: F401  (fixture)
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run_cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    return subprocess.run([sys.executable, "-m", "finetune", *args], capture_output=True, text=True, env=env, timeout=timeout)
+
+
+def assert_user_error(result: subprocess.CompletedProcess, *fragments: str) -> None:
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1, result.stderr
+    for fragment in fragments:
+        assert fragment in errors[0]
+
+
+def test_train_eval_generate_as_subprocesses(workdir):  # noqa: F811
+    trained = run_cli("train", "recipe.yaml", "train.max_steps=4")
+    assert trained.returncode == 0, trained.stderr[-2000:]
+    assert "adapter: adapters/crates" in trained.stdout
+    assert "held-out perplexity: base" in trained.stderr
+
+    evaluated = run_cli("eval", "--adapter", "adapters/crates", "--data", "valid.jsonl", "--format", "instruction")
+    assert evaluated.returncode == 0, evaluated.stderr[-2000:]
+    base_line, tuned_line = evaluated.stdout.strip().splitlines()
+    assert base_line.startswith("base: perplexity ")
+    assert tuned_line.startswith("base + adapter: perplexity ") and "% lower" in tuned_line
+
+    generated = run_cli("generate", "--adapter", "adapters/crates", "--max-new-tokens", "5", "What colour is crate 3?")
+    assert generated.returncode == 0, generated.stderr[-2000:]
+    assert generated.stdout.strip()
+
+
+def test_validate_reports_ok_and_errors(workdir, capsys):  # noqa: F811
+    assert main(["validate", "recipe.yaml", "lora.r=16"]) == 0
+    assert "ok" in capsys.readouterr().out
+    assert main(["validate", "recipe.yaml", "lora.rr=16"]) == 2
+    assert "did you mean 'r'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("args", "fragments"),
+    [
+        (["train", "nope.yaml"], ["nope.yaml does not exist"]),
+        (["train", "recipe.yaml", "train.lr"], ["not key=value"]),
+        (["train", "recipe.yaml", "trian.lr=1"], ["trian: unknown key", "did you mean 'train'"]),
+        (["train", "recipe.yaml", "train.lr=fast"], ["train.lr"]),
+        (["train", "recipe.yaml", "data.train=absent.jsonl"], ["absent.jsonl"]),
+        (["train", "recipe.yaml", "lora.target_modules=[wq]"], ["wq", "q_proj"]),
+        (["train", "recipe.yaml", "model.base=."], ["not a model directory"]),
+        (["eval", "--data", "valid.jsonl"], ["--base", "--adapter"]),
+    ],
+)
+def test_user_errors_are_one_line_and_exit_2_in_process(workdir, capsys, args, fragments):  # noqa: F811
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert len(lines) == 1, err
+    for fragment in fragments:
+        assert fragment in lines[0]
+    assert not Path("adapters").exists()
+
+
+def test_user_errors_from_a_real_process_have_no_traceback(workdir):  # noqa: F811
+    Path("broken.yaml").write_text("data:\n  train: [a.jsonl\n")
+    assert_user_error(run_cli("train", "broken.yaml"), "broken.yaml:", "YAML syntax error")
+    assert_user_error(run_cli("train", "recipe.yaml", "lora.target_modules=[wq]"), "match no module")
