@@ -300,6 +300,9 @@ def test_collate_padding_free_and_padded(tiny_tokenizer):
         "position_ids": [[0, 1, 2], [0, 1, 0]],
         "attention_mask": [[1, 1, 1], [1, 1, 0]],
     }
+    padded_with_eos = collate_batch([rows[1], {"input_ids": [0, eos], "labels": [-100, eos], "position_ids": [0, 1]}],
+                                    pad_token_id=eos, packing=False)
+    assert padded_with_eos["labels"].tolist() == [[-100, 9, eos], [-100, eos, -100]], "EOS must stay a label"
 
 
 # ---------------------------------------------------------------------------------------------------

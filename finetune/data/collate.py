@@ -6,9 +6,9 @@
   is spent on padding. This isolates documents only with `use_cache=False` (measured on this stack: with
   the cache on, LoRA gradients were off by a relative 2.2), so the forward must pass it.
 - No packing: rows padded on the right to the longest in the batch with `pad_token_id`, with an
-  `attention_mask`, labels -100 on the padding and position ids 0..n-1. The pad token must not be EOS,
-  or nothing here would tell padding from a trained stop token (labels come from the rows, so EOS
-  stays trained here either way).
+  `attention_mask`, labels -100 on the padding and position ids 0..n-1. Padding is told apart by
+  position, never by comparing ids with `pad_token_id`, so EOS stays a trained label even with a
+  tokenizer that pads with EOS.
 
 Every key except `labels` is a model input: `model(**{k: v for k, v in batch.items() if k != "labels"},
 use_cache=False)`.
