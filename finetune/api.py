@@ -135,7 +135,7 @@ def load_model(
         base_fingerprint = None
     loaded = LoadedModel(
         model, tokenizer, base_source=source, base_dir=base_dir, base_fingerprint=base_fingerprint or "",
-        dtype=getattr(torch, dtype), requantize=requantize,
+        dtype=getattr(torch, dtype), requantize=requantize, quantization=quantization,
     )
     for adapter in read:
         check_fingerprint(adapter, base_fingerprint, str(base_dir or source), force=force)

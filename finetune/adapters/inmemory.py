@@ -77,6 +77,7 @@ class LoadedModel:
         base_fingerprint: str,
         dtype: torch.dtype,
         requantize: bool = False,
+        quantization: str = "none",
     ):
         self.model = model
         self.tokenizer = tokenizer
@@ -86,7 +87,9 @@ class LoadedModel:
         self.requantize = requantize
         self.adapters: dict[str, Adapter] = {}
         self.last_report: OperationReport | None = None
-        self._ledger = Ledger(base_path=str(base_dir or base_source), base_fingerprint=base_fingerprint)
+        self._ledger = Ledger(
+            base_path=str(base_dir or base_source), base_fingerprint=base_fingerprint, base_quantization=quantization
+        )
         self._pristine = PristineWeights(base_dir)
         self._quantized_originals: dict[str, torch.nn.Module] = {}
         self._requantization_errors: dict[str, float] = {}
@@ -169,23 +172,16 @@ class LoadedModel:
         subtracts an update the model never had, and needs `negate=True`.
         """
         self._adapter(name)
-        merged_weight_now = self._ledger.weights.get(name, 0.0)
-        if weight is None:
-            weight = merged_weight_now if merged_weight_now else 1.0
-        remaining = merged_weight_now - weight
-        if not negate and (merged_weight_now == 0.0 or (remaining * merged_weight_now < 0)):
-            raise AdapterError(
-                f"adapter {name!r} is merged with weight {merged_weight_now:g}, so subtracting {weight:g} would be task "
-                "negation (removing an update the model never had); pass negate=True (--negate) if that is the intent"
-            )
-        return self._apply(self._ledger.plus(name, -weight, self.adapters[name]), f"subtract {name}:{weight:g}")
+        ledger = self._ledger.minus(name, weight, self.adapters[name], negate=negate)
+        weight = self._ledger.weights.get(name, 0.0) - ledger.weights.get(name, 0.0)
+        return self._apply(ledger, f"subtract {name}:{weight:g}")
 
     def swap(self, old: str, new: str, weight: float = 1.0) -> OperationReport:
         """Take `old` out entirely and merge `new` with `weight`: equal to merging `new` into a fresh base."""
         self._adapter(old), self._adapter(new)
         if old not in self._ledger.entries:
             raise AdapterError(f"cannot swap out {old!r}: it is not merged (merged: {self.merged or 'nothing'})")
-        ledger = self._ledger.plus(old, -self._ledger.entries[old].weight).plus(new, weight, self.adapters[new])
+        ledger = self._ledger.minus(old, None, negate=False).plus(new, weight, self.adapters[new])
         return self._apply(ledger, f"swap {old} -> {new}:{weight:g}")
 
     def _apply(self, ledger: Ledger, operation: str) -> OperationReport:

@@ -46,6 +46,8 @@ class Ledger:
     base_path: str = ""
     base_fingerprint: str = ""
     entries: dict[str, LedgerEntry] = field(default_factory=dict)
+    base_quantization: str = "none"
+    """bitsandbytes quantization the merged adapters were trained on ("4bit", "8bit"); the base is dequantized."""
 
     @property
     def weights(self) -> dict[str, float]:
@@ -65,11 +67,29 @@ class Ledger:
             entries[name] = LedgerEntry(weight=total, path=path, sha256=sha)
         return replace(self, entries=entries)
 
+    def minus(self, name: str, weight: float | None, adapter=None, *, negate: bool, where: str = "the model") -> "Ledger":
+        """The ledger after subtracting `weight` of `name` (default: all that is merged).
+
+        Taking out more than is merged, or an adapter that is not merged at all, is task negation
+        (removing an update the model never had) and needs `negate`.
+        """
+        merged = self.entries[name].weight if name in self.entries else 0.0
+        if weight is None:
+            weight = merged if merged else 1.0
+        remaining = merged - weight
+        if not negate and (merged == 0.0 or remaining * merged < 0):
+            held = ", ".join(f"{n}:{w:g}" for n, w in self.weights.items()) or "nothing"
+            raise AdapterError(
+                f"{where} holds {held}, so subtracting {weight:g} of {name!r} would be task negation (removing an update "
+                "it never had); pass --negate (negate=True) if that is the intent"
+            )
+        return self.plus(name, -weight, adapter)
+
     def to_json(self) -> str:
         return json.dumps(
             {
                 "format": LEDGER_FORMAT,
-                "base": {"path": self.base_path, "fingerprint": self.base_fingerprint},
+                "base": {"path": self.base_path, "fingerprint": self.base_fingerprint, "quantization": self.base_quantization},
                 "adapters": {
                     name: {"weight": e.weight, "path": e.path, "sha256": e.sha256} for name, e in sorted(self.entries.items())
                 },
@@ -85,7 +105,8 @@ class Ledger:
                 name: LedgerEntry(weight=float(e["weight"]), path=e.get("path", ""), sha256=e.get("sha256", ""))
                 for name, e in data["adapters"].items()
             }
-            return cls(data["base"].get("path", ""), data["base"].get("fingerprint", ""), entries)
+            base = data["base"]
+            return cls(base.get("path", ""), base.get("fingerprint", ""), entries, base.get("quantization", "none"))
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise AdapterError(f"{where}: the merge ledger is malformed ({exc!r}); re-create the merged model") from None
 

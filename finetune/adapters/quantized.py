@@ -7,6 +7,9 @@ and is put back when nothing is merged into it any more, so subtracting everythi
 Requantizing a merged layer (only when asked) rounds again; `requantize` returns the relative
 Frobenius error that adds, so it can be printed.
 
+Merging a checkpoint on disk for such an adapter applies the same round trip to the stored weights
+(`quantized_linear` then `dequantize`), reproducing the weights the adapter was trained against.
+
 Example:
     dense_weight = dequantize(layer)                      # fp32, (out, in)
     merged = dense_linear_like(layer, dense_weight.to(torch.bfloat16))
@@ -61,26 +64,49 @@ def dense_linear_like(module: torch.nn.Module, weight: torch.Tensor) -> torch.nn
     return dense
 
 
+def quantized_linear(
+    weight: torch.Tensor,
+    bits: int,
+    *,
+    quant_type: str = "nf4",
+    double_quant: bool = True,
+    blocksize: int = 64,
+    compute_dtype: torch.dtype | None = None,
+    threshold: float = 0.0,
+) -> torch.nn.Module:
+    """A bitsandbytes layer holding `weight` quantized the way transformers' loader quantizes a checkpoint.
+
+    4-bit: `Params4bit` quantizes the weight as given (its dtype is what dequantization returns);
+    8-bit: `Int8Params` rounds to fp16 first, then row-wise absmax int8.
+    """
+    bnb = _bnb()
+    out_features, in_features = weight.shape
+    if bits == 4:
+        layer = bnb.nn.Linear4bit(
+            in_features, out_features, bias=False, compute_dtype=compute_dtype or weight.dtype,
+            compress_statistics=double_quant, quant_type=quant_type, device="cpu",
+        )
+        layer.weight = bnb.nn.Params4bit(
+            weight.detach().clone(), requires_grad=False, compress_statistics=double_quant, quant_type=quant_type,
+            blocksize=blocksize,
+        )
+    else:
+        layer = bnb.nn.Linear8bitLt(in_features, out_features, bias=False, has_fp16_weights=False, threshold=threshold, device="cpu")
+        layer.weight = bnb.nn.Int8Params(weight.detach().to(torch.float16).clone(), requires_grad=False, has_fp16_weights=False)
+    return layer.to("cpu")  # bitsandbytes quantizes when the parameter is moved to a device
+
+
 def requantize(module: torch.nn.Module, weight: torch.Tensor) -> tuple[torch.nn.Module, float]:
     """`weight` quantized the way `module` is, and the relative Frobenius error ‖deq(q(W)) − W‖ / ‖W‖ it adds."""
     bnb = _bnb()
     if isinstance(module, bnb.nn.Linear4bit):
         state = module.weight.quant_state
-        layer = bnb.nn.Linear4bit(
-            weight.shape[1], weight.shape[0], bias=module.bias is not None, compute_dtype=module.compute_dtype,
-            compress_statistics=state.nested, quant_type=state.quant_type, device="cpu",
-        )
-        layer.weight = bnb.nn.Params4bit(
-            weight.detach().to(state.dtype).clone(), requires_grad=False, compress_statistics=state.nested,
-            quant_type=state.quant_type, blocksize=state.blocksize,
+        layer = quantized_linear(
+            weight.to(state.dtype), 4, quant_type=state.quant_type, double_quant=state.nested,
+            blocksize=state.blocksize, compute_dtype=module.compute_dtype,
         )
     else:
-        layer = bnb.nn.Linear8bitLt(
-            weight.shape[1], weight.shape[0], bias=module.bias is not None, has_fp16_weights=False,
-            threshold=module.state.threshold, device="cpu",
-        )
-        layer.weight = bnb.nn.Int8Params(weight.detach().to(torch.float16).clone(), requires_grad=False, has_fp16_weights=False)
-    layer = layer.to("cpu")  # bitsandbytes quantizes when the parameter is moved to a device
+        layer = quantized_linear(weight, 8, threshold=module.state.threshold)
     if module.bias is not None:
         layer.bias = torch.nn.Parameter(module.bias.detach().clone(), requires_grad=False)
     exact = weight.detach().to(torch.float32)

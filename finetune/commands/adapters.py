@@ -33,10 +33,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     merge.add_argument("--out", required=True, help="output directory (must not exist)")
     merge.add_argument("--dtype", default=None, help="write tensors as float32|bfloat16|float16 (default: as stored)")
     merge.add_argument(
-        "--quantization", default=None, choices=["none", "int8", "nf4", "fp4"],
-        help="quantization the adapters were trained on (default: from their manifest)",
+        "--quantization", default=None, choices=["none", "4bit", "8bit"],
+        help="bitsandbytes quantization the adapters were trained on (default: their manifest's); the merge "
+        "dequantizes it and writes 16/32-bit weights",
     )
-    merge.add_argument("--shard-size-mb", type=float, default=None, help="re-shard output (default: keep base sharding)")
     _add_safety_flags(merge)
     merge.set_defaults(handler=_merge)
 
@@ -92,7 +92,6 @@ def _merge(args: argparse.Namespace) -> int:
         quantization=args.quantization,
         force=args.force,
         allow_pickle=args.allow_pickle,
-        shard_size_mb=args.shard_size_mb,
     )
     print(report.summary())
     return 0

@@ -1,0 +1,156 @@
+"""The adapter store: list the adapters in a directory and describe one adapter or merged model.
+
+Listing reads only `adapter_config.json`, `manifest.json` and file sizes, never the weights, so it stays
+instant for a store of large adapters.
+
+Example:
+    print(format_table(list_store("adapters")))
+    print(describe(resolve_adapter_path("legal", "adapters")))
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from finetune.adapters.ledger import read_ledger
+from finetune.adapters.weights import CONFIG_NAME, PICKLE_NAME, SAFETENSORS_NAME
+from finetune.errors import AdapterError
+from finetune.manifest import read_manifest
+
+_SHOWN_METRICS = 3
+
+
+@dataclass(frozen=True)
+class AdapterSummary:
+    name: str
+    path: Path
+    base: str
+    rank: str
+    targets: str
+    size_bytes: int
+    metrics: str
+
+
+def _config(adapter_dir: Path) -> dict:
+    try:
+        return json.loads((adapter_dir / CONFIG_NAME).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise AdapterError(f"{adapter_dir / CONFIG_NAME} cannot be read ({exc}); re-save the adapter") from None
+
+
+def _rank(config: dict) -> str:
+    ranks = {config.get("r", "?"), *(config.get("rank_pattern") or {}).values()}
+    return "/".join(str(r) for r in sorted(ranks, key=str))
+
+
+def _targets(config: dict) -> str:
+    targets = config.get("target_modules") or []
+    if isinstance(targets, str):
+        return targets
+    return ",".join(sorted({t.rsplit(".", 1)[-1] for t in targets}))
+
+
+def _weights_file(adapter_dir: Path) -> Path | None:
+    for name in (SAFETENSORS_NAME, PICKLE_NAME):
+        if (adapter_dir / name).is_file():
+            return adapter_dir / name
+    return None
+
+
+def _format_metrics(metrics: dict) -> str:
+    shown = []
+    for key, value in list(metrics.items())[:_SHOWN_METRICS]:
+        shown.append(f"{key}={value:.4g}" if isinstance(value, float) else f"{key}={value}")
+    return " ".join(shown)
+
+
+def summarize(adapter_dir: Path) -> AdapterSummary:
+    config = _config(adapter_dir)
+    manifest = read_manifest(adapter_dir)
+    weights = _weights_file(adapter_dir)
+    base = manifest.base.id if manifest is not None else (config.get("base_model_name_or_path") or "?")
+    return AdapterSummary(
+        name=manifest.name if manifest is not None else adapter_dir.name,
+        path=adapter_dir,
+        base=base,
+        rank=_rank(config),
+        targets=_targets(config),
+        size_bytes=weights.stat().st_size if weights else 0,
+        metrics=_format_metrics(manifest.metrics) if manifest is not None else "",
+    )
+
+
+def list_store(store_dir: str | Path) -> list[AdapterSummary]:
+    """Every adapter directory directly under `store_dir`, sorted by name."""
+    store_dir = Path(store_dir)
+    if not store_dir.is_dir():
+        raise AdapterError(f"no adapter store at {store_dir}; train an adapter first or pass the store directory")
+    return [summarize(p) for p in sorted(store_dir.iterdir()) if (p / CONFIG_NAME).is_file()]
+
+
+def _size(size_bytes: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if size_bytes < 1024 or unit == "GiB":
+            return f"{size_bytes:.0f} {unit}" if unit == "B" else f"{size_bytes:.1f} {unit}"
+        size_bytes /= 1024
+    raise AssertionError("unreachable")
+
+
+def format_table(rows: list[AdapterSummary]) -> str:
+    if not rows:
+        return "no adapters"
+    header = ("NAME", "BASE", "RANK", "TARGETS", "SIZE", "METRICS")
+    cells = [header] + [(r.name, r.base, r.rank, r.targets, _size(r.size_bytes), r.metrics) for r in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in cells)
+
+
+def resolve_adapter_path(ref: str, store_dir: str | Path = "adapters") -> Path:
+    """`ref` as a directory, else as a name in the store."""
+    for candidate in (Path(ref), Path(store_dir) / ref):
+        if candidate.is_dir():
+            return candidate
+    raise AdapterError(f"{ref} is neither a directory nor an adapter in the store {store_dir}; see `finetune adapters list`")
+
+
+def describe(path: str | Path) -> str:
+    """A human-readable description of an adapter directory or of a merged model's ledger."""
+    path = Path(path)
+    if not (path / CONFIG_NAME).is_file():
+        ledger = read_ledger(path)
+        if ledger is None:
+            raise AdapterError(f"{path} is neither an adapter (no {CONFIG_NAME}) nor a merged model (no ledger)")
+        lines = [f"merged model: {path}", f"base: {ledger.base_path} ({ledger.base_fingerprint})"]
+        if ledger.base_quantization != "none":
+            lines.append(f"base quantization (dequantized): {ledger.base_quantization}")
+        lines += [f"merged: {name} weight={e.weight:g} from {e.path}" for name, e in sorted(ledger.entries.items())]
+        return "\n".join(lines + ([] if ledger.entries else ["merged: nothing"]))
+    summary = summarize(path)
+    config = _config(path)
+    manifest = read_manifest(path)
+    lines = [
+        f"adapter: {summary.name}",
+        f"path: {path}",
+        f"rank: {summary.rank}  alpha: {config.get('lora_alpha')}  rslora: {bool(config.get('use_rslora'))}  "
+        f"dora: {bool(config.get('use_dora'))}",
+        f"targets: {summary.targets}",
+        f"size: {_size(summary.size_bytes)}",
+    ]
+    if manifest is None:
+        lines.append(f"base: {summary.base} (no manifest.json: the base cannot be checked by fingerprint)")
+    else:
+        lines.append(f"base: {manifest.base.id} at {manifest.base.path} ({manifest.base.fingerprint})")
+        if manifest.base.quantization != "none":
+            lines.append(f"trained on a {manifest.base.quantization} base")
+        if manifest.data is not None:
+            lines.append(f"data: {manifest.data.fingerprint} {', '.join(manifest.data.sources)}")
+        for key, value in manifest.metrics.items():
+            lines.append(f"metric {key}: {value}")
+        if manifest.created:
+            lines.append(f"created: {manifest.created}")
+        extra = manifest.model_extra or {}
+        if "combined_from" in extra:
+            lines.append(f"combined from: {extra['combined_from']}")
+    return "\n".join(lines)
