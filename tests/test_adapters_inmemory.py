@@ -202,3 +202,29 @@ def test_base_built_in_memory_keeps_a_copy_of_targeted_tensors_only(tiny_base_di
     assert m.pristine_copy_bytes == sum(p.numel() * p.element_size() for p in targeted)
     m.subtract("legal")
     assert_tensors_equal(base, base_tensors(m.model))
+
+
+@pytest.mark.parametrize("bits", ["4bit", "8bit"])
+def test_quantized_base_merges_dequantized_and_restores_the_quantized_layer(tiny_base_dir, tmp_path, tiny_tokenizer, bits):
+    pytest.importorskip("bitsandbytes")
+    from finetune.adapters.quantized import dequantize, is_quantized_linear
+
+    adapter = make_adapter(tiny_base_dir, tmp_path / "q", seed=6, targets=("q_proj", "up_proj"), quantization=bits)
+    m = finetune.load_model(str(tiny_base_dir), {"q": str(adapter)})
+    original = m.model.model.layers[0].self_attn.q_proj
+    assert is_quantized_linear(original)
+    expected = (dequantize(original) + m.adapters["q"].delta("model.layers.0.self_attn.q_proj")).to(torch.float32)
+    m.merge("q")
+    merged = m.model.model.layers[0].self_attn.q_proj
+    assert isinstance(merged, torch.nn.Linear) and torch.equal(merged.weight, expected)
+    input_ids = tiny_tokenizer(["the model reads"], return_tensors="pt").input_ids
+    assert torch.isfinite(_logits(m.model, input_ids)).all()
+    m.subtract("q")
+    assert m.model.model.layers[0].self_attn.q_proj is original  # the quantized layer itself is back
+    requantizing = finetune.load_model(str(tiny_base_dir), {"q": str(adapter)}, requantize=True)
+    report = requantizing.merge("q")
+    assert is_quantized_linear(requantizing.model.model.layers[0].self_attn.q_proj)
+    errors = requantizing.requantization_errors
+    assert set(errors) == set(requantizing.adapters["q"].modules) and 0 < max(errors.values()) < 0.2
+    assert "largest relative error added" in report.summary()
+    assert torch.isfinite(_logits(requantizing.model, input_ids)).all()

@@ -1,0 +1,191 @@
+"""On-disk adapter arithmetic: merges stream shard by shard and equal the in-memory result bit for bit,
+subtract/swap from the pristine base equal a fresh merge, the fallback reports a drift bound that holds,
+and combine's `cat` is the exact weighted sum."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from peft import PeftModel
+from safetensors import safe_open
+from transformers import AutoModelForCausalLM
+
+import finetune
+from finetune.adapters.combine import combine_adapters
+from finetune.adapters.ledger import LEDGER_KEY
+from finetune.adapters.ondisk import AdapterSpec, merge_checkpoint, subtract_checkpoint, swap_checkpoint
+from finetune.adapters.weights import read_adapter
+from finetune.errors import AdapterError
+
+from adapter_fixtures import adapter_dirs, assert_tensors_equal, make_adapter  # noqa: F401
+
+
+def read_tensors(model_dir) -> dict[str, torch.Tensor]:
+    tensors = {}
+    for path in sorted(model_dir.glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as handle:
+            tensors.update({name: handle.get_tensor(name) for name in handle.keys()})
+    return tensors
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_disk_merge_equals_in_memory_merge_bit_for_bit(tmp_path, tiny_base_dir, adapter_dirs, dtype):
+    specs = [AdapterSpec(str(adapter_dirs["legal"]), 1.0), AdapterSpec(str(adapter_dirs["med"]), -0.5)]
+    report = merge_checkpoint(str(tiny_base_dir), specs, tmp_path / "disk", dtype=dtype)
+    assert report.exact and report.merged == {"legal": 1.0, "med": -0.5}
+    m = finetune.load_model(str(tiny_base_dir), {k: str(v) for k, v in adapter_dirs.items()}, dtype=dtype)
+    m.merge("legal")
+    m.merge("med", -0.5)
+    m.save_merged(tmp_path / "memory")
+    assert_tensors_equal(read_tensors(tmp_path / "memory"), read_tensors(tmp_path / "disk"))
+    # and transformers loads it, with the tied embedding re-tied
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "disk", dtype=getattr(torch, dtype))
+    merged_q = loaded.model.layers[1].self_attn.q_proj.weight
+    assert torch.equal(merged_q, m.model.model.layers[1].self_attn.q_proj.weight)
+    assert loaded.lm_head.weight.data_ptr() == loaded.model.embed_tokens.weight.data_ptr()
+
+
+def test_ledger_travels_in_config_and_every_shard(tmp_path, tiny_base_dir, adapter_dirs):
+    base = AutoModelForCausalLM.from_pretrained(tiny_base_dir, dtype=torch.float32)
+    base.save_pretrained(tmp_path / "sharded", max_shard_size="100KB")
+    shutil.copy(tiny_base_dir / "tokenizer.json", tmp_path / "sharded")
+    merge_checkpoint(str(tmp_path / "sharded"), [AdapterSpec(str(adapter_dirs["legal"]), 0.5)], tmp_path / "out")
+    ledger = json.loads((tmp_path / "out" / "config.json").read_text())[LEDGER_KEY]
+    assert ledger["adapters"]["legal"]["weight"] == 0.5
+    shards = sorted((tmp_path / "out").glob("*.safetensors"))
+    assert len(shards) == len(list((tmp_path / "sharded").glob("*.safetensors"))) > 3
+    for shard in shards:
+        with safe_open(str(shard), framework="pt") as handle:
+            assert json.loads(handle.metadata()[LEDGER_KEY]) == ledger
+    index = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"]) == set(read_tensors(tmp_path / "out"))
+    assert (tmp_path / "out" / "tokenizer.json").is_file()
+    # sharding does not change a single tensor
+    merge_checkpoint(str(tiny_base_dir), [AdapterSpec(str(adapter_dirs["legal"]), 0.5)], tmp_path / "single")
+    assert_tensors_equal(read_tensors(tmp_path / "single"), read_tensors(tmp_path / "out"))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_subtract_and_swap_from_the_base_equal_fresh_merges(tmp_path, tiny_base_dir, adapter_dirs, dtype):
+    merge_checkpoint(
+        str(tiny_base_dir),
+        [AdapterSpec(str(adapter_dirs["legal"])), AdapterSpec(str(adapter_dirs["med"]), 0.7)],
+        tmp_path / "both",
+        dtype=dtype,
+    )
+    subtract_checkpoint(str(tmp_path / "both"), AdapterSpec("legal"), tmp_path / "med_only")
+    swap_checkpoint(str(tmp_path / "med_only"), AdapterSpec("med"), AdapterSpec(str(adapter_dirs["code"])), tmp_path / "code")
+    subtract_checkpoint(str(tmp_path / "code"), AdapterSpec("code"), tmp_path / "nothing")
+    merge_checkpoint(str(tiny_base_dir), [AdapterSpec(str(adapter_dirs["med"]), 0.7)], tmp_path / "fresh_med", dtype=dtype)
+    merge_checkpoint(str(tiny_base_dir), [AdapterSpec(str(adapter_dirs["code"]))], tmp_path / "fresh_code", dtype=dtype)
+    assert_tensors_equal(read_tensors(tmp_path / "fresh_med"), read_tensors(tmp_path / "med_only"))
+    assert_tensors_equal(read_tensors(tmp_path / "fresh_code"), read_tensors(tmp_path / "code"))
+    base = {k: v.to(getattr(torch, dtype)) for k, v in read_tensors(tiny_base_dir).items()}
+    assert_tensors_equal(base, read_tensors(tmp_path / "nothing"))
+
+
+def test_without_the_base_subtract_uses_fp32_arithmetic_within_the_reported_bound(tmp_path, tiny_base_dir, adapter_dirs):
+    base_copy = tmp_path / "base"
+    shutil.copytree(tiny_base_dir, base_copy)
+    specs = [AdapterSpec(str(adapter_dirs["legal"])), AdapterSpec(str(adapter_dirs["med"]))]
+    merge_checkpoint(str(base_copy), specs, tmp_path / "both", dtype="bfloat16")
+    merge_checkpoint(str(base_copy), specs[1:], tmp_path / "exact", dtype="bfloat16")
+    shutil.rmtree(base_copy)  # the recorded base is gone
+    report = subtract_checkpoint(str(tmp_path / "both"), AdapterSpec("legal"), tmp_path / "approx")
+    assert not report.exact and 0 < report.max_drift_bound < 1e-2
+    assert "largest possible drift" in report.summary()
+    exact, approx = read_tensors(tmp_path / "exact"), read_tensors(tmp_path / "approx")
+    worst = max((exact[k].float() - approx[k].float()).abs().max().item() for k in exact)
+    assert worst <= report.max_drift_bound
+    # giving the base back makes it exact again
+    shutil.copytree(tiny_base_dir, base_copy)
+    report = subtract_checkpoint(str(tmp_path / "both"), AdapterSpec("legal"), tmp_path / "again", base=str(base_copy))
+    assert report.exact
+    assert_tensors_equal(exact, read_tensors(tmp_path / "again"))
+
+
+def test_refusals_name_what_and_write_nothing(tmp_path, tiny_base_dir, adapter_dirs, tiny_tokenizer):
+    merge_checkpoint(str(tiny_base_dir), [AdapterSpec(str(adapter_dirs["legal"]))], tmp_path / "legal")
+    with pytest.raises(AdapterError, match="task negation"):
+        subtract_checkpoint(str(tmp_path / "legal"), AdapterSpec(str(adapter_dirs["med"])), tmp_path / "x")
+    with pytest.raises(AdapterError, match="already exists"):
+        merge_checkpoint(str(tiny_base_dir), [AdapterSpec(str(adapter_dirs["med"]))], tmp_path / "legal")
+    with pytest.raises(AdapterError, match="cannot swap out 'med'"):
+        swap_checkpoint(str(tmp_path / "legal"), AdapterSpec(str(adapter_dirs["med"])), AdapterSpec(str(adapter_dirs["code"])), tmp_path / "x")
+    other_base = tmp_path / "other_base"
+    from finetune.embedded.tiny import build_tiny_llama
+
+    from conftest import TEST_SHAPE
+
+    build_tiny_llama(tiny_tokenizer, seed=5, **TEST_SHAPE).save_pretrained(other_base)
+    with pytest.raises(AdapterError, match="was trained on base .*sha256:.* but .*sha256:"):
+        merge_checkpoint(str(other_base), [AdapterSpec(str(adapter_dirs["legal"]))], tmp_path / "x")
+    assert not (tmp_path / "x").exists()
+    report = merge_checkpoint(str(other_base), [AdapterSpec(str(adapter_dirs["legal"]))], tmp_path / "x", force=True)
+    assert report.exact
+    bigger = tmp_path / "bigger"
+    build_tiny_llama(tiny_tokenizer, seed=0, **{**TEST_SHAPE, "hidden_size": 128}).save_pretrained(bigger)
+    with pytest.raises(AdapterError, match="model.layers.0.self_attn.q_proj.weight is \\(128, 128\\).*\\(64, 64\\)"):
+        merge_checkpoint(str(bigger), [AdapterSpec(str(adapter_dirs["legal"]))], tmp_path / "y", force=True)
+    assert not (tmp_path / "y").exists()
+
+
+def test_overflow_is_refused_before_anything_appears_at_out(tmp_path, tiny_base_dir):
+    huge = make_adapter(tiny_base_dir, tmp_path / "huge", seed=4, targets=("down_proj",), magnitude=300.0)
+    with pytest.raises(AdapterError, match="huge into model.layers.0.mlp.down_proj gives NaN/Inf in float16"):
+        merge_checkpoint(str(tiny_base_dir), [AdapterSpec(str(huge))], tmp_path / "out", dtype="float16")
+    assert not (tmp_path / "out").exists()
+    assert not list(tmp_path.glob(".out.partial-*"))
+
+
+@pytest.mark.parametrize("weights", [[1.0, -0.5], [0.3, 2.0, -1.0]])
+def test_combine_cat_is_the_exact_weighted_sum(tmp_path, tiny_base_dir, adapter_dirs, weights):
+    names = ["legal", "med", "code"][: len(weights)]
+    report = combine_adapters([adapter_dirs[n] for n in names], tmp_path / "combined", weights=weights, method="cat")
+    assert report.relative_error < 1e-6
+    peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_base_dir), str(tmp_path / "combined"))
+    adapters = [read_adapter(adapter_dirs[n]) for n in names]
+    for module in sorted({m for a in adapters for m in a.modules}):
+        exact = sum(a.delta(module, w) for a, w in zip(adapters, weights) if module in a.modules)
+        delta = peft_model.base_model.model.get_submodule(module).get_delta_weight("default")
+        torch.testing.assert_close(delta, exact, rtol=1e-5, atol=1e-6)
+    # a normal adapter for load_model too: merging it matches merging its parts with their weights
+    m = finetune.load_model(
+        str(tiny_base_dir), {"combined": str(tmp_path / "combined"), **{n: str(adapter_dirs[n]) for n in names}}
+    )
+    m.merge("combined")
+    combined = {k: v.clone() for k, v in m.model.state_dict().items()}
+    m.subtract("combined")
+    for name, weight in zip(names, weights):
+        m.merge(name, weight)
+    for key, tensor in m.model.state_dict().items():
+        torch.testing.assert_close(combined[key], tensor, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("method", ["svd", "ties", "dare"])
+def test_rank_reducing_combines_report_their_error(tmp_path, adapter_dirs, method):
+    paths = [adapter_dirs["legal"], adapter_dirs["med"]]
+    report = combine_adapters(paths, tmp_path / method, weights=[1.0, -0.5], method=method, rank=2)
+    assert 0.0 < report.relative_error < 1.5 and set(report.rank_by_module.values()) == {2}
+    assert "relative Frobenius error" in report.summary()
+    full = combine_adapters(paths, tmp_path / "full", weights=[1.0, -0.5], method="svd", rank=12)
+    assert full.relative_error < 1e-5  # svd at the combined rank is exact
+
+
+def test_merging_an_adapter_trained_on_a_quantized_base(tmp_path, tiny_base_dir):
+    pytest.importorskip("bitsandbytes")
+    for bits in ("4bit", "8bit"):
+        adapter = make_adapter(tiny_base_dir, tmp_path / f"q{bits}", seed=6, targets=("q_proj", "up_proj"), quantization=bits)
+        report = merge_checkpoint(str(tiny_base_dir), [AdapterSpec(str(adapter))], tmp_path / f"disk{bits}")
+        assert "dequantized the " + bits in report.summary()
+        m = finetune.load_model(str(tiny_base_dir), {"q": str(adapter)})  # quantization from the manifest
+        assert m.ledger.base_quantization == bits
+        m.merge("q")
+        m.save_merged(tmp_path / f"memory{bits}")
+        assert_tensors_equal(read_tensors(tmp_path / f"memory{bits}"), read_tensors(tmp_path / f"disk{bits}"))
+        config = json.loads((tmp_path / f"disk{bits}" / "config.json").read_text())
+        assert "quantization_config" not in config
+        AutoModelForCausalLM.from_pretrained(tmp_path / f"disk{bits}")
