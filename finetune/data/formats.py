@@ -111,8 +111,9 @@ def _encode_text(records, config, tokenizer, locate) -> list[Document | None]:
     keep = [i for i, text in enumerate(texts) if text.strip()]
     token_ids = _tokenize(tokenizer, [texts[i] for i in keep])
     documents: list[Document | None] = [None] * len(records)
+    bos, eos = _bos(tokenizer), [tokenizer.eos_token_id]
     for i, ids in zip(keep, token_ids):
-        input_ids = _bos(tokenizer) + ids + [tokenizer.eos_token_id]
+        input_ids = bos + ids + eos
         documents[i] = Document(input_ids, [IGNORE_INDEX] + input_ids[1:])
     return documents
 
@@ -138,9 +139,10 @@ def _encode_instruction(records, config, tokenizer, locate) -> list[Document | N
             prompts.append(render_prompt(config.prompt_template, prompt))
         responses.append(response)
     documents: list[Document | None] = []
+    bos, eos = _bos(tokenizer), [tokenizer.eos_token_id]
     for prompt_ids, response_ids in zip(_tokenize(tokenizer, prompts), _tokenize(tokenizer, responses)):
-        prompt_ids = _bos(tokenizer) + prompt_ids
-        response_ids = response_ids + [tokenizer.eos_token_id]
+        prompt_ids = bos + prompt_ids
+        response_ids = response_ids + eos
         input_ids = prompt_ids + response_ids
         if config.completion_only_loss:
             labels = [IGNORE_INDEX] * len(prompt_ids) + response_ids

@@ -16,9 +16,12 @@ Example:
 from __future__ import annotations
 
 import bisect
+import uuid
 from collections.abc import Sequence
 
 import datasets
+import numpy as np
+import pyarrow as pa
 import pyarrow.compute as pc
 
 ROW_FEATURES = datasets.Features(
@@ -66,35 +69,49 @@ def document_lengths(documents: datasets.Dataset) -> list[int]:
     return pc.list_value_length(documents.data.column("input_ids")).to_pylist()
 
 
+def arrow_dataset(table: pa.Table) -> datasets.Dataset:
+    """An in-memory Dataset over `table`: no cache files, no per-value casting, no hashing of the table."""
+    return datasets.Dataset(datasets.table.InMemoryTable(table), fingerprint=uuid.uuid4().hex)
+
+
 def build_rows(documents: datasets.Dataset, max_seq_len: int, packing: bool) -> datasets.Dataset:
     """Rows with input_ids, labels and position_ids from a Dataset of documents (input_ids, labels).
 
+    Each row's documents are taken in placement order and their token lists flattened, so a row is a
+    contiguous slice of the flattened values; nothing goes through Python lists token by token.
+
     Args:
-        documents: one document per row, each at most `max_seq_len` tokens.
+        documents: one document per row (no indices mapping), each at most `max_seq_len` tokens.
         max_seq_len: row capacity when packing.
         packing: several documents per row when True, else one.
     """
-    groups = pack_document_lengths(document_lengths(documents), max_seq_len) if packing else [
-        [index] for index in range(len(documents))
+    lengths = document_lengths(documents)
+    groups = pack_document_lengths(lengths, max_seq_len) if packing else [[index] for index in range(len(lengths))]
+    table = documents.data.table.select(["input_ids", "labels"])
+    chunks = [
+        _rows_table(table, groups[first : first + _ROWS_PER_CHUNK], lengths)
+        for first in range(0, len(groups), _ROWS_PER_CHUNK)
     ]
+    if not chunks:
+        return arrow_dataset(ROW_FEATURES.arrow_schema.empty_table())
+    return arrow_dataset(pa.concat_tables(chunks))
 
-    chunks = []
-    for first in range(0, len(groups), _ROWS_PER_CHUNK):
-        chunk_groups = groups[first : first + _ROWS_PER_CHUNK]
-        picked = documents.select([index for group in chunk_groups for index in group]).to_dict()
-        rows: dict[str, list] = {"input_ids": [], "labels": [], "position_ids": []}
-        cursor = 0
-        for group in chunk_groups:
-            input_ids, labels, position_ids = [], [], []
-            for offset in range(cursor, cursor + len(group)):
-                input_ids += picked["input_ids"][offset]
-                labels += picked["labels"][offset]
-                position_ids += range(len(picked["input_ids"][offset]))
-            cursor += len(group)
-            rows["input_ids"].append(input_ids)
-            rows["labels"].append(labels)
-            rows["position_ids"].append(position_ids)
-        chunks.append(datasets.Dataset.from_dict(rows, features=ROW_FEATURES))
-    return datasets.concatenate_datasets(chunks) if chunks else datasets.Dataset.from_dict(
-        {name: [] for name in ROW_FEATURES}, features=ROW_FEATURES
-    )
+
+def _rows_table(table: pa.Table, groups: list[list[int]], lengths: list[int]) -> pa.Table:
+    """One Arrow table of rows, row i holding the documents `groups[i]` back to back."""
+    order = [index for group in groups for index in group]
+    taken = table.take(pa.array(order, type=pa.int64()))
+    doc_lengths = np.array([lengths[index] for index in order], dtype=np.int64)
+    row_lengths = np.array([sum(lengths[index] for index in group) for group in groups], dtype=np.int64)
+    row_offsets = pa.array(np.concatenate([[0], np.cumsum(row_lengths)]).astype(np.int32))
+    doc_starts = np.repeat(np.cumsum(doc_lengths) - doc_lengths, doc_lengths)  # (total_tokens,)
+    position_ids = (np.arange(int(doc_lengths.sum())) - doc_starts).astype(np.int32)  # restarts at 0 per document
+
+    def as_rows(values: pa.Array) -> pa.ListArray:
+        return pa.ListArray.from_arrays(row_offsets, values.cast(pa.int32()))
+
+    return pa.table({
+        "input_ids": as_rows(pc.list_flatten(taken.column("input_ids")).combine_chunks()),
+        "labels": as_rows(pc.list_flatten(taken.column("labels")).combine_chunks()),
+        "position_ids": as_rows(pa.array(position_ids)),
+    })

@@ -25,12 +25,13 @@ from typing import Any
 
 import datasets
 import numpy as np
+import pyarrow as pa
 import pyarrow.compute as pc
 from transformers import PreTrainedTokenizerBase
 
 from finetune.data import cache
 from finetune.data.formats import Document, encode_records
-from finetune.data.packing import build_rows, document_lengths
+from finetune.data.packing import arrow_dataset, build_rows, document_lengths
 from finetune.data.sources import iter_records, load_source
 from finetune.errors import DataError
 from finetune.loss import IGNORE_INDEX
@@ -141,11 +142,11 @@ def _build(config: DataConfig, tokenizer: PreTrainedTokenizerBase, seed: int,
     else:
         validation_docs, num_validation_dropped = None, 0
 
-    train = build_rows(train_docs.remove_columns("truncated"), config.max_seq_len, config.packing)
+    train = build_rows(train_docs, config.max_seq_len, config.packing)
     stats = {**_stats(train_docs, train), "num_dropped": num_dropped}
     validation = None
     if validation_docs is not None:
-        validation = build_rows(validation_docs.remove_columns("truncated"), config.max_seq_len, config.packing)
+        validation = build_rows(validation_docs, config.max_seq_len, config.packing)
         stats.update({f"validation_{key}": value for key, value in _stats(validation_docs, validation).items()})
         stats["validation_num_dropped"] = num_validation_dropped
     filled = stats["num_tokens"] / (stats["num_rows"] * config.max_seq_len)
@@ -181,7 +182,7 @@ def _documents(sources: list[SourceConfig], config: DataConfig, tokenizer: PreTr
                 chunk["input_ids"].append(document.input_ids)
                 chunk["labels"].append(document.labels)
                 chunk["truncated"].append(truncated)
-            chunks.append(datasets.Dataset.from_dict(chunk, features=DOCUMENT_FEATURES))
+            chunks.append(pa.table(chunk, schema=DOCUMENT_FEATURES.arrow_schema))
         log(f"data: read {len(raw.records)} records from {source.path}")
     where = ", ".join(source.path for source in sources)
     if num_dropped:
@@ -189,7 +190,7 @@ def _documents(sources: list[SourceConfig], config: DataConfig, tokenizer: PreTr
             f"(empty text, no assistant turn, or a prompt filling all of max_seq_len)")
     if num_truncated:
         log(f"data: truncated {num_truncated} of {num_records} records to max_seq_len={config.max_seq_len} tokens")
-    documents = datasets.concatenate_datasets(chunks)
+    documents = arrow_dataset(pa.concat_tables(chunks))
     if len(documents) == 0:
         raise DataError(f"no usable records in {where}: all {num_records} were dropped (empty text, or nothing to "
                         f"train on, e.g. no assistant turn); check data.format and the field names")
@@ -211,9 +212,9 @@ def _split(documents: datasets.Dataset, fraction: float, seed: int) -> tuple[dat
         raise DataError(f"data.validation_split={fraction} of {len(documents)} records leaves none for training; "
                         f"lower it, add data, or give data.validation sources")
     order = np.random.default_rng(seed).permutation(len(documents))
-    held_out = sorted(order[:num_validation].tolist())
-    kept = sorted(order[num_validation:].tolist())
-    return documents.select(kept).flatten_indices(), documents.select(held_out).flatten_indices()
+    held_out, kept = np.sort(order[:num_validation]), np.sort(order[num_validation:])
+    table = documents.data.table
+    return arrow_dataset(table.take(kept)), arrow_dataset(table.take(held_out))
 
 
 def _stats(documents: datasets.Dataset, rows: datasets.Dataset) -> dict[str, int]:
@@ -223,5 +224,5 @@ def _stats(documents: datasets.Dataset, rows: datasets.Dataset) -> dict[str, int
         "num_rows": len(rows),
         "num_tokens": int(sum(document_lengths(documents))),
         "num_label_tokens": int(pc.sum(pc.not_equal(labels, IGNORE_INDEX)).as_py() or 0),
-        "num_truncated": int(sum(documents["truncated"])),
+        "num_truncated": int(pc.sum(documents.data.column("truncated")).as_py() or 0),
     }
