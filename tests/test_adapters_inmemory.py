@@ -105,8 +105,13 @@ def test_invariant_holds_for_random_operation_sequences(tiny_base_dir, adapter_d
     assert_tensors_equal(base, base_tensors(m.model))
 
 
-def test_delta_matches_peft_get_delta_weight(tiny_base_dir, adapter_dirs):
-    for name, path in adapter_dirs.items():
+def test_delta_matches_peft_get_delta_weight(tiny_base_dir, adapter_dirs, tmp_path):
+    patterned = make_adapter(
+        tiny_base_dir, tmp_path / "patterned", seed=5, targets=("q_proj", "v_proj"),
+        rank_pattern={"q_proj": 2}, alpha_pattern={"layers.1.self_attn.v_proj": 3},
+    )
+    assert {lora.rank for lora in read_adapter(patterned).modules.values()} == {2, 4}
+    for name, path in {**adapter_dirs, "patterned": patterned}.items():
         model = AutoModelForCausalLM.from_pretrained(tiny_base_dir, dtype=torch.float32)
         peft_model = PeftModel.from_pretrained(model, str(path))
         adapter = read_adapter(path)

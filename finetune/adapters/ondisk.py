@@ -175,8 +175,8 @@ def _read_spec(spec: AdapterSpec, ledger: Ledger, allow_pickle: bool) -> Adapter
     if not Path(spec.ref).exists() and spec.ref in ledger.entries:
         return read_adapter(ledger.entries[spec.ref].path, spec.ref, allow_pickle=allow_pickle)
     if not Path(spec.ref).exists():
-        held = ", ".join(sorted(ledger.entries)) or "nothing"
-        raise AdapterError(f"adapter {spec.ref}: no such directory, and the model's ledger holds {held}")
+        held = f" nor a name the model's ledger holds ({', '.join(sorted(ledger.entries))})" if ledger.entries else ""
+        raise AdapterError(f"adapter {spec.ref}: no such directory{held}; give an adapter directory written by peft")
     return read_adapter(spec.ref, allow_pickle=allow_pickle)
 
 

@@ -129,13 +129,23 @@ class Adapter:
         return self.modules[module].delta(weight)
 
 
-def _scale(config: dict, module: str, rank: int) -> float:
-    from peft.utils.other import get_pattern_key
+def _pattern_key(pattern_keys, module: str) -> str:
+    """The first `rank_pattern`/`alpha_pattern` key matching `module`, as peft's `get_pattern_key` does.
 
+    Copied (three lines) rather than imported: importing peft costs seconds and the CLI's on-disk
+    merges otherwise never need it. tests/test_adapters_inmemory.py checks the result against peft.
+    """
+    for key in pattern_keys:
+        if re.match(rf"(.*\.)?({key})$", module):
+            return key
+    return module
+
+
+def _scale(config: dict, module: str, rank: int) -> float:
     rank_pattern = config.get("rank_pattern") or {}
     alpha_pattern = config.get("alpha_pattern") or {}
-    expected_rank = rank_pattern.get(get_pattern_key(rank_pattern.keys(), module), config.get("r", 8))
-    alpha = alpha_pattern.get(get_pattern_key(alpha_pattern.keys(), module), config.get("lora_alpha", 8))
+    expected_rank = rank_pattern.get(_pattern_key(rank_pattern.keys(), module), config.get("r", 8))
+    alpha = alpha_pattern.get(_pattern_key(alpha_pattern.keys(), module), config.get("lora_alpha", 8))
     if expected_rank != rank:
         raise AdapterError(f"adapter module {module}: lora_A has rank {rank} but adapter_config.json says r={expected_rank}")
     return alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank

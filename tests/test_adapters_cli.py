@@ -1,0 +1,163 @@
+"""`finetune adapters ...` in-process and as a real subprocess: the round trip on disk, list/info, one-line
+errors with exit code 2, a killed merge leaving nothing at --out, and the adapter-level safety checks."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from finetune.adapters.files import SLOW_HOOK_ENV
+from finetune.adapters.weights import read_adapter, validate_adapter_name
+from finetune.cli import main
+from finetune.errors import AdapterError
+
+from adapter_fixtures import adapter_dirs, assert_tensors_equal  # noqa: F401
+from test_adapters_ondisk import read_tensors
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run(*argv: str) -> int:
+    return main(["adapters", *map(str, argv)])
+
+
+def test_round_trip_merge_two_subtract_one_swap_the_other(tmp_path, tiny_base_dir, adapter_dirs, capsys):
+    legal, med, code = adapter_dirs["legal"], adapter_dirs["med"], adapter_dirs["code"]
+    assert run("merge", "--base", tiny_base_dir, "--adapter", legal, "--adapter", f"{med}:0.5", "--dtype", "bfloat16", "--out", tmp_path / "two") == 0
+    assert "merged now: legal:1, med:0.5; exact" in capsys.readouterr().out
+    assert run("subtract", "--model", tmp_path / "two", "--adapter", "legal", "--out", tmp_path / "one") == 0
+    assert run("swap", "--model", tmp_path / "one", "--remove", "med", "--add", f"{code}:2", "--out", tmp_path / "swapped") == 0
+    assert "merged now: code:2" in capsys.readouterr().out
+    assert run("merge", "--base", tiny_base_dir, "--adapter", f"{code}:2", "--dtype", "bfloat16", "--out", tmp_path / "fresh") == 0
+    assert_tensors_equal(read_tensors(tmp_path / "fresh"), read_tensors(tmp_path / "swapped"))
+    assert run("info", tmp_path / "swapped") == 0
+    assert "merged: code weight=2" in capsys.readouterr().out
+
+
+def test_list_and_info_show_the_store(tmp_path, adapter_dirs, capsys):
+    store = tmp_path / "store"
+    store.mkdir()
+    for name in ("legal", "med"):
+        shutil.copytree(adapter_dirs[name], store / name)
+    assert run("list", store) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split() == ["NAME", "BASE", "RANK", "TARGETS", "SIZE", "METRICS"]
+    assert lines[1].split()[0] == "legal" and "q_proj,v_proj" in lines[1] and lines[1].split()[2] == "4"
+    assert lines[2].split()[0] == "med" and "down_proj,o_proj,q_proj" in lines[2] and lines[2].split()[2] == "8"
+    assert run("info", "med", "--store", store) == 0
+    info = capsys.readouterr().out
+    assert "adapter: med" in info and "rank: 8  alpha: 16" in info and "sha256:" in info
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["merge", "--base", "{base}", "--adapter", "{tmp}/missing", "--out", "{tmp}/o"], "missing: no such directory; give an adapter directory"),
+        (["merge", "--base", "{tmp}/nobase", "--adapter", "{legal}", "--out", "{tmp}/o"], "not a model directory"),
+        (["subtract", "--model", "{base}", "--adapter", "{legal}", "--out", "{tmp}/o"], "task negation"),
+        (["combine", "{legal}", "{med}", "--weights", "1", "--out", "{tmp}/o"], "1 values for 2 adapters"),
+        (["info", "nothing-here", "--store", "{tmp}"], "neither a directory nor an adapter"),
+        (["list", "{tmp}/nostore"], "no adapter store"),
+    ],
+)
+def test_user_errors_are_one_line_and_exit_2(tmp_path, tiny_base_dir, adapter_dirs, capsys, argv, message):
+    values = {"base": tiny_base_dir, "tmp": tmp_path, "legal": adapter_dirs["legal"], "med": adapter_dirs["med"]}
+    assert run(*[a.format(**values) for a in argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("error: ") and message in err[-1], err
+    assert not (tmp_path / "o").exists()
+
+
+def test_subprocess_exit_code_and_no_traceback(tmp_path, tiny_base_dir, adapter_dirs):
+    bad = subprocess.run(
+        [sys.executable, "-m", "finetune", "adapters", "merge", "--base", str(tiny_base_dir), "--adapter",
+         str(tmp_path / "missing"), "--out", str(tmp_path / "o")],
+        cwd=REPO, capture_output=True, text=True, timeout=120,
+    )
+    assert bad.returncode == 2
+    assert "Traceback" not in bad.stderr and "error: " in bad.stderr and "missing: no such directory" in bad.stderr
+
+
+def test_a_killed_merge_leaves_no_directory_at_out(tmp_path, tiny_base_dir, adapter_dirs):
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_pretrained(tiny_base_dir).save_pretrained(tmp_path / "sharded", max_shard_size="100KB")
+    out = tmp_path / "merged"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "finetune", "adapters", "merge", "--base", str(tmp_path / "sharded"),
+         "--adapter", str(adapter_dirs["legal"]), "--out", str(out), "--force"],
+        cwd=REPO, env={**os.environ, SLOW_HOOK_ENV: "2"}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )
+    try:
+        deadline = time.monotonic() + 90
+        while not any(p.glob("*.safetensors") for p in tmp_path.glob(".merged.partial-*")):
+            assert process.poll() is None, process.communicate()
+            assert time.monotonic() < deadline, "the merge never started writing"
+            time.sleep(0.05)
+        process.send_signal(signal.SIGKILL)
+        process.wait(timeout=30)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode == -signal.SIGKILL
+    assert not out.exists()  # only a stale .merged.partial-<pid> may remain
+
+
+@pytest.mark.parametrize(
+    "name", ["legal", "med-2", "code_v3", "default", "A1"]
+)
+def test_valid_adapter_names(name):
+    assert validate_adapter_name(name) == name
+
+
+@pytest.mark.parametrize(
+    "name", ["", "a/b", "..", "x.y", "lora", "a", "lora_", "training", "keys", "-x", "with space", "x" * 65]
+)
+def test_invalid_adapter_names_are_refused(name):
+    with pytest.raises(AdapterError, match=f"adapter name {name!r}"):
+        validate_adapter_name(name)
+
+
+def test_pickle_adapters_need_allow_pickle_and_load_weights_only(tmp_path, adapter_dirs):
+    pickled = tmp_path / "pickled"
+    shutil.copytree(adapter_dirs["legal"], pickled)
+    torch.save(load_file(pickled / "adapter_model.safetensors"), pickled / "adapter_model.bin")
+    (pickled / "adapter_model.safetensors").unlink()
+    with pytest.raises(AdapterError, match="pickle file.*--allow-pickle"):
+        read_adapter(pickled)
+    allowed, reference = read_adapter(pickled, allow_pickle=True), read_adapter(adapter_dirs["legal"])
+    for module, lora in reference.modules.items():
+        assert torch.equal(allowed.modules[module].delta(), lora.delta())
+    assert run("combine", pickled, adapter_dirs["med"], "--out", tmp_path / "o") == 2
+    assert run("combine", pickled, adapter_dirs["med"], "--allow-pickle", "--out", tmp_path / "o") == 0
+
+
+def test_nan_in_an_adapter_is_refused_naming_adapter_and_module(tmp_path, adapter_dirs):
+    broken = tmp_path / "broken"
+    shutil.copytree(adapter_dirs["legal"], broken)
+    tensors = load_file(broken / "adapter_model.safetensors")
+    key = "base_model.model.model.layers.1.self_attn.v_proj.lora_B.weight"
+    tensors[key][0, 0] = float("nan")
+    save_file(tensors, broken / "adapter_model.safetensors")
+    with pytest.raises(AdapterError, match="adapter 'legal' .*model.layers.1.self_attn.v_proj lora_B holds NaN or Inf"):
+        read_adapter(broken)
+
+
+def test_unsupported_lora_variants_are_refused_with_the_reason(tmp_path, adapter_dirs):
+    for key, value, reason in [("use_dora", True, "DoRA"), ("modules_to_save", ["lm_head"], "replaces whole modules")]:
+        variant = tmp_path / key
+        shutil.copytree(adapter_dirs["legal"], variant)
+        config = json.loads((variant / "adapter_config.json").read_text())
+        (variant / "adapter_config.json").write_text(json.dumps({**config, key: value}))
+        with pytest.raises(AdapterError, match=reason):
+            read_adapter(variant)

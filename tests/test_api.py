@@ -1,0 +1,53 @@
+"""`finetune.load_model`: finding the base from an adapter, switching an adapter on unmerged, generating,
+and the fingerprint check (error naming both bases, `force=True`, a warning when no check is possible)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import finetune
+from finetune.adapters import AdapterWarning
+from finetune.errors import AdapterError
+
+from adapter_fixtures import adapter_dirs, make_adapter  # noqa: F401
+
+
+def test_plain_peft_adapter_without_manifest_loads_with_a_warning(tmp_path, tiny_base_dir, tiny_tokenizer):
+    plain = make_adapter(tiny_base_dir, tmp_path / "plain", seed=9, manifest=False)
+    config = json.loads((plain / "adapter_config.json").read_text())
+    (plain / "adapter_config.json").write_text(json.dumps({**config, "base_model_name_or_path": str(tiny_base_dir)}))
+    with pytest.warns(AdapterWarning, match="no manifest.json.*cannot be checked"):
+        m = finetune.load_model(str(plain))  # the base comes from base_model_name_or_path
+    assert m.active == "plain" and m.merged == {}
+
+
+def test_load_model_from_an_adapter_finds_its_base_and_uses_it(tiny_base_dir, adapter_dirs, tiny_tokenizer):
+    m = finetune.load_model(str(adapter_dirs["legal"]))
+    assert m.base_dir == tiny_base_dir and m.active == "legal"
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    reference = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_base_dir), str(adapter_dirs["legal"]))
+    input_ids = tiny_tokenizer(["for i in range"], return_tensors="pt").input_ids
+    with torch.no_grad():
+        torch.testing.assert_close(m.model(input_ids=input_ids).logits, reference(input_ids=input_ids).logits, rtol=0, atol=1e-5)
+    output = m.model.generate(input_ids, max_new_tokens=3, do_sample=False)
+    assert output.shape == (1, input_ids.shape[1] + 3)
+
+
+def test_fingerprint_mismatch_in_memory_names_both_and_force_overrides(tmp_path, tiny_base_dir, tiny_tokenizer, adapter_dirs):
+    from finetune.embedded.tiny import build_tiny_llama
+
+    from conftest import TEST_SHAPE
+
+    other = tmp_path / "other"
+    build_tiny_llama(tiny_tokenizer, seed=11, **TEST_SHAPE).save_pretrained(other)
+    tiny_tokenizer.save_pretrained(other)
+    with pytest.raises(AdapterError, match=f"trained on base {tiny_base_dir} \\(sha256:.*\\) but {other} is sha256:"):
+        finetune.load_model(str(other), {"legal": str(adapter_dirs["legal"])})
+    with pytest.warns(AdapterWarning, match="forced"):
+        m = finetune.load_model(str(other), {"legal": str(adapter_dirs["legal"])}, force=True)
+    m.merge("legal")
