@@ -17,7 +17,8 @@ A hit loads the rows memory-mapped with `load_from_disk` and tokenizes nothing. 
 writes them to a temporary directory beside the cache entry and renames it into place, so a crash never
 leaves a half-written entry and two processes racing to write the same entry both end up reading one
 complete copy. The cache lives in `$HF_DATASETS_CACHE/finetune` (next to `datasets`' own cache, moved
-by the same variables) unless a directory is passed in.
+by the same variables) unless a directory is passed in. Entries are never evicted: each distinct data
+fingerprint keeps one directory of Arrow files until the directory is deleted (always safe to do).
 
 Example:
     fingerprint = data_fingerprint(config, tokenizer, seed=0)   # "sha256:3f1c..."

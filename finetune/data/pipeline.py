@@ -167,15 +167,8 @@ def _documents(sources: list[SourceConfig], config: DataConfig, tokenizer: PreTr
             encoded = encode_records(records, config, tokenizer, locate=lambda i, first=first: raw.where(first + i))
             chunk: dict[str, list] = {"input_ids": [], "labels": [], "truncated": []}
             for offset, document in enumerate(encoded):
-                truncated = document is not None and len(document.input_ids) > config.max_seq_len
-                if truncated:
-                    if config.overlength == "error":
-                        raise DataError(
-                            f"{raw.where(first + offset)}: {len(document.input_ids)} tokens, longer than "
-                            f"data.max_seq_len={config.max_seq_len}; raise data.max_seq_len, shorten the record, "
-                            f"or set data.overlength=truncate")
-                    num_truncated += 1
-                    document = _truncate(document, config.max_seq_len)
+                document, truncated = _fit_to_length(document, config, raw.where(first + offset))
+                num_truncated += truncated
                 if document is None:
                     num_dropped += 1
                     continue
@@ -183,7 +176,7 @@ def _documents(sources: list[SourceConfig], config: DataConfig, tokenizer: PreTr
                 chunk["labels"].append(document.labels)
                 chunk["truncated"].append(truncated)
             chunks.append(pa.table(chunk, schema=DOCUMENT_FEATURES.arrow_schema))
-        log(f"data: read {len(raw.records)} records from {source.path}")
+        log(f"data: tokenized {len(raw.records)} records from {source.path}")
     where = ", ".join(source.path for source in sources)
     if num_dropped:
         log(f"data: dropped {num_dropped} of {num_records} records with nothing to train on "
@@ -197,12 +190,18 @@ def _documents(sources: list[SourceConfig], config: DataConfig, tokenizer: PreTr
     return documents, num_dropped
 
 
-def _truncate(document: Document, max_seq_len: int) -> Document | None:
-    """The first `max_seq_len` tokens, or None when no trained label is left in them."""
-    labels = document.labels[:max_seq_len]
+def _fit_to_length(document: Document | None, config: DataConfig, where: str) -> tuple[Document | None, bool]:
+    """`data.overlength` applied: (the document, or None when no trained label is left; whether it was cut)."""
+    if document is None or len(document.input_ids) <= config.max_seq_len:
+        return document, False
+    if config.overlength == "error":
+        raise DataError(f"{where}: {len(document.input_ids)} tokens, longer than data.max_seq_len="
+                        f"{config.max_seq_len}; raise data.max_seq_len, shorten the record, or set "
+                        f"data.overlength=truncate")
+    labels = document.labels[: config.max_seq_len]
     if all(label == IGNORE_INDEX for label in labels):
-        return None
-    return Document(document.input_ids[:max_seq_len], labels)
+        return None, True
+    return Document(document.input_ids[: config.max_seq_len], labels), True
 
 
 def _split(documents: datasets.Dataset, fraction: float, seed: int) -> tuple[datasets.Dataset, datasets.Dataset]:
