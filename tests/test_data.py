@@ -239,7 +239,7 @@ def test_truncate_cuts_long_records_and_counts_them(tmp_path, tiny_tokenizer):
 def test_truncation_that_leaves_no_response_drops_the_record(tmp_path, tiny_tokenizer):
     records = [INSTRUCTION, {"instruction": "the model reads " * 10, "output": "ok"}]
     source = write_records(tmp_path / "long.jsonl", records)
-    bundle = build(tmp_path, tiny_tokenizer, train=[source], format="instruction", max_seq_len=24)
+    bundle = build(tmp_path, tiny_tokenizer, train=[source], format="instruction", max_seq_len=48)
     assert (bundle.stats["num_records"], bundle.stats["num_dropped"], bundle.stats["num_truncated"]) == (1, 1, 0)
     assert decode_labelled(tiny_tokenizer, bundle.train[0]) == "return a + b</s>"
 
