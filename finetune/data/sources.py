@@ -29,10 +29,14 @@ import csv
 import hashlib
 import io
 import json
+import uuid
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import datasets
+import pyarrow.parquet as pq
 
 from finetune.errors import DataError
 from finetune.recipe import SourceConfig
@@ -54,7 +58,7 @@ class RawSource:
     """
 
     path: str
-    records: Sequence[dict[str, Any]]
+    records: list[dict[str, Any]] | datasets.Dataset
     line_numbers: Sequence[int] | None = None
 
     def where(self, index: int) -> str:
@@ -119,15 +123,13 @@ def load_source(source: SourceConfig, text_field: str) -> RawSource:
         raise DataError(f"data source {source.path} has no records; add data or remove it from the recipe")
     if source.max_records is not None and source.max_records < len(raw.records):
         keep = source.max_records
-        records = raw.records.select(range(keep)) if hasattr(raw.records, "select") else raw.records[:keep]
+        records = raw.records[:keep] if isinstance(raw.records, list) else raw.records.select(range(keep))
         lines = raw.line_numbers[:keep] if raw.line_numbers is not None else None
         raw = RawSource(raw.path, records, lines)
     return raw
 
 
 def _load_saved_dataset(path: Path, source: SourceConfig) -> RawSource:
-    import datasets
-
     try:
         loaded = datasets.load_from_disk(str(path), keep_in_memory=False)
     except FileNotFoundError:
@@ -254,16 +256,13 @@ def _split_paragraphs(text: str, text_field: str) -> tuple[list[dict[str, Any]],
     return records, lines
 
 
-def _read_parquet(path: Path, raw_path: str) -> Sequence[dict[str, Any]]:
-    import datasets
-    import pyarrow.parquet as pq
-
+def _read_parquet(path: Path, raw_path: str) -> datasets.Dataset:
     try:
         table = pq.read_table(path)
     except (OSError, ValueError) as exc:  # pyarrow's ArrowInvalid is a ValueError
         raise DataError(f"data file {raw_path} cannot be read as Parquet ({str(exc).splitlines()[0]}); "
                         f"check that it is a complete .parquet file") from None
-    return datasets.Dataset(datasets.table.InMemoryTable(table))
+    return datasets.Dataset(datasets.table.InMemoryTable(table), fingerprint=uuid.uuid4().hex)  # skip hashing it
 
 
 def iter_records(raw: RawSource, chunk_records: int) -> Iterator[tuple[int, list[dict[str, Any]]]]:
