@@ -339,6 +339,13 @@ def test_second_run_loads_the_cache_and_tokenizes_nothing(tmp_path, tiny_tokeniz
     assert [p.name for p in (tmp_path / "cache").iterdir()] == [first.fingerprint.removeprefix("sha256:")]
 
 
+def test_use_cache_false_writes_nothing(tmp_path, tiny_tokenizer):
+    config = DataConfig(train=[write_records(tmp_path / "many.jsonl", MANY)])
+    bundle = build_datasets(config, tiny_tokenizer, cache_dir=tmp_path / "cache", use_cache=False)
+    assert bundle.cache_path is None and not bundle.cache_hit and not (tmp_path / "cache").exists()
+    assert bundle.fingerprint == data_fingerprint(config, tiny_tokenizer, seed=0)
+
+
 def test_damaged_cache_entry_is_rebuilt(tmp_path, tiny_tokenizer):
     source = write_records(tmp_path / "many.jsonl", MANY)
     config = DataConfig(train=[source])
