@@ -61,6 +61,47 @@ def check_fingerprint(adapter: "Adapter", base_fingerprint: str | None, base_whe
     warnings.warn("forced: " + message, AdapterWarning, stacklevel=3)
 
 
+def _adoptable_ledger(model_dir: Path | None, adapters: list, allow_pickle: bool):
+    """The ledger of a merged checkpoint if its base and adapters are at hand (appending those adapters to
+    `adapters`), else None with a warning: the checkpoint then counts as a base of its own."""
+    from finetune.adapters.ledger import read_ledger
+    from finetune.adapters.weights import read_adapter
+    from finetune.fingerprint import fingerprint_model_dir
+
+    ledger = read_ledger(model_dir) if model_dir is not None else None
+    if ledger is None or not ledger.entries:
+        return None
+    problem = None
+    base_dir = local_model_dir(ledger.base_path)
+    if ledger.base_quantization != "none":
+        problem = f"its adapters were merged into a dequantized {ledger.base_quantization} base"
+    elif base_dir is None or fingerprint_model_dir(base_dir) != ledger.base_fingerprint:
+        problem = f"the base it records ({ledger.base_path}, {ledger.base_fingerprint}) is not available"
+    found = []
+    for name, entry in sorted(ledger.entries.items()):
+        if problem is not None:
+            break
+        try:
+            adapter = read_adapter(entry.path, name, allow_pickle=allow_pickle)
+        except AdapterError as exc:
+            problem = f"its adapter {name!r} cannot be read ({exc})"
+            break
+        if entry.sha256 and adapter.file_sha256 != entry.sha256:
+            problem = f"its adapter {name!r} at {entry.path} changed since it was merged"
+        found.append(adapter)
+    if problem is not None:
+        warnings.warn(
+            f"{model_dir} holds merged adapters ({', '.join(ledger.weights)}) but {problem}; it is loaded as a base of "
+            "its own (use `finetune adapters subtract` for fp32 arithmetic on it)",
+            AdapterWarning,
+            stacklevel=3,
+        )
+        return None
+    given = {a.name for a in adapters}
+    adapters.extend(a for a in found if a.name not in given)
+    return ledger
+
+
 def _named_paths(adapters: Mapping[str, str | Path] | Sequence[str | Path] | None) -> list[tuple[str | None, Path]]:
     if adapters is None:
         return []
@@ -127,7 +168,10 @@ def load_model(
         trust_remote_code=trust_remote_code, quantization=quantization,
     )
     base_dir = local_model_dir(source, revision)
-    if base_dir is not None and any(base_dir.glob("*.safetensors")):
+    ledger = _adoptable_ledger(base_dir, read, allow_pickle)
+    if ledger is not None:  # a merged checkpoint: exact arithmetic continues from the base it records
+        base_dir, base_fingerprint = Path(ledger.base_path), ledger.base_fingerprint
+    elif base_dir is not None and any(base_dir.glob("*.safetensors")):
         base_fingerprint = fingerprint_model_dir(base_dir)
     elif quantization == "none":
         base_fingerprint = fingerprint_model(model)
@@ -135,7 +179,7 @@ def load_model(
         base_fingerprint = None
     loaded = LoadedModel(
         model, tokenizer, base_source=source, base_dir=base_dir, base_fingerprint=base_fingerprint or "",
-        dtype=getattr(torch, dtype), requantize=requantize, quantization=quantization,
+        dtype=getattr(torch, dtype), requantize=requantize, quantization=quantization, ledger=ledger,
     )
     for adapter in read:
         check_fingerprint(adapter, base_fingerprint, str(base_dir or source), force=force)

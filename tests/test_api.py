@@ -51,3 +51,42 @@ def test_fingerprint_mismatch_in_memory_names_both_and_force_overrides(tmp_path,
     with pytest.warns(AdapterWarning, match="forced"):
         m = finetune.load_model(str(other), {"legal": str(adapter_dirs["legal"])}, force=True)
     m.merge("legal")
+
+
+def test_an_adapter_on_a_tied_weight_is_refused(tmp_path, tiny_base_dir):
+    from safetensors.torch import load_file, save_file
+
+    tied = make_adapter(tiny_base_dir, tmp_path / "tied", seed=12, targets=("lm_head",))
+    file = tied / "adapter_model.safetensors"
+    with pytest.raises(AdapterError, match="lm_head.base_layer.weight is not a LoRA A/B weight"):
+        finetune.load_model(str(tiny_base_dir), {"tied": str(tied)})  # peft saved the tied layer in full
+    save_file({k: v for k, v in load_file(file).items() if "lora_" in k}, file)
+    with pytest.raises(AdapterError, match="lm_head.weight is tied to model.embed_tokens.weight"):
+        finetune.load_model(str(tiny_base_dir), {"tied": str(tied)})
+
+
+def test_save_merged_after_use_writes_base_names_and_the_ledger(tmp_path, tiny_base_dir, adapter_dirs):
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    m = finetune.load_model(str(tiny_base_dir), {k: str(v) for k, v in adapter_dirs.items()})
+    m.use("med")  # peft now wraps the layers: names gain .base_layer and lora_ weights
+    m.merge("legal", 0.5)
+    with pytest.warns(AdapterWarning, match="'med' is in use unmerged and is not saved"):
+        m.save_merged(tmp_path / "out")
+    with safe_open(str(tmp_path / "out" / "model.safetensors"), framework="pt") as handle:
+        names = set(handle.keys())
+        assert json.loads(handle.metadata()["finetune_merged"])["adapters"]["legal"]["weight"] == 0.5
+    base_names = set(AutoModelForCausalLM.from_pretrained(tiny_base_dir).state_dict()) - {"lm_head.weight"}
+    assert names == base_names
+    from finetune.fingerprint import base_state_items
+
+    reloaded = finetune.load_model(str(tmp_path / "out"))
+    assert reloaded.merged == {"legal": 0.5} and reloaded.base_dir == tiny_base_dir  # the ledger is adopted
+    saved = dict(base_state_items(m.model))
+    for name, tensor in base_state_items(reloaded.model):
+        assert torch.equal(tensor, saved[name]), name
+    reloaded.subtract("legal")  # exact, from the base the ledger records
+    base = AutoModelForCausalLM.from_pretrained(tiny_base_dir).state_dict()
+    for name, tensor in reloaded.model.state_dict().items():
+        assert torch.equal(tensor, base[name]), name

@@ -63,7 +63,8 @@ class LoadedModel:
         model: the transformers model (usable with `generate`); merges change its weights in place.
         tokenizer: the base's tokenizer.
         adapters: name -> `Adapter` (fp32 A/B per module).
-        base_source: the directory or hub id the base was loaded from.
+        base_source: the directory or hub id the model was loaded from.
+        base_dir: the pristine base's directory (for a merged checkpoint: the base its ledger records).
         dtype: the dtype merged tensors are written in (the base's compute dtype for quantized layers).
     """
 
@@ -78,6 +79,7 @@ class LoadedModel:
         dtype: torch.dtype,
         requantize: bool = False,
         quantization: str = "none",
+        ledger: Ledger | None = None,
     ):
         self.model = model
         self.tokenizer = tokenizer
@@ -87,10 +89,11 @@ class LoadedModel:
         self.requantize = requantize
         self.adapters: dict[str, Adapter] = {}
         self.last_report: OperationReport | None = None
-        self._ledger = Ledger(
+        self._ledger = ledger or Ledger(
             base_path=str(base_dir or base_source), base_fingerprint=base_fingerprint, base_quantization=quantization
         )
-        self._pristine = PristineWeights(base_dir)
+        # A model loaded from a merged checkpoint already holds its ledger's merges: its tensors are not the base's.
+        self._pristine = PristineWeights(base_dir, verify=not self._ledger.entries)
         self._quantized_originals: dict[str, torch.nn.Module] = {}
         self._requantization_errors: dict[str, float] = {}
         self._peft = None
@@ -327,7 +330,8 @@ def _weight_shape(layer: torch.nn.Module) -> tuple[int, int] | None:
     if quantized.is_quantized_linear(layer):
         return (layer.out_features, layer.in_features)
     weight = getattr(layer, "weight", None)
-    if isinstance(weight, torch.Tensor) and weight.dim() == 2 and isinstance(layer, torch.nn.Linear):
+    # nn.Linear stores (out, in); transformers' Conv1D (GPT-2, fan_in_fan_out adapters) stores (in, out).
+    if isinstance(weight, torch.Tensor) and weight.dim() == 2 and type(layer).__name__ in ("Linear", "Conv1D"):
         return tuple(weight.shape)
     return None
 
