@@ -203,6 +203,7 @@ def train(
         progress: show a progress bar; default: when stderr is a terminal.
     """
     from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
     from accelerate.utils import gather_object, set_seed
 
     from finetune.data import build_datasets, collate_batch
@@ -219,6 +220,10 @@ def train(
         raise CheckpointError(f"--resume: no checkpoint in {run_dir}; run without --resume to start fresh")
 
     precision = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}[recipe.train.precision]
+    # accelerate keeps one process-wide AcceleratorState and refuses a second Accelerator with another
+    # precision. Clearing it (not the PartialState holding the process group) lets the Python API run
+    # several recipes in one process.
+    AcceleratorState._reset_state(reset_partial_state=False)
     accelerator = Accelerator(mixed_precision=precision, cpu=not torch.cuda.is_available())
     is_main = accelerator.is_main_process
     say: Log = log if is_main else (lambda message: None)

@@ -204,3 +204,24 @@ def test_existing_adapter_is_not_overwritten_unless_asked(workdir):
     train("recipe.yaml", ["output.overwrite=true", "train.max_steps=1"])
     assert (Path("adapters/crates") / "adapter_model.safetensors").exists()
     assert not (Path("adapters/crates") / "keep.txt").exists()
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["train.precision=bf16"],
+        ["model.dtype=bfloat16"],
+        ["model.quantization=8bit"],
+        ["model.quantization=4bit"],  # QLoRA: nf4 base, float32 LoRA weights
+        ["train.optimizer=adamw_8bit"],
+        ["train.gradient_checkpointing=true"],
+        ["lora.use_dora=true"],
+        ["lora.use_rslora=true", "lora.target_modules=[q_proj,v_proj]"],
+        ["data.packing=false"],
+    ],
+    ids=lambda o: ",".join(o),
+)
+def test_training_variants_learn(workdir, overrides):
+    """Every precision, quantization and LoRA variant a recipe can ask for trains on CPU and lowers eval loss."""
+    _, metrics = train("recipe.yaml", [*overrides, "train.max_steps=4"])
+    assert metrics["eval_loss"] < metrics["base_eval_loss"] - 0.02
