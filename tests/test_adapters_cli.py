@@ -161,3 +161,12 @@ def test_unsupported_lora_variants_are_refused_with_the_reason(tmp_path, adapter
         (variant / "adapter_config.json").write_text(json.dumps({**config, key: value}))
         with pytest.raises(AdapterError, match=reason):
             read_adapter(variant)
+
+
+def test_warnings_are_printed_as_one_line(tmp_path, tiny_base_dir, capsys):
+    from adapter_fixtures import make_adapter
+
+    plain = make_adapter(tiny_base_dir, tmp_path / "plain", seed=9, manifest=False)
+    assert run("merge", "--base", tiny_base_dir, "--adapter", plain, "--out", tmp_path / "o") == 0
+    err = capsys.readouterr().err.splitlines()
+    assert f"warning: adapter 'plain' ({plain}) has no manifest.json, so whether it was trained on {tiny_base_dir} cannot be checked" in err

@@ -12,6 +12,32 @@ Example:
 from __future__ import annotations
 
 import argparse
+import functools
+import sys
+import warnings
+from collections.abc import Callable
+
+from finetune.adapters import AdapterWarning
+
+
+def _warnings_as_lines(handler: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+    """Print `AdapterWarning`s as one `warning: ...` line each (like errors), other warnings as usual."""
+
+    @functools.wraps(handler)
+    def wrapped(args: argparse.Namespace) -> int:
+        default_show = warnings.showwarning
+
+        def show(message, category, filename, lineno, file=None, line=None):
+            if issubclass(category, AdapterWarning):
+                print(f"warning: {message}", file=sys.stderr)
+            else:
+                default_show(message, category, filename, lineno, file, line)
+
+        with warnings.catch_warnings():
+            warnings.showwarning = show
+            return handler(args)
+
+    return wrapped
 
 
 def _add_safety_flags(parser: argparse.ArgumentParser) -> None:
@@ -38,7 +64,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "dequantizes it and writes 16/32-bit weights",
     )
     _add_safety_flags(merge)
-    merge.set_defaults(handler=_merge)
+    merge.set_defaults(handler=_warnings_as_lines(_merge))
 
     subtract = sub.add_parser("subtract", help="take an adapter back out of a merged model")
     subtract.add_argument("--model", required=True, help="a merged model directory written by `adapters merge`")
@@ -49,7 +75,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--negate", action="store_true", help="subtract an adapter that was never merged (task negation)"
     )
     _add_safety_flags(subtract)
-    subtract.set_defaults(handler=_subtract)
+    subtract.set_defaults(handler=_warnings_as_lines(_subtract))
 
     swap = sub.add_parser("swap", help="replace one merged adapter by another")
     swap.add_argument("--model", required=True)
@@ -58,7 +84,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     swap.add_argument("--out", required=True)
     swap.add_argument("--base", default=None, help="pristine base (default: the one the ledger records)")
     _add_safety_flags(swap)
-    swap.set_defaults(handler=_swap)
+    swap.set_defaults(handler=_warnings_as_lines(_swap))
 
     combine = sub.add_parser("combine", help="combine adapters into one adapter (weighted sum of updates)")
     combine.add_argument("adapters", nargs="+", metavar="ADAPTER")
@@ -69,16 +95,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     combine.add_argument("--seed", type=int, default=0, help="dare's random drop seed")
     combine.add_argument("--out", required=True)
     combine.add_argument("--allow-pickle", action="store_true")
-    combine.set_defaults(handler=_combine)
+    combine.set_defaults(handler=_warnings_as_lines(_combine))
 
     listing = sub.add_parser("list", help="list the adapters in a store directory")
     listing.add_argument("store", nargs="?", default="adapters", help="directory holding adapter dirs (default: adapters)")
-    listing.set_defaults(handler=_list)
+    listing.set_defaults(handler=_warnings_as_lines(_list))
 
     info = sub.add_parser("info", help="show one adapter or merged model in detail")
     info.add_argument("adapter", help="adapter dir, merged model dir, or a name in --store")
     info.add_argument("--store", default="adapters")
-    info.set_defaults(handler=_info)
+    info.set_defaults(handler=_warnings_as_lines(_info))
 
 
 def _merge(args: argparse.Namespace) -> int:
