@@ -142,6 +142,17 @@ class _MetricsWriter:
             self._tensorboard.close()
 
 
+def _real_tokens(batch: dict[str, torch.Tensor]) -> int:
+    """Tokens of a collated batch that are not padding (padding-free batches have none)."""
+    mask = batch.get("attention_mask")
+    return int(mask.sum()) if mask is not None else int(batch["input_ids"].numel())
+
+
+def _format_seconds(seconds: float) -> str:
+    minutes, seconds = divmod(int(seconds), 60)
+    return f"{minutes}m{seconds:02d}s" if minutes else f"{seconds}s"
+
+
 def accumulate_gradients(model, micro_batches: list[dict[str, torch.Tensor]], accelerator) -> float:
     """Backward every micro-batch of one optimizer step; return the step's mean token loss.
 
@@ -316,6 +327,7 @@ def train(
         f"{recipe.train.grad_accum_steps} per step, {accelerator.num_processes} process(es))")
     model_for_step.train()
     last_log_time, last_log_tokens = time.perf_counter(), tokens_seen
+    loop_start, loop_start_step = last_log_time, step
     train_metrics: dict[str, float] = {}
     eval_metrics: dict[str, float] = {}
     while step < plan.total_steps:
@@ -331,7 +343,7 @@ def train(
         optimizer.zero_grad(set_to_none=True)
         step += 1
         position += recipe.train.grad_accum_steps
-        tokens_seen += sum(int(b["input_ids"].numel()) for b in micro_batches) * accelerator.num_processes
+        tokens_seen += sum(_real_tokens(b) for b in micro_batches) * accelerator.num_processes
         bar.update(1)
         bar.set_postfix(loss=f"{mean_loss:.4f}", refresh=False)
         if step % recipe.train.log_every_steps == 0 or step == plan.total_steps:
@@ -347,8 +359,10 @@ def train(
             metrics_writer.write(step, train_metrics)
             bar.set_postfix(loss=f"{mean_loss:.4f}", tok_s=f"{tokens_per_s:,.0f}")
             if not show_bar:
+                seconds_per_step = (now - loop_start) / (step - loop_start_step)
+                eta = _format_seconds(seconds_per_step * (plan.total_steps - step))
                 say(f"step {step}/{plan.total_steps}: loss {mean_loss:.4f}, lr {train_metrics['lr']:.3g}, "
-                    f"{tokens_per_s:,.0f} tokens/s")
+                    f"{tokens_per_s:,.0f} tokens/s, ETA {eta}")
         is_final = step == plan.total_steps
         if recipe.train.eval_every_steps and step % recipe.train.eval_every_steps == 0 and not is_final:
             eval_metrics = run_eval(step)
