@@ -34,6 +34,7 @@ def _warnings_as_lines(handler: Callable[[argparse.Namespace], int]) -> Callable
                 default_show(message, category, filename, lineno, file, line)
 
         with warnings.catch_warnings():
+            warnings.filterwarnings("default", category=AdapterWarning)  # part of the output, like errors
             warnings.showwarning = show
             return handler(args)
 
