@@ -189,3 +189,21 @@ def test_merging_an_adapter_trained_on_a_quantized_base(tmp_path, tiny_base_dir)
         config = json.loads((tmp_path / f"disk{bits}" / "config.json").read_text())
         assert "quantization_config" not in config
         AutoModelForCausalLM.from_pretrained(tmp_path / f"disk{bits}")
+
+
+@pytest.mark.parametrize("bits", ["4bit", "8bit"])
+def test_requantize_on_request_prints_the_error_it_adds(tmp_path, tiny_base_dir, bits, tiny_tokenizer):
+    pytest.importorskip("bitsandbytes")
+    adapter = make_adapter(tiny_base_dir, tmp_path / "q", seed=6, targets=("q_proj", "up_proj"), quantization=bits)
+    report = merge_checkpoint(str(tiny_base_dir), [AdapterSpec(str(adapter))], tmp_path / "out", requantize=True)
+    assert f"requantized to {bits}: relative Frobenius error added" in report.summary()
+    assert not list(tmp_path.glob(".out.dense-*"))
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert "quantization_config" in config and config[LEDGER_KEY]["adapters"]["q"]["weight"] == 1.0
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "out")  # loads back quantized
+    with torch.no_grad():
+        assert torch.isfinite(model(input_ids=tiny_tokenizer(["the model"], return_tensors="pt").input_ids).logits).all()
+    with pytest.raises(AdapterError, match="is a quantized checkpoint"):
+        subtract_checkpoint(str(tmp_path / "out"), AdapterSpec("q"), tmp_path / "x")
+    with pytest.raises(AdapterError, match="--requantize needs adapters trained on a 4bit or 8bit base"):
+        merge_checkpoint(str(tiny_base_dir), [AdapterSpec(str(tmp_path / "q"))], tmp_path / "y", quantization="none", requantize=True)

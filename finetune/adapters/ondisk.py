@@ -25,6 +25,8 @@ Example:
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -183,6 +185,11 @@ def _read_spec(spec: AdapterSpec, ledger: Ledger, allow_pickle: bool) -> Adapter
 def _source(model: str) -> tuple[Path, Ledger]:
     """The model directory and its ledger (an empty one on top of itself when nothing is merged into it)."""
     source_dir = resolve_model_dir(model)
+    if "quantization_config" in json.loads((source_dir / "config.json").read_text()):
+        raise AdapterError(
+            f"{source_dir} is a quantized checkpoint; adapter arithmetic on disk needs 16/32-bit weights: use the base "
+            "it was quantized from (adapters trained on it are dequantized-merged) or a merge written without --requantize"
+        )
     ledger = read_ledger(source_dir)
     if ledger is None:
         ledger = Ledger(base_path=str(source_dir.resolve()), base_fingerprint=fingerprint_model_dir(source_dir))
@@ -340,6 +347,7 @@ def merge_checkpoint(
     *,
     dtype: str | None = None,
     quantization: str | None = None,
+    requantize: bool = False,
     force: bool = False,
     allow_pickle: bool = False,
 ) -> DiskReport:
@@ -351,6 +359,8 @@ def merge_checkpoint(
         out: the directory to create; must not exist.
         dtype: write floating tensors in this dtype (default: as stored).
         quantization: "4bit"/"8bit" if the adapters were trained on a quantized base (default: their manifests).
+        requantize: write the merged model quantized like the base instead of 16/32-bit; the report
+            gives the relative error this adds (`requantize.requantize_checkpoint`).
     """
     ensure_free(out)
     source_dir, ledger = _source(base)
@@ -367,8 +377,28 @@ def merge_checkpoint(
     if ledger.entries and quantization != ledger.base_quantization:
         raise AdapterError(f"{source_dir} holds merges on a {ledger.base_quantization} base; cannot add {quantization} ones")
     target = replace(target, base_quantization=quantization)
+    if requantize and quantization == "none":
+        raise AdapterError("--requantize needs adapters trained on a 4bit or 8bit base (or --quantization 4bit|8bit)")
     plan = _plan(source_dir, ledger, target, adapters, base=None, force=force, allow_pickle=allow_pickle)
-    return _execute(plan, out, "merge", dtype=dtype)
+    if not requantize:
+        return _execute(plan, out, "merge", dtype=dtype)
+    from finetune.adapters.requantize import requantize_checkpoint
+
+    out = Path(out)
+    dense_dir = out.parent / f".{out.name}.dense-{os.getpid()}"
+    shutil.rmtree(dense_dir, ignore_errors=True)
+    try:
+        report = _execute(plan, dense_dir, "merge", dtype=dtype)
+        errors = requantize_checkpoint(dense_dir, out, quantization, _quantization_options(plan.adapters))
+    finally:
+        shutil.rmtree(dense_dir, ignore_errors=True)
+    worst = max(errors, key=errors.get)
+    report.out = out
+    report.notes.append(
+        f"requantized to {quantization}: relative Frobenius error added {errors[worst]:.3e} at worst ({worst}), "
+        f"{sum(errors.values()) / len(errors):.3e} on average over {len(errors)} layers"
+    )
+    return report
 
 
 def subtract_checkpoint(

@@ -64,6 +64,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="bitsandbytes quantization the adapters were trained on (default: their manifest's); the merge "
         "dequantizes it and writes 16/32-bit weights",
     )
+    merge.add_argument(
+        "--requantize", action="store_true", help="write the merged model quantized like the base, printing the error added"
+    )
     _add_safety_flags(merge)
     merge.set_defaults(handler=_warnings_as_lines(_merge))
 
@@ -117,6 +120,7 @@ def _merge(args: argparse.Namespace) -> int:
         args.out,
         dtype=args.dtype,
         quantization=args.quantization,
+        requantize=args.requantize,
         force=args.force,
         allow_pickle=args.allow_pickle,
     )
