@@ -394,6 +394,7 @@ def merge_checkpoint(
         shutil.rmtree(dense_dir, ignore_errors=True)
     worst = max(errors, key=errors.get)
     report.out = out
+    report.notes = [n for n in report.notes if not n.startswith("dequantized the")]
     report.notes.append(
         f"requantized to {quantization}: relative Frobenius error added {errors[worst]:.3e} at worst ({worst}), "
         f"{sum(errors.values()) / len(errors):.3e} on average over {len(errors)} layers"
