@@ -1,5 +1,9 @@
 """`finetune.load_model`: a base model with named adapters, ready for exact merge/subtract/swap and `use`.
 
+It resolves the base (directly, from an adapter's manifest, or from the ledger of a merged checkpoint,
+whose merges it then continues exactly from the recorded base), checks every adapter against the base's
+fingerprint, and hands over to `finetune.adapters.inmemory.LoadedModel`.
+
 Example:
     m = finetune.load_model("models/tiny", adapters={"legal": "adapters/legal", "med": "adapters/med"})
     m.merge("legal", 0.5); m.merged                 # {'legal': 0.5}
