@@ -45,9 +45,10 @@ def local_model_dir(source: str, revision: str | None = None) -> Path | None:
 
 def check_fingerprint(adapter: "Adapter", base_fingerprint: str | None, base_where: str, *, force: bool) -> None:
     """Refuse an adapter trained on another base (unless `force`); warn when no check is possible."""
-    if adapter.base_fingerprint is None:
+    if adapter.base_fingerprint is None or not adapter.base_fingerprint.startswith("sha256:"):
+        why = "has no manifest.json" if adapter.base_fingerprint is None else "records no base fingerprint"
         warnings.warn(
-            f"adapter {adapter.name!r} ({adapter.path}) has no manifest.json, so whether it was trained on {base_where} "
+            f"adapter {adapter.name!r} ({adapter.path}) {why}, so whether it was trained on {base_where} "
             "cannot be checked",
             AdapterWarning,
             stacklevel=3,

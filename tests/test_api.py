@@ -90,3 +90,15 @@ def test_save_merged_after_use_writes_base_names_and_the_ledger(tmp_path, tiny_b
     base = AutoModelForCausalLM.from_pretrained(tiny_base_dir).state_dict()
     for name, tensor in reloaded.model.state_dict().items():
         assert torch.equal(tensor, base[name]), name
+
+
+def test_a_manifest_without_a_real_fingerprint_warns_instead_of_failing(tmp_path, tiny_base_dir, adapter_dirs):
+    import shutil
+
+    unknown = tmp_path / "unknown"
+    shutil.copytree(adapter_dirs["legal"], unknown)
+    manifest = json.loads((unknown / "manifest.json").read_text())
+    manifest["base"]["fingerprint"] = "unknown"  # what training writes for a hub base it has no files of
+    (unknown / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.warns(AdapterWarning, match="records no base fingerprint"):
+        finetune.load_model(str(tiny_base_dir), {"legal": str(unknown)}).merge("legal")
