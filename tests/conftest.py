@@ -6,13 +6,20 @@ through the real `from_pretrained` path, exactly as it would load a hub model.
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
 
 # Offline before transformers/datasets are imported anywhere in the session.
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["HF_DATASETS_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Tokenized-data caches go to a scratch directory, not the user's ~/.cache (subprocesses inherit it).
+_SCRATCH_CACHE = tempfile.mkdtemp(prefix="finetune-tests-cache-")
+atexit.register(shutil.rmtree, _SCRATCH_CACHE, ignore_errors=True)
+os.environ["HF_DATASETS_CACHE"] = _SCRATCH_CACHE
 
 from pathlib import Path
 
