@@ -1,0 +1,208 @@
+"""The embedded default base (cache, build, determinism) and the quickstart's generated domain data.
+
+Bases here are built with `MINI` settings (a 30 KB corpus, a few dozen pretraining steps) into
+`tmp_path`, so the full pretraining of `embedded:tiny-llama` never runs in the test-suite.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+from finetune.embedded import embedded_base_dir, ensure_embedded_base, resolve_base_id
+from finetune.embedded.build import EMBEDDED_BASES, RECORD_FILE, BuildSettings
+from finetune.embedded.domain import generate_records, write_dataset
+from finetune.embedded.pretrain import PretrainSettings
+from finetune.errors import ModelError
+
+REPO = Path(__file__).resolve().parents[1]
+
+MINI = BuildSettings(
+    corpus_max_bytes=30_000,
+    corpus_file_max_bytes=4_000,
+    vocab_size=384,
+    seq_len=64,
+    pretraining=PretrainSettings(steps=30, micro_batch_size=8, lr=1e-2, warmup_steps=5, heldout_rows=4),
+    shape=dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        tie_word_embeddings=True,
+    ),
+)
+
+
+class Messages(list):
+    """A progress callable that keeps every message, to see what a call did."""
+
+    def __call__(self, message: str) -> None:
+        self.append(message)
+
+    def count(self, fragment: str) -> int:  # type: ignore[override]
+        return sum(fragment in message for message in self)
+
+
+@pytest.fixture(scope="module")
+def mini_base(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("home")
+    return ensure_embedded_base("tiny-llama", root=root, settings=MINI, progress=Messages())
+
+
+def test_built_base_is_a_normal_model_directory(mini_base):
+    names = {path.name for path in mini_base.iterdir()}
+    assert {"config.json", "model.safetensors", "generation_config.json", "tokenizer.json", RECORD_FILE} <= names
+    model = AutoModelForCausalLM.from_pretrained(mini_base)
+    tokenizer = AutoTokenizer.from_pretrained(mini_base)
+    assert isinstance(model, LlamaForCausalLM)
+    assert tokenizer.pad_token_id not in (None, tokenizer.eos_token_id)
+    assert tokenizer.chat_template
+    ids = tokenizer("def f(x):\n    return x\n", return_tensors="pt").input_ids
+    assert model(input_ids=ids).logits.shape == (1, ids.shape[1], len(tokenizer))
+
+
+def test_build_record_says_how_it_was_built(mini_base):
+    record = json.loads((mini_base / RECORD_FILE).read_text())
+    assert record["settings"]["pretraining"]["steps"] == 30
+    assert record["corpus"]["source"].startswith("python-stdlib ")
+    assert 0 < record["corpus"]["bytes"] <= 30_000 + 4_000
+    assert record["seconds"] > 0
+
+
+def test_pretraining_lowers_the_loss(mini_base):
+    pretraining = json.loads((mini_base / RECORD_FILE).read_text())["pretraining"]
+    assert pretraining["final_loss"] < pretraining["first_loss"] - 1.0
+    assert pretraining["heldout_loss_after"] < pretraining["heldout_loss_before"] - 1.0
+
+
+def test_same_settings_give_identical_weights_and_tokenizer(mini_base, tmp_path):
+    again = ensure_embedded_base("tiny-llama", root=tmp_path, settings=MINI, progress=Messages())
+    assert again != mini_base
+    first, second = load_file(mini_base / "model.safetensors"), load_file(again / "model.safetensors")
+    assert first.keys() == second.keys()
+    assert all(torch.equal(first[name], second[name]) for name in first)
+    assert (mini_base / "tokenizer.json").read_bytes() == (again / "tokenizer.json").read_bytes()
+
+
+def test_second_call_reuses_the_cache(mini_base):
+    weights = mini_base / "model.safetensors"
+    mtime_ns = weights.stat().st_mtime_ns
+    messages = Messages()
+    assert ensure_embedded_base("tiny-llama", root=mini_base.parents[1], settings=MINI, progress=messages) == mini_base
+    assert messages == []
+    assert weights.stat().st_mtime_ns == mtime_ns
+
+
+def test_other_settings_get_their_own_directory(tmp_path):
+    other = replace(MINI, pretraining=replace(MINI.pretraining, steps=31))
+    assert embedded_base_dir("tiny-llama", other, tmp_path) != embedded_base_dir("tiny-llama", MINI, tmp_path)
+    assert embedded_base_dir("tiny-llama", MINI, tmp_path).parent == tmp_path / "embedded"
+
+
+def test_interrupted_build_leaves_no_partial_directory(tmp_path):
+    def interrupt(message: str) -> None:
+        if "pretraining step" in message:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        ensure_embedded_base("tiny-llama", root=tmp_path, settings=MINI, progress=interrupt)
+    final_dir = embedded_base_dir("tiny-llama", MINI, tmp_path)
+    assert not final_dir.exists()
+    assert not list(final_dir.parent.glob(".*tmp-*"))
+
+
+def test_leftovers_of_a_killed_build_are_removed(tmp_path):
+    final_dir = embedded_base_dir("tiny-llama", MINI, tmp_path)
+    stale = final_dir.parent / f".{final_dir.name}.tmp-killed"
+    stale.mkdir(parents=True)
+    (stale / "model.safetensors").write_bytes(b"half a model")
+    assert ensure_embedded_base("tiny-llama", root=tmp_path, settings=MINI, progress=Messages()) == final_dir
+    assert not stale.exists()
+    assert (final_dir / RECORD_FILE).is_file()
+
+
+def test_concurrent_callers_build_once(tmp_path):
+    messages = Messages()
+    results: list[Path] = []
+    callers = [
+        threading.Thread(target=lambda: results.append(ensure_embedded_base(root=tmp_path, settings=MINI, progress=messages)))
+        for _ in range(2)
+    ]
+    for caller in callers:
+        caller.start()
+    for caller in callers:
+        caller.join()
+    assert results == [embedded_base_dir("tiny-llama", MINI, tmp_path)] * 2
+    assert messages.count("building embedded base") == 1
+    assert not list((tmp_path / "embedded").glob(".*tmp-*"))
+
+
+@pytest.mark.parametrize("base", ["gpt2", "meta-llama/Llama-3.2-1B", "/models/local", "./relative/dir", "embedded"])
+def test_resolve_base_id_leaves_other_ids_alone(base):
+    assert resolve_base_id(base) == base
+
+
+def test_unknown_embedded_base_is_an_error_listing_the_known_ones():
+    with pytest.raises(ModelError, match="unknown embedded base embedded:tiny-gpt; known: embedded:tiny-llama"):
+        resolve_base_id("embedded:tiny-gpt")
+
+
+def test_default_shape_suits_bitsandbytes_4bit():
+    """Every linear layer but the head has out_features divisible by 32 (bitsandbytes' CPU 4-bit forward)."""
+    config = LlamaConfig(vocab_size=EMBEDDED_BASES["tiny-llama"].vocab_size, **EMBEDDED_BASES["tiny-llama"].shape)
+    model = LlamaForCausalLM(config)
+    linears = [(name, m) for name, m in model.named_modules() if isinstance(m, torch.nn.Linear) and name != "lm_head"]
+    assert linears
+    assert [name for name, m in linears if m.out_features % 32] == []
+
+
+# ---------------------------------------------------------------------------------------------------
+# Domain data
+
+
+def test_domain_generator_is_deterministic(tmp_path):
+    assert generate_records(50, seed=3) == generate_records(50, seed=3)
+    assert generate_records(50, seed=3) != generate_records(50, seed=4)
+    write_dataset(tmp_path / "a", 40, 10, seed=1)
+    write_dataset(tmp_path / "b", 40, 10, seed=1)
+    for name in ("train.jsonl", "valid.jsonl"):
+        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes()
+
+
+def test_shipped_quickstart_data_regenerates_byte_for_byte(tmp_path):
+    subprocess.run(
+        [sys.executable, "-m", "finetune.embedded.domain", "--out", str(tmp_path)], cwd=REPO, check=True, capture_output=True
+    )
+    for name in ("train.jsonl", "valid.jsonl"):
+        assert (tmp_path / name).read_bytes() == (REPO / "data" / "quickstart" / name).read_bytes(), name
+
+
+def test_quickstart_data_is_small_held_out_and_in_instruction_format():
+    shipped = REPO / "data" / "quickstart"
+    train = [json.loads(line) for line in (shipped / "train.jsonl").read_text().splitlines()]
+    valid = [json.loads(line) for line in (shipped / "valid.jsonl").read_text().splitlines()]
+    assert sum(path.stat().st_size for path in shipped.glob("*.jsonl")) < 1_000_000
+    assert all(set(record) == {"instruction", "input", "output"} for record in train + valid)
+    prompts = {(record["instruction"], record["input"]) for record in train}
+    assert not [record for record in valid if (record["instruction"], record["input"]) in prompts]
+
+
+def test_bulletin_style_rules():
+    records = generate_records(400, seed=0)
+    for record in records:
+        fields = dict(line.split(": ", 1) for line in record["input"].splitlines())
+        low, rain = int(fields["low"]), int(fields["rain"].rstrip("%"))
+        assert ("Frost is likely overnight." in record["output"]) == (low < 0)
+        assert record["output"].endswith("Take an umbrella.") == (rain >= 70)
+        assert f"low of {'minus ' if low < 0 else ''}{abs(low)}." in record["output"]
