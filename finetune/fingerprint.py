@@ -15,7 +15,7 @@ tensors in a file do not change it, so a model and the directory it was loaded f
   bitsandbytes-quantized models whose directory is known).
 
 Directory results are cached per safetensors file, keyed by (absolute path, size, mtime_ns), in memory
-and under `$FINETUNE_CACHE_DIR` (default `~/.cache/finetune`), so a 10 GB base is hashed once.
+and under `$FINETUNE_HOME/fingerprints` (default `~/.cache/finetune`), so a 10 GB base is hashed once.
 
 Example:
     fingerprint_model_dir("models/tiny")      # 'sha256:3f0c...'
@@ -31,6 +31,8 @@ import re
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from finetune.paths import finetune_home
+
 if TYPE_CHECKING:
     import torch
 
@@ -43,7 +45,7 @@ _PEFT_BASE_NAME = re.compile(r"\.(base_layer|original_module)\.")
 
 
 def _cache_dir() -> Path:
-    return Path(os.environ.get("FINETUNE_CACHE_DIR", Path.home() / ".cache" / "finetune")) / "fingerprints"
+    return finetune_home() / "fingerprints"
 
 
 def _tensor_digest(tensor: "torch.Tensor") -> str:

@@ -16,10 +16,12 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["HF_DATASETS_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-# Tokenized-data caches go to a scratch directory, not the user's ~/.cache (subprocesses inherit it).
+# Caches (tokenized data, fingerprints, the embedded base) go to a scratch directory, not the user's
+# ~/.cache, so every session starts as a fresh machine would (subprocesses inherit it).
 _SCRATCH_CACHE = tempfile.mkdtemp(prefix="finetune-tests-cache-")
 atexit.register(shutil.rmtree, _SCRATCH_CACHE, ignore_errors=True)
-os.environ["HF_DATASETS_CACHE"] = _SCRATCH_CACHE
+os.environ["HF_DATASETS_CACHE"] = os.path.join(_SCRATCH_CACHE, "datasets")
+os.environ["FINETUNE_HOME"] = os.path.join(_SCRATCH_CACHE, "finetune")
 
 from pathlib import Path
 

@@ -18,7 +18,7 @@ from conftest import TEST_SHAPE
 
 @pytest.fixture(autouse=True)
 def _private_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("FINETUNE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("FINETUNE_HOME", str(tmp_path / "cache"))
     fingerprint._memory_cache.clear()
 
 
