@@ -65,7 +65,9 @@ def _rain_advice(rain_percent: int) -> str:
     return "It should stay dry."
 
 
-def bulletin(town: str, day: int, month: str, sky: str, wind_kmh: int, wind_from: str, high: int, low: int, rain_percent: int) -> dict[str, str]:
+def bulletin(
+    town: str, day: int, month: str, sky: str, wind_kmh: int, wind_from: str, high: int, low: int, rain_percent: int
+) -> dict[str, str]:
     """One instruction record: the forecast as input, the bulletin in house style as output."""
     forecast = (
         f"day: {day} {month}\nsky: {sky}\nwind: {wind_kmh} km/h from the {wind_from}\n"
@@ -103,8 +105,12 @@ def generate_records(num_records: int, seed: int = 0) -> list[dict[str, str]]:
         low = high - rng.randint(3, 10)
         sky = rng.choice(sorted(_SKIES))
         rain_percent = rng.randrange(0, 101, 5)
-        wind_kmh = rng.choice((rng.randint(2, 9), rng.randint(10, 29), rng.randint(10, 29), rng.randint(30, 49), rng.randint(50, 80)))
-        records.append(bulletin(town, day, MONTHS[month_index], sky, wind_kmh, rng.choice(_WIND_DIRECTIONS), high, low, rain_percent))
+        # Steady winds are the most common; every strength word occurs. All five draws are always made.
+        wind_kmh = rng.choice(
+            (rng.randint(2, 9), rng.randint(10, 29), rng.randint(10, 29), rng.randint(30, 49), rng.randint(50, 80))
+        )
+        wind_from = rng.choice(_WIND_DIRECTIONS)
+        records.append(bulletin(town, day, MONTHS[month_index], sky, wind_kmh, wind_from, high, low, rain_percent))
     return records
 
 
