@@ -50,15 +50,18 @@ class BuildSettings:
     shape: dict[str, int | bool] = field(default_factory=lambda: dict(TINY_LLAMA_SHAPE))
     """`LlamaConfig` fields; every linear out_features a multiple of 32 (bitsandbytes' CPU 4-bit)."""
     init_seed: int = 0
+    num_threads: int | None = None
+    """torch threads for pretraining; None uses every CPU this process may run on. Tiny test builds
+    use 1: their matmuls are too small to share, and threads waiting on each other only cost time."""
 
 
 EMBEDDED_BASES: dict[str, BuildSettings] = {
     "tiny-llama": BuildSettings(
         corpus_max_bytes=2_000_000,
         corpus_file_max_bytes=8_000,
-        vocab_size=4096,
-        seq_len=256,
-        pretraining=PretrainSettings(steps=300, micro_batch_size=16, lr=3e-3, warmup_steps=20),
+        vocab_size=2048,
+        seq_len=128,
+        pretraining=PretrainSettings(steps=600, micro_batch_size=8, lr=3e-3, warmup_steps=30),
     ),
 }
 """The embedded bases a recipe can name as `embedded:<name>`."""
@@ -102,8 +105,9 @@ def build_embedded_base(
     model = build_tiny_llama(tokenizer, seed=settings.init_seed, **settings.shape)
     num_params = sum(p.numel() for p in model.parameters())
     progress(f"model: {num_params / 1e6:.2f}M parameters; pretraining for {settings.pretraining.steps} steps")
+    num_threads = settings.num_threads or _available_cpu_count()
     threads_before = torch.get_num_threads()
-    torch.set_num_threads(_available_cpu_count())
+    torch.set_num_threads(num_threads)
     try:
         result = pretrain(model, rows, settings.pretraining, progress)
     finally:
@@ -124,8 +128,12 @@ def build_embedded_base(
         "parameters": num_params,
         "pretraining": asdict(result),
         "seconds": round(time.perf_counter() - start_seconds, 2),
-        "threads": _available_cpu_count(),
-        "versions": {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__},
+        "threads": num_threads,
+        "versions": {
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+        },
     }
     (out_dir / RECORD_FILE).write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
     return record

@@ -14,8 +14,8 @@ from __future__ import annotations
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerBase
 
-# The embedded default's shape: about 1.3M parameters. Every quantizable linear layer has
-# out_features divisible by 32, which bitsandbytes' CPU 4-bit forward requires.
+# The embedded default's shape: about 1.0M parameters with its 2048-token vocabulary. Every quantizable
+# linear layer has out_features divisible by 32, which bitsandbytes' CPU 4-bit forward requires.
 TINY_LLAMA_SHAPE = dict(
     hidden_size=128,
     intermediate_size=352,
