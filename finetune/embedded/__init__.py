@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from finetune.errors import ModelError
+from finetune.paths import finetune_home
 
 if TYPE_CHECKING:  # build.py imports torch; this module stays importable without it
     from finetune.embedded.build import BuildSettings
@@ -39,12 +40,6 @@ EMBEDDED_PREFIX = "embedded:"
 
 def _print_to_stderr(message: str) -> None:
     print(f"[finetune.embedded] {message}", file=sys.stderr, flush=True)
-
-
-def cache_root() -> Path:
-    """`$FINETUNE_HOME` if set, else `~/.cache/finetune`."""
-    home = os.environ.get("FINETUNE_HOME")
-    return Path(home).expanduser() if home else Path.home() / ".cache" / "finetune"
 
 
 def embedded_names() -> list[str]:
@@ -62,7 +57,7 @@ def embedded_base_dir(name: str, settings: BuildSettings, root: str | Path | Non
         {"name": name, "settings": settings_record(settings), "python": platform.python_version()}, sort_keys=True
     )
     digest = hashlib.sha256(key.encode("utf-8")).hexdigest()[:12]
-    return (Path(root) if root is not None else cache_root()) / "embedded" / f"{name}-v{BUILD_FORMAT_VERSION}-{digest}"
+    return (Path(root) if root is not None else finetune_home()) / "embedded" / f"{name}-v{BUILD_FORMAT_VERSION}-{digest}"
 
 
 def _is_built(path: Path) -> bool:
@@ -82,7 +77,7 @@ def ensure_embedded_base(
 
     Args:
         name: a key of `finetune.embedded.build.EMBEDDED_BASES`.
-        root: cache root; default `cache_root()`.
+        root: cache root; default `finetune.paths.finetune_home()`.
         settings: build settings other than the registered ones (tests build small bases this way);
             they get a directory of their own.
         progress: receives one-line progress messages; default prints them to stderr.
