@@ -1,0 +1,705 @@
+"""Training throughput: `finetune.train` (packing on and off) against HF `Trainer` + peft, side by side.
+
+Every arm trains the same model (a random-init Llama built from a config and saved with
+`save_pretrained`), with the same LoRA (r=16, alpha=32, dropout 0.05, all-linear), on the same
+instruction records (generated here, of varied length, so padding and packing differ), for the same
+number of optimizer steps, with the same micro-batch size, accumulation, learning rate, schedule
+(cosine, no warmup), clipping (1.0) and precision.
+
+Arms, each in its own fresh process (so peak RSS and allocator state are its own), run one after the
+other:
+- `ours-packed`:   `finetune.train(recipe)` with `data.packing=true` (padding-free rows);
+- `ours-padded`:   the same with `data.packing=false` (rows padded to the longest in the micro-batch);
+- `hf-trainer`:    what a user would otherwise write: `get_peft_model`, `datasets` + `.map` tokenizing,
+                   `DataCollatorForSeq2Seq` padding, `Trainer(processing_class=...)`, `use_cpu=True`.
+- `ours-packed-mbs1` (only with `--arms`): packing with micro-batch 1 and the accumulation multiplied by
+  the micro-batch size: the same rows per optimizer step, one packed row per forward.
+
+What is timed: the steps after `--warmup-steps`, from the end of the last warm-up step to the end of the
+last step (both loops report the end of each optimizer step: ours through its log line, the Trainer
+through a callback). Model load, tokenizing, the base-model evaluation and the final evaluation and save
+are reported apart as setup and after-training seconds. Tokens are counted from the very micro-batches
+each step used: real tokens (not padding), label tokens (those that carry loss), and the tokens the
+model computed (padding included). Held-out loss is computed by this script for every arm in the same
+way (float32, mean over the label tokens of the validation records), from the adapter saved by
+`finetune` or the Trainer's in-memory model.
+
+The machine may be shared: the load average before and after each arm is recorded, and CPU seconds of
+the timed window are reported beside wall seconds. With `--threads 1` no thread waits for another, so
+real tokens per CPU second measures the work alone, whatever else runs (with 2 threads on a loaded
+machine CPU seconds inflate too: a thread spins while its partner is descheduled).
+
+Example:
+    python bench/train_throughput.py                # fp32, defaults: ~2 min on 2 idle cores, 8.5 at load 9
+    python bench/train_throughput.py --threads 1 --precision bf16 --json /tmp/bf16.json   # shared machine
+    python bench/train_throughput.py --arms ours-packed,ours-padded,hf-trainer,ours-packed-mbs1
+    python bench/train_throughput.py --hidden 384 --layers 6 --seq-len 1024 --steps 30 --compile
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import random
+import re
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+if str(REPO_ROOT) not in sys.path:  # run from a checkout: `python bench/train_throughput.py`
+    sys.path.insert(0, str(REPO_ROOT))
+
+ARMS = ("ours-packed", "ours-padded", "hf-trainer", "ours-packed-mbs1")
+DEFAULT_ARMS = ("ours-packed", "ours-padded", "hf-trainer")
+BASELINE = "hf-trainer"
+LORA = dict(r=16, alpha=32.0, dropout=0.05)
+PROMPT_TEMPLATE = "### Instruction:\n{prompt}\n\n### Response:\n"  # finetune's default instruction template
+SEED = 0
+
+
+# ---------------------------------------------------------------------------------------------------
+# Shared helpers (parent and arms)
+
+
+def cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
+
+def load_average() -> float:
+    return os.getloadavg()[0]
+
+
+def say(message: str) -> None:
+    print(f"[bench] {message}", file=sys.stderr, flush=True)
+
+
+def tokenize_record(record: dict[str, str], tokenizer) -> dict[str, list[int]]:
+    """User-style tokenizing of one instruction record: BOS + prompt, then response + EOS; loss on the response.
+
+    Written as a user of `Trainer` would; it must give the very ids and labels `finetune`'s instruction
+    format gives (checked against finetune's data stats in every run).
+    """
+    prompt = PROMPT_TEMPLATE.replace("{prompt}", record["instruction"])
+    prompt_ids = [tokenizer.bos_token_id] + tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    response_ids = tokenizer(record["output"], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    input_ids = prompt_ids + response_ids
+    return {
+        "input_ids": input_ids,
+        "attention_mask": [1] * len(input_ids),
+        "labels": [-100] * len(prompt_ids) + response_ids,
+    }
+
+
+def heldout_loss(model, documents: list[dict[str, list[int]]], pad_token_id: int, batch_size: int = 8) -> float:
+    """Mean next-token loss over every label token of `documents`, float32, no dropout.
+
+    The same function for every arm, so the figures compare the adapters, not the evaluation code.
+    """
+    import torch
+    import torch.nn.functional as F
+
+    was_training = model.training
+    model.eval()
+    loss_sum, num_label_tokens = 0.0, 0
+    with torch.no_grad():
+        for first in range(0, len(documents), batch_size):
+            chunk = documents[first : first + batch_size]
+            max_len = max(len(d["input_ids"]) for d in chunk)
+            input_ids = torch.full((len(chunk), max_len), pad_token_id, dtype=torch.long)  # (B, T)
+            labels = torch.full((len(chunk), max_len), -100, dtype=torch.long)
+            attention_mask = torch.zeros((len(chunk), max_len), dtype=torch.long)
+            for row, document in enumerate(chunk):
+                n = len(document["input_ids"])
+                input_ids[row, :n] = torch.tensor(document["input_ids"])
+                labels[row, :n] = torch.tensor(document["labels"])
+                attention_mask[row, :n] = 1
+            logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits.float()
+            targets = labels[:, 1:]  # (B, T-1): position t predicts token t+1
+            loss_sum += float(F.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)), targets.reshape(-1),
+                                              ignore_index=-100, reduction="sum"))
+            num_label_tokens += int((targets != -100).sum())
+    model.train(was_training)
+    return loss_sum / num_label_tokens
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+def window(marks: dict[int, tuple[float, float]], steps: int, warmup_steps: int) -> tuple[float, float]:
+    """(wall, CPU) seconds from the end of step `warmup_steps` to the end of step `steps`."""
+    missing = [s for s in (warmup_steps, steps) if s not in marks]
+    assert not missing, f"no timestamp for step(s) {missing}; got steps {sorted(marks)[:5]}..."
+    return marks[steps][0] - marks[warmup_steps][0], marks[steps][1] - marks[warmup_steps][1]
+
+
+def summarise(spec: dict[str, Any], arm: str, marks: dict[int, tuple[float, float]], step_tokens: list[dict[str, int]],
+              step_losses: dict[int, float], extra: dict[str, Any]) -> dict[str, Any]:
+    """Throughput over the timed window, loss at the end, token counts per step summed."""
+    steps, warmup = spec["steps"], spec["warmup_steps"]
+    wall, cpu = window(marks, steps, warmup)
+    timed = step_tokens[warmup:steps]
+    real = sum(t["real"] for t in timed)
+    label = sum(t["label"] for t in timed)
+    computed = sum(t["computed"] for t in timed)
+    tail = [step_losses[s] for s in range(max(1, steps - spec["loss_tail_steps"] + 1), steps + 1) if s in step_losses]
+    step_seconds = sorted(marks[s][0] - marks[s - 1][0] for s in range(warmup + 1, steps + 1))
+    # Robust to bursts of load from other processes: the median over steps of each step's own rate.
+    step_rates = sorted(step_tokens[s - 1]["real"] / (marks[s][0] - marks[s - 1][0]) for s in range(warmup + 1, steps + 1))
+    return {
+        "arm": arm,
+        "timed_steps": steps - warmup,
+        "train_seconds": wall,
+        "train_cpu_seconds": cpu,
+        "median_step_seconds": step_seconds[len(step_seconds) // 2],
+        "warmup_seconds": marks[warmup][0] - marks[0][0],
+        "real_tokens": real,
+        "label_tokens": label,
+        "computed_tokens": computed,
+        "padding_fraction": 1 - real / computed,
+        "tokens_per_s": real / wall,
+        "tokens_per_cpu_s": real / cpu,
+        "median_step_tokens_per_s": step_rates[len(step_rates) // 2],
+        "label_tokens_per_s": label / wall,
+        "all_real_tokens": sum(t["real"] for t in step_tokens[:steps]),
+        "final_train_loss": sum(tail) / len(tail),
+        "step_losses": [step_losses.get(s) for s in range(1, steps + 1)],
+        "peak_rss_mib": peak_rss_mib(),
+        **extra,
+    }
+
+
+# ---------------------------------------------------------------------------------------------------
+# Arms: each runs in its own process, reads spec.json, writes its result JSON.
+
+
+def run_ours(spec: dict[str, Any], arm: str) -> dict[str, Any]:
+    """`finetune.train` as a user calls it; step ends are read off its log lines."""
+    # Import what `train` imports lazily before the clock starts, as the Trainer arm does: setup time is
+    # then model load, data and the base evaluation, not Python imports.
+    import accelerate  # noqa: F401
+    import peft  # noqa: F401
+    import torch  # noqa: F401
+    import torch.utils.tensorboard  # noqa: F401
+    import transformers.models.llama.modeling_llama  # noqa: F401
+
+    import finetune.checkpoint  # noqa: F401
+    import finetune.manifest  # noqa: F401
+    from finetune import Recipe
+    from finetune.batches import MicroBatchStream
+    from finetune.data import build_datasets
+    from finetune.model import load_tokenizer
+    from finetune.train import train
+
+    packing = arm != "ours-padded"
+    micro_batch_size, grad_accum_steps = spec["micro_batch_size"], spec["grad_accum_steps"]
+    if arm == "ours-packed-mbs1":
+        micro_batch_size, grad_accum_steps = 1, grad_accum_steps * micro_batch_size
+    work = Path(spec["workdir"]) / arm
+    shutil.rmtree(work, ignore_errors=True)
+    recipe = Recipe.model_validate({
+        "model": {"base": spec["base_dir"], "dtype": "float32", "attn_implementation": "sdpa"},
+        "lora": {**LORA, "target_modules": "all-linear"},
+        "data": {
+            "train": [spec["train_path"]], "validation": [spec["validation_path"]], "format": "instruction",
+            "prompt_template": PROMPT_TEMPLATE, "completion_only_loss": True,
+            "max_seq_len": spec["seq_len"], "packing": packing,
+        },
+        "train": {
+            "max_steps": spec["steps"], "micro_batch_size": micro_batch_size, "grad_accum_steps": grad_accum_steps,
+            "lr": spec["lr"], "schedule": "cosine", "warmup_steps": 0, "max_grad_norm": 1.0,
+            "precision": spec["precision"], "compile": spec["compile"], "seed": SEED, "log_every_steps": 1,
+        },
+        "output": {"name": arm, "dir": str(work / "adapter"), "run_dir": str(work / "run"), "overwrite": True},
+    })
+
+    marks: dict[int, tuple[float, float]] = {}
+    phases: dict[str, float] = {}
+    step_line = re.compile(r"step (\d+)/(\d+): loss")
+
+    def log(message: str) -> None:
+        now, cpu = time.perf_counter(), cpu_seconds()
+        if match := step_line.match(message):
+            marks[int(match.group(1))] = (now, cpu)
+        elif message.startswith("training "):  # printed just before the first step
+            marks[0] = (now, cpu)
+        elif message.startswith("base model: eval loss"):  # the base evaluation is done
+            phases["base_eval_done"] = now
+        elif message.startswith("base "):  # model loaded, data tokenized (or read from the cache)
+            phases["loaded"] = now
+        if spec["verbose"]:
+            say(f"{arm}: {message}")
+
+    start = time.perf_counter()
+    _, metrics = train(recipe, resume=False, log=log, progress=False)
+    end = time.perf_counter()
+    rss = peak_rss_mib()
+
+    # Which rows each step took: the same deterministic stream the loop uses, over the cached rows.
+    tokenizer = load_tokenizer(spec["base_dir"])
+    data = build_datasets(recipe.data, tokenizer, seed=SEED)
+    stream = MicroBatchStream(num_rows=len(data.train), micro_batch_size=micro_batch_size, seed=SEED)
+    step_tokens = []
+    for step in range(spec["steps"]):
+        real = label = computed = 0
+        for k in range(grad_accum_steps):
+            rows = [data.train[i] for i in stream.indices(step * grad_accum_steps + k)]
+            lengths = [len(row["input_ids"]) for row in rows]
+            real += sum(lengths)
+            label += sum(sum(1 for t in row["labels"] if t != -100) for row in rows)
+            computed += sum(lengths) if packing else len(rows) * max(lengths)
+        step_tokens.append({"real": real, "label": label, "computed": computed})
+    step_losses = {}
+    for line in (work / "run" / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        if "loss" in record:
+            step_losses[record["step"]] = record["loss"]
+
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(spec["base_dir"], dtype="float32", attn_implementation="sdpa")
+    tuned = PeftModel.from_pretrained(base, str(work / "adapter"))
+    validation = [tokenize_record(r, tokenizer) for r in read_jsonl(Path(spec["validation_path"]))]
+    result = summarise(spec, arm, marks, step_tokens, step_losses, {
+        "setup_seconds": marks[0][0] - start,
+        "load_and_data_seconds": phases.get("loaded", start) - start,
+        "base_eval_seconds": phases.get("base_eval_done", start) - phases.get("loaded", start),
+        "after_seconds": end - marks[spec["steps"]][0],
+        "heldout_loss": heldout_loss(tuned, validation, tokenizer.pad_token_id),
+        "own_eval_loss": metrics.get("eval_loss"),
+        "base_heldout_loss": metrics.get("base_eval_loss"),
+        "data_stats": dict(data.stats),
+        "micro_batch_size": micro_batch_size,
+        "grad_accum_steps": grad_accum_steps,
+    })
+    result["peak_rss_mib"] = rss
+    return result
+
+
+def run_hf_trainer(spec: dict[str, Any], arm: str) -> dict[str, Any]:
+    """The baseline a user writes with transformers 5 + peft: Trainer, DataCollatorForSeq2Seq padding."""
+    import datasets
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import (AutoModelForCausalLM, AutoTokenizer, DataCollatorForSeq2Seq, Trainer,
+                              TrainerCallback, TrainingArguments, set_seed)
+
+    work = Path(spec["workdir"]) / arm
+    shutil.rmtree(work, ignore_errors=True)
+    start = time.perf_counter()
+    tokenizer = AutoTokenizer.from_pretrained(spec["base_dir"])
+    model = AutoModelForCausalLM.from_pretrained(spec["base_dir"], dtype=torch.float32, attn_implementation="sdpa")
+    model.config.use_cache = False  # as ours: no KV cache while training
+    set_seed(SEED)
+    model = get_peft_model(model, LoraConfig(
+        r=LORA["r"], lora_alpha=LORA["alpha"], lora_dropout=LORA["dropout"], target_modules="all-linear",
+        task_type="CAUSAL_LM",
+    ))
+    load_seconds = time.perf_counter() - start
+
+    start_tokenizing = time.perf_counter()
+    raw = datasets.load_dataset("json", data_files={"train": spec["train_path"], "validation": spec["validation_path"]})
+    tokenized = raw.map(lambda record: tokenize_record(record, tokenizer), remove_columns=raw["train"].column_names)
+    tokenize_seconds = time.perf_counter() - start_tokenizing
+
+    padder = DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=-100)
+    micro_batches: list[dict[str, int]] = []  # in the order the loop asks for them
+
+    def collate(features):
+        batch = padder(features)
+        micro_batches.append({
+            "real": int(batch["attention_mask"].sum()),
+            "label": int((batch["labels"] != -100).sum()),
+            "computed": int(batch["input_ids"].numel()),
+        })
+        return batch
+
+    marks: dict[int, tuple[float, float]] = {}
+
+    class StepClock(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kwargs):
+            marks[0] = (time.perf_counter(), cpu_seconds())
+
+        def on_step_end(self, args, state, control, **kwargs):
+            marks[state.global_step] = (time.perf_counter(), cpu_seconds())
+
+    args = TrainingArguments(
+        output_dir=str(work / "out"),
+        max_steps=spec["steps"],
+        per_device_train_batch_size=spec["micro_batch_size"],
+        per_device_eval_batch_size=spec["micro_batch_size"],
+        gradient_accumulation_steps=spec["grad_accum_steps"],
+        learning_rate=spec["lr"],
+        lr_scheduler_type="cosine",
+        warmup_steps=0,
+        weight_decay=0.0,
+        max_grad_norm=1.0,
+        bf16=spec["precision"] == "bf16",
+        torch_compile=spec["compile"],
+        use_cpu=True,
+        eval_strategy="no",
+        save_strategy="no",
+        logging_steps=1,
+        report_to="none",
+        disable_tqdm=not spec["verbose"],
+        seed=SEED,
+    )
+    trainer = Trainer(
+        model=model, args=args, train_dataset=tokenized["train"], eval_dataset=tokenized["validation"],
+        data_collator=collate, processing_class=tokenizer, callbacks=[StepClock()],
+    )
+    trainer.train()
+    end_train = time.perf_counter()
+    own_eval = trainer.evaluate()
+    after_seconds = time.perf_counter() - marks[spec["steps"]][0]
+    rss = peak_rss_mib()
+
+    grad_accum = spec["grad_accum_steps"]
+    assert len(micro_batches) >= spec["steps"] * grad_accum, "fewer micro-batches than steps x accumulation"
+    step_tokens = [
+        {key: sum(b[key] for b in micro_batches[s * grad_accum : (s + 1) * grad_accum]) for key in ("real", "label", "computed")}
+        for s in range(spec["steps"])
+    ]
+    step_losses = {entry["step"]: entry["loss"] for entry in trainer.state.log_history if "loss" in entry}
+    validation = [dict(r) for r in tokenized["validation"]]
+    train_docs = tokenized["train"]
+    result = summarise(spec, arm, marks, step_tokens, step_losses, {
+        "setup_seconds": marks[0][0] - start,
+        "load_and_data_seconds": load_seconds + tokenize_seconds,
+        "base_eval_seconds": 0.0,  # the Trainer does not evaluate the base before training
+        "after_seconds": after_seconds,
+        "end_train_seconds_after_last_step": end_train - marks[spec["steps"]][0],
+        "heldout_loss": heldout_loss(model, validation, tokenizer.pad_token_id),
+        "own_eval_loss": own_eval.get("eval_loss"),
+        "data_stats": {
+            "num_records": len(train_docs),
+            "num_tokens": sum(len(ids) for ids in train_docs["input_ids"]),
+            "num_label_tokens": sum(sum(1 for t in labels if t != -100) for labels in train_docs["labels"]),
+        },
+        "micro_batch_size": spec["micro_batch_size"],
+        "grad_accum_steps": grad_accum,
+        "optimizer": str(args.optim),
+    })
+    result["peak_rss_mib"] = rss
+    return result
+
+
+def run_arm(spec_path: Path, arm: str, out_path: Path) -> None:
+    spec = json.loads(spec_path.read_text())
+    if spec["threads"]:
+        import torch
+
+        torch.set_num_threads(spec["threads"])
+    load_before = load_average()
+    result = run_hf_trainer(spec, arm) if arm == BASELINE else run_ours(spec, arm)
+    result["load_average_before"], result["load_average_after"] = load_before, load_average()
+    out_path.write_text(json.dumps(result, indent=2))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Setup (parent): words, records, tokenizer, model; all generated here, deterministic for a seed.
+
+
+def make_words(rng: random.Random, count: int) -> list[str]:
+    """Pseudo-words from syllables, so the tokenizer has subword structure to learn."""
+    onsets = ["b", "br", "c", "ch", "d", "f", "g", "gr", "h", "k", "l", "m", "n", "p", "pr", "r", "s", "st",
+              "t", "tr", "v", "w", "z"]
+    nuclei = ["a", "e", "i", "o", "u", "ai", "ea", "ou"]
+    codas = ["", "", "n", "r", "s", "t", "l", "nd", "st"]
+    words: set[str] = set()
+    while len(words) < count:
+        words.add("".join(rng.choice(onsets) + rng.choice(nuclei) + rng.choice(codas)
+                          for _ in range(rng.choice((1, 2, 2, 3)))))
+    return sorted(words)
+
+
+def make_records(rng: random.Random, words: list[str], count: int, max_words: int) -> list[dict[str, str]]:
+    """Instruction records whose lengths spread like real instruction sets: mostly short, a long tail.
+
+    Response length in words is log-normal (median 45, sigma 0.9), cut at `max_words`; prompts 4-40 words.
+    Words are Zipf-distributed, responses repeat words of their prompt, so there is something to learn.
+    """
+    weights = [1 / (rank + 1) for rank in range(len(words))]
+    tasks = ["Summarise the notes on", "Explain", "Write a short answer about", "List the steps for",
+             "Describe", "Compare", "Give an example of"]
+    records = []
+    for _ in range(count):
+        topic = rng.choices(words, weights, k=rng.randint(4, 40))
+        n_response = max(3, min(max_words, int(rng.lognormvariate(math.log(45), 0.9))))
+        body = rng.choices(words + topic * 20, k=n_response)
+        sentences, start = [], 0
+        while start < len(body):
+            size = rng.randint(6, 16)
+            sentences.append(" ".join(body[start : start + size]).capitalize() + ".")
+            start += size
+        records.append({"instruction": f"{rng.choice(tasks)} {' '.join(topic)}.", "output": " ".join(sentences)})
+    return records
+
+
+def prepare(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+    """Write the base model, tokenizer and data under `workdir`; return the spec every arm reads."""
+    import torch
+
+    from finetune.embedded.tiny import build_tiny_llama
+    from finetune.embedded.tokenizer import train_tokenizer
+
+    start = time.perf_counter()
+    rng = random.Random(SEED)
+    words = make_words(rng, 3000)
+    # Enough records that every arm stays inside its first epoch (the Trainer's epochs end with a short
+    # accumulation step that would blur the per-step token counts), with a margin for packing.
+    rows_needed = args.steps * args.grad_accum * args.micro_batch_size
+    num_train = max(args.records, int(rows_needed * 1.25) + 64)
+    num_validation = args.validation_records
+    max_words = int(args.seq_len * 0.55)
+    wanted = num_train + num_validation
+    records = make_records(rng, words, wanted, max_words)
+    tokenizer = train_tokenizer((r["instruction"] + "\n" + r["output"] for r in records[:4000]),
+                                vocab_size=args.vocab, max_model_len=max(args.seq_len, 2048))
+    # Keep records that fit max_seq_len whole, so no arm truncates and all see exactly the same tokens.
+    fits = [r for r in records if len(tokenize_record(r, tokenizer)["input_ids"]) <= args.seq_len]
+    for _ in range(20):
+        if len(fits) >= wanted:
+            break
+        more = make_records(rng, words, wanted, max_words)
+        fits += [r for r in more if len(tokenize_record(r, tokenizer)["input_ids"]) <= args.seq_len]
+    if len(fits) < wanted:
+        raise SystemExit(f"too few generated records fit --seq-len {args.seq_len}; raise it")
+    records = fits
+    train, validation = records[:num_train], records[num_train : num_train + num_validation]
+    data_dir = workdir / "data"
+    data_dir.mkdir(parents=True, exist_ok=True)
+    for name, rows in (("train", train), ("validation", validation)):
+        (data_dir / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+
+    heads = max(1, args.hidden // 64)
+    intermediate = 32 * round(args.hidden * 8 / 3 / 32)
+    model = build_tiny_llama(
+        tokenizer, seed=SEED, hidden_size=args.hidden, intermediate_size=intermediate,
+        num_hidden_layers=args.layers, num_attention_heads=heads, num_key_value_heads=max(1, heads // 2),
+        max_position_embeddings=max(args.seq_len * args.micro_batch_size, 2048),
+    )
+    base_dir = workdir / "base"
+    model.save_pretrained(base_dir)
+    tokenizer.save_pretrained(base_dir)
+    lengths = sorted(len(tokenize_record(r, tokenizer)["input_ids"]) for r in train)
+    return {
+        "workdir": str(workdir),
+        "base_dir": str(base_dir),
+        "train_path": str(data_dir / "train.jsonl"),
+        "validation_path": str(data_dir / "validation.jsonl"),
+        "steps": args.steps,
+        "warmup_steps": args.warmup_steps,
+        "loss_tail_steps": args.loss_tail_steps,
+        "micro_batch_size": args.micro_batch_size,
+        "grad_accum_steps": args.grad_accum,
+        "lr": args.lr,
+        "seq_len": args.seq_len,
+        "precision": args.precision,
+        "compile": args.compile,
+        "threads": args.threads,
+        "verbose": args.verbose,
+        "model": {
+            "hidden": args.hidden, "layers": args.layers, "intermediate": intermediate, "heads": heads,
+            "kv_heads": max(1, heads // 2), "vocab": len(tokenizer),
+            "parameters": sum(p.numel() for p in model.parameters()),
+        },
+        "data": {
+            "train_records": len(train), "validation_records": len(validation),
+            "train_tokens": sum(lengths), "median_tokens": lengths[len(lengths) // 2],
+            "p90_tokens": lengths[int(0.9 * len(lengths))], "max_tokens": lengths[-1],
+        },
+        "prepare_seconds": time.perf_counter() - start,
+        "torch_threads": args.threads or torch.get_num_threads(),
+    }
+
+
+# ---------------------------------------------------------------------------------------------------
+# Report
+
+
+def versions() -> dict[str, str]:
+    import accelerate
+    import datasets
+    import peft
+    import torch
+    import transformers
+
+    return {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
+            "peft": peft.__version__, "accelerate": accelerate.__version__, "datasets": datasets.__version__}
+
+
+def format_table(results: dict[str, dict[str, Any]]) -> str:
+    rows = [
+        ("wall s (timed steps)", "train_seconds", "{:.1f}"),
+        ("median s/step", "median_step_seconds", "{:.2f}"),
+        ("CPU s (timed steps)", "train_cpu_seconds", "{:.1f}"),
+        ("real tokens/s", "tokens_per_s", "{:.0f}"),
+        ("real tokens/s, median step", "median_step_tokens_per_s", "{:.0f}"),
+        ("real tokens per CPU s", "tokens_per_cpu_s", "{:.0f}"),
+        ("label tokens/s", "label_tokens_per_s", "{:.0f}"),
+        ("real tokens (timed)", "real_tokens", "{:.0f}"),
+        ("padding computed", "padding_fraction", "{:.1%}"),
+        ("peak RSS MiB", "peak_rss_mib", "{:.0f}"),
+        ("final train loss", "final_train_loss", "{:.4f}"),
+        ("held-out loss", "heldout_loss", "{:.4f}"),
+        ("setup s", "setup_seconds", "{:.1f}"),
+        ("  of which load + data s", "load_and_data_seconds", "{:.1f}"),
+        ("  of which base eval s", "base_eval_seconds", "{:.1f}"),
+        ("warm-up s", "warmup_seconds", "{:.1f}"),
+        ("after-training s", "after_seconds", "{:.1f}"),
+        ("load avg before/after", None, None),
+    ]
+    arms = list(results)
+    base = results.get(BASELINE)
+    header = ["", *arms] + [f"{a} / hf" for a in arms if base and a != BASELINE]
+    lines = [header]
+    for label, key, fmt in rows:
+        if key is None:
+            cells = [f"{results[a]['load_average_before']:.1f}/{results[a]['load_average_after']:.1f}" for a in arms]
+            lines.append([label, *cells] + ["" for a in arms if base and a != BASELINE])
+            continue
+        cells = [fmt.format(results[a][key]) for a in arms]
+        ratios = []
+        if base:
+            for a in arms:
+                if a != BASELINE:
+                    ratios.append(f"{results[a][key] / base[key]:.2f}x" if base[key] else "")
+        lines.append([label, *cells, *ratios])
+    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
+    out = ["| " + " | ".join(cell.ljust(w) for cell, w in zip(line, widths)) + " |" for line in lines]
+    out.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    return "\n".join(out)
+
+
+def check_same_data(results: dict[str, dict[str, Any]]) -> list[str]:
+    """Warnings when the arms did not tokenize the records identically."""
+    warnings = []
+    stats = {arm: r["data_stats"] for arm, r in results.items()}
+    reference = next(iter(stats.values()))
+    for arm, s in stats.items():
+        for key in ("num_records", "num_tokens", "num_label_tokens"):
+            if s.get(key) != reference.get(key):
+                warnings.append(f"{arm}: {key} {s.get(key)} differs from {reference.get(key)}")
+    return warnings
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=10, help="optimizer steps per arm (default 10)")
+    parser.add_argument("--warmup-steps", type=int, default=2, help="steps run before timing starts (default 2)")
+    parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
+    parser.add_argument("--hidden", type=int, default=256, help="hidden size (heads of 64; default 256)")
+    parser.add_argument("--layers", type=int, default=4, help="decoder layers (default 4)")
+    parser.add_argument("--vocab", type=int, default=8192, help="tokenizer vocabulary (default 8192)")
+    parser.add_argument("--seq-len", type=int, default=512, help="max_seq_len: longest record, packed row size")
+    parser.add_argument("--micro-batch-size", type=int, default=4)
+    parser.add_argument("--grad-accum", type=int, default=2)
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--compile", action="store_true", help="torch.compile in every arm")
+    parser.add_argument("--threads", type=int, default=0,
+                        help="torch threads per arm (default: torch's own). On a shared machine, 1 thread makes "
+                             "'tokens per CPU s' a measure of the work alone, since no thread waits for another")
+    parser.add_argument("--records", type=int, default=800, help="training records (at least enough for the steps)")
+    parser.add_argument("--validation-records", type=int, default=64)
+    parser.add_argument("--loss-tail-steps", type=int, default=3, help="final train loss = mean of the last N steps")
+    parser.add_argument("--arms", default=",".join(DEFAULT_ARMS), help=f"comma-separated subset of {', '.join(ARMS)}")
+    parser.add_argument("--workdir", type=Path, help="where model, data and runs go (default: a temp dir, removed)")
+    parser.add_argument("--json", type=Path, help="write every figure here")
+    parser.add_argument("--verbose", action="store_true", help="show each arm's own log")
+    parser.add_argument("--_arm", help=argparse.SUPPRESS)
+    parser.add_argument("--_spec", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--_out", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+
+    if args._arm:
+        run_arm(args._spec, args._arm, args._out)
+        return 0
+
+    arms = [a.strip() for a in args.arms.split(",") if a.strip()]
+    unknown = [a for a in arms if a not in ARMS]
+    if unknown:
+        parser.error(f"unknown arm(s) {unknown}; choose from {', '.join(ARMS)}")
+    if not 0 < args.warmup_steps < args.steps:
+        parser.error("--warmup-steps must be at least 1 and below --steps")
+
+    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="finetune-bench-train-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    threads_env = {"OMP_NUM_THREADS": str(args.threads), "MKL_NUM_THREADS": str(args.threads)} if args.threads else {}
+    env = {**os.environ, **threads_env, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+           "TOKENIZERS_PARALLELISM": "false", "HF_DATASETS_CACHE": str(workdir / "hf-datasets-cache"),
+           "PYTHONWARNINGS": "ignore"}
+    os.environ.update({k: env[k] for k in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE",
+                                            "TOKENIZERS_PARALLELISM", "HF_DATASETS_CACHE")})
+    try:
+        say(f"preparing model and data in {workdir}")
+        spec = prepare(args, workdir)
+        spec_path = workdir / "spec.json"
+        spec_path.write_text(json.dumps(spec, indent=2))
+        say(f"model {spec['model']['parameters'] / 1e6:.2f}M parameters, {spec['data']['train_records']} training "
+            f"records (median {spec['data']['median_tokens']}, p90 {spec['data']['p90_tokens']}, max "
+            f"{spec['data']['max_tokens']} tokens); prepared in {spec['prepare_seconds']:.1f} s")
+        results: dict[str, dict[str, Any]] = {}
+        for arm in arms:
+            say(f"running {arm} ({args.steps} steps, {args.precision}{', compiled' if args.compile else ''})")
+            out_path = workdir / f"result-{arm}.json"
+            command = [sys.executable, str(Path(__file__).resolve()), "--_arm", arm, "--_spec", str(spec_path),
+                       "--_out", str(out_path)]
+            started = time.perf_counter()
+            completed = subprocess.run(command, env=env, cwd=workdir)
+            if completed.returncode != 0:
+                say(f"{arm} failed with exit code {completed.returncode}")
+                continue
+            results[arm] = json.loads(out_path.read_text())
+            results[arm]["process_seconds"] = time.perf_counter() - started
+            r = results[arm]
+            say(f"{arm}: {r['tokens_per_s']:.0f} real tokens/s over {r['timed_steps']} steps, held-out loss "
+                f"{r['heldout_loss']:.4f}, process {r['process_seconds']:.0f} s")
+        if not results:
+            return 1
+        report = {
+            "date_utc": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            "command": " ".join(["python", "bench/train_throughput.py", *(argv if argv is not None else sys.argv[1:])]),
+            "versions": versions(),
+            "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, torch threads {spec['torch_threads']}",
+            "spec": spec,
+            "results": results,
+            "warnings": check_same_data(results),
+        }
+        print(f"\n{report['date_utc']}  {report['command']}")
+        print(", ".join(f"{k} {v}" for k, v in report["versions"].items()) + f"; {report['machine']}")
+        m, d = spec["model"], spec["data"]
+        print(f"model: Llama {m['parameters'] / 1e6:.2f}M parameters (hidden {m['hidden']}, {m['layers']} layers, "
+              f"vocab {m['vocab']}); LoRA r=16 all-linear; {args.steps} steps ({args.warmup_steps} warm-up), micro-batch "
+              f"{args.micro_batch_size} x accumulation {args.grad_accum}, lr {args.lr}, {args.precision}"
+              f"{', compiled' if args.compile else ''}; max_seq_len {args.seq_len}; records median "
+              f"{d['median_tokens']} / p90 {d['p90_tokens']} / max {d['max_tokens']} tokens")
+        print(format_table(results))
+        for warning in report["warnings"]:
+            print(f"WARNING: {warning}")
+        if args.json:
+            args.json.write_text(json.dumps(report, indent=2))
+        return 0
+    finally:
+        if args.workdir is None:
+            shutil.rmtree(workdir, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
