@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 import transformers
+from transformers.utils import logging as hf_logging
 
 from finetune.embedded.corpus import stdlib_corpus
 from finetune.embedded.pretrain import PretrainSettings, pretrain, token_rows
@@ -51,8 +52,12 @@ class BuildSettings:
     """`LlamaConfig` fields; every linear out_features a multiple of 32 (bitsandbytes' CPU 4-bit)."""
     init_seed: int = 0
     num_threads: int | None = None
-    """torch threads for pretraining; None uses every CPU this process may run on. Tiny test builds
-    use 1: their matmuls are too small to share, and threads waiting on each other only cost time."""
+    """torch threads for pretraining; None uses every CPU this process may run on. Part of the settings
+    because it changes the weights: a different thread count sums in a different order, and 600 steps
+    amplify that (1 vs 2 threads differed by up to 0.34 in a weight). A fixed count builds the same base
+    on any machine with the same CPU kernels. The default uses 1: on 2 busy cores a 2-thread build took
+    6x longer than a 1-thread one (threads spin-waiting for each other); on idle ones 2 threads would be
+    about 1.5x faster."""
 
 
 EMBEDDED_BASES: dict[str, BuildSettings] = {
@@ -61,7 +66,8 @@ EMBEDDED_BASES: dict[str, BuildSettings] = {
         corpus_file_max_bytes=8_000,
         vocab_size=2048,
         seq_len=128,
-        pretraining=PretrainSettings(steps=600, micro_batch_size=8, lr=3e-3, warmup_steps=30),
+        pretraining=PretrainSettings(steps=500, micro_batch_size=8, lr=3e-3, warmup_steps=30),
+        num_threads=1,
     ),
 }
 """The embedded bases a recipe can name as `embedded:<name>`."""
@@ -113,7 +119,13 @@ def build_embedded_base(
     finally:
         torch.set_num_threads(threads_before)
 
-    model.save_pretrained(out_dir)  # safetensors, config.json, generation_config.json
+    progress_bar_was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # a one-shard "Writing model shards" bar says nothing in our log
+    try:
+        model.save_pretrained(out_dir)  # safetensors, config.json, generation_config.json
+    finally:
+        if progress_bar_was_enabled:
+            hf_logging.enable_progress_bar()
     tokenizer.save_pretrained(out_dir)
     record = {
         "format_version": BUILD_FORMAT_VERSION,
