@@ -184,7 +184,7 @@ def run_measured(command: list[str], *, env: dict | None = None, poll_seconds: f
     return {"seconds": seconds, "output": output, "peak_rss": max_rss_kib * 1024, **peaks}
 
 
-def drop_page_cache_hint(paths: list[Path]) -> None:
+def warm_page_cache(paths: list[Path]) -> None:
     """Read files once so every measured run starts with them in the page cache (a fair, warm start)."""
     for path in paths:
         with open(path, "rb") as handle:

@@ -12,8 +12,9 @@ as its own subprocess under /usr/bin/time:
 It reports the peak RSS of each (GNU time's maximum resident set size) and the peak of its anonymous part
 (sampled every 20 ms: memory the process allocated, not memory-mapped file pages the OS can drop), wall
 time, checkpoint size and largest shard; then checks that our output loads with `from_pretrained` and
-compares it with the baseline's tensor by tensor (max abs difference: ours rounds once from fp32, peft
-adds a delta already rounded to the weight's dtype, so they may differ in the last bit in 16-bit dtypes).
+compares it with the baseline's tensor by tensor (max abs difference). Both round once: ours computes
+round(W + (B·scale)·A) in fp32, peft (whose LoRA weights stay fp32) adds (B·A)·scale in place; the two
+products can differ in the last fp32 bit when scale is not a power of two, hence "to within rounding".
 Both runs start with the base files in the page cache (they are read once beforehand).
 
 Run (from the repository root; about 5 minutes on 2 CPU cores, plus building the checkpoint once):
@@ -43,7 +44,7 @@ from common import (  # noqa: E402
     build_adapter,
     build_base,
     dir_bytes,
-    drop_page_cache_hint,
+    warm_page_cache,
     gib,
     mib,
     print_table,
@@ -166,16 +167,19 @@ def main(argv: list[str] | None = None) -> None:
     ours_out, baseline_out = out_root / "ours", out_root / "baseline"
     env = dict(os.environ, PYTHONPATH=str(REPO), FINETUNE_CACHE_DIR=str(out_root / "cache"))
     try:
-        drop_page_cache_hint(sorted(base.glob("*.safetensors")))
+        warm_page_cache(sorted(base.glob("*.safetensors")))
         ours = run_measured([sys.executable, "-m", "finetune", "adapters", "merge", "--base", str(base), "--adapter",
                              str(adapter), "--out", str(ours_out)], env=env)
         print(ours["output"].strip().splitlines()[-1], flush=True)
         reported = re.search(r"shard\(s\), (\d+) tensors with updates, ([\d.]+) s\)", ours["output"])
-        drop_page_cache_hint(sorted(base.glob("*.safetensors")))
+        warm_page_cache(sorted(base.glob("*.safetensors")))
         baseline = run_measured([sys.executable, __file__, "--baseline-child", str(base), str(adapter), str(baseline_out),
                                  "--dtype", args.dtype, "--shard-size", args.shard_size], env=env)
         print("baseline done", flush=True)
 
+        # What the interpreter and imports alone hold. Both processes import all four: ours reads LoRA
+        # scales with peft's pattern helpers, and importing peft imports transformers.
+        floor = run_measured([sys.executable, "-c", "import torch, safetensors, transformers, peft"], env=env)
         comparison = compare_outputs(ours_out, baseline_out)
         loads = loads_and_matches(ours_out, args.dtype)
         ours_total, ours_largest = dir_bytes(ours_out)
@@ -193,7 +197,12 @@ def main(argv: list[str] | None = None) -> None:
     ]
     print(f"\n## merge one adapter into a {total_bytes / 1e9:.2f} GB {args.dtype} checkpoint ({shards} shards, "
           f"largest {mib(largest_shard)}); each run a subprocess, base files in the page cache")
+    rows.append(["floor: python + import torch, safetensors, transformers, peft", gib(floor["peak_rss"]),
+                 gib(floor["peak_anon"]), f"{floor['seconds']:.1f}", "-", "-"])
     print_table(rows, ["process", "peak RSS", "peak anon RSS", "wall s", "peak RSS / largest shard", "largest output shard"])
+    ours_above = ours["peak_anon"] - floor["peak_anon"]
+    print(f"peak anonymous RSS above the floor: ours {gib(ours_above)} ({ours_above / largest_shard:.2f}x the largest "
+          f"shard), peft {gib(baseline['peak_anon'] - floor['peak_anon'])} (checkpoint {gib(total_bytes)})")
     print(f"peak RSS ours / peft: {ours['peak_rss'] / baseline['peak_rss']:.2f}; peak anon ours / peft: "
           f"{ours['peak_anon'] / baseline['peak_anon']:.2f}; wall time ours / peft: {ours['seconds'] / baseline['seconds']:.2f}")
     if reported:
@@ -207,7 +216,7 @@ def main(argv: list[str] | None = None) -> None:
         "date": date, "versions": versions(), "base": str(base), "dtype": args.dtype, "checkpoint_bytes": total_bytes,
         "shards": shards, "largest_shard_bytes": largest_shard, "adapter_bytes": adapter_bytes,
         "ours": {k: v for k, v in ours.items() if k != "output"}, "baseline": {k: v for k, v in baseline.items() if k != "output"},
-        "ours_output_bytes": ours_total, "baseline_output_bytes": base_total, "comparison": comparison,
+        "floor": {k: v for k, v in floor.items() if k != "output"}, "ours_output_bytes": ours_total, "baseline_output_bytes": base_total, "comparison": comparison,
         "ours_loads": loads, "ours_reported": ours["output"].strip(),
     }
     if args.json:
