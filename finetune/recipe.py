@@ -27,7 +27,8 @@ from finetune.errors import RecipeError
 EMBEDDED_BASE = "embedded:tiny-llama"
 """Model id of the embedded default base, built locally on first use (see `finetune.embedded`)."""
 
-_NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+_NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
+"""Adapter names double as peft adapter names, where '.' would split a module path."""
 
 
 class _Section(BaseModel):
@@ -194,7 +195,7 @@ class OutputConfig(_Section):
     """Where the adapter and the run's logs go."""
 
     name: str
-    """Adapter name: letters, digits, '.', '_' and '-'; no path separators."""
+    """Adapter name: up to 64 letters, digits, '_' and '-' (no '.', no path separators)."""
     dir: str | None = None
     """Adapter directory; default `adapters/<name>`."""
     run_dir: str | None = None
@@ -206,7 +207,7 @@ class OutputConfig(_Section):
     @classmethod
     def _valid_name(cls, value: str) -> str:
         if not _NAME_PATTERN.match(value):
-            raise ValueError(f"{value!r} is not a valid adapter name: use letters, digits, '.', '_' and '-'")
+            raise ValueError(f"{value!r} is not a valid adapter name: use up to 64 letters, digits, '_' and '-'")
         return value
 
     @property

@@ -24,6 +24,17 @@ def test_plain_peft_adapter_without_manifest_loads_with_a_warning(tmp_path, tiny
     assert m.active == "plain" and m.merged == {}
 
 
+def test_a_directory_name_that_is_no_adapter_name_is_made_into_one(tmp_path, tiny_base_dir):
+    dotted = make_adapter(tiny_base_dir, tmp_path / "legal.v2", seed=3, manifest=False)
+    with pytest.warns(AdapterWarning):
+        m = finetune.load_model(str(tiny_base_dir), [str(dotted)])
+    assert list(m.adapters) == ["legal_v2"]
+    m.merge("legal_v2")
+    assert m.merged == {"legal_v2": 1.0}
+    with pytest.raises(AdapterError, match="is invalid"):  # a name the user chose is not rewritten
+        finetune.load_model(str(tiny_base_dir), {"legal.v2": str(dotted)})
+
+
 def test_load_model_from_an_adapter_finds_its_base_and_uses_it(tiny_base_dir, adapter_dirs, tiny_tokenizer):
     m = finetune.load_model(str(adapter_dirs["legal"]))
     assert m.base_dir == tiny_base_dir and m.active == "legal"

@@ -70,6 +70,14 @@ def validate_adapter_name(name: str) -> str:
     return name
 
 
+def derived_adapter_name(raw: str) -> str:
+    """A usable name made from a directory or manifest name: other characters become '_' (`legal.v2` -> `legal_v2`).
+
+    Only names the user did not choose are rewritten; an explicit name is validated as given.
+    """
+    return re.sub(r"[^A-Za-z0-9_-]", "_", raw)[:64] or "adapter"
+
+
 @dataclass(frozen=True)
 class LoraWeights:
     """One targeted linear layer: A (r, in), B (out, r) in fp32 and the scale applied to B·A."""
@@ -202,7 +210,7 @@ def read_adapter(path: str | Path, name: str | None = None, *, allow_pickle: boo
         if config.get(key):
             raise AdapterError(f"{path}: {key} is set: {why}")
     manifest = read_manifest(path)
-    name = validate_adapter_name(name or (manifest.name if manifest is not None else path.resolve().name))
+    name = validate_adapter_name(name or derived_adapter_name(manifest.name if manifest is not None else path.resolve().name))
     tensors, file_sha256 = _read_tensors(path, allow_pickle)
 
     pairs: dict[str, dict[str, torch.Tensor]] = {}
