@@ -294,11 +294,17 @@ def test_collate_padding_free_and_padded(tiny_tokenizer):
         {"input_ids": [0, 7, eos, 0, eos], "labels": [-100, 7, eos, -100, eos], "position_ids": [0, 1, 2, 0, 1]},
         {"input_ids": [0, 9, eos], "labels": [-100, 9, eos], "position_ids": [0, 1, 2]},
     ]
-    packed = collate_batch(rows, pad_token_id=pad, packing=True)
-    assert {key: value.tolist() for key, value in packed.items()} == {
+    one_sequence = collate_batch(rows, pad_token_id=pad, packing=True, layout="one_sequence")
+    assert {key: value.tolist() for key, value in one_sequence.items()} == {
         "input_ids": [[0, 7, eos, 0, eos, 0, 9, eos]],
         "labels": [[-100, 7, eos, -100, eos, -100, 9, eos]],
         "position_ids": [[0, 1, 2, 0, 1, 0, 1, 2]],
+    }
+    packed_rows = collate_batch(rows, pad_token_id=pad, packing=True)  # the tail is a document of its own
+    assert {key: value.tolist() for key, value in packed_rows.items()} == {
+        "input_ids": [[0, 7, eos, 0, eos], [0, 9, eos, pad, pad]],
+        "labels": [[-100, 7, eos, -100, eos], [-100, 9, eos, -100, -100]],
+        "position_ids": [[0, 1, 2, 0, 1], [0, 1, 2, 0, 1]],
     }
     padded = collate_batch(rows[1:] + [{"input_ids": [0, eos], "labels": [-100, eos], "position_ids": [0, 1]}],
                            pad_token_id=pad, packing=False)

@@ -96,15 +96,18 @@ def _relative_error(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor])
     return max(((got[k] - want[k]).norm() / want[k].norm()).item() for k in want)
 
 
+@pytest.mark.parametrize("layout", ["rows", "one_sequence"])
 @pytest.mark.parametrize("attn_implementation", ["eager", "sdpa"])
-def test_packed_padding_free_batch_matches_documents_one_by_one(bundles, tiny_base_dir, tiny_tokenizer, attn_implementation):
+def test_packed_batch_matches_documents_one_by_one(bundles, tiny_base_dir, tiny_tokenizer, attn_implementation, layout):
     packed, single = bundles
     model = _lora_model(tiny_base_dir, attn_implementation)
     single_rows = list(single.train)
     separate_losses, num_label_tokens, separate_grads = _separate(model, single_rows, tiny_tokenizer.pad_token_id)
 
-    batch = collate_batch(list(packed.train), pad_token_id=tiny_tokenizer.pad_token_id, packing=True)
-    assert set(batch) == {"input_ids", "labels", "position_ids"} and batch["input_ids"].shape[0] == 1
+    batch = collate_batch(list(packed.train), pad_token_id=tiny_tokenizer.pad_token_id, packing=True, layout=layout)
+    assert set(batch) == {"input_ids", "labels", "position_ids"}
+    assert batch["input_ids"].shape[0] == (1 if layout == "one_sequence" else len(packed.train))
+    assert len({len(row["input_ids"]) for row in packed.train}) > 1  # rows layout pads some tails
     inputs = {key: value for key, value in batch.items() if key != "labels"}
     loss_sum, packed_label_tokens = token_loss_sum(model(**inputs, use_cache=False).logits, batch["labels"])
     assert packed_label_tokens.item() == num_label_tokens.item() == packed.stats["num_label_tokens"]
