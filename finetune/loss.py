@@ -31,10 +31,11 @@ def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Te
     Returns:
         (loss_sum, num_label_tokens): a float32 scalar and an int64 scalar.
     """
-    shift_logits = logits[:, :-1, :].float()  # (B, T-1, V): position t predicts token t+1
-    shift_labels = labels[:, 1:]  # (B, T-1)
+    # Shift the labels, not the logits: slicing logits[:, :-1] would copy the whole (B, T, V) tensor
+    # (and its gradient); a label of -100 at the last position drops the prediction past the end.
+    shift_labels = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)  # (B, T): position t predicts token t+1
     loss_sum = F.cross_entropy(
-        shift_logits.reshape(-1, shift_logits.size(-1)),
+        logits.float().reshape(-1, logits.size(-1)),
         shift_labels.reshape(-1),
         ignore_index=IGNORE_INDEX,
         reduction="sum",
