@@ -262,18 +262,23 @@ def train(
     trainable_parameters = [p for p in peft_model.parameters() if p.requires_grad]
     optimizer = _make_optimizer(recipe, trainable_parameters)
     scheduler = _make_scheduler(recipe, optimizer, plan)
+    # `model_for_step` (DDP-wrapped, maybe compiled) trains; evaluation and saving use `peft_model`, the
+    # same parameters unwrapped, so a compiled model is not recompiled for the no-grad eval graphs.
     model_for_step, optimizer = accelerator.prepare(peft_model, optimizer)
     if recipe.train.compile:
         model_for_step = torch.compile(model_for_step)
 
+    # Varlen kernels want one padding-free sequence; sdpa/eager are faster on (B, T) packed rows.
+    layout = "one_sequence" if recipe.model.attn_implementation == "flash_attention_2" else "rows"
+
     def collate(rows: list[dict]) -> dict[str, torch.Tensor]:
-        return collate_batch(rows, pad_token_id=tokenizer.pad_token_id, packing=recipe.data.packing)
+        return collate_batch(rows, pad_token_id=tokenizer.pad_token_id, packing=recipe.data.packing, layout=layout)
 
     def run_eval(step: int) -> dict[str, float]:
         if data.validation is None:
             return {}
         result = evaluate(
-            model_for_step, data.validation, collate=collate, micro_batch_size=recipe.train.micro_batch_size,
+            peft_model, data.validation, collate=collate, micro_batch_size=recipe.train.micro_batch_size,
             accelerator=accelerator, max_batches=recipe.train.eval_max_batches,
         )
         metrics_writer.write(step, result)
@@ -302,7 +307,7 @@ def train(
     if resume_from is None and data.validation is not None:
         with peft_model.disable_adapter():
             base_eval = evaluate(
-                model_for_step, data.validation, collate=collate, micro_batch_size=recipe.train.micro_batch_size,
+                peft_model, data.validation, collate=collate, micro_batch_size=recipe.train.micro_batch_size,
                 accelerator=accelerator, max_batches=recipe.train.eval_max_batches,
             )
         say(f"base model: eval loss {base_eval['eval_loss']:.4f}, perplexity {base_eval['eval_ppl']:.3f}")
@@ -396,8 +401,7 @@ def train(
             versions=library_versions(),
             created=now_iso(),
         )
-        _write_adapter_atomically(accelerator.unwrap_model(model_for_step) if not recipe.train.compile else peft_model,
-                                  recipe, manifest, adapter_dir)
+        _write_adapter_atomically(peft_model, recipe, manifest, adapter_dir)
         say(f"adapter written to {adapter_dir}")
     metrics_writer.close()
     accelerator.wait_for_everyone()
