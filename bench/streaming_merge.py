@@ -165,7 +165,7 @@ def main(argv: list[str] | None = None) -> None:
 
     out_root = Path(tempfile.mkdtemp(prefix="merge-bench-", dir=args.scratch))
     ours_out, baseline_out = out_root / "ours", out_root / "baseline"
-    env = dict(os.environ, PYTHONPATH=str(REPO), FINETUNE_CACHE_DIR=str(out_root / "cache"))
+    env = dict(os.environ, PYTHONPATH=str(REPO), FINETUNE_HOME=str(out_root / "cache"))
     try:
         warm_page_cache(sorted(base.glob("*.safetensors")))
         ours = run_measured([sys.executable, "-m", "finetune", "adapters", "merge", "--base", str(base), "--adapter",
