@@ -59,9 +59,14 @@ def _weights_file(adapter_dir: Path) -> Path | None:
     return None
 
 
+# What a reader of the store wants first: held-out quality, then how much training it took.
+_PREFERRED_METRICS = ("eval_ppl", "base_eval_ppl", "eval_loss", "step")
+
+
 def _format_metrics(metrics: dict) -> str:
     shown = []
-    for key, value in list(metrics.items())[:_SHOWN_METRICS]:
+    ordered = [k for k in _PREFERRED_METRICS if k in metrics] + [k for k in metrics if k not in _PREFERRED_METRICS]
+    for key, value in [(k, metrics[k]) for k in ordered][:_SHOWN_METRICS]:
         shown.append(f"{key}={value:.4g}" if isinstance(value, float) else f"{key}={value}")
     return " ".join(shown)
 

@@ -47,8 +47,11 @@ def run_train(args: argparse.Namespace) -> int:
 
     from finetune.train import train
 
-    adapter_dir, metrics = train(args.recipe, args.overrides, resume=args.resume)
-    print(f"adapter: {adapter_dir}")
+    import os
+
+    adapter_dir, _ = train(args.recipe, args.overrides, resume=args.resume)
+    if os.environ.get("RANK", "0") == "0":  # one line per run, not per process
+        print(f"adapter: {adapter_dir}")
     return 0
 
 
