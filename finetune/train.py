@@ -217,6 +217,7 @@ def train(
     from accelerate.state import AcceleratorState
     from accelerate.utils import gather_object, set_seed
 
+    from finetune.api import local_model_dir
     from finetune.data import build_datasets, collate_batch
     from finetune.fingerprint import fingerprint_model_dir
     from finetune.manifest import BaseInfo, DataInfo, Manifest, library_versions, now_iso
@@ -387,12 +388,12 @@ def train(
 
     adapter_dir = recipe.output.adapter_dir
     if is_main:
-        base_path = Path(base_source)
+        base_dir = local_model_dir(base_source, recipe.model.revision)  # a hub id: its local snapshot
         manifest = Manifest(
             name=recipe.output.name,
             base=BaseInfo(
                 id=recipe.model.base, path=base_source, revision=recipe.model.revision,
-                fingerprint=fingerprint_model_dir(base_path) if base_path.is_dir() else "unknown",
+                fingerprint=fingerprint_model_dir(base_dir) if base_dir is not None else "unknown",
                 dtype=recipe.model.dtype, quantization=recipe.model.quantization,
             ),
             recipe=recipe_to_dict(recipe),

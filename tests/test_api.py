@@ -12,7 +12,7 @@ import finetune
 from finetune.adapters import AdapterWarning
 from finetune.errors import AdapterError
 
-from adapter_fixtures import adapter_dirs, make_adapter  # noqa: F401
+from adapter_fixtures import make_adapter
 
 
 def test_plain_peft_adapter_without_manifest_loads_with_a_warning(tmp_path, tiny_base_dir, tiny_tokenizer):
@@ -113,3 +113,15 @@ def test_a_manifest_without_a_real_fingerprint_warns_instead_of_failing(tmp_path
     (unknown / "manifest.json").write_text(json.dumps(manifest))
     with pytest.warns(AdapterWarning, match="records no base fingerprint"):
         finetune.load_model(str(tiny_base_dir), {"legal": str(unknown)}).merge("legal")
+
+
+def test_an_adapter_moved_to_another_machine_finds_its_base_by_id(tmp_path, tiny_base_dir, adapter_dirs):
+    import shutil
+
+    moved = tmp_path / "moved"
+    shutil.copytree(adapter_dirs["legal"], moved)
+    manifest = json.loads((moved / "manifest.json").read_text())
+    manifest["base"]["id"], manifest["base"]["path"] = str(tiny_base_dir), "/nonexistent/cache/tiny-llama"
+    (moved / "manifest.json").write_text(json.dumps(manifest))
+    m = finetune.load_model(str(moved))  # the recorded path is gone; the id finds the base, fingerprints agree
+    assert m.base_dir == tiny_base_dir and m.active == "legal"

@@ -120,9 +120,15 @@ class Adapter:
 
     @property
     def base_path(self) -> str | None:
-        """Where the base lives: the manifest's path, else peft's `base_model_name_or_path`."""
+        """Where the base lives: the manifest's path, else peft's `base_model_name_or_path`.
+
+        A recorded local path that does not exist here (the adapter moved to another machine) gives way
+        to the recorded id (`embedded:tiny-llama`, a hub id), which finds the base again; the fingerprint
+        check then confirms it is the same weights.
+        """
         if self.manifest is not None:
-            return self.manifest.base.path
+            base = self.manifest.base
+            return base.path if Path(base.path).exists() else base.id
         return self.config.get("base_model_name_or_path") or None
 
     @property
