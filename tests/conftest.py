@@ -64,3 +64,8 @@ def tiny_base_dir(tmp_path_factory, tiny_tokenizer) -> Path:
     build_tiny_llama(tiny_tokenizer, seed=0, **TEST_SHAPE).save_pretrained(path)
     tiny_tokenizer.save_pretrained(path)
     return path
+
+
+# Fixtures defined beside the tests that use them most, shared with the rest of the suite from here.
+from adapter_fixtures import adapter_dirs  # noqa: E402,F401
+from test_train import workdir  # noqa: E402,F401

@@ -21,7 +21,7 @@ from finetune.adapters.weights import read_adapter, validate_adapter_name
 from finetune.cli import main
 from finetune.errors import AdapterError
 
-from adapter_fixtures import adapter_dirs, assert_tensors_equal  # noqa: F401
+from adapter_fixtures import assert_tensors_equal
 from test_adapters_ondisk import read_tensors
 
 REPO = Path(__file__).resolve().parents[1]

@@ -3,7 +3,6 @@ random operation sequences (hypothesis), merged logits vs peft's unmerged ones, 
 
 from __future__ import annotations
 
-import warnings
 
 import pytest
 import torch
@@ -18,7 +17,7 @@ from finetune.adapters.inmemory import LoadedModel
 from finetune.adapters.weights import read_adapter
 from finetune.errors import AdapterError
 
-from adapter_fixtures import adapter_dirs, assert_tensors_equal, base_tensors, make_adapter  # noqa: F401
+from adapter_fixtures import assert_tensors_equal, base_tensors, make_adapter
 
 DTYPES = ["float32", "bfloat16", "float16"]
 

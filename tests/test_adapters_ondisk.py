@@ -20,7 +20,7 @@ from finetune.adapters.ondisk import AdapterSpec, merge_checkpoint, subtract_che
 from finetune.adapters.weights import read_adapter
 from finetune.errors import AdapterError
 
-from adapter_fixtures import adapter_dirs, assert_tensors_equal, make_adapter  # noqa: F401
+from adapter_fixtures import assert_tensors_equal, make_adapter
 
 
 def read_tensors(model_dir) -> dict[str, torch.Tensor]:

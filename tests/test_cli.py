@@ -11,7 +11,6 @@ import pytest
 
 from finetune.cli import main
 
-from test_train import workdir  # noqa: F401  (fixture)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -30,7 +29,7 @@ def assert_user_error(result: subprocess.CompletedProcess, *fragments: str) -> N
         assert fragment in errors[0]
 
 
-def test_train_eval_generate_as_subprocesses(workdir):  # noqa: F811
+def test_train_eval_generate_as_subprocesses(workdir):
     trained = run_cli("train", "recipe.yaml", "train.max_steps=4")
     assert trained.returncode == 0, trained.stderr[-2000:]
     assert "adapter: adapters/crates" in trained.stdout
@@ -47,7 +46,7 @@ def test_train_eval_generate_as_subprocesses(workdir):  # noqa: F811
     assert generated.stdout.strip()
 
 
-def test_validate_reports_ok_and_errors(workdir, capsys):  # noqa: F811
+def test_validate_reports_ok_and_errors(workdir, capsys):
     assert main(["validate", "recipe.yaml", "lora.r=16"]) == 0
     assert "ok" in capsys.readouterr().out
     assert main(["validate", "recipe.yaml", "lora.rr=16"]) == 2
@@ -67,7 +66,7 @@ def test_validate_reports_ok_and_errors(workdir, capsys):  # noqa: F811
         (["eval", "--data", "valid.jsonl"], ["--base", "--adapter"]),
     ],
 )
-def test_user_errors_are_one_line_and_exit_2_in_process(workdir, capsys, args, fragments):  # noqa: F811
+def test_user_errors_are_one_line_and_exit_2_in_process(workdir, capsys, args, fragments):
     assert main(args) == 2
     err = capsys.readouterr().err
     lines = [line for line in err.splitlines() if line.startswith("error: ")]
@@ -77,7 +76,7 @@ def test_user_errors_are_one_line_and_exit_2_in_process(workdir, capsys, args, f
     assert not Path("adapters").exists()
 
 
-def test_user_errors_from_a_real_process_have_no_traceback(workdir):  # noqa: F811
+def test_user_errors_from_a_real_process_have_no_traceback(workdir):
     Path("broken.yaml").write_text("data:\n  train: [a.jsonl\n")
     assert_user_error(run_cli("train", "broken.yaml"), "broken.yaml:", "YAML syntax error")
     assert_user_error(run_cli("train", "recipe.yaml", "lora.target_modules=[wq]"), "match no module")

@@ -8,16 +8,14 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 from safetensors.torch import load_file
 
 from finetune.train import train
 
-from test_train import workdir  # noqa: F401  (fixture)
 
 
 @pytest.mark.slow
-def test_two_gloo_ranks_match_one_process(workdir):  # noqa: F811
+def test_two_gloo_ranks_match_one_process(workdir):
     # Same global batch (2 ranks x 2 rows = 1 process x 4 rows), no dropout: the runs differ only in
     # how gradients are summed, so the adapters agree to float rounding.
     common = ["lora.dropout=0", "train.max_steps=2", "train.save_every_steps=100"]
