@@ -275,13 +275,16 @@ def train(
     def collate(rows: list[dict]) -> dict[str, torch.Tensor]:
         return collate_batch(rows, pad_token_id=tokenizer.pad_token_id, packing=recipe.data.packing, layout=layout)
 
-    def run_eval(step: int) -> dict[str, float]:
-        if data.validation is None:
-            return {}
-        result = evaluate(
+    def evaluate_validation() -> dict[str, float]:
+        return evaluate(
             peft_model, data.validation, collate=collate, micro_batch_size=recipe.train.micro_batch_size,
             accelerator=accelerator, max_batches=recipe.train.eval_max_batches,
         )
+
+    def run_eval(step: int) -> dict[str, float]:
+        if data.validation is None:
+            return {}
+        result = evaluate_validation()
         metrics_writer.write(step, result)
         say(f"step {step}: eval loss {result['eval_loss']:.4f}, perplexity {result['eval_ppl']:.3f}")
         return result
@@ -307,10 +310,7 @@ def train(
     metrics_writer = _MetricsWriter(run_dir, enabled=is_main)
     if resume_from is None and data.validation is not None:
         with peft_model.disable_adapter():
-            base_eval = evaluate(
-                peft_model, data.validation, collate=collate, micro_batch_size=recipe.train.micro_batch_size,
-                accelerator=accelerator, max_batches=recipe.train.eval_max_batches,
-            )
+            base_eval = evaluate_validation()
         say(f"base model: eval loss {base_eval['eval_loss']:.4f}, perplexity {base_eval['eval_ppl']:.3f}")
 
     def save(step_now: int) -> None:
