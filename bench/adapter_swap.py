@@ -36,7 +36,6 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
 import torch  # noqa: E402
-
 from common import (  # noqa: E402
     build_adapter,
     build_base,
@@ -59,7 +58,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--drift-dtypes", default="bfloat16,float16,float32")
     parser.add_argument("--cycles", type=int, default=100, help="merge/unmerge cycles of the drift part")
     parser.add_argument(
-        "--drift-layers", type=int, default=2,
+        "--drift-layers",
+        type=int,
+        default=2,
         help="drift part: adapter on the linear layers of the first N decoder layers only (0: all)",
     )
     parser.add_argument("--repeats", type=int, default=3, help="timed repetitions of each swap (median reported)")
@@ -100,7 +101,9 @@ def drift_adapter(args: argparse.Namespace, base: Path, full: Path) -> Path:
         out.mkdir(parents=True, exist_ok=True)
         keep = tuple(f".layers.{i}." for i in range(args.drift_layers))
         tensors = load_file(str(full / "adapter_model.safetensors"))
-        save_file({k: v for k, v in tensors.items() if any(s in k for s in keep)}, str(out / "adapter_model.safetensors"))
+        save_file(
+            {k: v for k, v in tensors.items() if any(s in k for s in keep)}, str(out / "adapter_model.safetensors")
+        )
         config = json.loads((full / "adapter_config.json").read_text())
         config["layers_to_transform"] = list(range(args.drift_layers))  # peft adds LoRA layers there only
         (out / "adapter_config.json").write_text(json.dumps(config, indent=2))
@@ -284,8 +287,22 @@ def memory_probe(args: argparse.Namespace) -> None:
 def bench_memory(args: argparse.Namespace, dtype: str) -> dict:
     figures = {"dtype": dtype}
     for probe in ("base", "ours", "copy"):
-        command = [sys.executable, __file__, "--memory-probe", probe, "--dtype", dtype, "--hidden", str(args.hidden),
-                   "--layers", str(args.layers), "--intermediate", str(args.intermediate), "--scratch", str(args.scratch)]
+        command = [
+            sys.executable,
+            __file__,
+            "--memory-probe",
+            probe,
+            "--dtype",
+            dtype,
+            "--hidden",
+            str(args.hidden),
+            "--layers",
+            str(args.layers),
+            "--intermediate",
+            str(args.intermediate),
+            "--scratch",
+            str(args.scratch),
+        ]
         result = subprocess.run(command, capture_output=True, text=True, check=True)
         figures[probe] = json.loads(result.stdout.strip().splitlines()[-1])
     return figures
@@ -314,11 +331,18 @@ def main(argv: list[str] | None = None) -> None:
         return
     skip = set(filter(None, args.skip.split(",")))
     base, adapters, parameters = prepare(args)
-    figures: dict = {"versions": versions(), "parameters": parameters, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    figures: dict = {
+        "versions": versions(),
+        "parameters": parameters,
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    }
     figures["load_average_start"] = load_average()
     print(f"# adapter_swap  {figures['date']}\n{figures['versions']}; load average {figures['load_average_start']}")
-    print(f"base {base}: Llama hidden {args.hidden}, {args.layers} layers, intermediate {args.intermediate}: "
-          f"{parameters / 1e6:.1f}M parameters; adapters r=16 all-linear\n", flush=True)
+    print(
+        f"base {base}: Llama hidden {args.hidden}, {args.layers} layers, intermediate {args.intermediate}: "
+        f"{parameters / 1e6:.1f}M parameters; adapters r=16 all-linear\n",
+        flush=True,
+    )
 
     if "swap" not in skip:
         figures["swap"] = []
@@ -329,23 +353,50 @@ def main(argv: list[str] | None = None) -> None:
             ours, best = result["ours_swap_s"], result["best_s"]
 
             def row(label: str, key: str, method: str, equal: str, diff: str) -> list[str]:
-                return [dtype, label, f"{result[key]:.2f}", f"{result[key] / ours:.2f}x", f"{best[method]:.2f}",
-                        f"{best[method] / best['ours']:.2f}x", f"{result[equal]} (max |Δ| {result[diff]:.1e})"]
+                return [
+                    dtype,
+                    label,
+                    f"{result[key]:.2f}",
+                    f"{result[key] / ours:.2f}x",
+                    f"{best[method]:.2f}",
+                    f"{best[method] / best['ours']:.2f}x",
+                    f"{result[equal]} (max |Δ| {result[diff]:.1e})",
+                ]
 
             rows += [
-                row("ours: LoadedModel.swap(a, b), in place", "ours_swap_s", "ours", "ours_equals_fresh_merge",
-                    "ours_vs_fresh_max_abs"),
-                row("reload base + PeftModel(b) + merge_and_unload", "reload_merge_s", "reload",
-                    "ours_equals_peft_reload", "ours_vs_peft_reload_max_abs"),
-                row("peft in place: unmerge_adapter + merge_adapter([b])", "peft_inplace_s", "peft",
-                    "ours_equals_peft_inplace", "ours_vs_peft_inplace_max_abs"),
+                row(
+                    "ours: LoadedModel.swap(a, b), in place",
+                    "ours_swap_s",
+                    "ours",
+                    "ours_equals_fresh_merge",
+                    "ours_vs_fresh_max_abs",
+                ),
+                row(
+                    "reload base + PeftModel(b) + merge_and_unload",
+                    "reload_merge_s",
+                    "reload",
+                    "ours_equals_peft_reload",
+                    "ours_vs_peft_reload_max_abs",
+                ),
+                row(
+                    "peft in place: unmerge_adapter + merge_adapter([b])",
+                    "peft_inplace_s",
+                    "peft",
+                    "ours_equals_peft_inplace",
+                    "ours_vs_peft_inplace_max_abs",
+                ),
             ]
             print(f"swap {dtype} done", flush=True)
-        print(f"\n## swap a -> b ({figures['swap'][0]['targeted_weights']} targeted weights; median and best of "
-              f"{args.repeats}, interleaved)")
-        print("the last column compares each result with ours; ours vs a fresh `load_model` + merge(b) on the first line")
-        print_table(rows, ["dtype", "method", "median s", "median / ours", "best s", "best / ours",
-                           "bit-equal to ours' result"])
+        print(
+            f"\n## swap a -> b ({figures['swap'][0]['targeted_weights']} targeted weights; median and best of "
+            f"{args.repeats}, interleaved)"
+        )
+        print(
+            "the last column compares each result with ours; ours vs a fresh `load_model` + merge(b) on the first line"
+        )
+        print_table(
+            rows, ["dtype", "method", "median s", "median / ours", "best s", "best / ours", "bit-equal to ours' result"]
+        )
         print(flush=True)
 
     if "drift" not in skip:
@@ -355,19 +406,38 @@ def main(argv: list[str] | None = None) -> None:
         for dtype in args.drift_dtypes.split(","):
             result = bench_drift(base, adapter, dtype, args.cycles)
             figures["drift"].append(result)
-            rows.append([
-                dtype, f"{result['ours_max_abs_after_1']:.1e}", f"{result['ours_max_abs_after_n']:.1e}",
-                str(result["ours_bit_exact_after_n"]), f"{result['peft_max_abs_after_1']:.1e}",
-                f"{result['peft_max_abs_after_n']:.1e}", f"{result['ours_seconds_per_cycle']:.2f}",
-                f"{result['peft_seconds_per_cycle']:.2f}",
-            ])
+            rows.append(
+                [
+                    dtype,
+                    f"{result['ours_max_abs_after_1']:.1e}",
+                    f"{result['ours_max_abs_after_n']:.1e}",
+                    str(result["ours_bit_exact_after_n"]),
+                    f"{result['peft_max_abs_after_1']:.1e}",
+                    f"{result['peft_max_abs_after_n']:.1e}",
+                    f"{result['ours_seconds_per_cycle']:.2f}",
+                    f"{result['peft_seconds_per_cycle']:.2f}",
+                ]
+            )
             print(f"drift {dtype} done", flush=True)
         r = figures["drift"][0]
-        print(f"\n## drift: max |W - W0| over {r['targeted_weights']} targeted weights ({r['targeted_elements'] / 1e6:.1f}M "
-              f"elements) after merge/unmerge cycles")
+        print(
+            f"\n## drift: max |W - W0| over {r['targeted_weights']} targeted weights ({r['targeted_elements'] / 1e6:.1f}M "
+            f"elements) after merge/unmerge cycles"
+        )
         n = args.cycles
-        print_table(rows, ["dtype", "ours 1", f"ours {n}", f"ours == W0 after {n}", "peft 1", f"peft {n}",
-                           "ours s/cycle", "peft s/cycle"])
+        print_table(
+            rows,
+            [
+                "dtype",
+                "ours 1",
+                f"ours {n}",
+                f"ours == W0 after {n}",
+                "peft 1",
+                f"peft {n}",
+                "ours s/cycle",
+                "peft s/cycle",
+            ],
+        )
         print(flush=True)
 
     if "memory" not in skip:
@@ -376,17 +446,29 @@ def main(argv: list[str] | None = None) -> None:
         for dtype in args.dtype.split(","):
             result = bench_memory(args, dtype)
             figures["memory"].append(result)
-            for probe, label in (("base", "base model only (from_pretrained, every weight read)"),
-                                 ("ours", "ours: load_model + merge + swap"),
-                                 ("copy", "ours + a kept copy of the targeted weights")):
+            for probe, label in (
+                ("base", "base model only (from_pretrained, every weight read)"),
+                ("ours", "ours: load_model + merge + swap"),
+                ("copy", "ours + a kept copy of the targeted weights"),
+            ):
                 m = result[probe]
-                rows.append([dtype, label, mib(m["rss"]), mib(m["anon"]), mib(m["file"]),
-                             mib(m["kept_copy_bytes"]) if probe != "base" else "-"])
+                rows.append(
+                    [
+                        dtype,
+                        label,
+                        mib(m["rss"]),
+                        mib(m["anon"]),
+                        mib(m["file"]),
+                        mib(m["kept_copy_bytes"]) if probe != "base" else "-",
+                    ]
+                )
         print("\n## resident memory after merge + swap (each in its own process)")
         print_table(rows, ["dtype", "process", "RSS", "anon", "file-backed", "in-memory copy"])
     figures["load_average_end"] = load_average()
-    print(f"\nload average (1, 5, 15 min) at start {figures['load_average_start']}, at end {figures['load_average_end']} "
-          f"on {os.cpu_count()} cores: timings are shared with whatever else runs")
+    print(
+        f"\nload average (1, 5, 15 min) at start {figures['load_average_start']}, at end {figures['load_average_end']} "
+        f"on {os.cpu_count()} cores: timings are shared with whatever else runs"
+    )
     if args.json:
         args.json.write_text(json.dumps(figures, indent=2))
 

@@ -83,8 +83,10 @@ def build_base(
     model.save_pretrained(tmp, max_shard_size=max_shard_size)
     tokenizer.save_pretrained(tmp)
     tmp.rename(out_dir)
-    print(f"built {out_dir}: {parameter_count(model) / 1e6:.1f}M parameters in {time.perf_counter() - started:.1f} s",
-          flush=True)
+    print(
+        f"built {out_dir}: {parameter_count(model) / 1e6:.1f}M parameters in {time.perf_counter() - started:.1f} s",
+        flush=True,
+    )
     return out_dir
 
 
@@ -104,8 +106,9 @@ def build_adapter(base_dir: Path, out_dir: Path, *, seed: int, model=None) -> Pa
 
     if model is None:
         model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
-    config = LoraConfig(r=LORA_RANK, lora_alpha=LORA_ALPHA, target_modules="all-linear", lora_dropout=0.0,
-                        task_type="CAUSAL_LM")
+    config = LoraConfig(
+        r=LORA_RANK, lora_alpha=LORA_ALPHA, target_modules="all-linear", lora_dropout=0.0, task_type="CAUSAL_LM"
+    )
     peft_model = get_peft_model(model, config)
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -154,7 +157,10 @@ def run_measured(command: list[str], *, env: dict | None = None, poll_seconds: f
         started = time.perf_counter()
         process = subprocess.Popen(
             ["/usr/bin/time", "-f", "%M", "-o", time_file.name, *command],
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
         )
         peaks = {"peak_anon": 0, "peak_file": 0}
         done = threading.Event()

@@ -39,17 +39,16 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
 import torch  # noqa: E402
-
 from common import (  # noqa: E402
     build_adapter,
     build_base,
     dir_bytes,
-    warm_page_cache,
     gib,
     mib,
     print_table,
     run_measured,
     versions,
+    warm_page_cache,
 )
 
 
@@ -58,8 +57,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--hidden", type=int, default=2048)
     parser.add_argument("--layers", type=int, default=12)
     parser.add_argument("--intermediate", type=int, default=5504)
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
-                        help="dtype the checkpoint is stored in")
+    parser.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16", "float16"],
+        help="dtype the checkpoint is stored in",
+    )
     parser.add_argument("--shard-size", default="500MB", help="max_shard_size of the base (and the baseline's output)")
     parser.add_argument("--scratch", type=Path, default=Path("/tmp/bench-models"), help="where models are built")
     parser.add_argument("--keep", action="store_true", help="keep the two merged outputs (deleted by default)")
@@ -93,8 +96,14 @@ def build(args: argparse.Namespace) -> tuple[Path, Path]:
     from transformers import AutoModelForCausalLM
 
     stem = f"llama-h{args.hidden}-l{args.layers}-i{args.intermediate}-{args.dtype}-shard{args.shard_size}"
-    base = build_base(args.scratch / stem, hidden=args.hidden, layers=args.layers, intermediate=args.intermediate,
-                      dtype=getattr(torch, args.dtype), max_shard_size=args.shard_size)
+    base = build_base(
+        args.scratch / stem,
+        hidden=args.hidden,
+        layers=args.layers,
+        intermediate=args.intermediate,
+        dtype=getattr(torch, args.dtype),
+        max_shard_size=args.shard_size,
+    )
     adapter = args.scratch / f"{stem}-lora"
     if not (adapter / "adapter_model.safetensors").is_file():
         model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)  # LoRA weights in fp32
@@ -115,10 +124,19 @@ def compare_outputs(ours: Path, theirs: Path) -> dict:
         return files
 
     ours_files, their_files = index(ours), index(theirs)
-    result = {"same_names": set(ours_files) == set(their_files), "max_abs_diff": 0.0, "elements_differing": 0,
-              "elements": 0, "tensors_differing": 0, "same_dtypes": True}
+    result = {
+        "same_names": set(ours_files) == set(their_files),
+        "max_abs_diff": 0.0,
+        "elements_differing": 0,
+        "elements": 0,
+        "tensors_differing": 0,
+        "same_dtypes": True,
+    }
     for name in sorted(set(ours_files) & set(their_files)):
-        with safe_open(str(ours_files[name]), framework="pt") as a, safe_open(str(their_files[name]), framework="pt") as b:
+        with (
+            safe_open(str(ours_files[name]), framework="pt") as a,
+            safe_open(str(their_files[name]), framework="pt") as b,
+        ):
             x, y = a.get_tensor(name), b.get_tensor(name)
         result["same_dtypes"] &= x.dtype == y.dtype
         differing = int((x != y).sum())
@@ -158,8 +176,11 @@ def main(argv: list[str] | None = None) -> None:
     adapter_bytes, _ = dir_bytes(adapter)
     date = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     print(f"# streaming_merge  {date}\n{versions()}; load average {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
-    print(f"base {base}: {total_bytes / 1e9:.2f} GB ({gib(total_bytes)}) in {shards} shards, largest "
-          f"{mib(largest_shard)}; adapter {mib(adapter_bytes)} (r=16, all-linear)", flush=True)
+    print(
+        f"base {base}: {total_bytes / 1e9:.2f} GB ({gib(total_bytes)}) in {shards} shards, largest "
+        f"{mib(largest_shard)}; adapter {mib(adapter_bytes)} (r=16, all-linear)",
+        flush=True,
+    )
     if total_bytes < 2e9:
         print(f"note: the checkpoint is {total_bytes / 1e9:.2f} GB, below the 2 GB the issue asks for", flush=True)
 
@@ -168,13 +189,40 @@ def main(argv: list[str] | None = None) -> None:
     env = dict(os.environ, PYTHONPATH=str(REPO), FINETUNE_HOME=str(out_root / "cache"))
     try:
         warm_page_cache(sorted(base.glob("*.safetensors")))
-        ours = run_measured([sys.executable, "-m", "finetune", "adapters", "merge", "--base", str(base), "--adapter",
-                             str(adapter), "--out", str(ours_out)], env=env)
+        ours = run_measured(
+            [
+                sys.executable,
+                "-m",
+                "finetune",
+                "adapters",
+                "merge",
+                "--base",
+                str(base),
+                "--adapter",
+                str(adapter),
+                "--out",
+                str(ours_out),
+            ],
+            env=env,
+        )
         print(ours["output"].strip().splitlines()[-1], flush=True)
         reported = re.search(r"shard\(s\), (\d+) tensors with updates, ([\d.]+) s\)", ours["output"])
         warm_page_cache(sorted(base.glob("*.safetensors")))
-        baseline = run_measured([sys.executable, __file__, "--baseline-child", str(base), str(adapter), str(baseline_out),
-                                 "--dtype", args.dtype, "--shard-size", args.shard_size], env=env)
+        baseline = run_measured(
+            [
+                sys.executable,
+                __file__,
+                "--baseline-child",
+                str(base),
+                str(adapter),
+                str(baseline_out),
+                "--dtype",
+                args.dtype,
+                "--shard-size",
+                args.shard_size,
+            ],
+            env=env,
+        )
         print("baseline done", flush=True)
 
         # What the interpreter and imports alone hold. Both processes import all four: ours reads LoRA
@@ -189,35 +237,77 @@ def main(argv: list[str] | None = None) -> None:
             shutil.rmtree(out_root, ignore_errors=True)
 
     rows = [
-        ["ours: finetune adapters merge (streaming)", gib(ours["peak_rss"]), gib(ours["peak_anon"]),
-         f"{ours['seconds']:.1f}", f"{ours['peak_rss'] / largest_shard:.1f}x", mib(ours_largest)],
-        ["peft: from_pretrained + merge_and_unload + save_pretrained", gib(baseline["peak_rss"]),
-         gib(baseline["peak_anon"]), f"{baseline['seconds']:.1f}", f"{baseline['peak_rss'] / largest_shard:.1f}x",
-         mib(base_largest)],
+        [
+            "ours: finetune adapters merge (streaming)",
+            gib(ours["peak_rss"]),
+            gib(ours["peak_anon"]),
+            f"{ours['seconds']:.1f}",
+            f"{ours['peak_rss'] / largest_shard:.1f}x",
+            mib(ours_largest),
+        ],
+        [
+            "peft: from_pretrained + merge_and_unload + save_pretrained",
+            gib(baseline["peak_rss"]),
+            gib(baseline["peak_anon"]),
+            f"{baseline['seconds']:.1f}",
+            f"{baseline['peak_rss'] / largest_shard:.1f}x",
+            mib(base_largest),
+        ],
     ]
-    print(f"\n## merge one adapter into a {total_bytes / 1e9:.2f} GB {args.dtype} checkpoint ({shards} shards, "
-          f"largest {mib(largest_shard)}); each run a subprocess, base files in the page cache")
-    rows.append(["floor: python + import torch, safetensors, transformers, peft", gib(floor["peak_rss"]),
-                 gib(floor["peak_anon"]), f"{floor['seconds']:.1f}", "-", "-"])
-    print_table(rows, ["process", "peak RSS", "peak anon RSS", "wall s", "peak RSS / largest shard", "largest output shard"])
+    print(
+        f"\n## merge one adapter into a {total_bytes / 1e9:.2f} GB {args.dtype} checkpoint ({shards} shards, "
+        f"largest {mib(largest_shard)}); each run a subprocess, base files in the page cache"
+    )
+    rows.append(
+        [
+            "floor: python + import torch, safetensors, transformers, peft",
+            gib(floor["peak_rss"]),
+            gib(floor["peak_anon"]),
+            f"{floor['seconds']:.1f}",
+            "-",
+            "-",
+        ]
+    )
+    print_table(
+        rows, ["process", "peak RSS", "peak anon RSS", "wall s", "peak RSS / largest shard", "largest output shard"]
+    )
     ours_above = ours["peak_anon"] - floor["peak_anon"]
-    print(f"peak anonymous RSS above the floor: ours {gib(ours_above)} ({ours_above / largest_shard:.2f}x the largest "
-          f"shard), peft {gib(baseline['peak_anon'] - floor['peak_anon'])} (checkpoint {gib(total_bytes)})")
-    print(f"peak RSS ours / peft: {ours['peak_rss'] / baseline['peak_rss']:.2f}; peak anon ours / peft: "
-          f"{ours['peak_anon'] / baseline['peak_anon']:.2f}; wall time ours / peft: {ours['seconds'] / baseline['seconds']:.2f}")
+    print(
+        f"peak anonymous RSS above the floor: ours {gib(ours_above)} ({ours_above / largest_shard:.2f}x the largest "
+        f"shard), peft {gib(baseline['peak_anon'] - floor['peak_anon'])} (checkpoint {gib(total_bytes)})"
+    )
+    print(
+        f"peak RSS ours / peft: {ours['peak_rss'] / baseline['peak_rss']:.2f}; peak anon ours / peft: "
+        f"{ours['peak_anon'] / baseline['peak_anon']:.2f}; wall time ours / peft: {ours['seconds'] / baseline['seconds']:.2f}"
+    )
     if reported:
-        print(f"ours: {reported[1]} tensors with updates; {reported[2]} s of the wall time writing shards, the rest is "
-              "start-up and fingerprinting the base (sha256 of every tensor, cold cache)")
+        print(
+            f"ours: {reported[1]} tensors with updates; {reported[2]} s of the wall time writing shards, the rest is "
+            "start-up and fingerprinting the base (sha256 of every tensor, cold cache)"
+        )
     print(f"ours loads with from_pretrained and its weights equal its files: {loads}")
-    print(f"ours vs peft's merged tensors: same names {comparison['same_names']}, same dtypes {comparison['same_dtypes']}, "
-          f"max abs diff {comparison['max_abs_diff']:.2e}, {comparison['tensors_differing']} tensors / "
-          f"{comparison['elements_differing']} of {comparison['elements']} elements differ")
+    print(
+        f"ours vs peft's merged tensors: same names {comparison['same_names']}, same dtypes {comparison['same_dtypes']}, "
+        f"max abs diff {comparison['max_abs_diff']:.2e}, {comparison['tensors_differing']} tensors / "
+        f"{comparison['elements_differing']} of {comparison['elements']} elements differ"
+    )
     figures = {
-        "date": date, "versions": versions(), "base": str(base), "dtype": args.dtype, "checkpoint_bytes": total_bytes,
-        "shards": shards, "largest_shard_bytes": largest_shard, "adapter_bytes": adapter_bytes,
-        "ours": {k: v for k, v in ours.items() if k != "output"}, "baseline": {k: v for k, v in baseline.items() if k != "output"},
-        "floor": {k: v for k, v in floor.items() if k != "output"}, "ours_output_bytes": ours_total, "baseline_output_bytes": base_total, "comparison": comparison,
-        "ours_loads": loads, "ours_reported": ours["output"].strip(),
+        "date": date,
+        "versions": versions(),
+        "base": str(base),
+        "dtype": args.dtype,
+        "checkpoint_bytes": total_bytes,
+        "shards": shards,
+        "largest_shard_bytes": largest_shard,
+        "adapter_bytes": adapter_bytes,
+        "ours": {k: v for k, v in ours.items() if k != "output"},
+        "baseline": {k: v for k, v in baseline.items() if k != "output"},
+        "floor": {k: v for k, v in floor.items() if k != "output"},
+        "ours_output_bytes": ours_total,
+        "baseline_output_bytes": base_total,
+        "comparison": comparison,
+        "ours_loads": loads,
+        "ours_reported": ours["output"].strip(),
     }
     if args.json:
         args.json.write_text(json.dumps(figures, indent=2))

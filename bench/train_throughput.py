@@ -129,8 +129,11 @@ def heldout_loss(model, documents: list[dict[str, list[int]]], pad_token_id: int
                 attention_mask[row, :n] = 1
             logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits.float()
             targets = labels[:, 1:]  # (B, T-1): position t predicts token t+1
-            loss_sum += float(F.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)), targets.reshape(-1),
-                                              ignore_index=-100, reduction="sum"))
+            loss_sum += float(
+                F.cross_entropy(
+                    logits[:, :-1].reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-100, reduction="sum"
+                )
+            )
             num_label_tokens += int((targets != -100).sum())
     model.train(was_training)
     return loss_sum / num_label_tokens
@@ -147,8 +150,14 @@ def window(marks: dict[int, tuple[float, float]], steps: int, warmup_steps: int)
     return marks[steps][0] - marks[warmup_steps][0], marks[steps][1] - marks[warmup_steps][1]
 
 
-def summarise(spec: dict[str, Any], arm: str, marks: dict[int, tuple[float, float]], step_tokens: list[dict[str, int]],
-              step_losses: dict[int, float], extra: dict[str, Any]) -> dict[str, Any]:
+def summarise(
+    spec: dict[str, Any],
+    arm: str,
+    marks: dict[int, tuple[float, float]],
+    step_tokens: list[dict[str, int]],
+    step_losses: dict[int, float],
+    extra: dict[str, Any],
+) -> dict[str, Any]:
     """Throughput over the timed window, loss at the end, token counts per step summed."""
     steps, warmup = spec["steps"], spec["warmup_steps"]
     wall, cpu = window(marks, steps, warmup)
@@ -159,7 +168,9 @@ def summarise(spec: dict[str, Any], arm: str, marks: dict[int, tuple[float, floa
     tail = [step_losses[s] for s in range(max(1, steps - spec["loss_tail_steps"] + 1), steps + 1) if s in step_losses]
     step_seconds = sorted(marks[s][0] - marks[s - 1][0] for s in range(warmup + 1, steps + 1))
     # Robust to bursts of load from other processes: the median over steps of each step's own rate.
-    step_rates = sorted(step_tokens[s - 1]["real"] / (marks[s][0] - marks[s - 1][0]) for s in range(warmup + 1, steps + 1))
+    step_rates = sorted(
+        step_tokens[s - 1]["real"] / (marks[s][0] - marks[s - 1][0]) for s in range(warmup + 1, steps + 1)
+    )
     return {
         "arm": arm,
         "timed_steps": steps - warmup,
@@ -193,11 +204,11 @@ def run_ours(spec: dict[str, Any], arm: str) -> dict[str, Any]:
     # then model load, data and the base evaluation, not Python imports.
     import accelerate  # noqa: F401
     import peft  # noqa: F401
-    import torch  # noqa: F401
+    import torch
     import torch.utils.tensorboard  # noqa: F401
     import transformers.models.llama.modeling_llama  # noqa: F401
 
-    import finetune.checkpoint  # noqa: F401
+    import finetune.checkpoint
     import finetune.manifest  # noqa: F401
     from finetune import Recipe
     from finetune.batches import MicroBatchStream
@@ -211,21 +222,35 @@ def run_ours(spec: dict[str, Any], arm: str) -> dict[str, Any]:
         micro_batch_size, grad_accum_steps = 1, grad_accum_steps * micro_batch_size
     work = Path(spec["workdir"]) / arm
     shutil.rmtree(work, ignore_errors=True)
-    recipe = Recipe.model_validate({
-        "model": {"base": spec["base_dir"], "dtype": "float32", "attn_implementation": "sdpa"},
-        "lora": {**LORA, "target_modules": "all-linear"},
-        "data": {
-            "train": [spec["train_path"]], "validation": [spec["validation_path"]], "format": "instruction",
-            "prompt_template": PROMPT_TEMPLATE, "completion_only_loss": True,
-            "max_seq_len": spec["seq_len"], "packing": packing,
-        },
-        "train": {
-            "max_steps": spec["steps"], "micro_batch_size": micro_batch_size, "grad_accum_steps": grad_accum_steps,
-            "lr": spec["lr"], "schedule": "cosine", "warmup_steps": 0, "max_grad_norm": 1.0,
-            "precision": spec["precision"], "compile": spec["compile"], "seed": SEED, "log_every_steps": 1,
-        },
-        "output": {"name": arm, "dir": str(work / "adapter"), "run_dir": str(work / "run"), "overwrite": True},
-    })
+    recipe = Recipe.model_validate(
+        {
+            "model": {"base": spec["base_dir"], "dtype": "float32", "attn_implementation": "sdpa"},
+            "lora": {**LORA, "target_modules": "all-linear"},
+            "data": {
+                "train": [spec["train_path"]],
+                "validation": [spec["validation_path"]],
+                "format": "instruction",
+                "prompt_template": PROMPT_TEMPLATE,
+                "completion_only_loss": True,
+                "max_seq_len": spec["seq_len"],
+                "packing": packing,
+            },
+            "train": {
+                "max_steps": spec["steps"],
+                "micro_batch_size": micro_batch_size,
+                "grad_accum_steps": grad_accum_steps,
+                "lr": spec["lr"],
+                "schedule": "cosine",
+                "warmup_steps": 0,
+                "max_grad_norm": 1.0,
+                "precision": spec["precision"],
+                "compile": spec["compile"],
+                "seed": SEED,
+                "log_every_steps": 1,
+            },
+            "output": {"name": arm, "dir": str(work / "adapter"), "run_dir": str(work / "run"), "overwrite": True},
+        }
+    )
 
     marks: dict[int, tuple[float, float]] = {}
     phases: dict[str, float] = {}
@@ -275,18 +300,25 @@ def run_ours(spec: dict[str, Any], arm: str) -> dict[str, Any]:
     base = AutoModelForCausalLM.from_pretrained(spec["base_dir"], dtype="float32", attn_implementation="sdpa")
     tuned = PeftModel.from_pretrained(base, str(work / "adapter"))
     validation = [tokenize_record(r, tokenizer) for r in read_jsonl(Path(spec["validation_path"]))]
-    result = summarise(spec, arm, marks, step_tokens, step_losses, {
-        "setup_seconds": marks[0][0] - start,
-        "load_and_data_seconds": phases.get("loaded", start) - start,
-        "base_eval_seconds": phases.get("base_eval_done", start) - phases.get("loaded", start),
-        "after_seconds": end - marks[spec["steps"]][0],
-        "heldout_loss": heldout_loss(tuned, validation, tokenizer.pad_token_id),
-        "own_eval_loss": metrics.get("eval_loss"),
-        "base_heldout_loss": metrics.get("base_eval_loss"),
-        "data_stats": dict(data.stats),
-        "micro_batch_size": micro_batch_size,
-        "grad_accum_steps": grad_accum_steps,
-    })
+    result = summarise(
+        spec,
+        arm,
+        marks,
+        step_tokens,
+        step_losses,
+        {
+            "setup_seconds": marks[0][0] - start,
+            "load_and_data_seconds": phases.get("loaded", start) - start,
+            "base_eval_seconds": phases.get("base_eval_done", start) - phases.get("loaded", start),
+            "after_seconds": end - marks[spec["steps"]][0],
+            "heldout_loss": heldout_loss(tuned, validation, tokenizer.pad_token_id),
+            "own_eval_loss": metrics.get("eval_loss"),
+            "base_heldout_loss": metrics.get("base_eval_loss"),
+            "data_stats": dict(data.stats),
+            "micro_batch_size": micro_batch_size,
+            "grad_accum_steps": grad_accum_steps,
+        },
+    )
     result["peak_rss_mib"] = rss
     return result
 
@@ -296,8 +328,15 @@ def run_hf_trainer(spec: dict[str, Any], arm: str) -> dict[str, Any]:
     import datasets
     import torch
     from peft import LoraConfig, get_peft_model
-    from transformers import (AutoModelForCausalLM, AutoTokenizer, DataCollatorForSeq2Seq, Trainer,
-                              TrainerCallback, TrainingArguments, set_seed)
+    from transformers import (
+        AutoModelForCausalLM,
+        AutoTokenizer,
+        DataCollatorForSeq2Seq,
+        Trainer,
+        TrainerCallback,
+        TrainingArguments,
+        set_seed,
+    )
 
     work = Path(spec["workdir"]) / arm
     shutil.rmtree(work, ignore_errors=True)
@@ -306,10 +345,16 @@ def run_hf_trainer(spec: dict[str, Any], arm: str) -> dict[str, Any]:
     model = AutoModelForCausalLM.from_pretrained(spec["base_dir"], dtype=torch.float32, attn_implementation="sdpa")
     model.config.use_cache = False  # as ours: no KV cache while training
     set_seed(SEED)
-    model = get_peft_model(model, LoraConfig(
-        r=LORA["r"], lora_alpha=LORA["alpha"], lora_dropout=LORA["dropout"], target_modules="all-linear",
-        task_type="CAUSAL_LM",
-    ))
+    model = get_peft_model(
+        model,
+        LoraConfig(
+            r=LORA["r"],
+            lora_alpha=LORA["alpha"],
+            lora_dropout=LORA["dropout"],
+            target_modules="all-linear",
+            task_type="CAUSAL_LM",
+        ),
+    )
     load_seconds = time.perf_counter() - start
 
     start_tokenizing = time.perf_counter()
@@ -322,11 +367,13 @@ def run_hf_trainer(spec: dict[str, Any], arm: str) -> dict[str, Any]:
 
     def collate(features):
         batch = padder(features)
-        micro_batches.append({
-            "real": int(batch["attention_mask"].sum()),
-            "label": int((batch["labels"] != -100).sum()),
-            "computed": int(batch["input_ids"].numel()),
-        })
+        micro_batches.append(
+            {
+                "real": int(batch["attention_mask"].sum()),
+                "label": int((batch["labels"] != -100).sum()),
+                "computed": int(batch["input_ids"].numel()),
+            }
+        )
         return batch
 
     marks: dict[int, tuple[float, float]] = {}
@@ -360,8 +407,13 @@ def run_hf_trainer(spec: dict[str, Any], arm: str) -> dict[str, Any]:
         seed=SEED,
     )
     trainer = Trainer(
-        model=model, args=args, train_dataset=tokenized["train"], eval_dataset=tokenized["validation"],
-        data_collator=collate, processing_class=tokenizer, callbacks=[StepClock()],
+        model=model,
+        args=args,
+        train_dataset=tokenized["train"],
+        eval_dataset=tokenized["validation"],
+        data_collator=collate,
+        processing_class=tokenizer,
+        callbacks=[StepClock()],
     )
     trainer.train()
     end_train = time.perf_counter()
@@ -372,29 +424,39 @@ def run_hf_trainer(spec: dict[str, Any], arm: str) -> dict[str, Any]:
     grad_accum = spec["grad_accum_steps"]
     assert len(micro_batches) >= spec["steps"] * grad_accum, "fewer micro-batches than steps x accumulation"
     step_tokens = [
-        {key: sum(b[key] for b in micro_batches[s * grad_accum : (s + 1) * grad_accum]) for key in ("real", "label", "computed")}
+        {
+            key: sum(b[key] for b in micro_batches[s * grad_accum : (s + 1) * grad_accum])
+            for key in ("real", "label", "computed")
+        }
         for s in range(spec["steps"])
     ]
     step_losses = {entry["step"]: entry["loss"] for entry in trainer.state.log_history if "loss" in entry}
     validation = [dict(r) for r in tokenized["validation"]]
     train_docs = tokenized["train"]
-    result = summarise(spec, arm, marks, step_tokens, step_losses, {
-        "setup_seconds": marks[0][0] - start,
-        "load_and_data_seconds": load_seconds + tokenize_seconds,
-        "base_eval_seconds": 0.0,  # the Trainer does not evaluate the base before training
-        "after_seconds": after_seconds,
-        "end_train_seconds_after_last_step": end_train - marks[spec["steps"]][0],
-        "heldout_loss": heldout_loss(model, validation, tokenizer.pad_token_id),
-        "own_eval_loss": own_eval.get("eval_loss"),
-        "data_stats": {
-            "num_records": len(train_docs),
-            "num_tokens": sum(len(ids) for ids in train_docs["input_ids"]),
-            "num_label_tokens": sum(sum(1 for t in labels if t != -100) for labels in train_docs["labels"]),
+    result = summarise(
+        spec,
+        arm,
+        marks,
+        step_tokens,
+        step_losses,
+        {
+            "setup_seconds": marks[0][0] - start,
+            "load_and_data_seconds": load_seconds + tokenize_seconds,
+            "base_eval_seconds": 0.0,  # the Trainer does not evaluate the base before training
+            "after_seconds": after_seconds,
+            "end_train_seconds_after_last_step": end_train - marks[spec["steps"]][0],
+            "heldout_loss": heldout_loss(model, validation, tokenizer.pad_token_id),
+            "own_eval_loss": own_eval.get("eval_loss"),
+            "data_stats": {
+                "num_records": len(train_docs),
+                "num_tokens": sum(len(ids) for ids in train_docs["input_ids"]),
+                "num_label_tokens": sum(sum(1 for t in labels if t != -100) for labels in train_docs["labels"]),
+            },
+            "micro_batch_size": spec["micro_batch_size"],
+            "grad_accum_steps": grad_accum,
+            "optimizer": str(args.optim),
         },
-        "micro_batch_size": spec["micro_batch_size"],
-        "grad_accum_steps": grad_accum,
-        "optimizer": str(args.optim),
-    })
+    )
     result["peak_rss_mib"] = rss
     return result
 
@@ -417,14 +479,40 @@ def run_arm(spec_path: Path, arm: str, out_path: Path) -> None:
 
 def make_words(rng: random.Random, count: int) -> list[str]:
     """Pseudo-words from syllables, so the tokenizer has subword structure to learn."""
-    onsets = ["b", "br", "c", "ch", "d", "f", "g", "gr", "h", "k", "l", "m", "n", "p", "pr", "r", "s", "st",
-              "t", "tr", "v", "w", "z"]
+    onsets = [
+        "b",
+        "br",
+        "c",
+        "ch",
+        "d",
+        "f",
+        "g",
+        "gr",
+        "h",
+        "k",
+        "l",
+        "m",
+        "n",
+        "p",
+        "pr",
+        "r",
+        "s",
+        "st",
+        "t",
+        "tr",
+        "v",
+        "w",
+        "z",
+    ]
     nuclei = ["a", "e", "i", "o", "u", "ai", "ea", "ou"]
     codas = ["", "", "n", "r", "s", "t", "l", "nd", "st"]
     words: set[str] = set()
     while len(words) < count:
-        words.add("".join(rng.choice(onsets) + rng.choice(nuclei) + rng.choice(codas)
-                          for _ in range(rng.choice((1, 2, 2, 3)))))
+        words.add(
+            "".join(
+                rng.choice(onsets) + rng.choice(nuclei) + rng.choice(codas) for _ in range(rng.choice((1, 2, 2, 3)))
+            )
+        )
     return sorted(words)
 
 
@@ -435,8 +523,15 @@ def make_records(rng: random.Random, words: list[str], count: int, max_words: in
     Words are Zipf-distributed, responses repeat words of their prompt, so there is something to learn.
     """
     weights = [1 / (rank + 1) for rank in range(len(words))]
-    tasks = ["Summarise the notes on", "Explain", "Write a short answer about", "List the steps for",
-             "Describe", "Compare", "Give an example of"]
+    tasks = [
+        "Summarise the notes on",
+        "Explain",
+        "Write a short answer about",
+        "List the steps for",
+        "Describe",
+        "Compare",
+        "Give an example of",
+    ]
     records = []
     for _ in range(count):
         topic = rng.choices(words, weights, k=rng.randint(4, 40))
@@ -469,8 +564,11 @@ def prepare(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     max_words = int(args.seq_len * 0.55)
     wanted = num_train + num_validation
     records = make_records(rng, words, wanted, max_words)
-    tokenizer = train_tokenizer((r["instruction"] + "\n" + r["output"] for r in records[:4000]),
-                                vocab_size=args.vocab, max_model_len=max(args.seq_len, 2048))
+    tokenizer = train_tokenizer(
+        (r["instruction"] + "\n" + r["output"] for r in records[:4000]),
+        vocab_size=args.vocab,
+        max_model_len=max(args.seq_len, 2048),
+    )
     # Keep records that fit max_seq_len whole, so no arm truncates and all see exactly the same tokens.
     fits = [r for r in records if len(tokenize_record(r, tokenizer)["input_ids"]) <= args.seq_len]
     for _ in range(20):
@@ -490,8 +588,13 @@ def prepare(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     heads = max(1, args.hidden // 64)
     intermediate = 32 * round(args.hidden * 8 / 3 / 32)
     model = build_tiny_llama(
-        tokenizer, seed=SEED, hidden_size=args.hidden, intermediate_size=intermediate,
-        num_hidden_layers=args.layers, num_attention_heads=heads, num_key_value_heads=max(1, heads // 2),
+        tokenizer,
+        seed=SEED,
+        hidden_size=args.hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=args.layers,
+        num_attention_heads=heads,
+        num_key_value_heads=max(1, heads // 2),
         max_position_embeddings=max(args.seq_len * args.micro_batch_size, 2048),
     )
     base_dir = workdir / "base"
@@ -515,14 +618,21 @@ def prepare(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         "threads": args.threads,
         "verbose": args.verbose,
         "model": {
-            "hidden": args.hidden, "layers": args.layers, "intermediate": intermediate, "heads": heads,
-            "kv_heads": max(1, heads // 2), "vocab": len(tokenizer),
+            "hidden": args.hidden,
+            "layers": args.layers,
+            "intermediate": intermediate,
+            "heads": heads,
+            "kv_heads": max(1, heads // 2),
+            "vocab": len(tokenizer),
             "parameters": sum(p.numel() for p in model.parameters()),
         },
         "data": {
-            "train_records": len(train), "validation_records": len(validation),
-            "train_tokens": sum(lengths), "median_tokens": lengths[len(lengths) // 2],
-            "p90_tokens": lengths[int(0.9 * len(lengths))], "max_tokens": lengths[-1],
+            "train_records": len(train),
+            "validation_records": len(validation),
+            "train_tokens": sum(lengths),
+            "median_tokens": lengths[len(lengths) // 2],
+            "p90_tokens": lengths[int(0.9 * len(lengths))],
+            "max_tokens": lengths[-1],
         },
         "prepare_seconds": time.perf_counter() - start,
         "torch_threads": args.threads or torch.get_num_threads(),
@@ -540,8 +650,14 @@ def versions() -> dict[str, str]:
     import torch
     import transformers
 
-    return {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
-            "peft": peft.__version__, "accelerate": accelerate.__version__, "datasets": datasets.__version__}
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "peft": peft.__version__,
+        "accelerate": accelerate.__version__,
+        "datasets": datasets.__version__,
+    }
 
 
 def format_table(results: dict[str, dict[str, Any]]) -> str:
@@ -600,8 +716,9 @@ def check_same_data(results: dict[str, dict[str, Any]]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--steps", type=int, default=10, help="optimizer steps per arm (default 10)")
     parser.add_argument("--warmup-steps", type=int, default=2, help="steps run before timing starts (default 2)")
     parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
@@ -613,9 +730,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--grad-accum", type=int, default=2)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--compile", action="store_true", help="torch.compile in every arm")
-    parser.add_argument("--threads", type=int, default=0,
-                        help="torch threads per arm (default: torch's own). On a shared machine, 1 thread makes "
-                             "'tokens per CPU s' a measure of the work alone, since no thread waits for another")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=0,
+        help="torch threads per arm (default: torch's own). On a shared machine, 1 thread makes "
+        "'tokens per CPU s' a measure of the work alone, since no thread waits for another",
+    )
     parser.add_argument("--records", type=int, default=800, help="training records (at least enough for the steps)")
     parser.add_argument("--validation-records", type=int, default=64)
     parser.add_argument("--loss-tail-steps", type=int, default=3, help="final train loss = mean of the last N steps")
@@ -642,25 +763,52 @@ def main(argv: list[str] | None = None) -> int:
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="finetune-bench-train-"))
     workdir.mkdir(parents=True, exist_ok=True)
     threads_env = {"OMP_NUM_THREADS": str(args.threads), "MKL_NUM_THREADS": str(args.threads)} if args.threads else {}
-    env = {**os.environ, **threads_env, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-           "TOKENIZERS_PARALLELISM": "false", "HF_DATASETS_CACHE": str(workdir / "hf-datasets-cache"),
-           "PYTHONWARNINGS": "ignore"}
-    os.environ.update({k: env[k] for k in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE",
-                                            "TOKENIZERS_PARALLELISM", "HF_DATASETS_CACHE")})
+    env = {
+        **os.environ,
+        **threads_env,
+        "HF_HUB_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "HF_DATASETS_CACHE": str(workdir / "hf-datasets-cache"),
+        "PYTHONWARNINGS": "ignore",
+    }
+    os.environ.update(
+        {
+            k: env[k]
+            for k in (
+                "HF_HUB_OFFLINE",
+                "HF_DATASETS_OFFLINE",
+                "TRANSFORMERS_OFFLINE",
+                "TOKENIZERS_PARALLELISM",
+                "HF_DATASETS_CACHE",
+            )
+        }
+    )
     try:
         say(f"preparing model and data in {workdir}")
         spec = prepare(args, workdir)
         spec_path = workdir / "spec.json"
         spec_path.write_text(json.dumps(spec, indent=2))
-        say(f"model {spec['model']['parameters'] / 1e6:.2f}M parameters, {spec['data']['train_records']} training "
+        say(
+            f"model {spec['model']['parameters'] / 1e6:.2f}M parameters, {spec['data']['train_records']} training "
             f"records (median {spec['data']['median_tokens']}, p90 {spec['data']['p90_tokens']}, max "
-            f"{spec['data']['max_tokens']} tokens); prepared in {spec['prepare_seconds']:.1f} s")
+            f"{spec['data']['max_tokens']} tokens); prepared in {spec['prepare_seconds']:.1f} s"
+        )
         results: dict[str, dict[str, Any]] = {}
         for arm in arms:
             say(f"running {arm} ({args.steps} steps, {args.precision}{', compiled' if args.compile else ''})")
             out_path = workdir / f"result-{arm}.json"
-            command = [sys.executable, str(Path(__file__).resolve()), "--_arm", arm, "--_spec", str(spec_path),
-                       "--_out", str(out_path)]
+            command = [
+                sys.executable,
+                str(Path(__file__).resolve()),
+                "--_arm",
+                arm,
+                "--_spec",
+                str(spec_path),
+                "--_out",
+                str(out_path),
+            ]
             started = time.perf_counter()
             completed = subprocess.run(command, env=env, cwd=workdir)
             if completed.returncode != 0:
@@ -669,8 +817,10 @@ def main(argv: list[str] | None = None) -> int:
             results[arm] = json.loads(out_path.read_text())
             results[arm]["process_seconds"] = time.perf_counter() - started
             r = results[arm]
-            say(f"{arm}: {r['tokens_per_s']:.0f} real tokens/s over {r['timed_steps']} steps, held-out loss "
-                f"{r['heldout_loss']:.4f}, process {r['process_seconds']:.0f} s")
+            say(
+                f"{arm}: {r['tokens_per_s']:.0f} real tokens/s over {r['timed_steps']} steps, held-out loss "
+                f"{r['heldout_loss']:.4f}, process {r['process_seconds']:.0f} s"
+            )
         if not results:
             return 1
         report = {
@@ -685,11 +835,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\n{report['date_utc']}  {report['command']}")
         print(", ".join(f"{k} {v}" for k, v in report["versions"].items()) + f"; {report['machine']}")
         m, d = spec["model"], spec["data"]
-        print(f"model: Llama {m['parameters'] / 1e6:.2f}M parameters (hidden {m['hidden']}, {m['layers']} layers, "
-              f"vocab {m['vocab']}); LoRA r=16 all-linear; {args.steps} steps ({args.warmup_steps} warm-up), micro-batch "
-              f"{args.micro_batch_size} x accumulation {args.grad_accum}, lr {args.lr}, {args.precision}"
-              f"{', compiled' if args.compile else ''}; max_seq_len {args.seq_len}; records median "
-              f"{d['median_tokens']} / p90 {d['p90_tokens']} / max {d['max_tokens']} tokens")
+        print(
+            f"model: Llama {m['parameters'] / 1e6:.2f}M parameters (hidden {m['hidden']}, {m['layers']} layers, "
+            f"vocab {m['vocab']}); LoRA r=16 all-linear; {args.steps} steps ({args.warmup_steps} warm-up), micro-batch "
+            f"{args.micro_batch_size} x accumulation {args.grad_accum}, lr {args.lr}, {args.precision}"
+            f"{', compiled' if args.compile else ''}; max_seq_len {args.seq_len}; records median "
+            f"{d['median_tokens']} / p90 {d['p90_tokens']} / max {d['max_tokens']} tokens"
+        )
         print(format_table(results))
         for warning in report["warnings"]:
             print(f"WARNING: {warning}")

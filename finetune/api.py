@@ -43,7 +43,7 @@ def local_model_dir(source: str, revision: str | None = None) -> Path | None:
         return None
 
 
-def check_fingerprint(adapter: "Adapter", base_fingerprint: str | None, base_where: str, *, force: bool) -> None:
+def check_fingerprint(adapter: Adapter, base_fingerprint: str | None, base_where: str, *, force: bool) -> None:
     """Refuse an adapter trained on another base (unless `force`); warn when no check is possible."""
     if adapter.base_fingerprint is None or not adapter.base_fingerprint.startswith("sha256:"):
         why = "has no manifest.json" if adapter.base_fingerprint is None else "records no base fingerprint"
@@ -129,7 +129,7 @@ def load_model(
     revision: str | None = None,
     attn_implementation: str = "sdpa",
     trust_remote_code: bool = False,
-) -> "LoadedModel":
+) -> LoadedModel:
     """Load a base and its adapters into a `LoadedModel`.
 
     Args:
@@ -161,7 +161,9 @@ def load_model(
     if (Path(base) / ADAPTER_CONFIG_NAME).is_file():
         lead = read_adapter(base, allow_pickle=allow_pickle)
         if lead.base_path is None:
-            raise AdapterError(f"adapter {base} records no base (no manifest, no base_model_name_or_path); pass the base")
+            raise AdapterError(
+                f"adapter {base} records no base (no manifest, no base_model_name_or_path); pass the base"
+            )
         named.insert(0, (lead.name, Path(base)))
         use_first, base = lead.name, lead.base_path
     read = [read_adapter(path, name, allow_pickle=allow_pickle) for name, path in named]
@@ -169,8 +171,12 @@ def load_model(
         recorded = {a.manifest.base.quantization for a in read if a.manifest is not None}
         quantization = recorded.pop() if len(recorded) == 1 else "none"
     model, tokenizer, source = load_base(
-        str(base), dtype=dtype, revision=revision, attn_implementation=attn_implementation,
-        trust_remote_code=trust_remote_code, quantization=quantization,
+        str(base),
+        dtype=dtype,
+        revision=revision,
+        attn_implementation=attn_implementation,
+        trust_remote_code=trust_remote_code,
+        quantization=quantization,
     )
     base_dir = local_model_dir(source, revision)
     ledger = _adoptable_ledger(base_dir, read, allow_pickle)
@@ -183,8 +189,15 @@ def load_model(
     else:
         base_fingerprint = None
     loaded = LoadedModel(
-        model, tokenizer, base_source=source, base_dir=base_dir, base_fingerprint=base_fingerprint or "",
-        dtype=getattr(torch, dtype), requantize=requantize, quantization=quantization, ledger=ledger,
+        model,
+        tokenizer,
+        base_source=source,
+        base_dir=base_dir,
+        base_fingerprint=base_fingerprint or "",
+        dtype=getattr(torch, dtype),
+        requantize=requantize,
+        quantization=quantization,
+        ledger=ledger,
     )
     for adapter in read:
         check_fingerprint(adapter, base_fingerprint, str(base_dir or source), force=force)

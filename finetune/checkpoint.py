@@ -145,7 +145,9 @@ def load_checkpoint(
         trainable = load_file(path / TRAINABLE_FILE)
         optimizer_tensors = load_file(path / OPTIMIZER_TENSORS_FILE)
     except (OSError, ValueError) as exc:
-        raise CheckpointError(f"checkpoint {path} is unreadable ({exc}); delete it to resume from an earlier one") from None
+        raise CheckpointError(
+            f"checkpoint {path} is unreadable ({exc}); delete it to resume from an earlier one"
+        ) from None
     optimizer_state = _join_tensors(document.pop("optimizer"), optimizer_tensors)
     optimizer_state["state"] = {int(k): v for k, v in optimizer_state["state"].items()}
     optimizer.load_state_dict(optimizer_state)

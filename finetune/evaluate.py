@@ -29,7 +29,9 @@ def forward_loss(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, t
 
 
 @torch.no_grad()
-def evaluate(model, rows, *, collate, micro_batch_size: int, accelerator, max_batches: int | None = None) -> dict[str, float]:
+def evaluate(
+    model, rows, *, collate, micro_batch_size: int, accelerator, max_batches: int | None = None
+) -> dict[str, float]:
     """Mean token loss and perplexity over `rows`, each process taking a strided share."""
     was_training = model.training
     model.eval()

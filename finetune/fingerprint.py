@@ -48,7 +48,7 @@ def _cache_dir() -> Path:
     return finetune_home() / "fingerprints"
 
 
-def _tensor_digest(tensor: "torch.Tensor") -> str:
+def _tensor_digest(tensor: torch.Tensor) -> str:
     """sha256 of the tensor's bytes in row-major order, reading at most ~64 MB at a time."""
     import torch
 
@@ -64,7 +64,7 @@ def _tensor_digest(tensor: "torch.Tensor") -> str:
     return digest.hexdigest()
 
 
-def _entry(tensor: "torch.Tensor") -> list:
+def _entry(tensor: torch.Tensor) -> list:
     return [str(tensor.dtype).removeprefix("torch."), list(tensor.shape), _tensor_digest(tensor)]
 
 
@@ -134,10 +134,12 @@ def fingerprint_model_dir(model_dir: str | os.PathLike) -> str:
 
 
 def _is_quantized(model) -> bool:
-    return bool(getattr(model, "is_quantized", False) or getattr(getattr(model, "config", None), "quantization_config", None))
+    return bool(
+        getattr(model, "is_quantized", False) or getattr(getattr(model, "config", None), "quantization_config", None)
+    )
 
 
-def base_state_items(model) -> list[tuple[str, "torch.Tensor"]]:
+def base_state_items(model) -> list[tuple[str, torch.Tensor]]:
     """(name, tensor) of a model's base weights as `save_pretrained` names them.
 
     Unwraps a peft model (LoRA weights dropped, `base_layer.` removed) and counts tied weights once.
@@ -145,7 +147,7 @@ def base_state_items(model) -> list[tuple[str, "torch.Tensor"]]:
     inner = model
     if hasattr(inner, "get_base_model"):  # PeftModel
         inner = inner.get_base_model()
-    items: list[tuple[str, "torch.Tensor"]] = []
+    items: list[tuple[str, torch.Tensor]] = []
     seen: set[tuple[int, int, tuple]] = set()
     for name, tensor in inner.state_dict(keep_vars=False).items():
         if ".lora_" in name or ".modules_to_save." in name or name.startswith("lora_"):

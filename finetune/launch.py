@@ -43,13 +43,20 @@ def launch_command(
     """The `accelerate launch` command line that runs `finetune train <train_args>` on every rank."""
     threads_per_process = max(1, (os.cpu_count() or 1) // nproc) if use_cpu else 1
     command = [
-        sys.executable, "-m", "accelerate.commands.launch",
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
         "--multi_gpu",
-        "--num_processes", str(nproc * nnodes),
-        "--num_machines", str(nnodes),
-        "--machine_rank", str(node_rank),
-        "--main_process_port", str(main_port or _free_port()),
-        "--num_cpu_threads_per_process", str(threads_per_process),
+        "--num_processes",
+        str(nproc * nnodes),
+        "--num_machines",
+        str(nnodes),
+        "--machine_rank",
+        str(node_rank),
+        "--main_process_port",
+        str(main_port or _free_port()),
+        "--num_cpu_threads_per_process",
+        str(threads_per_process),
     ]
     if main_address:
         command += ["--main_process_ip", main_address]

@@ -62,7 +62,9 @@ def _quantization_config(config: ModelConfig, compute_dtype: torch.dtype):
     )
 
 
-def load_tokenizer(source: str, *, revision: str | None = None, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
+def load_tokenizer(
+    source: str, *, revision: str | None = None, trust_remote_code: bool = False
+) -> PreTrainedTokenizerBase:
     """The tokenizer at `source`, with a pad token guaranteed.
 
     A tokenizer without a pad token gets EOS as pad. That is safe here because labels are built before
@@ -140,9 +142,7 @@ def linear_module_names(model: torch.nn.Module) -> list[str]:
 def _check_targets(model: torch.nn.Module, targets: list[str]) -> None:
     """Refuse target names that match no module, listing those that do exist."""
     module_names = [name for name, _ in model.named_modules()]
-    missing = [
-        t for t in targets if not any(n == t or n.endswith("." + t) or re.fullmatch(t, n) for n in module_names)
-    ]
+    missing = [t for t in targets if not any(n == t or n.endswith("." + t) or re.fullmatch(t, n) for n in module_names)]
     if missing:
         raise ModelError(
             f"lora.target_modules {missing} match no module of the base model; linear layers that exist: "
@@ -191,4 +191,3 @@ def describe_trainable(model: torch.nn.Module) -> str:
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in model.parameters())
     return f"trainable {trainable:,} of {total:,} parameters ({100 * trainable / max(total, 1):.2f}%)"
-

@@ -243,9 +243,7 @@ def _construct_unique_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode, 
     for key_node, _ in node.value:
         key = loader.construct_object(key_node, deep=deep)
         if key in seen:
-            raise yaml.constructor.ConstructorError(
-                None, None, f"key {key!r} is given twice", key_node.start_mark
-            )
+            raise yaml.constructor.ConstructorError(None, None, f"key {key!r} is given twice", key_node.start_mark)
         seen.add(key)
     return loader.construct_mapping(node, deep=deep)
 
@@ -263,7 +261,7 @@ def _read_yaml(path: Path) -> dict[str, Any]:
     except (OSError, UnicodeDecodeError) as exc:
         raise RecipeError(f"recipe {path} cannot be read: {exc}") from None
     try:
-        data = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
+        data = yaml.load(text, Loader=_UniqueKeyLoader)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
@@ -394,4 +392,3 @@ def load_recipe(path: str | Path | Recipe, overrides: list[str] | tuple[str, ...
 def recipe_to_dict(recipe: Recipe) -> dict[str, Any]:
     """The fully resolved recipe (defaults filled in), as saved next to an adapter."""
     return recipe.model_dump(mode="json")
-

@@ -81,7 +81,9 @@ def plan_steps(recipe: Recipe, stream: MicroBatchStream) -> _Plan:
 
 def _make_optimizer(recipe: Recipe, parameters: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
     train = recipe.train
-    kwargs = dict(lr=train.lr, betas=(train.adam_beta1, train.adam_beta2), eps=train.adam_eps, weight_decay=train.weight_decay)
+    kwargs = dict(
+        lr=train.lr, betas=(train.adam_beta1, train.adam_beta2), eps=train.adam_eps, weight_decay=train.weight_decay
+    )
     if train.optimizer == "adamw":
         return torch.optim.AdamW(parameters, **kwargs)
     import bitsandbytes as bnb
@@ -108,9 +110,20 @@ def _check_output_free(recipe: Recipe) -> None:
 def _recipe_digest(recipe: Recipe) -> dict[str, Any]:
     """The parts of a recipe a checkpoint must agree with to be resumed (length and intervals may change)."""
     resolved = recipe_to_dict(recipe)
-    train = {k: v for k, v in resolved["train"].items() if k not in ("epochs", "max_steps", "log_every_steps",
-                                                                      "eval_every_steps", "save_every_steps",
-                                                                      "keep_checkpoints", "eval_max_batches")}
+    train = {
+        k: v
+        for k, v in resolved["train"].items()
+        if k
+        not in (
+            "epochs",
+            "max_steps",
+            "log_every_steps",
+            "eval_every_steps",
+            "save_every_steps",
+            "keep_checkpoints",
+            "eval_max_batches",
+        )
+    }
     return {"model": resolved["model"], "lora": resolved["lora"], "data": resolved["data"], "train": train}
 
 
@@ -277,8 +290,12 @@ def train(
 
     def evaluate_validation() -> dict[str, float]:
         return evaluate(
-            peft_model, data.validation, collate=collate, micro_batch_size=recipe.train.micro_batch_size,
-            accelerator=accelerator, max_batches=recipe.train.eval_max_batches,
+            peft_model,
+            data.validation,
+            collate=collate,
+            micro_batch_size=recipe.train.micro_batch_size,
+            accelerator=accelerator,
+            max_batches=recipe.train.eval_max_batches,
         )
 
     def run_eval(step: int) -> dict[str, float]:
@@ -317,10 +334,18 @@ def train(
         rng_states = gather_object([ckpt.capture_rng_state()])
         if is_main:
             ckpt.save_checkpoint(
-                run_dir, step=step_now, trainable=get_peft_model_state_dict(peft_model), optimizer=optimizer,
+                run_dir,
+                step=step_now,
+                trainable=get_peft_model_state_dict(peft_model),
+                optimizer=optimizer,
                 scheduler=scheduler,
-                state={"position": position, "tokens_seen": tokens_seen, "rng": rng_states,
-                       "recipe_digest": digest, "base_eval": base_eval},
+                state={
+                    "position": position,
+                    "tokens_seen": tokens_seen,
+                    "rng": rng_states,
+                    "recipe_digest": digest,
+                    "base_eval": base_eval,
+                },
                 keep=recipe.train.keep_checkpoints,
             )
         accelerator.wait_for_everyone()
@@ -329,8 +354,10 @@ def train(
 
     show_bar = is_main and (sys.stderr.isatty() if progress is None else progress)
     bar = tqdm(total=plan.total_steps, initial=step, disable=not show_bar, unit="step", dynamic_ncols=True)
-    say(f"training {plan.total_steps} steps ({plan.micro_batches_per_epoch} micro-batches per epoch, "
-        f"{recipe.train.grad_accum_steps} per step, {accelerator.num_processes} process(es))")
+    say(
+        f"training {plan.total_steps} steps ({plan.micro_batches_per_epoch} micro-batches per epoch, "
+        f"{recipe.train.grad_accum_steps} per step, {accelerator.num_processes} process(es))"
+    )
     model_for_step.train()
     last_log_time, last_log_tokens = time.perf_counter(), tokens_seen
     loop_start, loop_start_step = last_log_time, step
@@ -357,8 +384,11 @@ def train(
             tokens_per_s = (tokens_seen - last_log_tokens) / max(now - last_log_time, 1e-9)
             last_log_time, last_log_tokens = now, tokens_seen
             train_metrics = {
-                "loss": mean_loss, "lr": scheduler.get_last_lr()[0], "tokens_per_s": tokens_per_s,
-                "epoch": stream.epoch_of(position), "tokens_seen": tokens_seen,
+                "loss": mean_loss,
+                "lr": scheduler.get_last_lr()[0],
+                "tokens_per_s": tokens_per_s,
+                "epoch": stream.epoch_of(position),
+                "tokens_seen": tokens_seen,
             }
             if grad_norm is not None:
                 train_metrics["grad_norm"] = float(grad_norm)
@@ -367,8 +397,10 @@ def train(
             if not show_bar:
                 seconds_per_step = (now - loop_start) / (step - loop_start_step)
                 eta = _format_seconds(seconds_per_step * (plan.total_steps - step))
-                say(f"step {step}/{plan.total_steps}: loss {mean_loss:.4f}, lr {train_metrics['lr']:.3g}, "
-                    f"{tokens_per_s:,.0f} tokens/s, ETA {eta}")
+                say(
+                    f"step {step}/{plan.total_steps}: loss {mean_loss:.4f}, lr {train_metrics['lr']:.3g}, "
+                    f"{tokens_per_s:,.0f} tokens/s, ETA {eta}"
+                )
         is_final = step == plan.total_steps
         if recipe.train.eval_every_steps and step % recipe.train.eval_every_steps == 0 and not is_final:
             eval_metrics = run_eval(step)
@@ -383,8 +415,10 @@ def train(
     if base_eval and eval_metrics:
         cut = 1 - eval_metrics["eval_ppl"] / base_eval["eval_ppl"]
         metrics["ppl_cut"] = cut
-        say(f"held-out perplexity: base {base_eval['eval_ppl']:.3f} -> base + adapter {eval_metrics['eval_ppl']:.3f} "
-            f"({100 * cut:.1f}% lower)")
+        say(
+            f"held-out perplexity: base {base_eval['eval_ppl']:.3f} -> base + adapter {eval_metrics['eval_ppl']:.3f} "
+            f"({100 * cut:.1f}% lower)"
+        )
 
     adapter_dir = recipe.output.adapter_dir
     if is_main:
@@ -392,9 +426,12 @@ def train(
         manifest = Manifest(
             name=recipe.output.name,
             base=BaseInfo(
-                id=recipe.model.base, path=base_source, revision=recipe.model.revision,
+                id=recipe.model.base,
+                path=base_source,
+                revision=recipe.model.revision,
                 fingerprint=fingerprint_model_dir(base_dir) if base_dir is not None else "unknown",
-                dtype=recipe.model.dtype, quantization=recipe.model.quantization,
+                dtype=recipe.model.dtype,
+                quantization=recipe.model.quantization,
             ),
             recipe=recipe_to_dict(recipe),
             data=DataInfo(fingerprint=data.fingerprint, sources=[s.path for s in recipe.data.train], stats=data.stats),

@@ -36,7 +36,9 @@ def make_adapter(
 ) -> Path:
     """A peft LoRA adapter for `base_dir` with seeded random A, B (so ΔW ≠ 0), optionally with a manifest."""
     model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
-    config = LoraConfig(r=r, lora_alpha=alpha, target_modules=list(targets), use_rslora=use_rslora, lora_dropout=0.0, **lora_options)
+    config = LoraConfig(
+        r=r, lora_alpha=alpha, target_modules=list(targets), use_rslora=use_rslora, lora_dropout=0.0, **lora_options
+    )
     peft_model = get_peft_model(model, config)
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -45,7 +47,9 @@ def make_adapter(
                 parameter.copy_(torch.randn(parameter.shape, generator=generator) * magnitude)
     peft_model.save_pretrained(out)
     if manifest:
-        base = BaseInfo(id=str(base_dir), path=str(base_dir), fingerprint=fingerprint_model_dir(base_dir), quantization=quantization)
+        base = BaseInfo(
+            id=str(base_dir), path=str(base_dir), fingerprint=fingerprint_model_dir(base_dir), quantization=quantization
+        )
         write_manifest(out, Manifest(name=name or out.name, base=base))
     return out
 
@@ -59,7 +63,9 @@ def assert_tensors_equal(expected: dict[str, torch.Tensor], actual: dict[str, to
     """Bit-for-bit equality of two state dicts, naming the first tensor that differs."""
     assert expected.keys() == actual.keys()
     for name in expected:
-        assert torch.equal(expected[name], actual[name]), f"{name} differs: max |Δ| {(expected[name].float() - actual[name].float()).abs().max():.3e}"
+        assert torch.equal(expected[name], actual[name]), (
+            f"{name} differs: max |Δ| {(expected[name].float() - actual[name].float()).abs().max():.3e}"
+        )
 
 
 @pytest.fixture(scope="session")
@@ -68,6 +74,10 @@ def adapter_dirs(tmp_path_factory, tiny_base_dir) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("adapters")
     return {
         "legal": make_adapter(tiny_base_dir, root / "legal", seed=1, targets=("q_proj", "v_proj")),
-        "med": make_adapter(tiny_base_dir, root / "med", seed=2, targets=("q_proj", "o_proj", "down_proj"), r=8, alpha=16),
-        "code": make_adapter(tiny_base_dir, root / "code", seed=3, targets=("v_proj", "up_proj"), r=2, alpha=4, use_rslora=True),
+        "med": make_adapter(
+            tiny_base_dir, root / "med", seed=2, targets=("q_proj", "o_proj", "down_proj"), r=8, alpha=16
+        ),
+        "code": make_adapter(
+            tiny_base_dir, root / "code", seed=3, targets=("v_proj", "up_proj"), r=2, alpha=4, use_rslora=True
+        ),
     }

@@ -14,15 +14,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from adapter_fixtures import assert_tensors_equal
 from safetensors.torch import load_file, save_file
+from test_adapters_ondisk import read_tensors
 
 from finetune.adapters.files import SLOW_HOOK_ENV
 from finetune.adapters.weights import read_adapter, validate_adapter_name
 from finetune.cli import main
 from finetune.errors import AdapterError
-
-from adapter_fixtures import assert_tensors_equal
-from test_adapters_ondisk import read_tensors
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -33,12 +32,43 @@ def run(*argv: str) -> int:
 
 def test_round_trip_merge_two_subtract_one_swap_the_other(tmp_path, tiny_base_dir, adapter_dirs, capsys):
     legal, med, code = adapter_dirs["legal"], adapter_dirs["med"], adapter_dirs["code"]
-    assert run("merge", "--base", tiny_base_dir, "--adapter", legal, "--adapter", f"{med}:0.5", "--dtype", "bfloat16", "--out", tmp_path / "two") == 0
+    assert (
+        run(
+            "merge",
+            "--base",
+            tiny_base_dir,
+            "--adapter",
+            legal,
+            "--adapter",
+            f"{med}:0.5",
+            "--dtype",
+            "bfloat16",
+            "--out",
+            tmp_path / "two",
+        )
+        == 0
+    )
     assert "merged now: legal:1, med:0.5; exact" in capsys.readouterr().out
     assert run("subtract", "--model", tmp_path / "two", "--adapter", "legal", "--out", tmp_path / "one") == 0
-    assert run("swap", "--model", tmp_path / "one", "--remove", "med", "--add", f"{code}:2", "--out", tmp_path / "swapped") == 0
+    assert (
+        run("swap", "--model", tmp_path / "one", "--remove", "med", "--add", f"{code}:2", "--out", tmp_path / "swapped")
+        == 0
+    )
     assert "merged now: code:2" in capsys.readouterr().out
-    assert run("merge", "--base", tiny_base_dir, "--adapter", f"{code}:2", "--dtype", "bfloat16", "--out", tmp_path / "fresh") == 0
+    assert (
+        run(
+            "merge",
+            "--base",
+            tiny_base_dir,
+            "--adapter",
+            f"{code}:2",
+            "--dtype",
+            "bfloat16",
+            "--out",
+            tmp_path / "fresh",
+        )
+        == 0
+    )
     assert_tensors_equal(read_tensors(tmp_path / "fresh"), read_tensors(tmp_path / "swapped"))
     assert run("info", tmp_path / "swapped") == 0
     assert "merged: code weight=2" in capsys.readouterr().out
@@ -62,7 +92,10 @@ def test_list_and_info_show_the_store(tmp_path, adapter_dirs, capsys):
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["merge", "--base", "{base}", "--adapter", "{tmp}/missing", "--out", "{tmp}/o"], "missing: no such directory; give an adapter directory"),
+        (
+            ["merge", "--base", "{base}", "--adapter", "{tmp}/missing", "--out", "{tmp}/o"],
+            "missing: no such directory; give an adapter directory",
+        ),
         (["merge", "--base", "{tmp}/nobase", "--adapter", "{legal}", "--out", "{tmp}/o"], "not a model directory"),
         (["subtract", "--model", "{base}", "--adapter", "{legal}", "--out", "{tmp}/o"], "task negation"),
         (["combine", "{legal}", "{med}", "--weights", "1", "--out", "{tmp}/o"], "1 values for 2 adapters"),
@@ -80,9 +113,23 @@ def test_user_errors_are_one_line_and_exit_2(tmp_path, tiny_base_dir, adapter_di
 
 def test_subprocess_exit_code_and_no_traceback(tmp_path, tiny_base_dir, adapter_dirs):
     bad = subprocess.run(
-        [sys.executable, "-m", "finetune", "adapters", "merge", "--base", str(tiny_base_dir), "--adapter",
-         str(tmp_path / "missing"), "--out", str(tmp_path / "o")],
-        cwd=REPO, capture_output=True, text=True, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "finetune",
+            "adapters",
+            "merge",
+            "--base",
+            str(tiny_base_dir),
+            "--adapter",
+            str(tmp_path / "missing"),
+            "--out",
+            str(tmp_path / "o"),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert bad.returncode == 2
     assert "Traceback" not in bad.stderr and "error: " in bad.stderr and "missing: no such directory" in bad.stderr
@@ -94,9 +141,24 @@ def test_a_killed_merge_leaves_no_directory_at_out(tmp_path, tiny_base_dir, adap
     AutoModelForCausalLM.from_pretrained(tiny_base_dir).save_pretrained(tmp_path / "sharded", max_shard_size="100KB")
     out = tmp_path / "merged"
     process = subprocess.Popen(
-        [sys.executable, "-m", "finetune", "adapters", "merge", "--base", str(tmp_path / "sharded"),
-         "--adapter", str(adapter_dirs["legal"]), "--out", str(out), "--force"],
-        cwd=REPO, env={**os.environ, SLOW_HOOK_ENV: "2"}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        [
+            sys.executable,
+            "-m",
+            "finetune",
+            "adapters",
+            "merge",
+            "--base",
+            str(tmp_path / "sharded"),
+            "--adapter",
+            str(adapter_dirs["legal"]),
+            "--out",
+            str(out),
+            "--force",
+        ],
+        cwd=REPO,
+        env={**os.environ, SLOW_HOOK_ENV: "2"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
     )
     try:
         deadline = time.monotonic() + 90
@@ -113,9 +175,7 @@ def test_a_killed_merge_leaves_no_directory_at_out(tmp_path, tiny_base_dir, adap
     assert not out.exists()  # only a stale .merged.partial-<pid> may remain
 
 
-@pytest.mark.parametrize(
-    "name", ["legal", "med-2", "code_v3", "default", "A1"]
-)
+@pytest.mark.parametrize("name", ["legal", "med-2", "code_v3", "default", "A1"])
 def test_valid_adapter_names(name):
     assert validate_adapter_name(name) == name
 
@@ -169,4 +229,7 @@ def test_warnings_are_printed_as_one_line(tmp_path, tiny_base_dir, capsys):
     plain = make_adapter(tiny_base_dir, tmp_path / "plain", seed=9, manifest=False)
     assert run("merge", "--base", tiny_base_dir, "--adapter", plain, "--out", tmp_path / "o") == 0
     err = capsys.readouterr().err.splitlines()
-    assert f"warning: adapter 'plain' ({plain}) has no manifest.json, so whether it was trained on {tiny_base_dir} cannot be checked" in err
+    assert (
+        f"warning: adapter 'plain' ({plain}) has no manifest.json, so whether it was trained on {tiny_base_dir} cannot be checked"
+        in err
+    )

@@ -3,9 +3,9 @@ random operation sequences (hypothesis), merged logits vs peft's unmerged ones, 
 
 from __future__ import annotations
 
-
 import pytest
 import torch
+from adapter_fixtures import assert_tensors_equal, base_tensors, make_adapter
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from peft import PeftModel
@@ -17,13 +17,13 @@ from finetune.adapters.inmemory import LoadedModel
 from finetune.adapters.weights import read_adapter
 from finetune.errors import AdapterError
 
-from adapter_fixtures import assert_tensors_equal, base_tensors, make_adapter
-
 DTYPES = ["float32", "bfloat16", "float16"]
 
 
 def _load(tiny_base_dir, adapter_dirs, dtype="float32") -> LoadedModel:
-    return finetune.load_model(str(tiny_base_dir), {name: str(path) for name, path in adapter_dirs.items()}, dtype=dtype)
+    return finetune.load_model(
+        str(tiny_base_dir), {name: str(path) for name, path in adapter_dirs.items()}, dtype=dtype
+    )
 
 
 def _expected(base: dict[str, torch.Tensor], m: LoadedModel) -> dict[str, torch.Tensor]:
@@ -51,7 +51,9 @@ def test_subtracting_everything_gives_the_base_bit_for_bit(tiny_base_dir, adapte
         m.subtract("med")
         m.swap("legal", "med", 2.0)
         assert m.merged == {"code": -1.3, "med": 2.0}
-        assert not torch.equal(m.model.model.layers[0].self_attn.q_proj.weight, base["model.layers.0.self_attn.q_proj.weight"])
+        assert not torch.equal(
+            m.model.model.layers[0].self_attn.q_proj.weight, base["model.layers.0.self_attn.q_proj.weight"]
+        )
         m.subtract("med")
         m.subtract("code")
     assert m.merged == {}
@@ -106,8 +108,12 @@ def test_invariant_holds_for_random_operation_sequences(tiny_base_dir, adapter_d
 
 def test_delta_matches_peft_get_delta_weight(tiny_base_dir, adapter_dirs, tmp_path):
     patterned = make_adapter(
-        tiny_base_dir, tmp_path / "patterned", seed=5, targets=("q_proj", "v_proj"),
-        rank_pattern={"q_proj": 2}, alpha_pattern={"layers.1.self_attn.v_proj": 3},
+        tiny_base_dir,
+        tmp_path / "patterned",
+        seed=5,
+        targets=("q_proj", "v_proj"),
+        rank_pattern={"q_proj": 2},
+        alpha_pattern={"layers.1.self_attn.v_proj": 3},
     )
     assert {lora.rank for lora in read_adapter(patterned).modules.values()} == {2, 4}
     for name, path in {**adapter_dirs, "patterned": patterned}.items():
@@ -197,7 +203,9 @@ def test_overflow_is_refused_and_the_model_is_left_unchanged(tiny_base_dir, tmp_
 
 def test_base_built_in_memory_keeps_a_copy_of_targeted_tensors_only(tiny_base_dir, adapter_dirs, tiny_tokenizer):
     model = AutoModelForCausalLM.from_pretrained(tiny_base_dir, dtype=torch.bfloat16)
-    m = LoadedModel(model, tiny_tokenizer, base_source="in memory", base_dir=None, base_fingerprint="", dtype=torch.bfloat16)
+    m = LoadedModel(
+        model, tiny_tokenizer, base_source="in memory", base_dir=None, base_fingerprint="", dtype=torch.bfloat16
+    )
     m.add_adapter(read_adapter(adapter_dirs["legal"]))
     base = base_tensors(m.model)
     with pytest.warns(AdapterWarning, match="keeping an in-memory copy"):
@@ -209,7 +217,9 @@ def test_base_built_in_memory_keeps_a_copy_of_targeted_tensors_only(tiny_base_di
 
 
 @pytest.mark.parametrize("bits", ["4bit", "8bit"])
-def test_quantized_base_merges_dequantized_and_restores_the_quantized_layer(tiny_base_dir, tmp_path, tiny_tokenizer, bits):
+def test_quantized_base_merges_dequantized_and_restores_the_quantized_layer(
+    tiny_base_dir, tmp_path, tiny_tokenizer, bits
+):
     pytest.importorskip("bitsandbytes")
     from finetune.adapters.quantized import dequantize, is_quantized_linear
 

@@ -9,6 +9,7 @@ import shutil
 
 import pytest
 import torch
+from adapter_fixtures import assert_tensors_equal, make_adapter
 from peft import PeftModel
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM
@@ -19,8 +20,6 @@ from finetune.adapters.ledger import LEDGER_KEY
 from finetune.adapters.ondisk import AdapterSpec, merge_checkpoint, subtract_checkpoint, swap_checkpoint
 from finetune.adapters.weights import read_adapter
 from finetune.errors import AdapterError
-
-from adapter_fixtures import assert_tensors_equal, make_adapter
 
 
 def read_tensors(model_dir) -> dict[str, torch.Tensor]:
@@ -77,9 +76,13 @@ def test_subtract_and_swap_from_the_base_equal_fresh_merges(tmp_path, tiny_base_
         dtype=dtype,
     )
     subtract_checkpoint(str(tmp_path / "both"), AdapterSpec("legal"), tmp_path / "med_only")
-    swap_checkpoint(str(tmp_path / "med_only"), AdapterSpec("med"), AdapterSpec(str(adapter_dirs["code"])), tmp_path / "code")
+    swap_checkpoint(
+        str(tmp_path / "med_only"), AdapterSpec("med"), AdapterSpec(str(adapter_dirs["code"])), tmp_path / "code"
+    )
     subtract_checkpoint(str(tmp_path / "code"), AdapterSpec("code"), tmp_path / "nothing")
-    merge_checkpoint(str(tiny_base_dir), [AdapterSpec(str(adapter_dirs["med"]), 0.7)], tmp_path / "fresh_med", dtype=dtype)
+    merge_checkpoint(
+        str(tiny_base_dir), [AdapterSpec(str(adapter_dirs["med"]), 0.7)], tmp_path / "fresh_med", dtype=dtype
+    )
     merge_checkpoint(str(tiny_base_dir), [AdapterSpec(str(adapter_dirs["code"]))], tmp_path / "fresh_code", dtype=dtype)
     assert_tensors_equal(read_tensors(tmp_path / "fresh_med"), read_tensors(tmp_path / "med_only"))
     assert_tensors_equal(read_tensors(tmp_path / "fresh_code"), read_tensors(tmp_path / "code"))
@@ -87,7 +90,9 @@ def test_subtract_and_swap_from_the_base_equal_fresh_merges(tmp_path, tiny_base_
     assert_tensors_equal(base, read_tensors(tmp_path / "nothing"))
 
 
-def test_without_the_base_subtract_uses_fp32_arithmetic_within_the_reported_bound(tmp_path, tiny_base_dir, adapter_dirs):
+def test_without_the_base_subtract_uses_fp32_arithmetic_within_the_reported_bound(
+    tmp_path, tiny_base_dir, adapter_dirs
+):
     base_copy = tmp_path / "base"
     shutil.copytree(tiny_base_dir, base_copy)
     specs = [AdapterSpec(str(adapter_dirs["legal"])), AdapterSpec(str(adapter_dirs["med"]))]
@@ -114,11 +119,16 @@ def test_refusals_name_what_and_write_nothing(tmp_path, tiny_base_dir, adapter_d
     with pytest.raises(AdapterError, match="already exists"):
         merge_checkpoint(str(tiny_base_dir), [AdapterSpec(str(adapter_dirs["med"]))], tmp_path / "legal")
     with pytest.raises(AdapterError, match="cannot swap out 'med'"):
-        swap_checkpoint(str(tmp_path / "legal"), AdapterSpec(str(adapter_dirs["med"])), AdapterSpec(str(adapter_dirs["code"])), tmp_path / "x")
+        swap_checkpoint(
+            str(tmp_path / "legal"),
+            AdapterSpec(str(adapter_dirs["med"])),
+            AdapterSpec(str(adapter_dirs["code"])),
+            tmp_path / "x",
+        )
     other_base = tmp_path / "other_base"
-    from finetune.embedded.tiny import build_tiny_llama
-
     from conftest import TEST_SHAPE
+
+    from finetune.embedded.tiny import build_tiny_llama
 
     build_tiny_llama(tiny_tokenizer, seed=5, **TEST_SHAPE).save_pretrained(other_base)
     with pytest.raises(AdapterError, match="was trained on base .*sha256:.* but .*sha256:"):
@@ -146,7 +156,9 @@ def test_combine_cat_is_the_exact_weighted_sum(tmp_path, tiny_base_dir, adapter_
     names = ["legal", "med", "code"][: len(weights)]
     report = combine_adapters([adapter_dirs[n] for n in names], tmp_path / "combined", weights=weights, method="cat")
     assert report.relative_error < 1e-6
-    peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_base_dir), str(tmp_path / "combined"))
+    peft_model = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(tiny_base_dir), str(tmp_path / "combined")
+    )
     adapters = [read_adapter(adapter_dirs[n]) for n in names]
     for module in sorted({m for a in adapters for m in a.modules}):
         exact = sum(a.delta(module, w) for a, w in zip(adapters, weights) if module in a.modules)
@@ -178,7 +190,9 @@ def test_rank_reducing_combines_report_their_error(tmp_path, adapter_dirs, metho
 def test_merging_an_adapter_trained_on_a_quantized_base(tmp_path, tiny_base_dir):
     pytest.importorskip("bitsandbytes")
     for bits in ("4bit", "8bit"):
-        adapter = make_adapter(tiny_base_dir, tmp_path / f"q{bits}", seed=6, targets=("q_proj", "up_proj"), quantization=bits)
+        adapter = make_adapter(
+            tiny_base_dir, tmp_path / f"q{bits}", seed=6, targets=("q_proj", "up_proj"), quantization=bits
+        )
         report = merge_checkpoint(str(tiny_base_dir), [AdapterSpec(str(adapter))], tmp_path / f"disk{bits}")
         assert "dequantized the " + bits in report.summary()
         m = finetune.load_model(str(tiny_base_dir), {"q": str(adapter)})  # quantization from the manifest
@@ -202,8 +216,12 @@ def test_requantize_on_request_prints_the_error_it_adds(tmp_path, tiny_base_dir,
     assert "quantization_config" in config and config[LEDGER_KEY]["adapters"]["q"]["weight"] == 1.0
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "out")  # loads back quantized
     with torch.no_grad():
-        assert torch.isfinite(model(input_ids=tiny_tokenizer(["the model"], return_tensors="pt").input_ids).logits).all()
+        assert torch.isfinite(
+            model(input_ids=tiny_tokenizer(["the model"], return_tensors="pt").input_ids).logits
+        ).all()
     with pytest.raises(AdapterError, match="is a quantized checkpoint"):
         subtract_checkpoint(str(tmp_path / "out"), AdapterSpec("q"), tmp_path / "x")
     with pytest.raises(AdapterError, match="--requantize needs adapters trained on a 4bit or 8bit base"):
-        merge_checkpoint(str(tiny_base_dir), [AdapterSpec(str(tmp_path / "q"))], tmp_path / "y", quantization="none", requantize=True)
+        merge_checkpoint(
+            str(tiny_base_dir), [AdapterSpec(str(tmp_path / "q"))], tmp_path / "y", quantization="none", requantize=True
+        )

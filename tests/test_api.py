@@ -7,12 +7,11 @@ import json
 
 import pytest
 import torch
+from adapter_fixtures import make_adapter
 
 import finetune
 from finetune.adapters import AdapterWarning
 from finetune.errors import AdapterError
-
-from adapter_fixtures import make_adapter
 
 
 def test_plain_peft_adapter_without_manifest_loads_with_a_warning(tmp_path, tiny_base_dir, tiny_tokenizer):
@@ -41,18 +40,24 @@ def test_load_model_from_an_adapter_finds_its_base_and_uses_it(tiny_base_dir, ad
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    reference = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_base_dir), str(adapter_dirs["legal"]))
+    reference = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(tiny_base_dir), str(adapter_dirs["legal"])
+    )
     input_ids = tiny_tokenizer(["for i in range"], return_tensors="pt").input_ids
     with torch.no_grad():
-        torch.testing.assert_close(m.model(input_ids=input_ids).logits, reference(input_ids=input_ids).logits, rtol=0, atol=1e-5)
+        torch.testing.assert_close(
+            m.model(input_ids=input_ids).logits, reference(input_ids=input_ids).logits, rtol=0, atol=1e-5
+        )
     output = m.model.generate(input_ids, max_new_tokens=3, do_sample=False)
     assert output.shape == (1, input_ids.shape[1] + 3)
 
 
-def test_fingerprint_mismatch_in_memory_names_both_and_force_overrides(tmp_path, tiny_base_dir, tiny_tokenizer, adapter_dirs):
-    from finetune.embedded.tiny import build_tiny_llama
-
+def test_fingerprint_mismatch_in_memory_names_both_and_force_overrides(
+    tmp_path, tiny_base_dir, tiny_tokenizer, adapter_dirs
+):
     from conftest import TEST_SHAPE
+
+    from finetune.embedded.tiny import build_tiny_llama
 
     other = tmp_path / "other"
     build_tiny_llama(tiny_tokenizer, seed=11, **TEST_SHAPE).save_pretrained(other)

@@ -11,13 +11,14 @@ import pytest
 
 from finetune.cli import main
 
-
 REPO = Path(__file__).resolve().parents[1]
 
 
 def run_cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    return subprocess.run([sys.executable, "-m", "finetune", *args], capture_output=True, text=True, env=env, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "finetune", *args], capture_output=True, text=True, env=env, timeout=timeout
+    )
 
 
 def assert_user_error(result: subprocess.CompletedProcess, *fragments: str) -> None:

@@ -57,7 +57,9 @@ def write_records(path: Path, records: list[dict]) -> str:
 def build(tmp_path: Path, tokenizer, **config):
     """build_datasets with the cache in tmp_path; `config` fields override a packing=False text config."""
     seed = config.pop("seed", 0)
-    return build_datasets(DataConfig(**{"packing": False, **config}), tokenizer, seed=seed, cache_dir=tmp_path / "cache")
+    return build_datasets(
+        DataConfig(**{"packing": False, **config}), tokenizer, seed=seed, cache_dir=tmp_path / "cache"
+    )
 
 
 def decode_labelled(tokenizer, row) -> str:
@@ -73,31 +75,72 @@ INSTRUCTION_WITH_INPUT = {"instruction": "add", "input": "a and b", "output": "a
 
 LABEL_CASES = [
     # (id, config, record, full decoded row, decoded labelled tokens)
-    ("text", {"format": "text"}, {"text": "the model reads\na document"},
-     "<s>the model reads\na document</s>", "the model reads\na document</s>"),
-    ("instruction", {"format": "instruction"}, INSTRUCTION,
-     "<s>### Instruction:\nadd two numbers\n\n### Response:\nreturn a + b</s>", "return a + b</s>"),
-    ("instruction-with-input", {"format": "instruction"}, INSTRUCTION_WITH_INPUT,
-     "<s>### Instruction:\nadd\n\n### Input:\na and b\n\n### Response:\na + b</s>", "a + b</s>"),
-    ("instruction-all-tokens", {"format": "instruction", "completion_only_loss": False}, INSTRUCTION,
-     "<s>### Instruction:\nadd two numbers\n\n### Response:\nreturn a + b</s>",
-     "### Instruction:\nadd two numbers\n\n### Response:\nreturn a + b</s>"),
-    ("instruction-braces-in-template", {"format": "instruction", "prompt_template": "{\"q\": {prompt}}\n"},
-     {"instruction": "{input}", "output": "ok"}, "<s>{\"q\": {input}}\nok</s>", "ok</s>"),
-    ("chat-generation-markers", {"format": "chat"}, {"messages": CHAT},
-     "<s><|system|>\nbe brief</s>\n<|user|>\nthe model</s>\n<|assistant|>\nreads a document</s>\n<|user|>\nand</s>\n"
-     "<|assistant|>\npredicts</s>\n", "reads a document</s>predicts</s>"),
-    ("chat-template-without-markers", {"format": "chat", "chat_template": UNMARKED_CHAT_TEMPLATE}, {"messages": CHAT},
-     "<s><|system|>\nbe brief</s>\n<|user|>\nthe model</s>\n<|assistant|>\nreads a document</s>\n<|user|>\nand</s>\n"
-     "<|assistant|>\npredicts</s>\n", "reads a document</s>predicts</s>"),
-    ("chat-all-tokens", {"format": "chat", "completion_only_loss": False}, {"messages": CHAT[:3]},
-     "<s><|system|>\nbe brief</s>\n<|user|>\nthe model</s>\n<|assistant|>\nreads a document</s>\n",
-     "<|system|>\nbe brief</s>\n<|user|>\nthe model</s>\n<|assistant|>\nreads a document</s>\n"),
+    (
+        "text",
+        {"format": "text"},
+        {"text": "the model reads\na document"},
+        "<s>the model reads\na document</s>",
+        "the model reads\na document</s>",
+    ),
+    (
+        "instruction",
+        {"format": "instruction"},
+        INSTRUCTION,
+        "<s>### Instruction:\nadd two numbers\n\n### Response:\nreturn a + b</s>",
+        "return a + b</s>",
+    ),
+    (
+        "instruction-with-input",
+        {"format": "instruction"},
+        INSTRUCTION_WITH_INPUT,
+        "<s>### Instruction:\nadd\n\n### Input:\na and b\n\n### Response:\na + b</s>",
+        "a + b</s>",
+    ),
+    (
+        "instruction-all-tokens",
+        {"format": "instruction", "completion_only_loss": False},
+        INSTRUCTION,
+        "<s>### Instruction:\nadd two numbers\n\n### Response:\nreturn a + b</s>",
+        "### Instruction:\nadd two numbers\n\n### Response:\nreturn a + b</s>",
+    ),
+    (
+        "instruction-braces-in-template",
+        {"format": "instruction", "prompt_template": '{"q": {prompt}}\n'},
+        {"instruction": "{input}", "output": "ok"},
+        '<s>{"q": {input}}\nok</s>',
+        "ok</s>",
+    ),
+    (
+        "chat-generation-markers",
+        {"format": "chat"},
+        {"messages": CHAT},
+        "<s><|system|>\nbe brief</s>\n<|user|>\nthe model</s>\n<|assistant|>\nreads a document</s>\n<|user|>\nand</s>\n"
+        "<|assistant|>\npredicts</s>\n",
+        "reads a document</s>predicts</s>",
+    ),
+    (
+        "chat-template-without-markers",
+        {"format": "chat", "chat_template": UNMARKED_CHAT_TEMPLATE},
+        {"messages": CHAT},
+        "<s><|system|>\nbe brief</s>\n<|user|>\nthe model</s>\n<|assistant|>\nreads a document</s>\n<|user|>\nand</s>\n"
+        "<|assistant|>\npredicts</s>\n",
+        "reads a document</s>predicts</s>",
+    ),
+    (
+        "chat-all-tokens",
+        {"format": "chat", "completion_only_loss": False},
+        {"messages": CHAT[:3]},
+        "<s><|system|>\nbe brief</s>\n<|user|>\nthe model</s>\n<|assistant|>\nreads a document</s>\n",
+        "<|system|>\nbe brief</s>\n<|user|>\nthe model</s>\n<|assistant|>\nreads a document</s>\n",
+    ),
 ]
 
 
-@pytest.mark.parametrize(("config", "record", "full_text", "labelled_text"),
-                         [case[1:] for case in LABEL_CASES], ids=[case[0] for case in LABEL_CASES])
+@pytest.mark.parametrize(
+    ("config", "record", "full_text", "labelled_text"),
+    [case[1:] for case in LABEL_CASES],
+    ids=[case[0] for case in LABEL_CASES],
+)
 def test_labels_cover_exactly_what_is_trained(tmp_path, tiny_tokenizer, config, record, full_text, labelled_text):
     source = write_records(tmp_path / "data.jsonl", [record])
     row = build(tmp_path, tiny_tokenizer, train=[source], **config).train[0]
@@ -113,7 +156,9 @@ def test_chat_labels_agree_with_and_without_generation_markers(tmp_path, tiny_to
     conversations = [{"messages": CHAT}, {"messages": CHAT[1:3]}, {"messages": [CHAT[2], CHAT[1], CHAT[4]]}]
     source = write_records(tmp_path / "chat.jsonl", conversations)
     marked = build(tmp_path, tiny_tokenizer, train=[source], format="chat").train
-    unmarked = build(tmp_path, tiny_tokenizer, train=[source], format="chat", chat_template=UNMARKED_CHAT_TEMPLATE).train
+    unmarked = build(
+        tmp_path, tiny_tokenizer, train=[source], format="chat", chat_template=UNMARKED_CHAT_TEMPLATE
+    ).train
     assert marked["labels"] == unmarked["labels"] and marked["input_ids"] == unmarked["input_ids"]
 
 
@@ -121,7 +166,9 @@ def test_records_with_nothing_to_train_on_are_dropped_and_counted(tmp_path, tiny
     records = [{"messages": CHAT[:2]}, {"messages": CHAT}]  # the first has no assistant turn
     source = write_records(tmp_path / "chat.jsonl", records)
     lines: list[str] = []
-    bundle = build_datasets(DataConfig(train=[source], format="chat"), tiny_tokenizer, cache_dir=tmp_path, log=lines.append)
+    bundle = build_datasets(
+        DataConfig(train=[source], format="chat"), tiny_tokenizer, cache_dir=tmp_path, log=lines.append
+    )
     assert (bundle.stats["num_records"], bundle.stats["num_dropped"]) == (1, 1)
     assert any("dropped 1 of 2 records" in line for line in lines)
 
@@ -183,7 +230,9 @@ def test_saved_dataset_dict_reads_train_split_by_default(tmp_path, tiny_tokenize
 def test_max_records_reads_a_prefix_of_each_source(tmp_path, tiny_tokenizer):
     first = write_records(tmp_path / "a.jsonl", RECORDS)
     second = write_records(tmp_path / "b.csv", RECORDS)
-    bundle = build(tmp_path, tiny_tokenizer, train=[{"path": first, "max_records": 2}, {"path": second, "max_records": 1}])
+    bundle = build(
+        tmp_path, tiny_tokenizer, train=[{"path": first, "max_records": 2}, {"path": second, "max_records": 1}]
+    )
     texts = [tiny_tokenizer.decode(row["input_ids"][1:-1]) for row in bundle.train]
     assert texts == [RECORDS[0]["text"], RECORDS[1]["text"], RECORDS[0]["text"]]
 
@@ -198,7 +247,7 @@ MANY = [{"text": f"the model reads document {i}"} for i in range(20)]
 def _split_texts(tmp_path, tokenizer, seed: int) -> tuple[list[str], list[str]]:
     source = write_records(tmp_path / "many.jsonl", MANY)
     bundle = build(tmp_path, tokenizer, train=[source], validation_split=0.25, seed=seed)
-    decode = lambda rows: [tokenizer.decode(row["input_ids"][1:-1]) for row in rows]  # noqa: E731
+    decode = lambda rows: [tokenizer.decode(row["input_ids"][1:-1]) for row in rows]
     return decode(bundle.train), decode(bundle.validation)
 
 
@@ -246,7 +295,9 @@ def test_truncation_that_leaves_no_response_drops_the_record(tmp_path, tiny_toke
 
 def test_overlength_error_names_file_and_record(tmp_path, tiny_tokenizer):
     source = write_records(tmp_path / "long.jsonl", LONG)
-    with pytest.raises(DataError, match=r"long\.jsonl line 2 \(record 2\): \d+ tokens, longer than data\.max_seq_len=16"):
+    with pytest.raises(
+        DataError, match=r"long\.jsonl line 2 \(record 2\): \d+ tokens, longer than data\.max_seq_len=16"
+    ):
         build(tmp_path, tiny_tokenizer, train=[source], max_seq_len=16, overlength="error")
 
 
@@ -259,8 +310,9 @@ def test_packed_rows_hold_whole_documents_with_restarting_positions(tmp_path, ti
     packed = build(tmp_path, tiny_tokenizer, train=[source], packing=True, max_seq_len=32)
     single = build(tmp_path, tiny_tokenizer, train=[source], packing=False, max_seq_len=32)
     assert packed.stats["num_rows"] < single.stats["num_rows"]
-    assert {key: packed.stats[key] for key in ("num_tokens", "num_label_tokens")} == \
-           {key: single.stats[key] for key in ("num_tokens", "num_label_tokens")}
+    assert {key: packed.stats[key] for key in ("num_tokens", "num_label_tokens")} == {
+        key: single.stats[key] for key in ("num_tokens", "num_label_tokens")
+    }
     documents = []
     for row in packed.train:
         assert len(row["input_ids"]) <= 32
@@ -306,16 +358,22 @@ def test_collate_padding_free_and_padded(tiny_tokenizer):
         "labels": [[-100, 7, eos, -100, eos], [-100, 9, eos, -100, -100]],
         "position_ids": [[0, 1, 2, 0, 1], [0, 1, 2, 0, 1]],
     }
-    padded = collate_batch(rows[1:] + [{"input_ids": [0, eos], "labels": [-100, eos], "position_ids": [0, 1]}],
-                           pad_token_id=pad, packing=False)
+    padded = collate_batch(
+        rows[1:] + [{"input_ids": [0, eos], "labels": [-100, eos], "position_ids": [0, 1]}],
+        pad_token_id=pad,
+        packing=False,
+    )
     assert {key: value.tolist() for key, value in padded.items()} == {
         "input_ids": [[0, 9, eos], [0, eos, pad]],
         "labels": [[-100, 9, eos], [-100, eos, -100]],
         "position_ids": [[0, 1, 2], [0, 1, 0]],
         "attention_mask": [[1, 1, 1], [1, 1, 0]],
     }
-    padded_with_eos = collate_batch([rows[1], {"input_ids": [0, eos], "labels": [-100, eos], "position_ids": [0, 1]}],
-                                    pad_token_id=eos, packing=False)
+    padded_with_eos = collate_batch(
+        [rows[1], {"input_ids": [0, eos], "labels": [-100, eos], "position_ids": [0, 1]}],
+        pad_token_id=eos,
+        packing=False,
+    )
     assert padded_with_eos["labels"].tolist() == [[-100, 9, eos], [-100, eos, -100]], "EOS must stay a label"
 
 
@@ -332,6 +390,7 @@ def test_second_run_loads_the_cache_and_tokenizes_nothing(tmp_path, tiny_tokeniz
         def wrapper(*args, **kwargs):
             calls[name] += 1
             return function(*args, **kwargs)
+
         return wrapper
 
     monkeypatch.setattr(pipeline, "encode_records", counting("encode", pipeline.encode_records))
@@ -407,7 +466,9 @@ FINGERPRINT_CASES = [
 ]
 
 
-@pytest.mark.parametrize(("change", "changes"), [case[1:] for case in FINGERPRINT_CASES], ids=[c[0] for c in FINGERPRINT_CASES])
+@pytest.mark.parametrize(
+    ("change", "changes"), [case[1:] for case in FINGERPRINT_CASES], ids=[c[0] for c in FINGERPRINT_CASES]
+)
 def test_fingerprint_changes_exactly_when_the_result_can(tmp_path, tiny_tokenizer, other_tokenizer, change, changes):
     data_file = tmp_path / "data.jsonl"
     write_records(data_file, MANY)
@@ -435,6 +496,7 @@ def _file(name: str, content: str | bytes):
         path = tmp / name
         path.write_bytes(content if isinstance(content, bytes) else content.encode())
         return str(path)
+
     return make
 
 
@@ -452,48 +514,128 @@ BAD_INPUT_CASES = [
     ("garbage-parquet", _file("d.parquet", b"not parquet at all"), {}, ["d.parquet", "cannot be read as Parquet"]),
     ("invalid-json-line", _file("d.jsonl", '{"text": "a"}\n{"text": \n'), {}, ["d.jsonl line 2", "invalid JSON"]),
     ("json-not-an-array", _file("d.json", '"just a string"'), {}, ["d.json", "expected a JSON array", "got str"]),
-    ("json-object-not-an-array", _file("d.json", '{\n "data": []\n}'), {}, ["d.json", "expected a JSON array", "got an object"]),
+    (
+        "json-object-not-an-array",
+        _file("d.json", '{\n "data": []\n}'),
+        {},
+        ["d.json", "expected a JSON array", "got an object"],
+    ),
     ("invalid-json", _file("d.json", '[{"text": "a"},\n {"text": }]'), {}, ["d.json line 2", "invalid JSON"]),
-    ("invalid-json-lines-in-.json", _file("d.json", '{"text": "a"}\n{"text": }\n'), {}, ["d.json line 2", "invalid JSON"]),
-    ("record-not-an-object", _file("d.jsonl", '{"text": "a"}\n[1, 2]\n'), {}, ["d.jsonl line 2 (record 2)", "got list"]),
+    (
+        "invalid-json-lines-in-.json",
+        _file("d.json", '{"text": "a"}\n{"text": }\n'),
+        {},
+        ["d.json line 2", "invalid JSON"],
+    ),
+    (
+        "record-not-an-object",
+        _file("d.jsonl", '{"text": "a"}\n[1, 2]\n'),
+        {},
+        ["d.jsonl line 2 (record 2)", "got list"],
+    ),
     ("ragged-csv", _file("d.csv", "text,extra\na,b\nc,d,e\n"), {}, ["d.csv line 3", "3 values", "header has 2"]),
-    ("non-utf8", _file("d.jsonl", b'{"text": "ok"}\n{"text": "caf\xe9"}\n'), {},
-     ["d.jsonl", "not valid UTF-8", "byte 0xe9", "byte offset 28", "line 2"]),
+    (
+        "non-utf8",
+        _file("d.jsonl", b'{"text": "ok"}\n{"text": "caf\xe9"}\n'),
+        {},
+        ["d.jsonl", "not valid UTF-8", "byte 0xe9", "byte offset 28", "line 2"],
+    ),
     ("empty-file", _file("d.jsonl", "\n\n"), {}, ["d.jsonl", "has no records"]),
-    ("empty-after-filtering", _file("d.jsonl", '{"text": ""}\n{"text": "  "}\n'), {},
-     ["d.jsonl", "no usable records", "all 2 were dropped"]),
-    ("missing-text-field", _file("d.jsonl", '{"text": "a"}\n{"body": "b", "id": 2}\n'), {},
-     ["d.jsonl line 2 (record 2)", "no field 'text'", "fields it has: 'body', 'id'", "data.text_field"]),
-    ("missing-response-field", _file("d.json", '[{"instruction": "a", "output": "b"}, {"instruction": "c"}]'),
-     {"format": "instruction"}, ["d.json record 2", "no field 'output'", "fields it has: 'instruction'", "data.response_field"]),
-    ("null-prompt", _file("d.jsonl", '{"instruction": null, "output": "b"}\n'), {"format": "instruction"},
-     ["record 1", "field 'instruction' is null"]),
-    ("text-not-a-string", _file("d.jsonl", '{"text": 5}\n'), {}, ["record 1", "field 'text' must be a string, got int"]),
-    ("input-not-a-string", _file("d.jsonl", '{"instruction": "a", "input": [1], "output": "b"}\n'), {"format": "instruction"},
-     ["record 1", "field 'input' must be a string, got list"]),
-    ("messages-not-a-list", _file("d.jsonl", '{"messages": "hello"}\n'), {"format": "chat"},
-     ["d.jsonl line 1 (record 1)", "field 'messages' must be a non-empty list", "got str"]),
-    ("missing-messages", _file("d.jsonl", '{"conversation": []}\n'), {"format": "chat"},
-     ["record 1", "no field 'messages'", "fields it has: 'conversation'", "data.messages_field"]),
-    ("message-without-content", _file("d.jsonl", '{"messages": [{"role": "user"}]}\n'), {"format": "chat"},
-     ["record 1", "messages[0].content must be a string, got missing"]),
-    ("chat-template-not-incremental", _file("d.jsonl", json.dumps({"messages": CHAT}) + "\n"),
-     {"format": "chat", "chat_template": "{% for m in messages %}{{ m['content'] }}{% endfor %}{{ messages|length }}"},
-     ["d.jsonl line 1 (record 1)", "does not render conversations incrementally", "{% generation %}"]),
-    ("chat-template-error", _file("d.jsonl", json.dumps({"messages": CHAT}) + "\n"),
-     {"format": "chat", "chat_template": "{{ raise_exception('roles must alternate') }}"},
-     ["record 1", "cannot render this conversation", "roles must alternate"]),
-    ("split-on-a-file", lambda tmp: {"path": write_records(tmp / "d.jsonl", RECORDS), "split": "test"}, {},
-     ["d.jsonl", "'split' only applies"]),
-    ("missing-split", lambda tmp: {"path": _saved_dataset_dict(tmp), "split": "validation"}, {},
-     ["saved_dict", "no split 'validation'", "test, train"]),
-    ("validation-split-too-large", lambda tmp: write_records(tmp / "d.jsonl", RECORDS[:1]), {"validation_split": 0.5},
-     ["validation_split=0.5", "leaves none for training"]),
+    (
+        "empty-after-filtering",
+        _file("d.jsonl", '{"text": ""}\n{"text": "  "}\n'),
+        {},
+        ["d.jsonl", "no usable records", "all 2 were dropped"],
+    ),
+    (
+        "missing-text-field",
+        _file("d.jsonl", '{"text": "a"}\n{"body": "b", "id": 2}\n'),
+        {},
+        ["d.jsonl line 2 (record 2)", "no field 'text'", "fields it has: 'body', 'id'", "data.text_field"],
+    ),
+    (
+        "missing-response-field",
+        _file("d.json", '[{"instruction": "a", "output": "b"}, {"instruction": "c"}]'),
+        {"format": "instruction"},
+        ["d.json record 2", "no field 'output'", "fields it has: 'instruction'", "data.response_field"],
+    ),
+    (
+        "null-prompt",
+        _file("d.jsonl", '{"instruction": null, "output": "b"}\n'),
+        {"format": "instruction"},
+        ["record 1", "field 'instruction' is null"],
+    ),
+    (
+        "text-not-a-string",
+        _file("d.jsonl", '{"text": 5}\n'),
+        {},
+        ["record 1", "field 'text' must be a string, got int"],
+    ),
+    (
+        "input-not-a-string",
+        _file("d.jsonl", '{"instruction": "a", "input": [1], "output": "b"}\n'),
+        {"format": "instruction"},
+        ["record 1", "field 'input' must be a string, got list"],
+    ),
+    (
+        "messages-not-a-list",
+        _file("d.jsonl", '{"messages": "hello"}\n'),
+        {"format": "chat"},
+        ["d.jsonl line 1 (record 1)", "field 'messages' must be a non-empty list", "got str"],
+    ),
+    (
+        "missing-messages",
+        _file("d.jsonl", '{"conversation": []}\n'),
+        {"format": "chat"},
+        ["record 1", "no field 'messages'", "fields it has: 'conversation'", "data.messages_field"],
+    ),
+    (
+        "message-without-content",
+        _file("d.jsonl", '{"messages": [{"role": "user"}]}\n'),
+        {"format": "chat"},
+        ["record 1", "messages[0].content must be a string, got missing"],
+    ),
+    (
+        "chat-template-not-incremental",
+        _file("d.jsonl", json.dumps({"messages": CHAT}) + "\n"),
+        {
+            "format": "chat",
+            "chat_template": "{% for m in messages %}{{ m['content'] }}{% endfor %}{{ messages|length }}",
+        },
+        ["d.jsonl line 1 (record 1)", "does not render conversations incrementally", "{% generation %}"],
+    ),
+    (
+        "chat-template-error",
+        _file("d.jsonl", json.dumps({"messages": CHAT}) + "\n"),
+        {"format": "chat", "chat_template": "{{ raise_exception('roles must alternate') }}"},
+        ["record 1", "cannot render this conversation", "roles must alternate"],
+    ),
+    (
+        "split-on-a-file",
+        lambda tmp: {"path": write_records(tmp / "d.jsonl", RECORDS), "split": "test"},
+        {},
+        ["d.jsonl", "'split' only applies"],
+    ),
+    (
+        "missing-split",
+        lambda tmp: {"path": _saved_dataset_dict(tmp), "split": "validation"},
+        {},
+        ["saved_dict", "no split 'validation'", "test, train"],
+    ),
+    (
+        "validation-split-too-large",
+        lambda tmp: write_records(tmp / "d.jsonl", RECORDS[:1]),
+        {"validation_split": 0.5},
+        ["validation_split=0.5", "leaves none for training"],
+    ),
 ]
 
 
-@pytest.mark.parametrize(("make_source", "config", "fragments"), [case[1:] for case in BAD_INPUT_CASES],
-                         ids=[case[0] for case in BAD_INPUT_CASES])
+@pytest.mark.parametrize(
+    ("make_source", "config", "fragments"),
+    [case[1:] for case in BAD_INPUT_CASES],
+    ids=[case[0] for case in BAD_INPUT_CASES],
+)
 def test_bad_input_raises_one_line_data_error(tmp_path, tiny_tokenizer, make_source, config, fragments):
     with pytest.raises(DataError) as caught:
         build(tmp_path, tiny_tokenizer, train=[make_source(tmp_path)], **config)

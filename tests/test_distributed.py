@@ -13,7 +13,6 @@ from safetensors.torch import load_file
 from finetune.train import train
 
 
-
 @pytest.mark.slow
 def test_two_gloo_ranks_match_one_process(workdir):
     # Same global batch (2 ranks x 2 rows = 1 process x 4 rows), no dropout: the runs differ only in
@@ -23,9 +22,22 @@ def test_two_gloo_ranks_match_one_process(workdir):
 
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     result = subprocess.run(
-        [sys.executable, "-m", "finetune", "train", "recipe.yaml", *common, "train.micro_batch_size=2",
-         "output.name=ranks", "--nproc", "2"],
-        capture_output=True, text=True, env=env, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "finetune",
+            "train",
+            "recipe.yaml",
+            *common,
+            "train.micro_batch_size=2",
+            "output.name=ranks",
+            "--nproc",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "2 process(es)" in result.stderr

@@ -6,14 +6,13 @@ import json
 
 import pytest
 import torch
+from conftest import TEST_SHAPE
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 
 from finetune import fingerprint
 from finetune.embedded.tiny import build_tiny_llama
 from finetune.fingerprint import fingerprint_model, fingerprint_model_dir
-
-from conftest import TEST_SHAPE
 
 
 @pytest.fixture(autouse=True)

@@ -29,7 +29,10 @@ MAX_SEQ_LEN = 96
 
 def _documents_file(tmp_path) -> str:
     path = tmp_path / "docs.jsonl"
-    lines = [json.dumps({"text": " ".join(WORDS[(i + k) % len(WORDS)] for k in range(n))}) for i, n in enumerate(DOCUMENT_WORDS)]
+    lines = [
+        json.dumps({"text": " ".join(WORDS[(i + k) % len(WORDS)] for k in range(n))})
+        for i, n in enumerate(DOCUMENT_WORDS)
+    ]
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")
     return str(path)
 
@@ -39,12 +42,16 @@ def bundles(tmp_path_factory, tiny_tokenizer):
     """The same documents as packed rows and as one-document rows."""
     tmp_path = tmp_path_factory.mktemp("packing")
     source = _documents_file(tmp_path)
-    packed = build_datasets(DataConfig(train=[source], max_seq_len=MAX_SEQ_LEN, packing=True), tiny_tokenizer,
-                            cache_dir=tmp_path / "cache")
-    single = build_datasets(DataConfig(train=[source], max_seq_len=MAX_SEQ_LEN, packing=False), tiny_tokenizer,
-                            cache_dir=tmp_path / "cache")
+    packed = build_datasets(
+        DataConfig(train=[source], max_seq_len=MAX_SEQ_LEN, packing=True), tiny_tokenizer, cache_dir=tmp_path / "cache"
+    )
+    single = build_datasets(
+        DataConfig(train=[source], max_seq_len=MAX_SEQ_LEN, packing=False), tiny_tokenizer, cache_dir=tmp_path / "cache"
+    )
     assert packed.stats["num_rows"] < single.stats["num_rows"] == len(DOCUMENT_WORDS)
-    assert any(len(set(row["position_ids"])) < len(row["position_ids"]) for row in packed.train), "no row holds two documents"
+    assert any(len(set(row["position_ids"])) < len(row["position_ids"]) for row in packed.train), (
+        "no row holds two documents"
+    )
     return packed, single
 
 
@@ -61,7 +68,9 @@ def _token_losses(model, batch: dict[str, torch.Tensor], use_cache: bool = False
     inputs = {key: value for key, value in batch.items() if key != "labels"}
     logits = model(**inputs, use_cache=use_cache).logits  # (B, T, V)
     labels = batch["labels"][:, 1:]
-    losses = F.cross_entropy(logits[:, :-1].float().transpose(1, 2), labels, ignore_index=IGNORE_INDEX, reduction="none")
+    losses = F.cross_entropy(
+        logits[:, :-1].float().transpose(1, 2), labels, ignore_index=IGNORE_INDEX, reduction="none"
+    )
     return losses[labels != IGNORE_INDEX]
 
 
@@ -114,11 +123,19 @@ def test_packed_batch_matches_documents_one_by_one(bundles, tiny_base_dir, tiny_
     (loss_sum / packed_label_tokens).backward()
     packed_grads = _lora_grads(model)
 
-    assert loss_sum.item() / packed_label_tokens.item() == pytest.approx(separate_losses.mean().item(), rel=1e-5, abs=1e-5)
+    assert loss_sum.item() / packed_label_tokens.item() == pytest.approx(
+        separate_losses.mean().item(), rel=1e-5, abs=1e-5
+    )
     # Token by token too: reorder the separate losses into the packed document order.
     packed_losses = _token_losses(model, batch).detach()
-    separate_by_doc = dict(zip(_by_document(single_rows), torch.split(separate_losses, [
-        sum(label != IGNORE_INDEX for label in row["labels"]) for row in single_rows])))
+    separate_by_doc = dict(
+        zip(
+            _by_document(single_rows),
+            torch.split(
+                separate_losses, [sum(label != IGNORE_INDEX for label in row["labels"]) for row in single_rows]
+            ),
+        )
+    )
     reordered = torch.cat([separate_by_doc[document] for document in _by_document(packed.train)])
     torch.testing.assert_close(packed_losses, reordered, rtol=1e-5, atol=1e-5)
     assert _relative_error(packed_grads, separate_grads) < 1e-5
@@ -147,8 +164,12 @@ def test_packing_leaks_across_documents_when_the_kv_cache_is_on(bundles, tiny_ba
     packed, single = bundles
     model = _lora_model(tiny_base_dir, "sdpa")
     with torch.no_grad():
-        separate = torch.cat([_token_losses(model, collate_batch([row], tiny_tokenizer.pad_token_id, packing=False))
-                              for row in single.train])
+        separate = torch.cat(
+            [
+                _token_losses(model, collate_batch([row], tiny_tokenizer.pad_token_id, packing=False))
+                for row in single.train
+            ]
+        )
         batch = collate_batch(list(packed.train), pad_token_id=tiny_tokenizer.pad_token_id, packing=True)
         cached = _token_losses(model, batch, use_cache=True)
     assert abs(cached.mean().item() - separate.mean().item()) > 1e-4

@@ -18,12 +18,25 @@ REPO = Path(__file__).resolve().parents[1]
 def test_quickstart_cuts_held_out_perplexity_by_30_percent(tmp_path):
     # FINETUNE_HOME is the session's scratch cache (conftest), so the embedded base is built here from scratch.
     result = subprocess.run(
-        [sys.executable, "-m", "finetune", "train", "recipes/quickstart.yaml",
-         f"output.dir={tmp_path / 'adapter'}", f"output.run_dir={tmp_path / 'run'}"],
-        cwd=REPO, capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(REPO)},
+        [
+            sys.executable,
+            "-m",
+            "finetune",
+            "train",
+            "recipes/quickstart.yaml",
+            f"output.dir={tmp_path / 'adapter'}",
+            f"output.run_dir={tmp_path / 'run'}",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    match = re.search(r"held-out perplexity: base ([\d.]+) -> base \+ adapter ([\d.]+) \(([\d.]+)% lower\)", result.stderr)
+    match = re.search(
+        r"held-out perplexity: base ([\d.]+) -> base \+ adapter ([\d.]+) \(([\d.]+)% lower\)", result.stderr
+    )
     assert match, result.stderr[-3000:]
     base_ppl, adapter_ppl, cut = map(float, match.groups())
     assert adapter_ppl <= 0.7 * base_ppl

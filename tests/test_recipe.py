@@ -50,11 +50,23 @@ def test_overrides_apply_through_the_schema(tmp_path, override, check):
     ("text", "overrides", "expected"),
     [
         # unknown key: dotted path, suggestion, the valid keys at that level
-        (MINIMAL + "lora:\n  rank: 4\n", [], ["lora.rank: unknown key", "did you mean 'r'", "valid keys here: r, alpha"]),
+        (
+            MINIMAL + "lora:\n  rank: 4\n",
+            [],
+            ["lora.rank: unknown key", "did you mean 'r'", "valid keys here: r, alpha"],
+        ),
         (MINIMAL + "trian:\n  lr: 1\n", [], ["trian: unknown key", "did you mean 'train'"]),
-        ("data:\n  train:\n    - path: a.jsonl\n      splt: x\noutput:\n  name: d\n", [], ["data.train[0].splt", "'split'"]),
+        (
+            "data:\n  train:\n    - path: a.jsonl\n      splt: x\noutput:\n  name: d\n",
+            [],
+            ["data.train[0].splt", "'split'"],
+        ),
         # wrong type and out of range, all reported at once
-        (MINIMAL + "train:\n  lr: fast\n  micro_batch_size: 0\n", [], ["2 problems", "train.lr", "train.micro_batch_size", "greater than or equal to 1"]),
+        (
+            MINIMAL + "train:\n  lr: fast\n  micro_batch_size: 0\n",
+            [],
+            ["2 problems", "train.lr", "train.micro_batch_size", "greater than or equal to 1"],
+        ),
         (MINIMAL + "lora:\n  dropout: 1.5\n", [], ["lora.dropout", "less than 1"]),
         (MINIMAL + "model:\n  dtype: float8\n", [], ["model.dtype", "'float32', 'bfloat16' or 'float16'"]),
         ("output:\n  name: x\n", [], ["data: required key is missing"]),

@@ -20,11 +20,13 @@ def _instruction_records(count: int) -> list[dict]:
     records = []
     for i in range(count):
         colour = colours[i % len(colours)]
-        records.append({
-            "instruction": f"What colour is crate {i}?",
-            "input": "" if i % 3 else f"warehouse {i % 5}",
-            "output": f"Crate {i} is {colour}, shelf {i % 4}.",
-        })
+        records.append(
+            {
+                "instruction": f"What colour is crate {i}?",
+                "input": "" if i % 3 else f"warehouse {i % 5}",
+                "output": f"Crate {i} is {colour}, shelf {i % 4}.",
+            }
+        )
     return records
 
 
@@ -85,7 +87,11 @@ def test_uneven_micro_batches_accumulate_to_the_one_batch_gradient(tiny_base_dir
     labels[0][:3] = -100  # some positions carry no loss, as with prompts
 
     def single(i):
-        return {"input_ids": rows[i][None], "labels": labels[i][None], "attention_mask": torch.ones(1, lengths[i], dtype=torch.long)}
+        return {
+            "input_ids": rows[i][None],
+            "labels": labels[i][None],
+            "attention_mask": torch.ones(1, lengths[i], dtype=torch.long),
+        }
 
     width = max(lengths)
     padded = {
@@ -127,10 +133,11 @@ def test_train_writes_a_complete_adapter_that_plain_peft_loads(workdir):
     config = json.loads((adapter_dir / "adapter_config.json").read_text())
     base = AutoModelForCausalLM.from_pretrained(config["base_model_name_or_path"])
     model = PeftModel.from_pretrained(base, adapter_dir).eval()
+    from transformers import AutoTokenizer
+
     from finetune.data import build_datasets, collate_batch
     from finetune.loss import token_loss_sum
     from finetune.recipe import load_recipe
-    from transformers import AutoTokenizer
 
     recipe = load_recipe("recipe.yaml")
     tokenizer = AutoTokenizer.from_pretrained(config["base_model_name_or_path"])
@@ -138,8 +145,11 @@ def test_train_writes_a_complete_adapter_that_plain_peft_loads(workdir):
     total, count = 0.0, 0
     with torch.no_grad():
         for start in range(0, len(data.validation), 4):
-            batch = collate_batch([data.validation[i] for i in range(start, min(start + 4, len(data.validation)))],
-                                  pad_token_id=tokenizer.pad_token_id, packing=True)
+            batch = collate_batch(
+                [data.validation[i] for i in range(start, min(start + 4, len(data.validation)))],
+                pad_token_id=tokenizer.pad_token_id,
+                packing=True,
+            )
             labels = batch.pop("labels")
             loss_sum, n = token_loss_sum(model(**batch, use_cache=False).logits, labels)
             total, count = total + loss_sum.item(), count + int(n)

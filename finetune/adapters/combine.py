@@ -39,7 +39,7 @@ METHODS = ("cat", "svd", "ties", "dare")
 
 
 def parse_weights(text: str | None, count: int) -> list[float]:
-    """"1,-0.5" -> [1.0, -0.5]; None -> all ones."""
+    """ "1,-0.5" -> [1.0, -0.5]; None -> all ones."""
     if text is None:
         return [1.0] * count
     try:
@@ -134,7 +134,10 @@ def combine_adapters(
     weights = weights or [1.0] * len(paths)
     adapters = [read_adapter(path, allow_pickle=allow_pickle) for path in paths]
     if len({a.name for a in adapters}) != len(adapters):
-        adapters = [read_adapter(path, f"a{i}-{a.name}"[:64], allow_pickle=allow_pickle) for i, (path, a) in enumerate(zip(paths, adapters))]
+        adapters = [
+            read_adapter(path, f"a{i}-{a.name}"[:64], allow_pickle=allow_pickle)
+            for i, (path, a) in enumerate(zip(paths, adapters))
+        ]
     _check_compatible(adapters)
     target_rank = rank or max(max(a.ranks) for a in adapters)
     generator = torch.Generator().manual_seed(seed)
@@ -154,7 +157,13 @@ def combine_adapters(
             if parts[0][0].fan_in_fan_out:
                 combined = combined.T
         else:
-            merged = exact if method == "svd" else _ties(tasks, density) if method == "ties" else _dare(tasks, density, generator)
+            merged = (
+                exact
+                if method == "svd"
+                else _ties(tasks, density)
+                if method == "ties"
+                else _dare(tasks, density, generator)
+            )
             A, B = _low_rank(merged.T if parts[0][0].fan_in_fan_out else merged, target_rank)
             combined = (B @ A).T if parts[0][0].fan_in_fan_out else B @ A
         error = (combined - exact).norm().item()
@@ -178,8 +187,15 @@ def _combined_config(template: dict, rank_by_module: dict[str, int]) -> dict:
     pattern = {re.escape(m): k for m, k in rank_by_module.items() if k != r}
     config = dict(template)
     config.update(
-        r=r, lora_alpha=r, use_rslora=False, rank_pattern=pattern, alpha_pattern=dict(pattern),
-        target_modules=sorted(rank_by_module), lora_dropout=0.0, init_lora_weights=True, inference_mode=True,
+        r=r,
+        lora_alpha=r,
+        use_rslora=False,
+        rank_pattern=pattern,
+        alpha_pattern=dict(pattern),
+        target_modules=sorted(rank_by_module),
+        lora_dropout=0.0,
+        init_lora_weights=True,
+        inference_mode=True,
     )
     return config
 

@@ -29,11 +29,17 @@ from pathlib import Path
 
 import torch
 
-from finetune.adapters import quantized
-from finetune.adapters.arithmetic import Term, changed_modules, module_terms, merged_weight
-from finetune.adapters.files import copy_side_files, shard_file_name, staging_dir, write_config, write_index, write_shard
+from finetune.adapters import AdapterWarning, quantized
+from finetune.adapters.arithmetic import Term, changed_modules, merged_weight, module_terms
+from finetune.adapters.files import (
+    copy_side_files,
+    shard_file_name,
+    staging_dir,
+    write_config,
+    write_index,
+    write_shard,
+)
 from finetune.adapters.ledger import Ledger
-from finetune.adapters import AdapterWarning
 from finetune.adapters.pristine import PristineWeights
 from finetune.adapters.weights import Adapter
 from finetune.errors import AdapterError
@@ -52,7 +58,9 @@ class OperationReport:
 
     def summary(self) -> str:
         merged = ", ".join(f"{n}:{w:g}" for n, w in self.merged.items()) or "nothing"
-        lines = [f"{self.operation}: rewrote {self.tensors_rewritten} tensors in {self.seconds:.3f} s; merged now: {merged}"]
+        lines = [
+            f"{self.operation}: rewrote {self.tensors_rewritten} tensors in {self.seconds:.3f} s; merged now: {merged}"
+        ]
         return "\n".join(lines + self.notes)
 
 
@@ -144,7 +152,9 @@ class LoadedModel:
                 ) from None
             shape = _weight_shape(layer)
             if shape is None:
-                raise AdapterError(f"adapter {adapter.name!r}: {module} is a {type(layer).__name__}, not a linear layer")
+                raise AdapterError(
+                    f"adapter {adapter.name!r}: {module} is a {type(layer).__name__}, not a linear layer"
+                )
             if shape != lora.weight_shape:
                 raise AdapterError(
                     f"adapter {adapter.name!r} ({adapter.path}): {module} is {tuple(shape)} in the base but the update is "
@@ -159,7 +169,9 @@ class LoadedModel:
     def _adapter(self, name: str) -> Adapter:
         if name not in self.adapters:
             loaded = ", ".join(sorted(self.adapters)) or "none"
-            raise AdapterError(f"no adapter named {name!r} is loaded (loaded: {loaded}); pass it to load_model(adapters=...)")
+            raise AdapterError(
+                f"no adapter named {name!r} is loaded (loaded: {loaded}); pass it to load_model(adapters=...)"
+            )
         return self.adapters[name]
 
     # ---- arithmetic --------------------------------------------------------------------------------
@@ -192,7 +204,9 @@ class LoadedModel:
         if self._active is not None and self._active in ledger.entries:
             raise AdapterError(f"adapter {self._active!r} is in use unmerged; call use(None) before merging it")
         if self._peft is not None and self._active is not None and self._quantized_base():
-            raise AdapterError("on a quantized base an adapter in use() and merges exclude each other; call use(None) first")
+            raise AdapterError(
+                "on a quantized base an adapter in use() and merges exclude each other; call use(None) first"
+            )
         modules = changed_modules(self._ledger, ledger, self.adapters)
         old_terms = module_terms(self._ledger.weights, self.adapters)
         new_terms = module_terms(ledger.weights, self.adapters)
@@ -266,7 +280,9 @@ class LoadedModel:
             return
         adapter = self._adapter(name)
         if name in self._ledger.entries:
-            raise AdapterError(f"adapter {name!r} is merged; using it unmerged too would count it twice (subtract it first)")
+            raise AdapterError(
+                f"adapter {name!r} is merged; using it unmerged too would count it twice (subtract it first)"
+            )
         if self._ledger.entries and self._quantized_base():
             raise AdapterError("on a quantized base use() needs nothing merged; subtract the merged adapters first")
         from peft import PeftModel
@@ -274,7 +290,9 @@ class LoadedModel:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             if self._peft is None:
-                self._peft = PeftModel.from_pretrained(self.model, str(adapter.path), adapter_name=name, is_trainable=False)
+                self._peft = PeftModel.from_pretrained(
+                    self.model, str(adapter.path), adapter_name=name, is_trainable=False
+                )
             elif name not in self._peft.peft_config:
                 self._peft.load_adapter(str(adapter.path), adapter_name=name, is_trainable=False)
         self._peft.set_adapter(name)
@@ -300,7 +318,11 @@ class LoadedModel:
         dequantized in `dtype`. The directory appears at `out_dir` only once complete.
         """
         if self._active is not None:
-            warnings.warn(f"save_merged writes merged weights only; {self._active!r} is in use unmerged and is not saved", AdapterWarning, stacklevel=2)
+            warnings.warn(
+                f"save_merged writes merged weights only; {self._active!r} is in use unmerged and is not saved",
+                AdapterWarning,
+                stacklevel=2,
+            )
         state = self.merged_state()
         max_shard_bytes = int(max_shard_mb * 2**20)
         shards: list[dict[str, torch.Tensor]] = [{}]

@@ -54,7 +54,7 @@ class Ledger:
         """name -> weight, in canonical (sorted) order."""
         return {name: self.entries[name].weight for name in sorted(self.entries)}
 
-    def plus(self, name: str, weight: float, adapter=None) -> "Ledger":
+    def plus(self, name: str, weight: float, adapter=None) -> Ledger:
         """The ledger after adding `weight` of adapter `name`; an entry whose weight reaches 0 disappears."""
         entries = dict(self.entries)
         old = entries.get(name)
@@ -67,7 +67,9 @@ class Ledger:
             entries[name] = LedgerEntry(weight=total, path=path, sha256=sha)
         return replace(self, entries=entries)
 
-    def minus(self, name: str, weight: float | None, adapter=None, *, negate: bool, where: str = "the model") -> "Ledger":
+    def minus(
+        self, name: str, weight: float | None, adapter=None, *, negate: bool, where: str = "the model"
+    ) -> Ledger:
         """The ledger after subtracting `weight` of `name` (default: all that is merged).
 
         Taking out more than is merged, or an adapter that is not merged at all, is task negation
@@ -89,16 +91,21 @@ class Ledger:
         return json.dumps(
             {
                 "format": LEDGER_FORMAT,
-                "base": {"path": self.base_path, "fingerprint": self.base_fingerprint, "quantization": self.base_quantization},
+                "base": {
+                    "path": self.base_path,
+                    "fingerprint": self.base_fingerprint,
+                    "quantization": self.base_quantization,
+                },
                 "adapters": {
-                    name: {"weight": e.weight, "path": e.path, "sha256": e.sha256} for name, e in sorted(self.entries.items())
+                    name: {"weight": e.weight, "path": e.path, "sha256": e.sha256}
+                    for name, e in sorted(self.entries.items())
                 },
             },
             sort_keys=True,
         )
 
     @classmethod
-    def from_json(cls, text: str | dict, where: str = "ledger") -> "Ledger":
+    def from_json(cls, text: str | dict, where: str = "ledger") -> Ledger:
         try:
             data = json.loads(text) if isinstance(text, str) else text
             entries = {
@@ -108,7 +115,9 @@ class Ledger:
             base = data["base"]
             return cls(base.get("path", ""), base.get("fingerprint", ""), entries, base.get("quantization", "none"))
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
-            raise AdapterError(f"{where}: the merge ledger is malformed ({exc!r}); re-create the merged model") from None
+            raise AdapterError(
+                f"{where}: the merge ledger is malformed ({exc!r}); re-create the merged model"
+            ) from None
 
 
 def read_ledger(model_dir: str | Path) -> Ledger | None:

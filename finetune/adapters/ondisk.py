@@ -87,9 +87,13 @@ class DiskReport:
 
     def summary(self) -> str:
         merged = ", ".join(f"{n}:{w:g}" for n, w in self.merged.items()) or "nothing"
-        how = "exact, from the pristine base" if self.exact else (
-            f"fp32 arithmetic on the merged weights (no pristine base): largest possible drift vs an exact merge "
-            f"{self.max_drift_bound:.3e}"
+        how = (
+            "exact, from the pristine base"
+            if self.exact
+            else (
+                f"fp32 arithmetic on the merged weights (no pristine base): largest possible drift vs an exact merge "
+                f"{self.max_drift_bound:.3e}"
+            )
         )
         lines = [
             f"{self.operation}: wrote {self.out} ({self.shards} shard(s), {self.tensors_with_updates} tensors with updates, "
@@ -156,7 +160,9 @@ def _quantization_roundtrip(weight: torch.Tensor, quantization: str, options: di
 
     bits = 4 if quantization == "4bit" else 8
     layer = quantized_linear(
-        weight, bits, quant_type=options.get("bnb_4bit_quant_type", "nf4"),
+        weight,
+        bits,
+        quant_type=options.get("bnb_4bit_quant_type", "nf4"),
         double_quant=options.get("bnb_4bit_use_double_quant", True),
     )
     return dequantize(layer)
@@ -232,7 +238,8 @@ def _plan(
 
     adapters = dict(given)
     changed = {
-        name for name in set(source_ledger.weights) | set(target_ledger.weights)
+        name
+        for name in set(source_ledger.weights) | set(target_ledger.weights)
         if source_ledger.weights.get(name) != target_ledger.weights.get(name)
     }
     needed_exact = set(target_ledger.weights)
@@ -242,15 +249,21 @@ def _plan(
             adapter = read_adapter(entry.path, name, allow_pickle=allow_pickle)
         except AdapterError as exc:
             if name in changed or pristine_dir is None:
-                raise AdapterError(f"adapter {name!r} recorded in {source_dir}'s ledger cannot be read: {exc}") from None
+                raise AdapterError(
+                    f"adapter {name!r} recorded in {source_dir}'s ledger cannot be read: {exc}"
+                ) from None
             notes.append(f"adapter {name!r} is not readable at {entry.path}, so the base cannot be used")
             pristine_dir = None
             continue
         if entry.sha256 and adapter.file_sha256 != entry.sha256:
             if name in changed and pristine_dir is None:
-                raise AdapterError(f"adapter {name!r} at {entry.path} changed since it was merged; give --base to rebuild")
+                raise AdapterError(
+                    f"adapter {name!r} at {entry.path} changed since it was merged; give --base to rebuild"
+                )
             if name in needed_exact:
-                notes.append(f"adapter {name!r} at {entry.path} changed since it was merged, so the base cannot be used")
+                notes.append(
+                    f"adapter {name!r} at {entry.path} changed since it was merged, so the base cannot be used"
+                )
                 pristine_dir = None
         adapters[name] = adapter
     return _Plan(source_dir, source_ledger, target_ledger, pristine_dir, adapters, notes)
@@ -316,8 +329,12 @@ def _execute(plan: _Plan, out: str | Path, operation: str, *, dtype: str | None)
         write_config(tmp, config, plan.target_ledger, out_dtype_override or _single_dtype(source_headers))
     notes = list(plan.notes)
     if quantization != "none" and exact:
-        notes.append(f"dequantized the {quantization} base ({len(roundtrip)} linear weights) and wrote 16/32-bit weights")
-    return DiskReport(operation, out, target, exact, rewritten, len(files), time.perf_counter() - started, max_drift_bound, notes)
+        notes.append(
+            f"dequantized the {quantization} base ({len(roundtrip)} linear weights) and wrote 16/32-bit weights"
+        )
+    return DiskReport(
+        operation, out, target, exact, rewritten, len(files), time.perf_counter() - started, max_drift_bound, notes
+    )
 
 
 def _single_dtype(headers: dict) -> torch.dtype | None:
@@ -375,7 +392,9 @@ def merge_checkpoint(
         recorded = {a.manifest.base.quantization for a in adapters.values() if a.manifest is not None}
         quantization = recorded.pop() if len(recorded) == 1 else ledger.base_quantization
     if ledger.entries and quantization != ledger.base_quantization:
-        raise AdapterError(f"{source_dir} holds merges on a {ledger.base_quantization} base; cannot add {quantization} ones")
+        raise AdapterError(
+            f"{source_dir} holds merges on a {ledger.base_quantization} base; cannot add {quantization} ones"
+        )
     target = replace(target, base_quantization=quantization)
     if requantize and quantization == "none":
         raise AdapterError("--requantize needs adapters trained on a 4bit or 8bit base (or --quantization 4bit|8bit)")
@@ -444,7 +463,10 @@ def swap_checkpoint(
     if old.name not in ledger.entries:
         held = ", ".join(sorted(ledger.entries)) or "nothing"
         raise AdapterError(f"cannot swap out {old.name!r}: {source_dir} holds {held}")
-    target = ledger.minus(old.name, None, old, negate=False).plus(new.name, 1.0 if add.weight is None else add.weight, new)
-    plan = _plan(source_dir, ledger, target, {old.name: old, new.name: new}, base=base, force=force, allow_pickle=allow_pickle)
+    target = ledger.minus(old.name, None, old, negate=False).plus(
+        new.name, 1.0 if add.weight is None else add.weight, new
+    )
+    plan = _plan(
+        source_dir, ledger, target, {old.name: old, new.name: new}, base=base, force=force, allow_pickle=allow_pickle
+    )
     return _execute(plan, out, "swap", dtype=None)
-

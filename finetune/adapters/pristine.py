@@ -30,9 +30,9 @@ class PristineWeights:
 
     def __init__(self, base_dir: str | Path | None, *, verify: bool = True):
         """Args:
-            base_dir: the base model's directory, or None when it has no files.
-            verify: compare each file tensor with the model's at first touch; False when the model
-                already holds merges (loaded from a merged checkpoint whose ledger names this base).
+        base_dir: the base model's directory, or None when it has no files.
+        verify: compare each file tensor with the model's at first touch; False when the model
+            already holds merges (loaded from a merged checkpoint whose ledger names this base).
         """
         self._verify = verify
         self._file_of: dict[str, Path] = {}
@@ -77,8 +77,10 @@ class PristineWeights:
         if name in self._from_file or name in self._copies:
             return
         from_file = self._read(name, current.dtype)
-        if from_file is not None and from_file.shape == current.shape and (
-            not self._verify or torch.equal(from_file, current.detach().cpu())
+        if (
+            from_file is not None
+            and from_file.shape == current.shape
+            and (not self._verify or torch.equal(from_file, current.detach().cpu()))
         ):
             self._from_file.add(name)
             return

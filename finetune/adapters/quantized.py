@@ -83,16 +83,28 @@ def quantized_linear(
     out_features, in_features = weight.shape
     if bits == 4:
         layer = bnb.nn.Linear4bit(
-            in_features, out_features, bias=False, compute_dtype=compute_dtype or weight.dtype,
-            compress_statistics=double_quant, quant_type=quant_type, device="cpu",
+            in_features,
+            out_features,
+            bias=False,
+            compute_dtype=compute_dtype or weight.dtype,
+            compress_statistics=double_quant,
+            quant_type=quant_type,
+            device="cpu",
         )
         layer.weight = bnb.nn.Params4bit(
-            weight.detach().clone(), requires_grad=False, compress_statistics=double_quant, quant_type=quant_type,
+            weight.detach().clone(),
+            requires_grad=False,
+            compress_statistics=double_quant,
+            quant_type=quant_type,
             blocksize=blocksize,
         )
     else:
-        layer = bnb.nn.Linear8bitLt(in_features, out_features, bias=False, has_fp16_weights=False, threshold=threshold, device="cpu")
-        layer.weight = bnb.nn.Int8Params(weight.detach().to(torch.float16).clone(), requires_grad=False, has_fp16_weights=False)
+        layer = bnb.nn.Linear8bitLt(
+            in_features, out_features, bias=False, has_fp16_weights=False, threshold=threshold, device="cpu"
+        )
+        layer.weight = bnb.nn.Int8Params(
+            weight.detach().to(torch.float16).clone(), requires_grad=False, has_fp16_weights=False
+        )
     return layer.to("cpu")  # bitsandbytes quantizes when the parameter is moved to a device
 
 
@@ -102,8 +114,12 @@ def requantize(module: torch.nn.Module, weight: torch.Tensor) -> tuple[torch.nn.
     if isinstance(module, bnb.nn.Linear4bit):
         state = module.weight.quant_state
         layer = quantized_linear(
-            weight.to(state.dtype), 4, quant_type=state.quant_type, double_quant=state.nested,
-            blocksize=state.blocksize, compute_dtype=module.compute_dtype,
+            weight.to(state.dtype),
+            4,
+            quant_type=state.quant_type,
+            double_quant=state.nested,
+            blocksize=state.blocksize,
+            compute_dtype=module.compute_dtype,
         )
     else:
         layer = quantized_linear(weight, 8, threshold=module.state.threshold)

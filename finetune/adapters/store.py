@@ -117,7 +117,9 @@ def resolve_adapter_path(ref: str, store_dir: str | Path = "adapters") -> Path:
     for candidate in (Path(ref), Path(store_dir) / ref):
         if candidate.is_dir():
             return candidate
-    raise AdapterError(f"{ref} is neither a directory nor an adapter in the store {store_dir}; see `finetune adapters list`")
+    raise AdapterError(
+        f"{ref} is neither a directory nor an adapter in the store {store_dir}; see `finetune adapters list`"
+    )
 
 
 def describe(path: str | Path) -> str:

@@ -161,7 +161,9 @@ def _scale(config: dict, module: str, rank: int) -> float:
     expected_rank = rank_pattern.get(_pattern_key(rank_pattern.keys(), module), config.get("r", 8))
     alpha = alpha_pattern.get(_pattern_key(alpha_pattern.keys(), module), config.get("lora_alpha", 8))
     if expected_rank != rank:
-        raise AdapterError(f"adapter module {module}: lora_A has rank {rank} but adapter_config.json says r={expected_rank}")
+        raise AdapterError(
+            f"adapter module {module}: lora_A has rank {rank} but adapter_config.json says r={expected_rank}"
+        )
     return alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
 
 
@@ -211,12 +213,16 @@ def read_adapter(path: str | Path, name: str | None = None, *, allow_pickle: boo
     except (ValueError, UnicodeDecodeError) as exc:
         raise AdapterError(f"{config_file} is not valid JSON ({exc}); re-save the adapter") from None
     if config.get("peft_type", "LORA") != "LORA":
-        raise AdapterError(f"{path}: peft_type {config.get('peft_type')!r} is not LoRA; only LoRA adapters can be merged")
+        raise AdapterError(
+            f"{path}: peft_type {config.get('peft_type')!r} is not LoRA; only LoRA adapters can be merged"
+        )
     for key, why in _UNSUPPORTED_CONFIG.items():
         if config.get(key):
             raise AdapterError(f"{path}: {key} is set: {why}")
     manifest = read_manifest(path)
-    name = validate_adapter_name(name or derived_adapter_name(manifest.name if manifest is not None else path.resolve().name))
+    name = validate_adapter_name(
+        name or derived_adapter_name(manifest.name if manifest is not None else path.resolve().name)
+    )
     tensors, file_sha256 = _read_tensors(path, allow_pickle)
 
     pairs: dict[str, dict[str, torch.Tensor]] = {}
@@ -239,7 +245,9 @@ def read_adapter(path: str | Path, name: str | None = None, *, allow_pickle: boo
             raise AdapterError(f"{path}: module {module} has lora_{''.join(pair)} but not both lora_A and lora_B")
         A, B = pair["A"].to(torch.float32), pair["B"].to(torch.float32)
         if A.dim() != 2 or B.dim() != 2 or A.shape[0] != B.shape[1]:
-            raise AdapterError(f"{path}: module {module} has A {tuple(A.shape)} and B {tuple(B.shape)}, not (r, in) and (out, r)")
+            raise AdapterError(
+                f"{path}: module {module} has A {tuple(A.shape)} and B {tuple(B.shape)}, not (r, in) and (out, r)"
+            )
         for which, tensor in (("lora_A", A), ("lora_B", B)):
             if not torch.isfinite(tensor).all():
                 raise AdapterError(f"adapter {name!r} ({path}): module {module} {which} holds NaN or Inf; refusing it")

@@ -53,19 +53,29 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     sub = parser.add_subparsers(dest="adapters_command", required=True, metavar="SUBCOMMAND")
 
     merge = sub.add_parser("merge", help="merge adapters into a base, writing a full model directory")
-    merge.add_argument("--base", required=True, help="base model: local dir, hub id, embedded:tiny-llama or a merged model")
     merge.add_argument(
-        "--adapter", action="append", required=True, metavar="PATH[:WEIGHT]", help="adapter dir, optional weight (repeat)"
+        "--base", required=True, help="base model: local dir, hub id, embedded:tiny-llama or a merged model"
+    )
+    merge.add_argument(
+        "--adapter",
+        action="append",
+        required=True,
+        metavar="PATH[:WEIGHT]",
+        help="adapter dir, optional weight (repeat)",
     )
     merge.add_argument("--out", required=True, help="output directory (must not exist)")
     merge.add_argument("--dtype", default=None, help="write tensors as float32|bfloat16|float16 (default: as stored)")
     merge.add_argument(
-        "--quantization", default=None, choices=["none", "4bit", "8bit"],
+        "--quantization",
+        default=None,
+        choices=["none", "4bit", "8bit"],
         help="bitsandbytes quantization the adapters were trained on (default: their manifest's); the merge "
         "dequantizes it and writes 16/32-bit weights",
     )
     merge.add_argument(
-        "--requantize", action="store_true", help="write the merged model quantized like the base, printing the error added"
+        "--requantize",
+        action="store_true",
+        help="write the merged model quantized like the base, printing the error added",
     )
     _add_safety_flags(merge)
     merge.set_defaults(handler=_warnings_as_lines(_merge))
@@ -94,7 +104,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     combine.add_argument("adapters", nargs="+", metavar="ADAPTER")
     combine.add_argument("--weights", default=None, help="comma-separated, e.g. 1,-0.5 (default: all 1)")
     combine.add_argument("--method", default="cat", choices=["cat", "svd", "ties", "dare"])
-    combine.add_argument("--rank", type=int, default=None, help="rank of svd/ties/dare results (default: max input rank)")
+    combine.add_argument(
+        "--rank", type=int, default=None, help="rank of svd/ties/dare results (default: max input rank)"
+    )
     combine.add_argument("--density", type=float, default=0.5, help="fraction kept by ties/dare (default 0.5)")
     combine.add_argument("--seed", type=int, default=0, help="dare's random drop seed")
     combine.add_argument("--out", required=True)
@@ -102,7 +114,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     combine.set_defaults(handler=_warnings_as_lines(_combine))
 
     listing = sub.add_parser("list", help="list the adapters in a store directory")
-    listing.add_argument("store", nargs="?", default="adapters", help="directory holding adapter dirs (default: adapters)")
+    listing.add_argument(
+        "store", nargs="?", default="adapters", help="directory holding adapter dirs (default: adapters)"
+    )
     listing.set_defaults(handler=_warnings_as_lines(_list))
 
     info = sub.add_parser("info", help="show one adapter or merged model in detail")

@@ -97,7 +97,10 @@ def run_generate(args: argparse.Namespace) -> int:
     tokenizer = loaded.tokenizer
     if args.chat:
         input_ids = tokenizer.apply_chat_template(
-            [{"role": "user", "content": args.prompt}], add_generation_prompt=True, return_tensors="pt", return_dict=True
+            [{"role": "user", "content": args.prompt}],
+            add_generation_prompt=True,
+            return_tensors="pt",
+            return_dict=True,
         )["input_ids"]
     else:
         input_ids = tokenizer(args.prompt, return_tensors="pt")["input_ids"]
@@ -105,8 +108,12 @@ def run_generate(args: argparse.Namespace) -> int:
     sampling = dict(do_sample=True, temperature=args.temperature) if args.temperature > 0 else dict(do_sample=False)
     with torch.no_grad():
         output = loaded.model.generate(
-            input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=args.max_new_tokens,
-            pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, **sampling,
+            input_ids,
+            attention_mask=torch.ones_like(input_ids),
+            max_new_tokens=args.max_new_tokens,
+            pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            **sampling,
         )
-    print(tokenizer.decode(output[0, input_ids.shape[1]:], skip_special_tokens=True))
+    print(tokenizer.decode(output[0, input_ids.shape[1] :], skip_special_tokens=True))
     return 0

@@ -40,14 +40,19 @@ def run_train(args: argparse.Namespace) -> int:
         use_cpu = not torch.cuda.is_available()
         train_args = [args.recipe, *args.overrides, *(["--resume"] if args.resume else [])]
         command = launch_command(
-            train_args, nproc=args.nproc, nnodes=args.nnodes, node_rank=args.node_rank,
-            main_address=args.main_address, main_port=args.main_port, use_cpu=use_cpu,
+            train_args,
+            nproc=args.nproc,
+            nnodes=args.nnodes,
+            node_rank=args.node_rank,
+            main_address=args.main_address,
+            main_port=args.main_port,
+            use_cpu=use_cpu,
         )
         return run_launched(command, use_cpu=use_cpu)
 
-    from finetune.train import train
-
     import os
+
+    from finetune.train import train
 
     adapter_dir, _ = train(args.recipe, args.overrides, resume=args.resume)
     if os.environ.get("RANK", "0") == "0":  # one line per run, not per process

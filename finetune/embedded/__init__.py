@@ -57,7 +57,9 @@ def embedded_base_dir(name: str, settings: BuildSettings, root: str | Path | Non
         {"name": name, "settings": settings_record(settings), "python": platform.python_version()}, sort_keys=True
     )
     digest = hashlib.sha256(key.encode("utf-8")).hexdigest()[:12]
-    return (Path(root) if root is not None else finetune_home()) / "embedded" / f"{name}-v{BUILD_FORMAT_VERSION}-{digest}"
+    return (
+        (Path(root) if root is not None else finetune_home()) / "embedded" / f"{name}-v{BUILD_FORMAT_VERSION}-{digest}"
+    )
 
 
 def _is_built(path: Path) -> bool:

@@ -46,7 +46,9 @@ def tiny_llama_config(tokenizer: PreTrainedTokenizerBase, **shape: int | bool | 
     )
 
 
-def build_tiny_llama(tokenizer: PreTrainedTokenizerBase, seed: int = 0, **shape: int | bool | float) -> LlamaForCausalLM:
+def build_tiny_llama(
+    tokenizer: PreTrainedTokenizerBase, seed: int = 0, **shape: int | bool | float
+) -> LlamaForCausalLM:
     """A randomly initialised tiny Llama; the same `seed` and shape give the same weights."""
     config = tiny_llama_config(tokenizer, **shape)
     with torch.random.fork_rng(devices=[]):  # seed locally; leave the caller's RNG untouched
