@@ -38,7 +38,12 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the console script; returns the process exit code."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extras = parser.parse_known_args(argv)
+    if extras:  # `train R --nproc 2 k=v`: argparse stops collecting positionals at the first option
+        if not hasattr(args, "overrides") or any(arg.startswith("-") or "=" not in arg for arg in extras):
+            parser.error(f"unrecognized arguments: {' '.join(extras)}")
+        args.overrides = [*args.overrides, *extras]
     try:
         return int(args.handler(args) or 0)
     except FinetuneError as exc:
