@@ -22,6 +22,8 @@ from finetune.adapters import AdapterWarning
 from finetune.errors import AdapterError
 
 if TYPE_CHECKING:  # torch and transformers load when a model does, so `import finetune` stays instant
+    import torch
+
     from finetune.adapters.inmemory import LoadedModel
     from finetune.adapters.weights import Adapter
 
@@ -121,7 +123,7 @@ def load_model(
     base: str | Path,
     adapters: Mapping[str, str | Path] | Sequence[str | Path] | None = None,
     *,
-    dtype: str = "float32",
+    dtype: str | torch.dtype = "float32",
     quantization: str | None = None,
     requantize: bool = False,
     force: bool = False,
@@ -136,7 +138,8 @@ def load_model(
         base: a model directory, hub id or `embedded:tiny-llama`; or an adapter directory, whose manifest
             (else `base_model_name_or_path`) names the base; that adapter is then switched on with `use`.
         adapters: name -> adapter directory (or a list of directories, named by manifest or directory).
-        dtype: float32 | bfloat16 | float16: the model's dtype, and that of merged weights.
+        dtype: float32 | bfloat16 | float16, as a name or a `torch.dtype` (as transformers accepts): the
+            model's dtype, and that of merged weights.
         quantization: none | 4bit | 8bit (bitsandbytes); default: what the adapters' manifests record.
             Merging into a quantized layer dequantizes it and writes a dense `dtype` layer.
         requantize: requantize merged layers instead (their added error is in `requantization_errors`).
@@ -154,8 +157,9 @@ def load_model(
     from finetune.fingerprint import fingerprint_model, fingerprint_model_dir
     from finetune.model import load_base
 
+    dtype = str(dtype).removeprefix("torch.")  # torch.bfloat16 -> "bfloat16"
     if dtype not in DTYPES:
-        raise AdapterError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+        raise AdapterError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)} (names or torch dtypes)")
     named = _named_paths(adapters)
     use_first = None
     if (Path(base) / ADAPTER_CONFIG_NAME).is_file():

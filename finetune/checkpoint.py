@@ -26,6 +26,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from finetune.errors import CheckpointError
+from finetune.tensorfile import check_safetensors
 
 PREFIX = "checkpoint-"
 TRAINABLE_FILE = "trainable.safetensors"
@@ -140,6 +141,8 @@ def load_checkpoint(
     path: Path, *, optimizer: torch.optim.Optimizer, scheduler: Any
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """Restore optimizer and scheduler in place; return (trainable weights, trainer state)."""
+    for name in (TRAINABLE_FILE, OPTIMIZER_TENSORS_FILE):
+        check_safetensors(path / name, CheckpointError, "delete this checkpoint to resume from an earlier one")
     try:
         document = json.loads((path / STATE_FILE).read_text())
         trainable = load_file(path / TRAINABLE_FILE)

@@ -19,6 +19,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 
 from finetune.errors import ModelError
 from finetune.recipe import LoraConfig, ModelConfig
+from finetune.tensorfile import check_safetensors
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -38,6 +39,8 @@ def _resolve(base: str) -> str:
                 f"base model {base!r} is not a model directory (no config.json); point model.base at a "
                 "directory written by save_pretrained"
             )
+        for shard in sorted(path.glob("*.safetensors")):
+            check_safetensors(shard, ModelError, "re-download or re-save the base model")
         return str(path)
     return resolved
 
