@@ -47,6 +47,7 @@ def run_train(args: argparse.Namespace) -> int:
             main_address=args.main_address,
             main_port=args.main_port,
             use_cpu=use_cpu,
+            verbose=args.verbose,
         )
         return run_launched(command, use_cpu=use_cpu)
 
