@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 from finetune.adapters import AdapterWarning
 from finetune.errors import AdapterError
+from finetune.paths import local_model_dir
 
 if TYPE_CHECKING:  # torch and transformers load when a model does, so `import finetune` stays instant
     import torch
@@ -27,22 +28,10 @@ if TYPE_CHECKING:  # torch and transformers load when a model does, so `import f
     from finetune.adapters.inmemory import LoadedModel
     from finetune.adapters.weights import Adapter
 
-__all__ = ["load_model", "check_fingerprint", "local_model_dir"]
+__all__ = ["load_model", "check_fingerprint"]
 
 DTYPES = ("float32", "bfloat16", "float16")
 ADAPTER_CONFIG_NAME = "adapter_config.json"
-
-
-def local_model_dir(source: str, revision: str | None = None) -> Path | None:
-    """The local directory holding `source`'s files: itself, or its hub-cache snapshot; None if neither."""
-    if Path(source).is_dir():
-        return Path(source)
-    try:
-        from huggingface_hub import snapshot_download
-
-        return Path(snapshot_download(source, revision=revision, local_files_only=True))
-    except Exception:  # not a hub id, or not cached: no files to read a pristine copy from
-        return None
 
 
 def check_fingerprint(adapter: Adapter, base_fingerprint: str | None, base_where: str, *, force: bool) -> None:

@@ -18,6 +18,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from finetune.errors import ModelError
+from finetune.paths import local_model_dir
 from finetune.recipe import LoraConfig, ModelConfig
 from finetune.tensorfile import check_safetensors
 
@@ -124,13 +125,31 @@ def load_base_from_config(config: ModelConfig) -> tuple[PreTrainedModel, PreTrai
     if quantization is not None:
         kwargs["quantization_config"] = quantization
     try:
-        model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(files_to_load(source, config), **kwargs)
     except (OSError, ValueError) as exc:
         first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise ModelError(f"cannot load base model {config.base!r}: {first}") from None
+    model.config._name_or_path = source  # adapters record the hub id, not this machine's cache path
     tokenizer_source = _resolve(config.tokenizer) if config.tokenizer else source
-    tokenizer = load_tokenizer(tokenizer_source, revision=config.revision, trust_remote_code=config.trust_remote_code)
+    tokenizer = load_tokenizer(
+        files_to_load(tokenizer_source, config),
+        revision=config.revision,
+        trust_remote_code=config.trust_remote_code,
+    )
     return model.eval(), tokenizer, source
+
+
+def files_to_load(source: str, config: ModelConfig) -> str:
+    """What to hand `from_pretrained` for `source`: its snapshot directory when it is a cached hub id.
+
+    Clusters without internet are common, and there even a cached hub model is first checked online,
+    which costs minutes of retries (measured: 2 min 47 s for a 1M-parameter model with the hub
+    unreachable, 10 s with `HF_HUB_OFFLINE=1`). Loading the cached snapshot directory touches no network.
+    `model.check_updates` asks the hub for a newer revision instead.
+    """
+    if config.check_updates or Path(source).is_dir():
+        return source
+    return str(local_model_dir(source, config.revision) or source)
 
 
 def linear_module_names(model: torch.nn.Module) -> list[str]:

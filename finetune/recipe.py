@@ -52,6 +52,10 @@ class ModelConfig(_Section):
     """Attention kernel; packing isolates documents in all of them (position ids restart per document)."""
     trust_remote_code: bool = False
     """Run modelling code shipped with a hub model. Off by default: it executes arbitrary Python."""
+    check_updates: bool = False
+    """Ask the hub for a newer revision of a hub model already in the local cache. Off by default: a cached
+    model loads without touching the network (on a machine without internet the check costs minutes of
+    retries). A model that is not cached is downloaded either way, unless `HF_HUB_OFFLINE=1`."""
     quantization: Literal["none", "4bit", "8bit"] = "none"
     """Load the frozen base with bitsandbytes (QLoRA for `4bit`)."""
     bnb_4bit_quant_type: Literal["nf4", "fp4"] = "nf4"

@@ -230,11 +230,11 @@ def train(
     from accelerate.state import AcceleratorState
     from accelerate.utils import gather_object, set_seed
 
-    from finetune.api import local_model_dir
     from finetune.data import build_datasets, collate_batch
     from finetune.fingerprint import fingerprint_model_dir
     from finetune.manifest import BaseInfo, DataInfo, Manifest, library_versions, now_iso
     from finetune.model import describe_trainable, load_base_from_config, wrap_with_lora
+    from finetune.paths import local_model_dir
 
     recipe = load_recipe(recipe_or_path, list(overrides))
     if not resume:

@@ -104,8 +104,8 @@ class DiskReport:
 
 def resolve_model_dir(ref: str) -> Path:
     """A local model directory for `ref` (a path, `embedded:*`, or a hub id in the local cache)."""
-    from finetune.api import local_model_dir
     from finetune.embedded import resolve_base_id
+    from finetune.paths import local_model_dir
 
     directory = local_model_dir(resolve_base_id(ref))
     if directory is None or not (directory / "config.json").is_file():
