@@ -18,8 +18,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from finetune.adapters import AdapterWarning
-from finetune.errors import AdapterError
+from finetune.errors import AdapterError, AdapterWarning
 from finetune.paths import local_model_dir
 
 if TYPE_CHECKING:  # torch and transformers load when a model does, so `import finetune` stays instant

@@ -190,8 +190,13 @@ def test_invalid_adapter_names_are_refused(name):
 
 @pytest.mark.parametrize(
     ("directory", "derived"),
-    [("a", "a_adapter"), ("lora", "lora_adapter"), ("training", "training_adapter"), ("legal.v2", "legal_v2"),
-     (".hidden", "hidden")],
+    [
+        ("a", "a_adapter"),
+        ("lora", "lora_adapter"),
+        ("training", "training_adapter"),
+        ("legal.v2", "legal_v2"),
+        (".hidden", "hidden"),
+    ],
 )
 def test_names_derived_from_directories_are_made_valid(tmp_path, adapter_dirs, directory, derived):
     """peft saves and loads an adapter from any directory, so its name alone must never make it unusable."""

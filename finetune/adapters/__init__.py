@@ -9,7 +9,3 @@ Example:
     from finetune.adapters.weights import read_adapter
     read_adapter("adapters/legal").modules["model.layers.0.self_attn.q_proj"].delta()
 """
-
-
-class AdapterWarning(UserWarning):
-    """Adapter arithmetic that is allowed but worth knowing about (no fingerprint, kept copies, forced bases)."""

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from finetune.adapters import AdapterWarning, quantized
+from finetune.adapters import quantized
 from finetune.adapters.arithmetic import Term, changed_modules, merged_weight, module_terms
 from finetune.adapters.files import (
     copy_side_files,
@@ -42,7 +42,7 @@ from finetune.adapters.files import (
 from finetune.adapters.ledger import Ledger
 from finetune.adapters.pristine import PristineWeights
 from finetune.adapters.weights import Adapter
-from finetune.errors import AdapterError
+from finetune.errors import AdapterError, AdapterWarning
 from finetune.fingerprint import base_state_items
 
 

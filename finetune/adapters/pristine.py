@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from finetune.adapters import AdapterWarning
+from finetune.errors import AdapterWarning
 from finetune.fingerprint import weight_files
 
 
