@@ -30,6 +30,8 @@ _USER_FIXABLE_ERRNOS = {
     errno.EDQUOT: "free space within your disk quota (nothing was left behind) and run again",
     errno.EACCES: "write somewhere you have permission to, or fix the directory's permissions",
     errno.EROFS: "the filesystem is read-only; write somewhere else",
+    errno.EPERM: "the directory does not allow writing (read-only or immutable); write somewhere else",
+    errno.EFBIG: "the file size limit or free space was reached (nothing was left behind); free space and run again",
 }
 
 

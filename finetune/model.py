@@ -12,6 +12,7 @@ Example:
 from __future__ import annotations
 
 import re
+import sys
 from pathlib import Path
 
 import torch
@@ -114,6 +115,8 @@ def load_base(
 def load_base_from_config(config: ModelConfig) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, str]:
     """`load_base` for a recipe's `model` section."""
     source = _resolve(config.base)
+    if config.trust_remote_code:
+        print(f"warning: model.trust_remote_code is on: Python code shipped with {source} will run", file=sys.stderr)
     dtype = DTYPES[config.dtype]
     kwargs = dict(
         dtype=dtype,
@@ -136,7 +139,18 @@ def load_base_from_config(config: ModelConfig) -> tuple[PreTrainedModel, PreTrai
         revision=config.revision,
         trust_remote_code=config.trust_remote_code,
     )
+    _check_vocabulary_fits(model, tokenizer, tokenizer_source)
     return model.eval(), tokenizer, source
+
+
+def _check_vocabulary_fits(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, tokenizer_source: str) -> None:
+    """Refuse a tokenizer whose ids the model has no embedding rows for (an index error mid-forward otherwise)."""
+    rows = model.get_input_embeddings().weight.shape[0]
+    if len(tokenizer) > rows:
+        raise ModelError(
+            f"tokenizer {tokenizer_source} has {len(tokenizer):,} tokens but the base model's embedding has only "
+            f"{rows:,} rows; use the tokenizer that belongs to this model (model.tokenizer)"
+        )
 
 
 def files_to_load(source: str, config: ModelConfig) -> str:

@@ -55,10 +55,6 @@ class PristineWeights:
                 self._file_of.update({name: path for name in handle.keys()})
 
     @property
-    def has_files(self) -> bool:
-        return bool(self._file_of)
-
-    @property
     def copied_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self._copies.values())
 
