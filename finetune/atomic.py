@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import re
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,6 +26,7 @@ from pathlib import Path
 from finetune.errors import FinetuneError, OutputError
 
 STAGING_MARK = ".partial-"
+_RUST_OS_ERROR = re.compile(r"\(os error (\d+)\)")
 _USER_FIXABLE_ERRNOS = {
     errno.ENOSPC: "free disk space (nothing was left behind) and run again",
     errno.EDQUOT: "free space within your disk quota (nothing was left behind) and run again",
@@ -87,14 +89,23 @@ def atomic_directory(
         yield staging
         _flush_to_disk(staging)
         _publish(staging, final, replace=replace, error=error, hint=hint)
-    except OSError as exc:
+    except BaseException as exc:
         shutil.rmtree(staging, ignore_errors=True)
-        if exc.errno not in _USER_FIXABLE_ERRNOS:
+        number, reason = _os_error_of(exc)
+        if number not in _USER_FIXABLE_ERRNOS:
             raise
-        raise error(f"cannot write {final}: {exc.strerror}; {_USER_FIXABLE_ERRNOS[exc.errno]}") from None
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
+        raise error(f"cannot write {final}: {reason}; {_USER_FIXABLE_ERRNOS[number]}") from None
+
+
+def _os_error_of(exc: BaseException) -> tuple[int | None, str]:
+    """(errno, reason) of an I/O failure: an `OSError`, or safetensors' Rust error carrying "(os error N)"."""
+    if isinstance(exc, OSError):
+        return exc.errno, exc.strerror or str(exc)
+    match = _RUST_OS_ERROR.search(str(exc)) if type(exc).__name__ == "SafetensorError" else None
+    if match is None:
+        return None, ""
+    number = int(match.group(1))
+    return number, os.strerror(number)
 
 
 def _publish(staging: Path, final: Path, *, replace: bool, error: type[FinetuneError], hint: str) -> None:

@@ -26,25 +26,27 @@ from finetune.tensorfile import check_safetensors
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def _resolve(base: str) -> str:
-    """Map `embedded:*` ids to their local directory; check that a local path is a model directory."""
+def _resolve(base: str, *, what: str = "model") -> str:
+    """Map `embedded:*` ids to their local directory; check that a local path holds a model (or a tokenizer)."""
     from finetune.embedded import resolve_base_id
 
     resolved = resolve_base_id(base)
     path = Path(resolved).expanduser()
     looks_local = path.exists() or resolved.startswith((".", "/", "~")) or resolved.count("/") > 1
-    if looks_local:
-        if not path.exists():
-            raise ModelError(f"base model {base!r}: no such directory; give a model directory or a hub id")
-        if not path.is_dir() or not (path / "config.json").is_file():
-            raise ModelError(
-                f"base model {base!r} is not a model directory (no config.json); point model.base at a "
-                "directory written by save_pretrained"
-            )
-        for shard in sorted(path.glob("*.safetensors")):
-            check_safetensors(shard, ModelError, "re-download or re-save the base model")
-        return str(path)
-    return resolved
+    if not looks_local:
+        return resolved
+    key = "model.base" if what == "model" else "model.tokenizer"
+    if not path.exists():
+        raise ModelError(f"{key} {base!r}: no such directory; give a local directory or a hub id")
+    marker = "config.json" if what == "model" else "tokenizer_config.json"
+    if not path.is_dir() or not (path / marker).is_file():
+        raise ModelError(
+            f"{key} {base!r} is not a {what} directory (no {marker}); point {key} at a directory written by "
+            "save_pretrained"
+        )
+    for shard in sorted(path.glob("*.safetensors")) if what == "model" else ():
+        check_safetensors(shard, ModelError, "re-download or re-save the base model")
+    return str(path)
 
 
 def _quantization_config(config: ModelConfig, compute_dtype: torch.dtype):
@@ -133,7 +135,7 @@ def load_base_from_config(config: ModelConfig) -> tuple[PreTrainedModel, PreTrai
         first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise ModelError(f"cannot load base model {config.base!r}: {first}") from None
     model.config._name_or_path = source  # adapters record the hub id, not this machine's cache path
-    tokenizer_source = _resolve(config.tokenizer) if config.tokenizer else source
+    tokenizer_source = _resolve(config.tokenizer, what="tokenizer") if config.tokenizer else source
     tokenizer = load_tokenizer(
         files_to_load(tokenizer_source, config),
         revision=config.revision,
