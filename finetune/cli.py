@@ -51,7 +51,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(args.handler(args) or 0)
     except FinetuneError as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return EXIT_USER_ERROR
+        return getattr(exc, "exit_code", EXIT_USER_ERROR)  # an interrupted run: 128 + the signal
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

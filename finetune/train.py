@@ -21,6 +21,7 @@ Example:
 from __future__ import annotations
 
 import math
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -36,6 +37,8 @@ from finetune.loss import forward_loss, to_device
 from finetune.progress import Say, StepCallback, TrainingLog, fan_out
 from finetune.recipe import Recipe, load_recipe
 from finetune.run_setup import TrainingRun, start_run
+
+SLOW_STEP_ENV = "FINETUNE_TEST_SECONDS_PER_STEP"
 
 
 def _stderr_log(message: str) -> None:
@@ -74,6 +77,9 @@ def train(
 
     recipe = load_recipe(recipe_or_path, list(overrides))
     run = start_run(recipe, resume=resume, say=log)
+    if resume and run.step == run.plan.total_steps and recipe.output.adapter_dir.exists():
+        log(f"the run had finished: its adapter is {recipe.output.adapter_dir}")  # killed after writing it
+        return TrainResult(recipe.output.adapter_dir, _recorded_metrics(recipe.output.adapter_dir))
     say = log if run.is_main else (lambda message: None)
     show_bar = run.is_main and (sys.stderr.isatty() if progress is None else progress)
     training_log = TrainingLog(
@@ -96,6 +102,13 @@ def train(
     finally:
         training_log.close()
     return TrainResult(*finish_run(run, {**last, **final_eval}, say))
+
+
+def _recorded_metrics(adapter_dir: Path) -> dict[str, Any]:
+    from finetune.manifest import read_manifest
+
+    manifest = read_manifest(adapter_dir)
+    return dict(manifest.metrics) if manifest is not None else {}
 
 
 def run_steps(run: TrainingRun, stop: StopRequest, on_step: StepCallback) -> dict[str, float]:
@@ -124,6 +137,7 @@ def run_steps(run: TrainingRun, stop: StopRequest, on_step: StepCallback) -> dic
         if not is_final and train_config.eval_every_steps and run.step % train_config.eval_every_steps == 0:
             last.update(run.evaluate())
         on_step(run.step, last)
+        _test_hook_slow_step()
         last = {k: v for k, v in last.items() if not k.startswith("eval_")}  # an evaluation is reported once
         if is_final or (train_config.save_every_steps and run.step % train_config.save_every_steps == 0):
             run.save_checkpoint()
@@ -135,6 +149,13 @@ def run_steps(run: TrainingRun, stop: StopRequest, on_step: StepCallback) -> dic
                 stop.signal_number or 2,
             )
     return last
+
+
+def _test_hook_slow_step() -> None:
+    """Tests sleep here (`FINETUNE_TEST_SECONDS_PER_STEP`) to signal a run at a known point; 0 by default."""
+    seconds = float(os.environ.get(SLOW_STEP_ENV, "0") or 0)
+    if seconds > 0:
+        time.sleep(seconds)
 
 
 def _refuse_nonfinite(run: TrainingRun, loss: float, grad_norm: float, skipped_steps: int) -> None:

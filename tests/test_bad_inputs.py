@@ -93,13 +93,30 @@ CASES = [
     Case("recipe-empty", ("validate", "empty.yaml"), ("is empty",), write("empty.yaml", "")),
     Case("recipe-is-a-list", ("validate", "list.yaml"), ("must be a mapping",), write("list.yaml", "- a\n- b\n")),
     Case("recipe-binary", ("validate", "bin.yaml"), ("bin.yaml",), write("bin.yaml", bytes(range(256)) * 4)),
-    Case("recipe-yaml-syntax", ("validate", "bad.yaml"), ("bad.yaml:2", "YAML syntax"), write("bad.yaml", "a: 1\n b: [\n")),
+    Case(
+        "recipe-yaml-syntax",
+        ("validate", "bad.yaml"),
+        ("bad.yaml:2", "YAML syntax"),
+        write("bad.yaml", "a: 1\n b: [\n"),
+    ),
     Case("recipe-duplicate-key", ("validate", "dup.yaml"), ("given twice",), write("dup.yaml", "data: {}\ndata: {}\n")),
-    Case("recipe-unknown-key", ("validate", "recipe.yaml", "lora.rank=8"), ("lora.rank", "did you mean 'r'",)),
+    Case(
+        "recipe-unknown-key",
+        ("validate", "recipe.yaml", "lora.rank=8"),
+        (
+            "lora.rank",
+            "did you mean 'r'",
+        ),
+    ),
     Case("number-as-words", ("validate", "recipe.yaml", "train.max_steps=ten"), ("train.max_steps",)),
     Case("negative-steps", ("validate", "recipe.yaml", "train.max_steps=-5"), ("train.max_steps", "greater than")),
     Case("lr-zero", ("validate", "recipe.yaml", "train.lr=0"), ("train.lr",)),
-    Case("missing-data-train", ("validate", "nodata.yaml"), ("data: required",), write("nodata.yaml", "output: {name: x}\n")),
+    Case(
+        "missing-data-train",
+        ("validate", "nodata.yaml"),
+        ("data: required",),
+        write("nodata.yaml", "output: {name: x}\n"),
+    ),
     Case("output-name-escapes", ("validate", "recipe.yaml", "output.name=../evil"), ("output.name", "not a valid")),
     Case("output-name-absolute", ("validate", "recipe.yaml", "output.name=/tmp/evil"), ("output.name",)),
     Case("override-not-key-value", ("validate", "recipe.yaml", "train.lr"), ("is not key=value",)),
@@ -109,59 +126,128 @@ CASES = [
     # Data
     Case("data-missing", ("train", "recipe.yaml", "data.train=missing.jsonl"), ("missing.jsonl",)),
     Case("data-is-a-directory", ("train", "recipe.yaml", "data.train=folder"), ("folder",), make_dir("folder/sub")),
-    Case("jsonl-line-not-json", ("train", "recipe.yaml", "data.train=broken.jsonl"), ("broken.jsonl", "line 2"),
-         write("broken.jsonl", '{"instruction": "a", "output": "b"}\n{not json\n')),  # fmt: skip
-    Case("record-missing-field", ("train", "recipe.yaml", "data.train=nofield.jsonl"), ("nofield.jsonl", "output"),
-         write("nofield.jsonl", '{"instruction": "a"}\n')),  # fmt: skip
+    Case(
+        "jsonl-line-not-json",
+        ("train", "recipe.yaml", "data.train=broken.jsonl"),
+        ("broken.jsonl", "line 2"),
+        write("broken.jsonl", '{"instruction": "a", "output": "b"}\n{not json\n'),
+    ),  # fmt: skip
+    Case(
+        "record-missing-field",
+        ("train", "recipe.yaml", "data.train=nofield.jsonl"),
+        ("nofield.jsonl", "output"),
+        write("nofield.jsonl", '{"instruction": "a"}\n'),
+    ),  # fmt: skip
     Case("data-empty", ("train", "recipe.yaml", "data.train=empty.jsonl"), ("empty.jsonl",), write("empty.jsonl", "")),
-    Case("data-unknown-extension", ("train", "recipe.yaml", "data.train=data.xml"), ("data.xml",),
-         write("data.xml", "<a/>")),  # fmt: skip
-    Case("chat-without-assistant-turn", ("train", "recipe.yaml", "data.format=chat", "data.train=chat.jsonl",
-                                         "data.validation=[]"), ("chat.jsonl",),
-         write("chat.jsonl", json.dumps({"messages": [{"role": "user", "content": "only a question"}]}) + "\n")),  # fmt: skip
+    Case(
+        "data-unknown-extension",
+        ("train", "recipe.yaml", "data.train=data.xml"),
+        ("data.xml",),
+        write("data.xml", "<a/>"),
+    ),  # fmt: skip
+    Case(
+        "chat-without-assistant-turn",
+        ("train", "recipe.yaml", "data.format=chat", "data.train=chat.jsonl", "data.validation=[]"),
+        ("chat.jsonl",),
+        write("chat.jsonl", json.dumps({"messages": [{"role": "user", "content": "only a question"}]}) + "\n"),
+    ),  # fmt: skip
     # Model directories
     Case("base-missing", ("train", "recipe.yaml", "model.base=./no-such-model"), ("no such directory",)),
-    Case("base-without-config", ("train", "recipe.yaml", "model.base=./folder"), ("no config.json",),
-         make_dir("folder")),  # fmt: skip
-    Case("base-shard-truncated", ("train", "recipe.yaml", "model.base=./base"), ("model.safetensors", "truncated"),
-         truncate("base/model.safetensors")),  # fmt: skip
-    Case("base-hub-id-not-cached", ("train", "recipe.yaml", "model.base=nobody/nothing-here"), ("nobody/nothing-here",)),
+    Case(
+        "base-without-config", ("train", "recipe.yaml", "model.base=./folder"), ("no config.json",), make_dir("folder")
+    ),  # fmt: skip
+    Case(
+        "base-shard-truncated",
+        ("train", "recipe.yaml", "model.base=./base"),
+        ("model.safetensors", "truncated"),
+        truncate("base/model.safetensors"),
+    ),  # fmt: skip
+    Case(
+        "base-hub-id-not-cached", ("train", "recipe.yaml", "model.base=nobody/nothing-here"), ("nobody/nothing-here",)
+    ),
     Case("targets-match-nothing", ("train", "recipe.yaml", "lora.target_modules=[qkv_proj]"), ("qkv_proj", "match no")),
-    Case("tokenizer-larger-than-embedding", ("train", "recipe.yaml", "model.tokenizer=./big-tokenizer"),
-         ("big-tokenizer", "embedding has only")),  # fmt: skip
+    Case(
+        "tokenizer-larger-than-embedding",
+        ("train", "recipe.yaml", "model.tokenizer=./big-tokenizer"),
+        ("big-tokenizer", "embedding has only"),
+    ),  # fmt: skip
     # Adapters and merged checkpoints
     Case("adapter-missing", (*MERGE, "no-adapter", "--out", "merged"), ("no-adapter",)),
-    Case("adapter-without-config", (*MERGE, "folder", "--out", "merged"), ("no adapter_config.json",),
-         make_dir("folder")),  # fmt: skip
-    Case("adapter-truncated", (*MERGE, ADAPTER, "--out", "merged"), ("adapter_model.safetensors",),
-         truncate(f"{ADAPTER}/adapter_model.safetensors")),  # fmt: skip
-    Case("adapter-config-not-json", (*MERGE, ADAPTER, "--out", "merged"), ("adapter_config.json", "not valid JSON"),
-         write(f"{ADAPTER}/adapter_config.json", "{oops")),  # fmt: skip
-    Case("adapter-for-another-base", (*MERGE, ADAPTER, "--out", "merged"), ("was trained on base", "--force"),
-         lambda work: _replace_base(work)),  # fmt: skip
-    Case("adapter-pickle", (*MERGE, "pickled", "--out", "merged"), ("pickle", "--allow-pickle"),
-         lambda work: _pickle_adapter(work)),  # fmt: skip
+    Case(
+        "adapter-without-config", (*MERGE, "folder", "--out", "merged"), ("no adapter_config.json",), make_dir("folder")
+    ),  # fmt: skip
+    Case(
+        "adapter-truncated",
+        (*MERGE, ADAPTER, "--out", "merged"),
+        ("adapter_model.safetensors",),
+        truncate(f"{ADAPTER}/adapter_model.safetensors"),
+    ),  # fmt: skip
+    Case(
+        "adapter-config-not-json",
+        (*MERGE, ADAPTER, "--out", "merged"),
+        ("adapter_config.json", "not valid JSON"),
+        write(f"{ADAPTER}/adapter_config.json", "{oops"),
+    ),  # fmt: skip
+    Case(
+        "adapter-for-another-base",
+        (*MERGE, ADAPTER, "--out", "merged"),
+        ("was trained on base", "--force"),
+        lambda work: _replace_base(work),
+    ),  # fmt: skip
+    Case(
+        "adapter-pickle",
+        (*MERGE, "pickled", "--out", "merged"),
+        ("pickle", "--allow-pickle"),
+        lambda work: _pickle_adapter(work),
+    ),  # fmt: skip
     Case("adapter-weight-not-a-number", (*MERGE, f"{ADAPTER}:heavy", "--out", "merged"), ("heavy",)),
     Case("merge-out-exists", (*MERGE, ADAPTER, "--out", "folder"), ("folder already exists",), make_dir("folder")),
-    Case("info-truncated", ("adapters", "info", ADAPTER), ("truncated",),
-         truncate(f"{ADAPTER}/adapter_model.safetensors", 0.9)),  # fmt: skip
-    Case("info-no-target-modules", ("adapters", "info", ADAPTER), ("no target_modules",),
-         edit_json(f"{ADAPTER}/adapter_config.json", lambda c: c.pop("target_modules"))),  # fmt: skip
+    Case(
+        "info-truncated",
+        ("adapters", "info", ADAPTER),
+        ("truncated",),
+        truncate(f"{ADAPTER}/adapter_model.safetensors", 0.9),
+    ),  # fmt: skip
+    Case(
+        "info-no-target-modules",
+        ("adapters", "info", ADAPTER),
+        ("no target_modules",),
+        edit_json(f"{ADAPTER}/adapter_config.json", lambda c: c.pop("target_modules")),
+    ),  # fmt: skip
     Case("info-neither", ("adapters", "info", "folder"), ("neither an adapter",), make_dir("folder")),
-    Case("subtract-from-a-plain-base", ("adapters", "subtract", "--model", "base", "--adapter", "x", "--out", "m"),
-         ("x",)),  # fmt: skip
+    Case(
+        "subtract-from-a-plain-base",
+        ("adapters", "subtract", "--model", "base", "--adapter", "x", "--out", "m"),
+        ("x",),
+    ),  # fmt: skip
     # Training runs and checkpoints
-    Case("output-exists", ("train", "recipe.yaml"), ("already exists", "output.overwrite"), make_dir("adapters/crates")),
+    Case(
+        "output-exists", ("train", "recipe.yaml"), ("already exists", "output.overwrite"), make_dir("adapters/crates")
+    ),
     Case("resume-without-checkpoint", ("train", "recipe.yaml", "--resume"), ("no checkpoint",)),
-    Case("resume-truncated-checkpoint", ("train", "recipe.yaml", "output.name=first", "--resume"),
-         ("trainable.safetensors", "truncated"),
-         both(train_a_checkpoint, truncate("runs/first/checkpoint-000002/trainable.safetensors"))),  # fmt: skip
-    Case("resume-another-recipe", ("train", "recipe.yaml", "output.name=first", "lora.r=8", "--resume"),
-         ("different recipe",), train_a_checkpoint),  # fmt: skip
-    Case("nonfinite-loss", ("train", "recipe.yaml", "train.lr=1e30", "train.max_grad_norm=null"),
-         ("not finite", "no adapter was written")),  # fmt: skip
-    Case("read-only-output", ("train", "recipe.yaml", "output.dir=locked/crates"), ("locked/crates", "write"),
-         lambda work: _immutable(work / "locked")),  # fmt: skip
+    Case(
+        "resume-truncated-checkpoint",
+        ("train", "recipe.yaml", "output.name=first", "--resume"),
+        ("trainable.safetensors", "truncated"),
+        both(train_a_checkpoint, truncate("runs/first/checkpoint-000002/trainable.safetensors")),
+    ),  # fmt: skip
+    Case(
+        "resume-another-recipe",
+        ("train", "recipe.yaml", "output.name=first", "lora.r=8", "--resume"),
+        ("different recipe",),
+        train_a_checkpoint,
+    ),  # fmt: skip
+    Case(
+        "nonfinite-loss",
+        ("train", "recipe.yaml", "train.lr=1e30", "train.max_grad_norm=null"),
+        ("not finite", "no adapter was written"),
+    ),  # fmt: skip
+    Case(
+        "read-only-output",
+        ("train", "recipe.yaml", "output.dir=locked/crates"),
+        ("locked/crates", "write"),
+        lambda work: _immutable(work / "locked"),
+    ),  # fmt: skip
     # CLI arguments
     Case("generate-without-model", ("generate", "hello"), ("--base", "--adapter")),
     Case("nproc-zero", ("train", "recipe.yaml", "--nproc", "0"), ("--nproc",)),
@@ -253,7 +339,13 @@ def test_bad_input_is_one_line_and_exit_2(case, bad_input_workdir, capsys):
 def run_cli(args: list[str], cwd: Path, **popen) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     return subprocess.run(
-        [sys.executable, "-m", "finetune", *args], cwd=cwd, capture_output=True, text=True, env=env, timeout=300, **popen
+        [sys.executable, "-m", "finetune", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+        **popen,
     )
 
 
