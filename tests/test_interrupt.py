@@ -106,13 +106,14 @@ def assert_no_partial_directory(work: Path, name: str) -> None:
 
 def test_sigkill_at_random_moments_then_resume_gives_the_uninterrupted_adapter(workdir):
     """10 SIGKILLs at random moments (start-up, training, checkpoint writes, the adapter write), then finish."""
-    args = ["train.max_steps=60", "train.save_every_steps=1", "train.log_every_steps=1000", "output.name=killed"]
+    args = ["train.max_steps=200", "train.save_every_steps=1", "train.log_every_steps=1000", "output.name=killed"]
     randomness = random.Random(0)
 
     def attempt(timeout: float | None) -> bool:
         """One run (resumed when a checkpoint exists); True when it was killed."""
         resume = ["--resume"] if list_checkpoints(workdir / "runs" / "killed") else []
-        process = start([*args, *resume], workdir)
+        # 10 ms more per step: no single run can finish within the longest kill time, even on a fast machine
+        process = start([*args, *resume], workdir, **{SLOW_STEP_ENV: "0.01" if timeout else "0"})
         try:
             _, log = process.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -130,4 +131,4 @@ def test_sigkill_at_random_moments_then_resume_gives_the_uninterrupted_adapter(w
     assert_no_partial_directory(workdir, "killed")
     reference, _ = train("recipe.yaml", [*args[:1], "output.name=reference"], log=lambda message: None)
     assert_same_tensors(adapter_tensors(reference), adapter_tensors(workdir / "adapters" / "killed"))
-    assert list_checkpoints(workdir / "runs" / "killed")[-1].name == "checkpoint-000060"
+    assert list_checkpoints(workdir / "runs" / "killed")[-1].name == "checkpoint-000200"
