@@ -25,6 +25,7 @@ Example:
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import time
@@ -65,9 +66,12 @@ def parse_adapter_spec(spec: str) -> AdapterSpec:
     ref, separator, tail = spec.rpartition(":")
     if separator and ref:
         try:
-            return AdapterSpec(ref, float(tail))
+            weight = float(tail)
         except ValueError:
-            pass
+            return AdapterSpec(spec)
+        if not math.isfinite(weight):
+            raise AdapterError(f"adapter {spec!r}: weight {tail!r} is not a finite number; write e.g. {ref}:0.5")
+        return AdapterSpec(ref, weight)
     return AdapterSpec(spec)
 
 
