@@ -596,13 +596,15 @@ BAD_INPUT_CASES = [
         ["record 1", "messages[0].content must be a string, got missing"],
     ),
     (
-        "chat-template-not-incremental",
+        "chat-template-not-locatable",
         _file("d.jsonl", json.dumps({"messages": CHAT}) + "\n"),
         {
             "format": "chat",
-            "chat_template": "{% for m in messages %}{{ m['content'] }}{% endfor %}{{ messages|length }}",
+            # the total length of every message comes first: the text before a turn depends on its words
+            "chat_template": "{{ messages|map(attribute='content')|join|length }}{% for m in messages %}"
+            "{{ m['content'] }}{% endfor %}",
         },
-        ["d.jsonl line 1 (record 1)", "does not render conversations incrementally", "{% generation %}"],
+        ["d.jsonl line 1 (record 1)", "assistant turns cannot be located", "{% generation %}"],
     ),
     (
         "chat-template-error",
