@@ -94,9 +94,12 @@ class SourceConfig(_Section):
     """One data source: a local file or a dataset saved with `save_to_disk`."""
 
     path: str
-    """A .jsonl/.json/.csv/.parquet/.txt file, or a directory written by `datasets.save_to_disk`."""
+    """A .jsonl/.json/.csv/.parquet/.txt file, a directory written by `datasets.save_to_disk`, or a hub dataset
+    id (`org/name`) in the local hub cache."""
     split: str | None = None
-    """Split to read from a saved `DatasetDict` (default: `train`)."""
+    """Split to read from a saved `DatasetDict` or a hub dataset (default: `train`)."""
+    subset: str | None = None
+    """Configuration (subset) of a hub dataset, e.g. `main` of `openai/gsm8k`."""
     max_records: int | None = Field(None, ge=1)
     """Read at most this many records (after loading, before tokenizing)."""
 
