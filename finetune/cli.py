@@ -11,13 +11,14 @@ Example:
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 
 from finetune.console import configure_console
 from finetune.errors import FinetuneError
 
-COMMAND_MODULES = ("train", "inference", "adapters")
+COMMAND_MODULES = ("train", "inference", "adapters", "recipes", "data")
 """Modules under `finetune.commands`, in the order their commands appear in `--help`."""
 
 EXIT_USER_ERROR = 2
@@ -55,6 +56,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `finetune ... | head`: the reader has gone; say nothing more
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":

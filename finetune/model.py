@@ -135,14 +135,17 @@ def load_base_from_config(config: ModelConfig) -> tuple[PreTrainedModel, PreTrai
         first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise ModelError(f"cannot load base model {config.base!r}: {first}") from None
     model.config._name_or_path = source  # adapters record the hub id, not this machine's cache path
-    tokenizer_source = _resolve(config.tokenizer, what="tokenizer") if config.tokenizer else source
-    tokenizer = load_tokenizer(
-        files_to_load(tokenizer_source, config),
-        revision=config.revision,
-        trust_remote_code=config.trust_remote_code,
-    )
-    _check_vocabulary_fits(model, tokenizer, tokenizer_source)
+    tokenizer = load_tokenizer_for(config)
+    _check_vocabulary_fits(model, tokenizer, config.tokenizer or config.base)
     return model.eval(), tokenizer, source
+
+
+def load_tokenizer_for(config: ModelConfig) -> PreTrainedTokenizerBase:
+    """The tokenizer a recipe's `model` section trains with (`model.tokenizer`, else the base's), no model loaded."""
+    source = _resolve(config.tokenizer, what="tokenizer") if config.tokenizer else _resolve(config.base)
+    return load_tokenizer(
+        files_to_load(source, config), revision=config.revision, trust_remote_code=config.trust_remote_code
+    )
 
 
 def _check_vocabulary_fits(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, tokenizer_source: str) -> None:
