@@ -211,7 +211,7 @@ def run_ours(spec: dict[str, Any], arm: str) -> dict[str, Any]:
     import finetune.checkpoint
     import finetune.manifest  # noqa: F401
     from finetune import Recipe
-    from finetune.batches import MicroBatchStream
+    from finetune.data.sampler import MicroBatchStream
     from finetune.data import build_datasets
     from finetune.model import load_tokenizer
     from finetune.train import train

@@ -32,3 +32,7 @@ class AdapterError(FinetuneError):
 
 class CheckpointError(FinetuneError):
     """A training checkpoint cannot be resumed from."""
+
+
+class AdapterWarning(UserWarning):
+    """Adapter arithmetic that is allowed but worth knowing about (no fingerprint, kept copies, forced bases)."""

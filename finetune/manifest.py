@@ -18,6 +18,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from finetune.errors import AdapterError
+from finetune.version import __version__
 
 MANIFEST_NAME = "manifest.json"
 MANIFEST_FORMAT = "finetune-adapter/1"
@@ -68,8 +69,6 @@ def library_versions() -> dict[str, str]:
     import peft
     import torch
     import transformers
-
-    from finetune import __version__
 
     return {
         "finetune": __version__,

@@ -3,7 +3,7 @@
 The same loop runs on one CPU, one GPU, or many processes (DDP through `accelerate launch`). What
 happens per optimizer step, in order:
 
-1. take the next `grad_accum_steps` micro-batches of the deterministic stream (`finetune.batches`);
+1. take the next `grad_accum_steps` micro-batches of the deterministic stream (`finetune.data.sampler`);
 2. count their label tokens and sum that count over processes: N;
 3. for each micro-batch: loss = Σ token losses / N · num_processes, backward (gradients are only
    synchronised on the last one). DDP averages gradients over processes, hence the · num_processes:
@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from finetune import checkpoint as ckpt
-from finetune.batches import MicroBatchStream
+from finetune.data.sampler import MicroBatchStream
 from finetune.errors import CheckpointError, RecipeError
 from finetune.evaluate import evaluate, forward_loss, to_device
 from finetune.recipe import Recipe, load_recipe, recipe_to_dict

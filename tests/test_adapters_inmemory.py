@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM
 import finetune
 from finetune.adapters import AdapterWarning
 from finetune.adapters.inmemory import LoadedModel
-from finetune.adapters.weights import read_adapter
+from finetune.adapters.lora import read_adapter
 from finetune.errors import AdapterError
 
 DTYPES = ["float32", "bfloat16", "float16"]

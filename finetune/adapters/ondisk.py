@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 from finetune.adapters.arithmetic import half_ulp, merged_weight, module_terms
-from finetune.adapters.files import (
+from finetune.adapters.model_dir import (
     INDEX_NAME,
     after_shard_hook,
     copy_side_files,
@@ -45,9 +45,10 @@ from finetune.adapters.files import (
     write_shard,
 )
 from finetune.adapters.ledger import Ledger, read_ledger
-from finetune.adapters.weights import Adapter, read_adapter
+from finetune.adapters.lora import Adapter, read_adapter
 from finetune.errors import AdapterError
-from finetune.fingerprint import fingerprint_model_dir, weight_files
+from finetune.fingerprint import check_fingerprint, fingerprint_model_dir, weight_files
+from finetune.paths import local_model_dir
 
 _SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64}
 
@@ -104,7 +105,6 @@ class DiskReport:
 
 def resolve_model_dir(ref: str) -> Path:
     """A local model directory for `ref` (a path, `embedded:*`, or a hub id in the local cache)."""
-    from finetune.api import local_model_dir
     from finetune.embedded import resolve_base_id
 
     directory = local_model_dir(resolve_base_id(ref))
@@ -352,8 +352,6 @@ def _quantization_options(adapters: dict[str, Adapter]) -> dict:
 
 
 def _check_new(adapter: Adapter, ledger: Ledger, where: Path, force: bool) -> None:
-    from finetune.api import check_fingerprint
-
     check_fingerprint(adapter, ledger.base_fingerprint or None, str(ledger.base_path or where), force=force)
 
 

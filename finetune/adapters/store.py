@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from finetune.adapters.ledger import read_ledger
-from finetune.adapters.weights import CONFIG_NAME, PICKLE_NAME, SAFETENSORS_NAME
+from finetune.adapters.lora import CONFIG_NAME, PICKLE_NAME, SAFETENSORS_NAME
 from finetune.errors import AdapterError
 from finetune.manifest import read_manifest
 
