@@ -16,7 +16,7 @@ other:
   the micro-batch size: the same rows per optimizer step, one packed row per forward.
 
 What is timed: the steps after `--warmup-steps`, from the end of the last warm-up step to the end of the
-last step (both loops report the end of each optimizer step: ours through its log line, the Trainer
+last step (both loops report the end of each optimizer step: ours through its `on_step` callback, the Trainer
 through a callback). Model load, tokenizing, the base-model evaluation and the final evaluation and save
 are reported apart as setup and after-training seconds. Tokens are counted from the very micro-batches
 each step used: real tokens (not padding), label tokens (those that carry loss), and the tokens the
@@ -44,7 +44,6 @@ import math
 import os
 import platform
 import random
-import re
 import resource
 import shutil
 import subprocess
@@ -199,7 +198,7 @@ def summarise(
 
 
 def run_ours(spec: dict[str, Any], arm: str) -> dict[str, Any]:
-    """`finetune.train` as a user calls it; step ends are read off its log lines."""
+    """`finetune.train` as a user calls it; step ends and losses come from its `on_step` callback."""
     # Import what `train` imports lazily before the clock starts, as the Trainer arm does: setup time is
     # then model load, data and the base evaluation, not Python imports.
     import accelerate  # noqa: F401
@@ -211,8 +210,8 @@ def run_ours(spec: dict[str, Any], arm: str) -> dict[str, Any]:
     import finetune.checkpoint
     import finetune.manifest  # noqa: F401
     from finetune import Recipe
-    from finetune.data.sampler import MicroBatchStream
     from finetune.data import build_datasets
+    from finetune.data.sampler import MicroBatchStream
     from finetune.model import load_tokenizer
     from finetune.train import train
 
@@ -253,14 +252,17 @@ def run_ours(spec: dict[str, Any], arm: str) -> dict[str, Any]:
     )
 
     marks: dict[int, tuple[float, float]] = {}
+    step_losses: dict[int, float] = {}
     phases: dict[str, float] = {}
-    step_line = re.compile(r"step (\d+)/(\d+): loss")
+
+    def on_step(step: int, metrics: dict[str, float]) -> None:
+        if "loss" in metrics:  # an optimizer step ended (evaluations report eval_* only)
+            marks[step] = (time.perf_counter(), cpu_seconds())
+            step_losses[step] = metrics["loss"]
 
     def log(message: str) -> None:
         now, cpu = time.perf_counter(), cpu_seconds()
-        if match := step_line.match(message):
-            marks[int(match.group(1))] = (now, cpu)
-        elif message.startswith("training "):  # printed just before the first step
+        if message.startswith("training "):  # printed just before the first step
             marks[0] = (now, cpu)
         elif message.startswith("base model: eval loss"):  # the base evaluation is done
             phases["base_eval_done"] = now
@@ -270,7 +272,7 @@ def run_ours(spec: dict[str, Any], arm: str) -> dict[str, Any]:
             say(f"{arm}: {message}")
 
     start = time.perf_counter()
-    _, metrics = train(recipe, resume=False, log=log, progress=False)
+    _, metrics = train(recipe, resume=False, log=log, progress=False, on_step=on_step)
     end = time.perf_counter()
     rss = peak_rss_mib()
 
@@ -288,11 +290,6 @@ def run_ours(spec: dict[str, Any], arm: str) -> dict[str, Any]:
             label += sum(sum(1 for t in row["labels"] if t != -100) for row in rows)
             computed += sum(lengths) if packing else len(rows) * max(lengths)
         step_tokens.append({"real": real, "label": label, "computed": computed})
-    step_losses = {}
-    for line in (work / "run" / "metrics.jsonl").read_text().splitlines():
-        record = json.loads(line)
-        if "loss" in record:
-            step_losses[record["step"]] = record["loss"]
 
     from peft import PeftModel
     from transformers import AutoModelForCausalLM

@@ -6,6 +6,7 @@ plain peft ignores it, `finetune` reads it to find the base, check fingerprints 
 Example:
     manifest = read_manifest(Path("adapters/legal"))
     manifest.base.path, manifest.base.fingerprint
+    write_manifest(tmp_dir, build_manifest(recipe, base_source, data, metrics))   # at the end of training
 """
 
 from __future__ import annotations
@@ -13,12 +14,18 @@ from __future__ import annotations
 import json
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from finetune.errors import AdapterError
+from finetune.fingerprint import fingerprint_model_dir
+from finetune.paths import local_model_dir
+from finetune.recipe import Recipe, recipe_to_dict
 from finetune.version import __version__
+
+if TYPE_CHECKING:  # the data pipeline imports datasets and transformers; reading a manifest needs neither
+    from finetune.data import DataBundle
 
 MANIFEST_NAME = "manifest.json"
 MANIFEST_FORMAT = "finetune-adapter/1"
@@ -65,6 +72,7 @@ class Manifest(BaseModel):
 
 def library_versions() -> dict[str, str]:
     """Versions of the libraries that shape an adapter's numbers."""
+    # Imported here, not above: reading a manifest (`finetune adapters list`) must not load torch.
     import accelerate
     import peft
     import torch
@@ -81,6 +89,30 @@ def library_versions() -> dict[str, str]:
 
 def now_iso() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+def build_manifest(recipe: Recipe, base_source: str, data: DataBundle, metrics: dict[str, Any]) -> Manifest:
+    """The manifest of an adapter trained as `recipe` says on `base_source` (what the base loaded from).
+
+    The base is fingerprinted from its local files: the directory itself, or a hub id's local snapshot.
+    """
+    base_dir = local_model_dir(base_source, recipe.model.revision)
+    return Manifest(
+        name=recipe.output.name,
+        base=BaseInfo(
+            id=recipe.model.base,
+            path=base_source,
+            revision=recipe.model.revision,
+            fingerprint=fingerprint_model_dir(base_dir) if base_dir is not None else "unknown",
+            dtype=recipe.model.dtype,
+            quantization=recipe.model.quantization,
+        ),
+        recipe=recipe_to_dict(recipe),
+        data=DataInfo(fingerprint=data.fingerprint, sources=[s.path for s in recipe.data.train], stats=data.stats),
+        metrics=metrics,
+        versions=library_versions(),
+        created=now_iso(),
+    )
 
 
 def write_manifest(adapter_dir: Path, manifest: Manifest) -> None:

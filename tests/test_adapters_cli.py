@@ -18,8 +18,8 @@ from adapter_fixtures import assert_tensors_equal
 from safetensors.torch import load_file, save_file
 from test_adapters_ondisk import read_tensors
 
-from finetune.adapters.model_dir import SLOW_HOOK_ENV
 from finetune.adapters.lora import read_adapter, validate_adapter_name
+from finetune.adapters.model_dir import SLOW_HOOK_ENV
 from finetune.cli import main
 from finetune.errors import AdapterError
 

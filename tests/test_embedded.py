@@ -21,8 +21,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Llama
 
 from finetune.embedded import embedded_base_dir, ensure_embedded_base, resolve_base_id
 from finetune.embedded.build import EMBEDDED_BASES, RECORD_FILE, BuildSettings
-from finetune.embedded.quickstart_data import generate_records, write_dataset
 from finetune.embedded.pretrain import PretrainSettings
+from finetune.embedded.quickstart_data import generate_records, write_dataset
 from finetune.errors import ModelError
 
 REPO = Path(__file__).resolve().parents[1]

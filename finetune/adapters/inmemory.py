@@ -30,8 +30,9 @@ from pathlib import Path
 import torch
 
 from finetune.adapters import quantized
-from finetune.errors import AdapterWarning
 from finetune.adapters.arithmetic import Term, changed_modules, merged_weight, module_terms
+from finetune.adapters.ledger import Ledger
+from finetune.adapters.lora import Adapter
 from finetune.adapters.model_dir import (
     copy_side_files,
     shard_file_name,
@@ -40,10 +41,8 @@ from finetune.adapters.model_dir import (
     write_index,
     write_shard,
 )
-from finetune.adapters.ledger import Ledger
 from finetune.adapters.pristine import PristineWeights
-from finetune.adapters.lora import Adapter
-from finetune.errors import AdapterError
+from finetune.errors import AdapterError, AdapterWarning
 from finetune.fingerprint import base_state_items
 
 

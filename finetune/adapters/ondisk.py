@@ -34,6 +34,8 @@ from pathlib import Path
 import torch
 
 from finetune.adapters.arithmetic import half_ulp, merged_weight, module_terms
+from finetune.adapters.ledger import Ledger, read_ledger
+from finetune.adapters.lora import Adapter, read_adapter
 from finetune.adapters.model_dir import (
     INDEX_NAME,
     after_shard_hook,
@@ -44,8 +46,6 @@ from finetune.adapters.model_dir import (
     write_index,
     write_shard,
 )
-from finetune.adapters.ledger import Ledger, read_ledger
-from finetune.adapters.lora import Adapter, read_adapter
 from finetune.errors import AdapterError
 from finetune.fingerprint import check_fingerprint, fingerprint_model_dir, weight_files
 from finetune.paths import local_model_dir
