@@ -10,7 +10,6 @@ Example:
     read_adapter("adapters/legal").modules["model.layers.0.self_attn.q_proj"].delta()
 """
 
-
 from finetune.errors import AdapterWarning
 
 __all__ = ["AdapterWarning"]

@@ -132,6 +132,7 @@ def _build_into(final_dir: Path, name: str, settings: BuildSettings, report: Cal
         raise
     report(f"built {EMBEDDED_PREFIX}{name} in {time.perf_counter() - start_seconds:.0f} s")
 
+
 def resolve_base_id(base: str, progress: Callable[[str], None] | None = None) -> str:
     """Turn a recipe's `model.base` into something `from_pretrained` loads.
 
