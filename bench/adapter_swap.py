@@ -150,31 +150,10 @@ def compare(ours: dict[str, torch.Tensor], other: dict[str, torch.Tensor]) -> tu
     return equal, worst
 
 
-def timed(function, *args) -> float:
-    """Wall seconds of `function(*args)`."""
+def timed(function) -> float:
     started = time.perf_counter()
-    function(*args)
+    function()
     return time.perf_counter() - started
-
-
-def peft_swap_in_place(peft_model, to: str) -> None:
-    """peft's in-place swap: unmerge whatever is merged, merge adapter `to`."""
-    peft_model.unmerge_adapter()
-    peft_model.merge_adapter([to])
-
-
-def swap_row(result: dict, label: str, key: str, method: str, equal: str, diff: str) -> list[str]:
-    """One line of the swap table: `method`'s median and best seconds against ours, and its bit-equality."""
-    ours, best = result["ours_swap_s"], result["best_s"]
-    return [
-        result["dtype"],
-        label,
-        f"{result[key]:.2f}",
-        f"{result[key] / ours:.2f}x",
-        f"{best[method]:.2f}",
-        f"{best[method] / best['ours']:.2f}x",
-        f"{result[equal]} (max |Δ| {result[diff]:.1e})",
-    ]
 
 
 # ---- part 1: swap ----------------------------------------------------------------------------------
@@ -199,15 +178,15 @@ def bench_swap(base: Path, adapters: dict[str, Path], dtype: str, repeats: int) 
     reloaded = None
     for i in range(repeats):  # a -> b, then b -> a, ...: every in-place call is one full swap
         a, b = (old, new) if i % 2 == 0 else (new, old)
-        seconds["ours"].append(timed(ours.swap, a, b))
+        seconds["ours"].append(timed(lambda a=a, b=b: ours.swap(a, b)))
         del reloaded
         started = time.perf_counter()
         reloaded = reload_and_merge()
         seconds["reload"].append(time.perf_counter() - started)
-        seconds["peft"].append(timed(peft_swap_in_place, peft_model, b))
+        seconds["peft"].append(timed(lambda b=b, model=peft_model: (model.unmerge_adapter(), model.merge_adapter([b]))))
     if ours.merged != {new: 1.0}:  # an even number of repeats ends on a: one more swap each, untimed
         ours.swap(old, new)
-        peft_swap_in_place(peft_model, new)
+        peft_model.unmerge_adapter(), peft_model.merge_adapter([new])
     ours_weights = targeted_weights(ours.model, modules)
     equal_reload, diff_reload = compare(ours_weights, targeted_weights(reloaded, modules))
     equal_peft, diff_peft = compare(ours_weights, targeted_weights(peft_model, modules))
@@ -371,25 +350,45 @@ def main(argv: list[str] | None = None) -> None:
         for dtype in args.dtype.split(","):
             result = bench_swap(base, adapters, dtype, args.repeats)
             figures["swap"].append(result)
+            ours, best = result["ours_swap_s"], result["best_s"]
+
+            def row(
+                label: str,
+                key: str,
+                method: str,
+                equal: str,
+                diff: str,
+                dtype=dtype,
+                result=result,
+                ours=ours,
+                best=best,
+            ) -> list[str]:
+                return [
+                    dtype,
+                    label,
+                    f"{result[key]:.2f}",
+                    f"{result[key] / ours:.2f}x",
+                    f"{best[method]:.2f}",
+                    f"{best[method] / best['ours']:.2f}x",
+                    f"{result[equal]} (max |Δ| {result[diff]:.1e})",
+                ]
+
             rows += [
-                swap_row(
-                    result,
+                row(
                     "ours: LoadedModel.swap(a, b), in place",
                     "ours_swap_s",
                     "ours",
                     "ours_equals_fresh_merge",
                     "ours_vs_fresh_max_abs",
                 ),
-                swap_row(
-                    result,
+                row(
                     "reload base + PeftModel(b) + merge_and_unload",
                     "reload_merge_s",
                     "reload",
                     "ours_equals_peft_reload",
                     "ours_vs_peft_reload_max_abs",
                 ),
-                swap_row(
-                    result,
+                row(
                     "peft in place: unmerge_adapter + merge_adapter([b])",
                     "peft_inplace_s",
                     "peft",

@@ -16,7 +16,7 @@ other:
   the micro-batch size: the same rows per optimizer step, one packed row per forward.
 
 What is timed: the steps after `--warmup-steps`, from the end of the last warm-up step to the end of the
-last step (both loops report the end of each optimizer step: ours through its `on_step` callback, the Trainer
+last step (both loops report the end of each optimizer step: ours through its log line, the Trainer
 through a callback). Model load, tokenizing, the base-model evaluation and the final evaluation and save
 are reported apart as setup and after-training seconds. Tokens are counted from the very micro-batches
 each step used: real tokens (not padding), label tokens (those that carry loss), and the tokens the
@@ -198,7 +198,7 @@ def summarise(
 
 
 def run_ours(spec: dict[str, Any], arm: str) -> dict[str, Any]:
-    """`finetune.train` as a user calls it; step ends and losses come from its `on_step` callback."""
+    """`finetune.train` as a user calls it; step ends are read off its log lines."""
     # Import what `train` imports lazily before the clock starts, as the Trainer arm does: setup time is
     # then model load, data and the base evaluation, not Python imports.
     import accelerate  # noqa: F401
@@ -252,15 +252,12 @@ def run_ours(spec: dict[str, Any], arm: str) -> dict[str, Any]:
     )
 
     marks: dict[int, tuple[float, float]] = {}
-    step_losses: dict[int, float] = {}
     phases: dict[str, float] = {}
 
     def on_step(step: int, metrics: dict[str, float]) -> None:
-        if "loss" in metrics:  # an optimizer step ended (evaluations report eval_* only)
-            marks[step] = (time.perf_counter(), cpu_seconds())
-            step_losses[step] = metrics["loss"]
+        marks[step] = (time.perf_counter(), cpu_seconds())
 
-    def log(message: str) -> None:
+    def log(message: str) -> None:  # setup phases only; steps come through on_step
         now, cpu = time.perf_counter(), cpu_seconds()
         if message.startswith("training "):  # printed just before the first step
             marks[0] = (now, cpu)
@@ -290,6 +287,11 @@ def run_ours(spec: dict[str, Any], arm: str) -> dict[str, Any]:
             label += sum(sum(1 for t in row["labels"] if t != -100) for row in rows)
             computed += sum(lengths) if packing else len(rows) * max(lengths)
         step_tokens.append({"real": real, "label": label, "computed": computed})
+    step_losses = {}
+    for line in (work / "run" / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        if "loss" in record:
+            step_losses[record["step"]] = record["loss"]
 
     from peft import PeftModel
     from transformers import AutoModelForCausalLM

@@ -5,7 +5,7 @@ Example:
     from finetune.train import train
 
     adapter_dir, metrics = train("recipes/quickstart.yaml", ["train.max_steps=20"])
-    model = finetune.load_model(adapter_dir)  # the base from the adapter's manifest, the adapter in use
+    model = finetune.load_model(adapter_dir)   # the base from the adapter's manifest, the adapter in use
 """
 
 from __future__ import annotations

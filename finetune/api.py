@@ -23,13 +23,14 @@ from finetune.fingerprint import check_fingerprint, fingerprint_model, fingerpri
 from finetune.paths import local_model_dir
 
 if TYPE_CHECKING:  # torch and transformers load when a model does, so `import finetune` stays instant
+    import torch
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
     from finetune.adapters.inmemory import LoadedModel
     from finetune.adapters.ledger import Ledger
     from finetune.adapters.lora import Adapter
 
-__all__ = ["load_model", "check_fingerprint", "local_model_dir"]
+__all__ = ["load_model"]
 
 DTYPES = ("float32", "bfloat16", "float16")
 ADAPTER_CONFIG_NAME = "adapter_config.json"
@@ -38,7 +39,7 @@ ADAPTER_CONFIG_NAME = "adapter_config.json"
 def _adoptable_ledger(model_dir: Path | None, adapters: list, allow_pickle: bool):
     """The ledger of a merged checkpoint if its base and adapters are at hand (appending those adapters to
     `adapters`), else None with a warning: the checkpoint then counts as a base of its own."""
-    from finetune.adapters.ledger import read_ledger  # these import torch: loaded with a model, not with `finetune`
+    from finetune.adapters.ledger import read_ledger
     from finetune.adapters.lora import read_adapter
 
     ledger = read_ledger(model_dir) if model_dir is not None else None
@@ -105,13 +106,18 @@ def _read_adapters(
     return base, [read_adapter(path, name, allow_pickle=allow_pickle) for name, path in named], use_first
 
 
-def _base_fingerprint(model, base_dir: Path | None, quantization: str) -> str | None:
+def _base_fingerprint(model: PreTrainedModel, base_dir: Path | None, quantization: str) -> str | None:
     """The base's fingerprint: of its files when at hand, else of the loaded (unquantized) weights, else None."""
     if base_dir is not None and any(base_dir.glob("*.safetensors")):
         return fingerprint_model_dir(base_dir)
     if quantization == "none":
         return fingerprint_model(model)
     return None
+
+
+def _recorded_quantization(read: list[Adapter]) -> str:
+    recorded = {a.manifest.base.quantization for a in read if a.manifest is not None}
+    return recorded.pop() if len(recorded) == 1 else "none"
 
 
 class _Base(NamedTuple):
@@ -143,7 +149,7 @@ def load_model(
     base: str | Path,
     adapters: Mapping[str, str | Path] | Sequence[str | Path] | None = None,
     *,
-    dtype: str = "float32",
+    dtype: str | torch.dtype = "float32",
     quantization: str | None = None,
     requantize: bool = False,
     force: bool = False,
@@ -158,7 +164,8 @@ def load_model(
         base: a model directory, hub id or `embedded:tiny-llama`; or an adapter directory, whose manifest
             (else `base_model_name_or_path`) names the base; that adapter is then switched on with `use`.
         adapters: name -> adapter directory (or a list of directories, named by manifest or directory).
-        dtype: float32 | bfloat16 | float16: the model's dtype, and that of merged weights.
+        dtype: float32 | bfloat16 | float16, as a name or a `torch.dtype` (as transformers accepts): the
+            model's dtype, and that of merged weights.
         quantization: none | 4bit | 8bit (bitsandbytes); default: what the adapters' manifests record.
             Merging into a quantized layer dequantizes it and writes a dense `dtype` layer.
         requantize: requantize merged layers instead (their added error is in `requantization_errors`).
@@ -173,12 +180,12 @@ def load_model(
 
     from finetune.adapters.inmemory import LoadedModel
 
+    dtype = str(dtype).removeprefix("torch.")  # torch.bfloat16 -> "bfloat16"
     if dtype not in DTYPES:
-        raise AdapterError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+        raise AdapterError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)} (names or torch dtypes)")
     base, read, use_first = _read_adapters(base, adapters, allow_pickle)
-    if quantization is None:
-        recorded = {a.manifest.base.quantization for a in read if a.manifest is not None}
-        quantization = recorded.pop() if len(recorded) == 1 else "none"
+    if quantization is None:  # what the adapters were trained on, when they agree
+        quantization = _recorded_quantization(read)
     options = dict(dtype=dtype, attn_implementation=attn_implementation, trust_remote_code=trust_remote_code)
     loaded_base = _load_base(base, read, allow_pickle, quantization=quantization, revision=revision, **options)
     loaded = LoadedModel(
@@ -193,8 +200,7 @@ def load_model(
         ledger=loaded_base.ledger,
     )
     for adapter in read:
-        where = str(loaded_base.dir or loaded_base.source)
-        check_fingerprint(adapter, loaded_base.fingerprint, where, force=force)
+        check_fingerprint(adapter, loaded_base.fingerprint, str(loaded_base.dir or loaded_base.source), force=force)
         loaded.add_adapter(adapter)
     if use_first is not None:
         loaded.use(use_first)

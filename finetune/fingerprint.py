@@ -1,7 +1,7 @@
 """Fingerprints of base-model weights: one `sha256:<hex>` string per set of tensors, whatever the layout.
 
 An adapter records the fingerprint of the base it was trained on; applying it to another base is refused
-unless forced (`check_fingerprint`, the one place that rule lives). The fingerprint covers content only: for every tensor, sorted by name, its name, dtype,
+unless forced (`check_fingerprint`). The fingerprint covers content only: for every tensor, sorted by name, its name, dtype,
 shape and the sha256 of its raw bytes. Sharding, file names, safetensors metadata and the order of
 tensors in a file do not change it, so a model and the directory it was loaded from agree:
 
@@ -183,7 +183,7 @@ def fingerprint_model(model) -> str:
 
 def check_fingerprint(adapter: Adapter, base_fingerprint: str | None, base_where: str, *, force: bool) -> None:
     """Refuse an adapter trained on another base (unless `force`); warn when no check is possible."""
-    if adapter.base_fingerprint is None or not adapter.base_fingerprint.startswith(PREFIX):
+    if adapter.base_fingerprint is None or not adapter.base_fingerprint.startswith("sha256:"):
         why = "has no manifest.json" if adapter.base_fingerprint is None else "records no base fingerprint"
         warnings.warn(
             f"adapter {adapter.name!r} ({adapter.path}) {why}, so whether it was trained on {base_where} "

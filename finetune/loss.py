@@ -11,7 +11,6 @@ from the previous document.
 Example:
     loss_sum, num_label_tokens = token_loss_sum(model(input_ids).logits, labels)
     (loss_sum / num_label_tokens).backward()
-    loss_sum, num_label_tokens = forward_loss(model, to_device(batch, device))  # a collated batch
 """
 
 from __future__ import annotations
@@ -45,7 +44,6 @@ def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Te
 
 
 def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
-    """Every tensor of a collated batch on `device` (copies overlap with compute where the device allows)."""
     return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
 
 

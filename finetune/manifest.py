@@ -6,7 +6,6 @@ plain peft ignores it, `finetune` reads it to find the base, check fingerprints 
 Example:
     manifest = read_manifest(Path("adapters/legal"))
     manifest.base.path, manifest.base.fingerprint
-    write_manifest(tmp_dir, build_manifest(recipe, base_source, data, metrics))   # at the end of training
 """
 
 from __future__ import annotations
@@ -14,18 +13,13 @@ from __future__ import annotations
 import json
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from finetune.errors import AdapterError
-from finetune.fingerprint import fingerprint_model_dir
-from finetune.paths import local_model_dir
-from finetune.recipe import Recipe, recipe_to_dict
+from finetune.recipe import recipe_to_dict
 from finetune.version import __version__
-
-if TYPE_CHECKING:  # the data pipeline imports datasets and transformers; reading a manifest needs neither
-    from finetune.data import DataBundle
 
 MANIFEST_NAME = "manifest.json"
 MANIFEST_FORMAT = "finetune-adapter/1"
@@ -70,6 +64,28 @@ class Manifest(BaseModel):
     created: str = ""
 
 
+def build_manifest(
+    recipe: Any, *, base_source: str, base_fingerprint: str, data: Any, metrics: dict[str, Any]
+) -> Manifest:
+    """The manifest of an adapter that `recipe` trained on `base_source` with `data` (a `DataBundle`)."""
+    return Manifest(
+        name=recipe.output.name,
+        base=BaseInfo(
+            id=recipe.model.base,
+            path=base_source,
+            revision=recipe.model.revision,
+            fingerprint=base_fingerprint,
+            dtype=recipe.model.dtype,
+            quantization=recipe.model.quantization,
+        ),
+        recipe=recipe_to_dict(recipe),
+        data=DataInfo(fingerprint=data.fingerprint, sources=[s.path for s in recipe.data.train], stats=data.stats),
+        metrics=metrics,
+        versions=library_versions(),
+        created=now_iso(),
+    )
+
+
 def library_versions() -> dict[str, str]:
     """Versions of the libraries that shape an adapter's numbers."""
     # Imported here, not above: reading a manifest (`finetune adapters list`) must not load torch.
@@ -89,30 +105,6 @@ def library_versions() -> dict[str, str]:
 
 def now_iso() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
-
-
-def build_manifest(recipe: Recipe, base_source: str, data: DataBundle, metrics: dict[str, Any]) -> Manifest:
-    """The manifest of an adapter trained as `recipe` says on `base_source` (what the base loaded from).
-
-    The base is fingerprinted from its local files: the directory itself, or a hub id's local snapshot.
-    """
-    base_dir = local_model_dir(base_source, recipe.model.revision)
-    return Manifest(
-        name=recipe.output.name,
-        base=BaseInfo(
-            id=recipe.model.base,
-            path=base_source,
-            revision=recipe.model.revision,
-            fingerprint=fingerprint_model_dir(base_dir) if base_dir is not None else "unknown",
-            dtype=recipe.model.dtype,
-            quantization=recipe.model.quantization,
-        ),
-        recipe=recipe_to_dict(recipe),
-        data=DataInfo(fingerprint=data.fingerprint, sources=[s.path for s in recipe.data.train], stats=data.stats),
-        metrics=metrics,
-        versions=library_versions(),
-        created=now_iso(),
-    )
 
 
 def write_manifest(adapter_dir: Path, manifest: Manifest) -> None:

@@ -1,10 +1,12 @@
-"""Where files live: finetune's own caches (`$FINETUNE_HOME`, default `~/.cache/finetune`) and the local
-directory of a base model named by path or hub id.
+"""Where finetune keeps its own caches: `$FINETUNE_HOME`, default `~/.cache/finetune`.
+
+It also answers where a model's files are on this machine: a local directory is itself, a hub id is its
+snapshot in the local hub cache, found without touching the network.
 
 Example:
     finetune_home() / "embedded"       # built embedded bases
     finetune_home() / "fingerprints"   # cached weight fingerprints
-    local_model_dir("meta-llama/Llama-3.2-1B")   # its hub-cache snapshot, or None when not downloaded
+    local_model_dir("meta-llama/Llama-3.2-1B")   # its snapshot directory if cached, else None
 """
 
 from __future__ import annotations
@@ -23,9 +25,9 @@ def local_model_dir(source: str, revision: str | None = None) -> Path | None:
     """The local directory holding `source`'s files: itself, or its hub-cache snapshot; None if neither."""
     if Path(source).is_dir():
         return Path(source)
-    try:
-        from huggingface_hub import snapshot_download
+    from huggingface_hub import snapshot_download
 
+    try:
         return Path(snapshot_download(source, revision=revision, local_files_only=True))
-    except Exception:  # not a hub id, or not cached: no files to read a pristine copy from
+    except Exception:  # not a hub id, or not cached (huggingface_hub raises several types for these)
         return None

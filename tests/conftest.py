@@ -10,9 +10,6 @@ import atexit
 import os
 import shutil
 import tempfile
-from pathlib import Path
-
-import pytest
 
 # Offline before transformers/datasets are imported anywhere in the session.
 os.environ["HF_HUB_OFFLINE"] = "1"
@@ -26,9 +23,12 @@ atexit.register(shutil.rmtree, _SCRATCH_CACHE, ignore_errors=True)
 os.environ["HF_DATASETS_CACHE"] = os.path.join(_SCRATCH_CACHE, "datasets")
 os.environ["FINETUNE_HOME"] = os.path.join(_SCRATCH_CACHE, "finetune")
 
-# Imported only now: they import transformers, which reads the offline settings above when imported.
-from finetune.embedded.tiny import build_tiny_llama  # noqa: E402
-from finetune.embedded.tokenizer import train_tokenizer  # noqa: E402
+from pathlib import Path
+
+import pytest
+
+from finetune.embedded.tiny import build_tiny_llama
+from finetune.embedded.tokenizer import train_tokenizer
 
 # Small enough that a training step takes milliseconds; every linear out_features is a multiple of 32.
 TEST_SHAPE = dict(
@@ -67,5 +67,5 @@ def tiny_base_dir(tmp_path_factory, tiny_tokenizer) -> Path:
 
 
 # Fixtures defined beside the tests that use them most, shared with the rest of the suite from here.
-from adapter_fixtures import adapter_dirs  # noqa: E402,F401
-from test_train import workdir  # noqa: E402,F401
+from adapter_fixtures import adapter_dirs  # noqa: F401
+from test_train import workdir  # noqa: F401

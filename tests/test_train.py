@@ -116,8 +116,7 @@ def test_train_writes_a_complete_adapter_that_plain_peft_loads(workdir):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    reported: list[tuple[int, dict[str, float]]] = []
-    adapter_dir, metrics = train("recipe.yaml", on_step=lambda step, values: reported.append((step, values)))
+    adapter_dir, metrics = train("recipe.yaml")
     assert adapter_dir == Path("adapters/crates")
     files = sorted(p.name for p in adapter_dir.iterdir())
     assert files == ["README.md", "adapter_config.json", "adapter_model.safetensors", "manifest.json", "recipe.yaml"]
@@ -161,11 +160,6 @@ def test_train_writes_a_complete_adapter_that_plain_peft_loads(workdir):
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in lines if "loss" in m] == [2, 4, 6]
     assert any("eval_loss" in m for m in lines)
-    # on_step saw every optimizer step, then the final evaluation; the file holds its log steps, unchanged.
-    assert [step for step, values in reported] == [1, 2, 3, 4, 5, 6, 6]
-    assert reported[-1][1]["eval_loss"] == metrics["eval_loss"]
-    assert [{"step": s, **v} for s, v in reported if s % 2 == 0 and "loss" in v] == [m for m in lines if "loss" in m]
-    assert reported[-2][1]["tokens_seen"] == metrics["tokens_seen"] > 0
     assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
 
 

@@ -9,7 +9,3 @@ Example:
     from finetune.adapters.lora import read_adapter
     read_adapter("adapters/legal").modules["model.layers.0.self_attn.q_proj"].delta()
 """
-
-from finetune.errors import AdapterWarning
-
-__all__ = ["AdapterWarning"]

@@ -12,7 +12,7 @@ Each command turns the source model's ledger into a target ledger and writes a n
   result, per element).
 
 Peak memory is one shard of tensors plus the adapters (fp32) plus one fp32 accumulator. The output is
-built in a staging directory and renamed to `--out` at the end (`files.staging_dir`). Adapters trained
+built in a staging directory and renamed to `--out` at the end (`model_dir.staging_dir`). Adapters trained
 on a 4-bit/8-bit base are merged into the weights they were trained against: every linear weight
 bitsandbytes would quantize goes through the same quantize → dequantize round trip, and the model is
 written in 16/32-bit.
@@ -25,6 +25,7 @@ Example:
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import time
@@ -47,8 +48,7 @@ from finetune.adapters.model_dir import (
     write_shard,
 )
 from finetune.errors import AdapterError
-from finetune.fingerprint import check_fingerprint, fingerprint_model_dir, weight_files
-from finetune.paths import local_model_dir
+from finetune.fingerprint import fingerprint_model_dir, weight_files
 
 _SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64}
 
@@ -66,9 +66,12 @@ def parse_adapter_spec(spec: str) -> AdapterSpec:
     ref, separator, tail = spec.rpartition(":")
     if separator and ref:
         try:
-            return AdapterSpec(ref, float(tail))
+            weight = float(tail)
         except ValueError:
-            pass
+            return AdapterSpec(spec)
+        if not math.isfinite(weight):
+            raise AdapterError(f"adapter {spec!r}: weight {tail!r} is not a finite number; write e.g. {ref}:0.5")
+        return AdapterSpec(ref, weight)
     return AdapterSpec(spec)
 
 
@@ -106,6 +109,7 @@ class DiskReport:
 def resolve_model_dir(ref: str) -> Path:
     """A local model directory for `ref` (a path, `embedded:*`, or a hub id in the local cache)."""
     from finetune.embedded import resolve_base_id
+    from finetune.paths import local_model_dir
 
     directory = local_model_dir(resolve_base_id(ref))
     if directory is None or not (directory / "config.json").is_file():
@@ -352,6 +356,8 @@ def _quantization_options(adapters: dict[str, Adapter]) -> dict:
 
 
 def _check_new(adapter: Adapter, ledger: Ledger, where: Path, force: bool) -> None:
+    from finetune.fingerprint import check_fingerprint
+
     check_fingerprint(adapter, ledger.base_fingerprint or None, str(ledger.base_path or where), force=force)
 
 

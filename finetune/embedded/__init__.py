@@ -1,12 +1,12 @@
-"""The embedded default base: a tiny Llama built locally on first use, named `embedded:<name>` in recipes.
+"""The embedded default base: a tiny Llama built locally (no download), and the quickstart's data.
 
-One job per module: `cache` (where a base lives, building it once, resolving `embedded:` ids), `build`
-(the build steps and registered settings), `tokenizer`, `corpus`, `pretrain`, `tiny` (the model), and
-`quickstart_data` (the quickstart's generated data set).
+One job per module: `cache` (where a base lives, building it once under a lock, `embedded:` ids),
+`build` (the build recipe: corpus, tokenizer, model, pretraining), `corpus`, `tokenizer`, `tiny`
+(the model config), `pretrain` (the pretraining loop), `quickstart_data` (the generated domain data).
 
 Example:
-    path = ensure_embedded_base("tiny-llama")      # builds on first use (about a minute), then cached
-    resolve_base_id("embedded:tiny-llama")         # the same path, as a string
+    from finetune.embedded import resolve_base_id
+    resolve_base_id("embedded:tiny-llama")   # the local model directory, built on first use
 """
 
 from finetune.embedded.cache import EMBEDDED_PREFIX, embedded_base_dir, ensure_embedded_base, resolve_base_id

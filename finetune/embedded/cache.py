@@ -1,4 +1,4 @@
-"""Where embedded bases are cached, building one once on first use, and turning `embedded:` ids into paths.
+"""Where embedded bases are cached, building one once on first use, and what `embedded:` ids resolve to.
 
 A recipe whose `model.base` is `embedded:tiny-llama` gets a normal Hugging Face model directory under
 `$FINETUNE_HOME/embedded/` (default `~/.cache/finetune/embedded/`), so everything downstream, the
@@ -113,7 +113,7 @@ def ensure_embedded_base(
 
 def _build_into(final_dir: Path, name: str, settings: BuildSettings, report: Callable[[str], None]) -> None:
     """Build in a temporary directory beside `final_dir`, then rename it into place (the caller holds the lock)."""
-    from finetune.embedded.build import build_embedded_base
+    from finetune.embedded.build import build_embedded_base  # imports torch and transformers
 
     # Leftovers of a build that was killed before it could clean up; nobody else holds the lock.
     for stale in final_dir.parent.glob(f".{final_dir.name}.tmp-*"):
