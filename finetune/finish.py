@@ -14,9 +14,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from finetune.atomic import atomic_directory
 from finetune.errors import OutputError
+from finetune.fingerprint import fingerprint_model_dir
 from finetune.manifest import build_manifest, write_manifest
+from finetune.paths import local_model_dir
 from finetune.recipe import recipe_to_dict
 from finetune.run_setup import TrainingRun
 
@@ -39,11 +43,6 @@ def summary_metrics(run: TrainingRun, last: dict[str, float], say: Callable[[str
 
 def write_adapter(run: TrainingRun, metrics: dict[str, Any]) -> Path:
     """Write `adapters/<name>/` whole: peft's files, the resolved recipe and the manifest."""
-    import yaml
-
-    from finetune.fingerprint import fingerprint_model_dir
-    from finetune.paths import local_model_dir
-
     recipe = run.recipe
     base_dir = local_model_dir(run.base_source, recipe.model.revision)  # a hub id: its local snapshot
     manifest = build_manifest(

@@ -27,6 +27,8 @@ from collections.abc import Callable, Iterator
 from types import FrameType
 from typing import Any
 
+import torch
+
 from finetune.errors import FinetuneError
 
 _SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -54,7 +56,6 @@ class StopRequest:
         """True on every process once any process was asked to stop (one tiny all-reduce with several)."""
         if accelerator.num_processes == 1:
             return self.requested
-        import torch
 
         flag = torch.tensor(float(self.signal_number or 0), device=accelerator.device)
         agreed = int(accelerator.reduce(flag, reduction="max"))

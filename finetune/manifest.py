@@ -18,6 +18,8 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from finetune.errors import AdapterError
+from finetune.recipe import recipe_to_dict
+from finetune.version import __version__
 
 MANIFEST_NAME = "manifest.json"
 MANIFEST_FORMAT = "finetune-adapter/1"
@@ -66,8 +68,6 @@ def build_manifest(
     recipe: Any, *, base_source: str, base_fingerprint: str, data: Any, metrics: dict[str, Any]
 ) -> Manifest:
     """The manifest of an adapter that `recipe` trained on `base_source` with `data` (a `DataBundle`)."""
-    from finetune.recipe import recipe_to_dict
-
     return Manifest(
         name=recipe.output.name,
         base=BaseInfo(
@@ -88,12 +88,11 @@ def build_manifest(
 
 def library_versions() -> dict[str, str]:
     """Versions of the libraries that shape an adapter's numbers."""
+    # Imported here, not above: reading a manifest (`finetune adapters list`) must not load torch.
     import accelerate
     import peft
     import torch
     import transformers
-
-    from finetune.version import __version__
 
     return {
         "finetune": __version__,

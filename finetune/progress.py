@@ -18,6 +18,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from tqdm.auto import tqdm
+
 StepCallback = Callable[[int, dict[str, float]], None]
 Say = Callable[[str], None]
 
@@ -55,14 +57,13 @@ class TrainingLog:
         say: Say,
         show_bar: bool,
     ) -> None:
-        from tqdm.auto import tqdm
-
         self.run_dir, self.total_steps, self.log_every_steps, self.say = run_dir, total_steps, log_every_steps, say
         self.show_bar = show_bar
         self._bar = tqdm(total=total_steps, initial=first_step, disable=not show_bar, unit="step", dynamic_ncols=True)
         self._tensorboard: Any = None
         if run_dir is not None:
             run_dir.mkdir(parents=True, exist_ok=True)
+            # TensorBoard's writer takes about a second to import; only the main process writes.
             from torch.utils.tensorboard import SummaryWriter
 
             self._tensorboard = SummaryWriter(log_dir=str(run_dir / "tensorboard"))

@@ -23,10 +23,18 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from accelerate import Accelerator
+from accelerate.state import AcceleratorState
+from accelerate.utils import gather_object, set_seed
+from peft import get_peft_model_state_dict, set_peft_model_state_dict
+from transformers import get_scheduler
 
 from finetune import checkpoint as ckpt
+from finetune.data import build_datasets, collate_batch
 from finetune.data.sampler import MicroBatchStream
 from finetune.errors import CheckpointError, RecipeError
+from finetune.evaluate import evaluate
+from finetune.model import describe_trainable, load_base_from_config, wrap_with_lora
 from finetune.recipe import Recipe, recipe_to_dict
 
 Say = Callable[[str], None]
@@ -84,8 +92,6 @@ def make_optimizer(recipe: Recipe, parameters: list[torch.nn.Parameter]) -> torc
 
 
 def make_scheduler(recipe: Recipe, optimizer: torch.optim.Optimizer, plan: StepPlan) -> Any:
-    from transformers import get_scheduler
-
     name = {"cosine": "cosine", "linear": "linear", "constant": "constant_with_warmup"}[recipe.train.schedule]
     return get_scheduler(name, optimizer, num_warmup_steps=plan.warmup_steps, num_training_steps=plan.total_steps)
 
@@ -138,8 +144,6 @@ class TrainingRun:
         return self.recipe.output.run_path
 
     def collate(self, rows: list[dict]) -> dict[str, torch.Tensor]:
-        from finetune.data import collate_batch
-
         # Varlen kernels want one padding-free sequence; sdpa/eager are faster on (B, T) packed rows.
         layout = "one_sequence" if self.recipe.model.attn_implementation == "flash_attention_2" else "rows"
         return collate_batch(
@@ -162,8 +166,6 @@ class TrainingRun:
 
     def evaluate(self) -> dict[str, float]:
         """Held-out loss and perplexity of the model as it is now; {} without validation data."""
-        from finetune.evaluate import evaluate
-
         if self.data.validation is None:
             return {}
         return evaluate(
@@ -177,9 +179,6 @@ class TrainingRun:
 
     def save_checkpoint(self) -> Path:
         """Write a resumable checkpoint of this step (every process takes part: RNG states are gathered)."""
-        from accelerate.utils import gather_object
-        from peft import get_peft_model_state_dict
-
         rng_states = gather_object([ckpt.capture_rng_state()])
         path = ckpt.checkpoint_path(self.run_dir, self.step)
         if self.is_main:
@@ -203,9 +202,6 @@ class TrainingRun:
 
 
 def _make_accelerator(recipe: Recipe) -> Any:
-    from accelerate import Accelerator
-    from accelerate.state import AcceleratorState
-
     precision = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}[recipe.train.precision]
     # accelerate keeps one process-wide AcceleratorState and refuses a second Accelerator with another
     # precision. Clearing it (not the PartialState holding the process group) lets the Python API run
@@ -215,10 +211,6 @@ def _make_accelerator(recipe: Recipe) -> Any:
 
 
 def _wrap_for_training(recipe: Recipe, model: Any, say: Say) -> Any:
-    from accelerate.utils import set_seed
-
-    from finetune.model import describe_trainable, wrap_with_lora
-
     model.config.use_cache = False  # packed rows are isolated by position ids only without the KV cache
     set_seed(recipe.train.seed)  # after loading: see the module docstring
     peft_model = wrap_with_lora(model, recipe.lora)
@@ -230,9 +222,6 @@ def _wrap_for_training(recipe: Recipe, model: Any, say: Say) -> Any:
 
 def start_run(recipe: Recipe, *, resume: bool, say: Say) -> TrainingRun:
     """Build everything the loop needs; with `resume`, continue from the newest checkpoint."""
-    from finetune.data import build_datasets
-    from finetune.model import load_base_from_config
-
     if not resume:
         check_output_free(recipe)
     resume_from = ckpt.latest_checkpoint(recipe.output.run_path) if resume else None
@@ -277,8 +266,6 @@ def start_run(recipe: Recipe, *, resume: bool, say: Say) -> TrainingRun:
 
 
 def _restore(run: TrainingRun, path: Path, say: Say) -> None:
-    from peft import set_peft_model_state_dict
-
     trainable, state = ckpt.load_checkpoint(path, optimizer=run.optimizer, scheduler=run.scheduler)
     if state.get("recipe_digest") != recipe_digest(run.recipe):
         raise CheckpointError(

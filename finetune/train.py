@@ -31,9 +31,12 @@ from typing import Any, NamedTuple
 
 import torch
 
+from finetune import checkpoint as ckpt
 from finetune.errors import TrainingError
+from finetune.finish import finish_run
 from finetune.interrupt import StopRequest, TrainingInterrupted, graceful_stop
 from finetune.loss import forward_loss, to_device
+from finetune.manifest import read_manifest
 from finetune.progress import Say, StepCallback, TrainingLog, fan_out
 from finetune.recipe import Recipe, load_recipe
 from finetune.run_setup import TrainingRun, start_run
@@ -73,8 +76,6 @@ def train(
         TrainingError: a NaN/Inf loss or gradient (beyond `train.nonfinite_skips`); no adapter is written.
         TrainingInterrupted: SIGINT/SIGTERM; a checkpoint of the last finished step was written.
     """
-    from finetune.finish import finish_run
-
     recipe = load_recipe(recipe_or_path, list(overrides))
     run = start_run(recipe, resume=resume, say=log)
     if resume and run.step == run.plan.total_steps and recipe.output.adapter_dir.exists():
@@ -105,8 +106,6 @@ def train(
 
 
 def _recorded_metrics(adapter_dir: Path) -> dict[str, Any]:
-    from finetune.manifest import read_manifest
-
     manifest = read_manifest(adapter_dir)
     return dict(manifest.metrics) if manifest is not None else {}
 
@@ -163,7 +162,6 @@ def _refuse_nonfinite(run: TrainingRun, loss: float, grad_norm: float, skipped_s
     allowed = run.recipe.train.nonfinite_skips
     if skipped_steps <= allowed:
         return
-    from finetune import checkpoint as ckpt
 
     last_good = ckpt.latest_checkpoint(run.run_dir)
     where = f"the last good checkpoint is {last_good}" if last_good else "no checkpoint was written yet"

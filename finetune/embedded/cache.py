@@ -82,7 +82,7 @@ def ensure_embedded_base(
     """
     from filelock import FileLock, Timeout
 
-    from finetune.embedded.build import EMBEDDED_BASES, build_embedded_base
+    from finetune.embedded.build import EMBEDDED_BASES
 
     if settings is None:
         if name not in EMBEDDED_BASES:
@@ -96,7 +96,6 @@ def ensure_embedded_base(
     final_dir = embedded_base_dir(name, settings, root)
     if _is_built(final_dir):
         return final_dir
-
     final_dir.parent.mkdir(parents=True, exist_ok=True)
     lock = FileLock(str(final_dir.parent / f"{final_dir.name}.lock"))
     try:
@@ -105,27 +104,33 @@ def ensure_embedded_base(
         report(f"another process is building {final_dir}; waiting for it")
         lock.acquire()
     try:
-        if _is_built(final_dir):  # built by the process we waited for
-            return final_dir
-        # Leftovers of a build that was killed before it could clean up; nobody else holds the lock.
-        for stale in final_dir.parent.glob(f".{final_dir.name}.tmp-*"):
-            shutil.rmtree(stale, ignore_errors=True)
-        if final_dir.exists():  # neither complete nor ours to trust
-            shutil.rmtree(final_dir)
-        report(f"building embedded base {EMBEDDED_PREFIX}{name} into {final_dir} (first use only; about a minute)")
-        start_seconds = time.perf_counter()
-        work_dir = Path(tempfile.mkdtemp(prefix=f".{final_dir.name}.tmp-", dir=final_dir.parent))
-        work_dir.chmod(0o755)  # mkdtemp makes it private; a model directory is ordinary data
-        try:
-            build_embedded_base(work_dir, settings, report)
-            os.rename(work_dir, final_dir)
-        except BaseException:
-            shutil.rmtree(work_dir, ignore_errors=True)
-            raise
-        report(f"built {EMBEDDED_PREFIX}{name} in {time.perf_counter() - start_seconds:.0f} s")
+        if not _is_built(final_dir):  # else built by the process we waited for
+            _build_into(final_dir, name, settings, report)
         return final_dir
     finally:
         lock.release()
+
+
+def _build_into(final_dir: Path, name: str, settings: BuildSettings, report: Callable[[str], None]) -> None:
+    """Build in a temporary directory beside `final_dir`, then rename it into place (the caller holds the lock)."""
+    from finetune.embedded.build import build_embedded_base  # imports torch and transformers
+
+    # Leftovers of a build that was killed before it could clean up; nobody else holds the lock.
+    for stale in final_dir.parent.glob(f".{final_dir.name}.tmp-*"):
+        shutil.rmtree(stale, ignore_errors=True)
+    if final_dir.exists():  # neither complete nor ours to trust
+        shutil.rmtree(final_dir)
+    report(f"building embedded base {EMBEDDED_PREFIX}{name} into {final_dir} (first use only; about a minute)")
+    start_seconds = time.perf_counter()
+    work_dir = Path(tempfile.mkdtemp(prefix=f".{final_dir.name}.tmp-", dir=final_dir.parent))
+    work_dir.chmod(0o755)  # mkdtemp makes it private; a model directory is ordinary data
+    try:
+        build_embedded_base(work_dir, settings, report)
+        os.rename(work_dir, final_dir)
+    except BaseException:
+        shutil.rmtree(work_dir, ignore_errors=True)
+        raise
+    report(f"built {EMBEDDED_PREFIX}{name} in {time.perf_counter() - start_seconds:.0f} s")
 
 
 def resolve_base_id(base: str, progress: Callable[[str], None] | None = None) -> str:
