@@ -8,7 +8,8 @@ If any tensor would hold NaN/Inf, the tensors already rewritten are recomputed f
 the operation raises: a failed operation leaves the model as it was.
 
 `use(name)` switches an *unmerged* adapter on for every forward (peft's multi-adapter mode, loaded on
-first use); `use(None)` switches it off. Rules: an adapter cannot be both merged and in use (that would
+first use); `use(None)` switches it off. `attach(name)` loads one without switching it on, and
+`per_row()` gives each row of a batch its own attached adapter (what `finetune serve` batches with). Rules: an adapter cannot be both merged and in use (that would
 count it twice), so `use` refuses a merged adapter and `merge`/`swap` refuse the adapter in use; other
 adapters may be merged underneath the one in use (its LoRA adds on top of the merged weights). On a
 quantized base, `use` and merges exclude each other (peft's quantized LoRA layers need the quantized
@@ -24,6 +25,8 @@ from __future__ import annotations
 
 import time
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -278,6 +281,13 @@ class LoadedModel:
                 self._peft.base_model.disable_adapter_layers()
             self._active = None
             return
+        self.attach(name)
+        self._peft.set_adapter(name)
+        self._peft.base_model.enable_adapter_layers()
+        self._active = name
+
+    def attach(self, name: str) -> None:
+        """Load adapter `name` into peft's LoRA layers, unmerged, without switching it on (see `per_row`)."""
         adapter = self._adapter(name)
         if name in self._ledger.entries:
             raise AdapterError(
@@ -293,11 +303,49 @@ class LoadedModel:
                 self._peft = PeftModel.from_pretrained(
                     self.model, str(adapter.path), adapter_name=name, is_trainable=False
                 )
+                self._peft.base_model.disable_adapter_layers()  # attached, not in use: forwards stay the base's
             elif name not in self._peft.peft_config:
                 self._peft.load_adapter(str(adapter.path), adapter_name=name, is_trainable=False)
-        self._peft.set_adapter(name)
+
+    @property
+    def attached(self) -> list[str]:
+        """Adapters loaded into peft's LoRA layers (by `use` or `attach`), sorted."""
+        return sorted(self._peft.peft_config) if self._peft is not None else []
+
+    @contextmanager
+    def per_row(self) -> Iterator[torch.nn.Module]:
+        """peft's model with adapter layers on, for calls with one adapter per row of a batch.
+
+        Call it with `adapter_names=[...]`, one attached adapter name per row and "__base__" for base
+        rows (peft's mixed-batch inference; it refuses DoRA, which `read_adapter` refuses already). The
+        rows then get exactly what `use(name)` would give them alone. What is merged stays underneath
+        every row, so do not name a merged adapter. On leaving, the `use` state is restored.
+
+        Example:
+            with m.per_row() as model:
+                model(input_ids=ids, attention_mask=mask, adapter_names=["legal", "__base__"])
+        """
+        if self._peft is None:
+            raise AdapterError("no adapter is attached; call attach(name) first")
         self._peft.base_model.enable_adapter_layers()
-        self._active = name
+        try:
+            yield self._peft
+        finally:
+            if self._active is None:
+                self._peft.base_model.disable_adapter_layers()
+
+    def remove_adapter(self, name: str) -> None:
+        """Forget adapter `name` and free its weights in peft; it must be neither merged nor in use."""
+        self._adapter(name)
+        if name in self._ledger.entries:
+            raise AdapterError(f"adapter {name!r} is merged; subtract it before removing it")
+        if name == self._active:
+            raise AdapterError(f"adapter {name!r} is in use; call use(None) before removing it")
+        if self._peft is not None and name in self._peft.peft_config:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                self._peft.delete_adapter(name)
+        del self.adapters[name]
 
     # ---- saving ------------------------------------------------------------------------------------
     def merged_state(self) -> dict[str, torch.Tensor]:
