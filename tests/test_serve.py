@@ -17,6 +17,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -198,6 +199,36 @@ def test_concurrent_requests_share_forwards_and_match_alone(client, reference):
     assert stats["max_rows_per_forward"] >= 3
     for (model, prompt), choice in zip(jobs, choices):
         assert choice["token_ids"] == greedy(reference, adapter_of(model), prompt_ids(reference.tokenizer, prompt))
+
+
+def test_requests_join_and_leave_a_running_batch(client, reference):
+    """Rows join a batch that is decoding (padded cache) and leave it at different steps (trimmed cache)."""
+    stats = lambda: client.get("/stats").json()
+    joins_before = stats()["joins"]
+    with ThreadPoolExecutor(8) as pool:
+        long = pool.submit(complete, client, "med", PROMPTS[3], max_tokens=MAX_TOKENS_LIMIT)
+        deadline = time.monotonic() + 60
+        while stats()["running"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        jobs = [("legal", PROMPTS[2], 3), (BASE_NAME, PROMPTS[0], 9), ("med", PROMPTS[1], 5), ("legal", PROMPTS[3], 12)]
+        choices = list(pool.map(lambda job: complete(client, job[0], job[1], max_tokens=job[2]), jobs))
+        jobs.append(("med", PROMPTS[3], MAX_TOKENS_LIMIT))
+        choices.append(long.result())
+    assert stats()["joins"] > joins_before
+    for (model, prompt, max_tokens), choice in zip(jobs, choices):
+        expected = greedy(reference, adapter_of(model), prompt_ids(reference.tokenizer, prompt), max_tokens)
+        assert choice["token_ids"] == expected, (model, prompt, max_tokens)
+
+
+def test_seeded_sampling_is_reproducible_alone_and_in_a_batch(client):
+    sampled = dict(temperature=0.9, top_p=0.9, top_k=50, seed=7)
+    alone = complete(client, "legal", PROMPTS[0], **sampled)["token_ids"]
+    with ThreadPoolExecutor(3) as pool:
+        others = [pool.submit(complete, client, model, PROMPTS[1]) for model in ("med", BASE_NAME)]
+        batched = complete(client, "legal", PROMPTS[0], **sampled)["token_ids"]
+        [other.result() for other in others]
+    assert batched == alone
+    assert complete(client, "legal", PROMPTS[0], **{**sampled, "seed": 8})["token_ids"] != alone
 
 
 def test_streaming_returns_the_same_text(client, reference):

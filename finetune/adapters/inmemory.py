@@ -9,11 +9,11 @@ the operation raises: a failed operation leaves the model as it was.
 
 `use(name)` switches an *unmerged* adapter on for every forward (peft's multi-adapter mode, loaded on
 first use); `use(None)` switches it off. `attach(name)` loads one without switching it on, and
-`per_row()` gives each row of a batch its own attached adapter (what `finetune serve` batches with). Rules: an adapter cannot be both merged and in use (that would
-count it twice), so `use` refuses a merged adapter and `merge`/`swap` refuse the adapter in use; other
-adapters may be merged underneath the one in use (its LoRA adds on top of the merged weights). On a
-quantized base, `use` and merges exclude each other (peft's quantized LoRA layers need the quantized
-layer underneath).
+`use_per_row()` lets each row of a batch name its own attached adapter (how `finetune serve` batches).
+Rules: an adapter cannot be both merged and in use (that would count it twice), so `use` refuses a
+merged adapter and `merge`/`swap` refuse the adapter in use; other adapters may be merged underneath
+the one in use (its LoRA adds on top of the merged weights). On a quantized base, `use` and merges
+exclude each other (peft's quantized LoRA layers need the quantized layer underneath).
 
 Example:
     m = finetune.load_model("models/tiny", adapters={"legal": "adapters/legal", "med": "adapters/med"})
@@ -25,8 +25,6 @@ from __future__ import annotations
 
 import time
 import warnings
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -287,7 +285,7 @@ class LoadedModel:
         self._active = name
 
     def attach(self, name: str) -> None:
-        """Load adapter `name` into peft's LoRA layers, unmerged, without switching it on (see `per_row`)."""
+        """Load adapter `name` into peft's LoRA layers, unmerged, without switching it on (see `use_per_row`)."""
         adapter = self._adapter(name)
         if name in self._ledger.entries:
             raise AdapterError(
@@ -307,32 +305,25 @@ class LoadedModel:
             elif name not in self._peft.peft_config:
                 self._peft.load_adapter(str(adapter.path), adapter_name=name, is_trainable=False)
 
-    @property
-    def attached(self) -> list[str]:
-        """Adapters loaded into peft's LoRA layers (by `use` or `attach`), sorted."""
-        return sorted(self._peft.peft_config) if self._peft is not None else []
+    def use_per_row(self) -> torch.nn.Module:
+        """Switch every attached adapter on for calls that name one adapter per row of a batch.
 
-    @contextmanager
-    def per_row(self) -> Iterator[torch.nn.Module]:
-        """peft's model with adapter layers on, for calls with one adapter per row of a batch.
-
-        Call it with `adapter_names=[...]`, one attached adapter name per row and "__base__" for base
-        rows (peft's mixed-batch inference; it refuses DoRA, which `read_adapter` refuses already). The
-        rows then get exactly what `use(name)` would give them alone. What is merged stays underneath
-        every row, so do not name a merged adapter. On leaving, the `use` state is restored.
+        Returns peft's model: call it with `adapter_names=[...]`, one attached adapter per row and
+        "__base__" for base rows (peft's mixed-batch inference; DoRA, which peft refuses there, is
+        refused by `read_adapter` already). Each row then gets what `use(name)` gives it alone. What is
+        merged stays underneath every row, so name no merged adapter. Until `use(...)` ends this mode, a
+        call without `adapter_names` applies peft's active adapter: always pass them. Adapters attached
+        later take part too.
 
         Example:
-            with m.per_row() as model:
-                model(input_ids=ids, attention_mask=mask, adapter_names=["legal", "__base__"])
+            model = m.use_per_row()
+            model(input_ids=ids, attention_mask=mask, adapter_names=["legal", "__base__"])
         """
         if self._peft is None:
             raise AdapterError("no adapter is attached; call attach(name) first")
         self._peft.base_model.enable_adapter_layers()
-        try:
-            yield self._peft
-        finally:
-            if self._active is None:
-                self._peft.base_model.disable_adapter_layers()
+        self._active = None
+        return self._peft
 
     def remove_adapter(self, name: str) -> None:
         """Forget adapter `name` and free its weights in peft; it must be neither merged nor in use."""

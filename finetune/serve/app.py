@@ -35,7 +35,7 @@ from starlette.exceptions import HTTPException
 
 from finetune.errors import FinetuneError, ServeError
 from finetune.serve import protocol
-from finetune.serve.batcher import Batcher, Event, Failed, Finished, Piece, Sequence
+from finetune.serve.batcher import Batcher, Event, Failed, Finished, Piece, Sequence, internal_error
 from finetune.serve.sampling import SamplingParams
 
 logger = logging.getLogger("finetune.serve")
@@ -202,7 +202,7 @@ def _event_stream(chunks: AsyncIterator[dict], sequences: list[Sequence]) -> Str
             yield f"data: {json.dumps(protocol.error_body(error))}\n\n"
         except Exception:
             logger.exception("finetune serve: a streamed response failed")
-            yield f"data: {json.dumps(protocol.error_body(_internal_error()))}\n\n"
+            yield f"data: {json.dumps(protocol.error_body(internal_error()))}\n\n"
         finally:  # also when the client disconnects: its rows leave the batch at the next step
             for sequence in sequences:
                 sequence.cancelled = True
@@ -249,12 +249,6 @@ def _add_error_handlers(app: FastAPI) -> None:
         )
 
     @app.exception_handler(Exception)
-    async def internal_error(request: Request, error: Exception) -> JSONResponse:
+    async def unexpected_error(request: Request, error: Exception) -> JSONResponse:
         logger.exception("finetune serve: %s %s failed", request.method, request.url.path)
-        return _error_response(_internal_error())
-
-
-def _internal_error() -> ServeError:
-    return ServeError(
-        "internal error; see the server log", status=500, error_type="server_error", code="internal_error"
-    )
+        return _error_response(internal_error())

@@ -108,6 +108,7 @@ class BatchStats:
         self.forward_passes = self.prefill_passes = self.rows_total = self.max_rows = 0
         self.forwards_by_model_count: Counter[int] = Counter()  # distinct models in one forward -> passes
         self.sequences_finished = self.sequences_failed = 0
+        self.joins = 0  # prefills whose rows joined a batch already decoding
 
     def record_forward(self, models: list[str], *, prefill: bool) -> None:
         with self._lock:
@@ -116,6 +117,10 @@ class BatchStats:
             self.rows_total += len(models)
             self.max_rows = max(self.max_rows, len(models))
             self.forwards_by_model_count[len(set(models))] += 1
+
+    def record_join(self) -> None:
+        with self._lock:
+            self.joins += 1
 
     def count(self, *, failed: bool) -> None:
         with self._lock:
@@ -133,6 +138,7 @@ class BatchStats:
                 "rows_total": self.rows_total,
                 "max_rows_per_forward": self.max_rows,
                 "forwards_by_model_count": {str(k): v for k, v in sorted(self.forwards_by_model_count.items())},
+                "joins": self.joins,
                 "sequences_finished": self.sequences_finished,
                 "sequences_failed": self.sequences_failed,
             }
@@ -224,7 +230,7 @@ class Batcher:
                     self._step()
             except Exception:  # a bug, not a bad request: fail what runs, keep serving
                 logger.exception("finetune serve: a scheduling round failed")
-                self._fail_running("internal error while generating; see the server log")
+                self._fail_running()
 
     def _next_round(self) -> bool:
         """Wait until there is work (and, when idle, up to max_wait for a fuller batch); False: stop."""
@@ -286,7 +292,7 @@ class Batcher:
         except Exception:
             logger.exception("finetune serve: a prefill forward failed")
             for sequence in sequences:
-                self._fail(sequence, _internal_error())
+                self._fail(sequence, internal_error())
             return
         self.stats.record_forward(batch.models, prefill=True)
         keep = self._deliver(sequences, tokens)
@@ -300,6 +306,7 @@ class Batcher:
             else:
                 self._batch.join(batch)
                 self._running = self._running + kept
+                self.stats.record_join()
 
     def _step(self) -> None:
         assert self._batch is not None and len(self._batch) == len(self._running)
@@ -308,7 +315,7 @@ class Batcher:
             tokens = self._sample(self._running, self.engine.decode(self._batch, last))
         except Exception:
             logger.exception("finetune serve: a decode step failed")
-            self._fail_running("internal error while generating; see the server log")
+            self._fail_running()
             return
         self.stats.record_forward(self._batch.models, prefill=False)
         keep = self._deliver(self._running, tokens)
@@ -362,11 +369,11 @@ class Batcher:
         self.stats.count(failed=True)
         self._emit(sequence, Failed(sequence.index, error))
 
-    def _fail_running(self, message: str) -> None:
+    def _fail_running(self) -> None:
         with self._cond:
             running, self._running, self._batch = self._running, [], None
         for sequence in running:
-            self._fail(sequence, _internal_error(message))
+            self._fail(sequence, internal_error())
 
     @staticmethod
     def _emit(sequence: Sequence, event: Event) -> None:
@@ -376,5 +383,8 @@ class Batcher:
             logger.debug("finetune serve: dropped an event for a closed request", exc_info=True)
 
 
-def _internal_error(message: str = "internal error while generating; see the server log") -> ServeError:
-    return ServeError(message, status=500, error_type="server_error", code="internal_error")
+def internal_error() -> ServeError:
+    """A 500 in OpenAI's shape: what a client gets when the server, not its request, failed."""
+    return ServeError(
+        "internal error; see the server log", status=500, error_type="server_error", code="internal_error"
+    )

@@ -61,11 +61,12 @@ class Engine:
         self.max_model_len = int(getattr(config, "max_position_embeddings", None) or tokenizer.model_max_length)
         for name in loaded.adapters:
             self._check_name(name)
+        self._per_row_model = None  # peft's model in per-row mode, once an adapter is attached
         if merged is not None:
             loaded.merge(merged)
         else:
             for name in loaded.adapters:
-                loaded.attach(name)
+                self._attach(name)
 
     @classmethod
     def load(cls, settings: ServeSettings) -> Engine:
@@ -164,10 +165,9 @@ class Engine:
     def _forward(self, input_ids: torch.Tensor, batch: KVBatch) -> torch.Tensor:
         arguments = dict(input_ids=input_ids, logits_to_keep=1, **batch.forward_kwargs())
         with torch.inference_mode():
-            if self.merged is None and self.loaded.attached:
+            if self._per_row_model is not None:
                 rows = [BASE_ROW if model == self.base_name else model for model in batch.models]
-                with self.loaded.per_row() as model:
-                    output = model(**arguments, adapter_names=rows)
+                output = self._per_row_model(**arguments, adapter_names=rows)
             else:
                 output = self.loaded.model(**arguments)
         return output.logits[:, -1].float()
@@ -204,7 +204,7 @@ class Engine:
             self.loaded.add_adapter(adapter)
         try:
             if self.merged is None:
-                self.loaded.attach(name)
+                self._attach(name)
                 return f"Success: LoRA adapter '{name}' added successfully."
             if self.merged != name:
                 self.loaded.swap(self.merged, name)
@@ -235,6 +235,11 @@ class Engine:
         self.check_removable(name)
         self.loaded.remove_adapter(name)
         return f"Success: LoRA adapter '{name}' removed successfully."
+
+    def _attach(self, name: str) -> None:
+        self.loaded.attach(name)
+        if self._per_row_model is None:
+            self._per_row_model = self.loaded.use_per_row()
 
     def _check_name(self, name: str) -> None:
         if name == self.base_name:

@@ -48,7 +48,11 @@ class ServerThread:
     """The whole server (models, batcher, uvicorn) running in a background thread until `stop()`."""
 
     def __init__(self, settings: ServeSettings):
-        import uvicorn
+        try:
+            import fastapi  # noqa: F401
+            import uvicorn
+        except ImportError as exc:
+            raise ServeError(f"finetune serve needs {exc.name}: pip install 'finetune[serve]'") from None
 
         from finetune.serve.app import create_app
         from finetune.serve.batcher import Batcher
