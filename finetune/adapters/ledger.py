@@ -67,7 +67,9 @@ class Ledger:
             entries[name] = LedgerEntry(weight=total, path=path, sha256=sha)
         return replace(self, entries=entries)
 
-    def minus(self, name: str, weight: float | None, adapter=None, *, negate: bool, where: str = "the model") -> Ledger:
+    def minus(
+        self, name: str, weight: float | None, adapter=None, *, negate: bool, where: str = "the model"
+    ) -> Ledger:
         """The ledger after subtracting `weight` of `name` (default: all that is merged).
 
         Taking out more than is merged, or an adapter that is not merged at all, is task negation
