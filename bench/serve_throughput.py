@@ -50,6 +50,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--requests", type=int, default=8, help="concurrent requests per batched run")
     parser.add_argument("--max-tokens", type=int, default=32, help="tokens generated per request")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads of each server (1: steadier when shared)")
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--intermediate", type=int, default=1376)
@@ -61,8 +62,8 @@ def parse_args() -> argparse.Namespace:
 class Server:
     """A `finetune serve` subprocess on 127.0.0.1 with a free port."""
 
-    def __init__(self, arguments: list[str]):
-        env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    def __init__(self, arguments: list[str], threads: int):
+        env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": str(threads)}
         command = [sys.executable, "-m", "finetune", "serve", *arguments, "--port", "0"]
         self.process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, env=env)
         line = ""
@@ -127,8 +128,8 @@ def main() -> None:
     limits = ["--max-batch-size", str(args.requests), "--max-wait-ms", "20", "--max-pending", str(4 * args.requests)]
     limits += ["--max-tokens-limit", str(args.max_tokens), "--base-name", "base"]
     specs = [argument for i, path in enumerate(adapters) for argument in ("--adapter", f"a{i}={path}")]
-    per_row = Server([str(base), *specs, *limits])
-    merged = Server([str(base), *specs, "--merge", "a0", *limits])
+    per_row = Server([str(base), *specs, *limits], args.threads)
+    merged = Server([str(base), *specs, "--merge", "a0", *limits], args.threads)
     arms = [(per_row, k, f"{k} adapters" if k else "base only") for k in ADAPTER_COUNTS] + [(merged, 1, "merged a0")]
     results: dict[str, list[dict]] = {label: [] for _, _, label in arms}
     try:
@@ -153,7 +154,10 @@ def main() -> None:
 
 
 def report(args: argparse.Namespace, results: dict[str, list[dict]]) -> None:
-    print(f"\n{versions()}; {args.requests} requests x {args.max_tokens} tokens, {args.repeats} repeats")
+    print(
+        f"\n{versions()}; servers with {args.threads} torch thread(s); {args.requests} requests x {args.max_tokens} "
+        f"tokens, {args.repeats} repeats"
+    )
     print(
         "| requests for | batched tok/s | one at a time tok/s | batched / one at a time | rows per forward | same tokens |"
     )

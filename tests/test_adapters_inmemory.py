@@ -195,10 +195,18 @@ def test_per_row_adapters_give_each_row_what_use_gives_it_alone(tiny_base_dir, a
         m.remove_adapter("legal")
     m.use(None)
     m.remove_adapter("code")
-    assert "code" not in m.adapters
-    m.attach("legal")
     with pytest.raises(AdapterError, match="no adapter named 'code'"):
         m.use("code")
+    m.subtract("med")
+    m.remove_adapter("med")
+    m.remove_adapter("legal")  # the last one attached: peft's layers are taken out
+    assert m.attached == [] and m.adapters == {}
+    assert torch.equal(_logits(m.model, input_ids), alone[None])
+    m.add_adapter(read_adapter(adapter_dirs["legal"], "legal"))
+    m.attach("legal")
+    with torch.no_grad():
+        again = m.use_per_row()(input_ids=input_ids, adapter_names=["legal"]).logits
+    torch.testing.assert_close(again, alone["legal"], rtol=0, atol=1e-5)
 
 
 def test_subtracting_what_is_not_merged_is_task_negation_and_must_be_asked_for(tiny_base_dir, adapter_dirs):

@@ -107,6 +107,7 @@ class LoadedModel:
         self._requantization_errors: dict[str, float] = {}
         self._peft = None
         self._active: str | None = None
+        self._per_row = False  # use_per_row() is on: adapter layers enabled for calls with adapter_names
 
     # ---- state -------------------------------------------------------------------------------------
     @property
@@ -274,6 +275,7 @@ class LoadedModel:
     # ---- unmerged switching ------------------------------------------------------------------------
     def use(self, name: str | None) -> None:
         """Switch adapter `name` on, unmerged, for every forward (peft multi-adapter); None switches it off."""
+        self._per_row = False
         if name is None:
             if self._peft is not None:
                 self._peft.base_model.disable_adapter_layers()
@@ -302,6 +304,7 @@ class LoadedModel:
                     self.model, str(adapter.path), adapter_name=name, is_trainable=False
                 )
                 self._peft.base_model.disable_adapter_layers()  # attached, not in use: forwards stay the base's
+                self._per_row = False
             elif name not in self._peft.peft_config:
                 self._peft.load_adapter(str(adapter.path), adapter_name=name, is_trainable=False)
 
@@ -321,9 +324,15 @@ class LoadedModel:
         """
         if self._peft is None:
             raise AdapterError("no adapter is attached; call attach(name) first")
-        self._peft.base_model.enable_adapter_layers()
-        self._active = None
+        if not self._per_row:  # switching costs a walk over every module: once, not per call
+            self._peft.base_model.enable_adapter_layers()
+            self._active, self._per_row = None, True
         return self._peft
+
+    @property
+    def attached(self) -> list[str]:
+        """Adapters loaded into peft's LoRA layers (by `use` or `attach`), sorted."""
+        return sorted(self._peft.peft_config) if self._peft is not None else []
 
     def remove_adapter(self, name: str) -> None:
         """Forget adapter `name` and free its weights in peft; it must be neither merged nor in use."""
@@ -335,7 +344,11 @@ class LoadedModel:
         if self._peft is not None and name in self._peft.peft_config:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                self._peft.delete_adapter(name)
+                if len(self._peft.peft_config) == 1:  # peft cannot hold zero adapters: take its layers out
+                    self._peft.unload()
+                    self._peft, self._per_row = None, False
+                else:
+                    self._peft.delete_adapter(name)
         del self.adapters[name]
 
     # ---- saving ------------------------------------------------------------------------------------

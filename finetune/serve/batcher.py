@@ -283,19 +283,20 @@ class Batcher:
             self._prefill(admitted)
 
     def _prefill(self, sequences: list[Sequence]) -> None:
-        batch = KVBatch.from_prompts([s.prompt_ids for s in sequences], [s.model for s in sequences], self._pad_id)
-        for sequence in sequences:
-            sequence.text = TextStream(self.engine.loaded.tokenizer, sequence.stop)
-            sequence.generator = make_generator(sequence.sampling)
+        """Run the prompts of newly admitted sequences in one forward; those that go on join the batch."""
         try:
+            batch = KVBatch.from_prompts([s.prompt_ids for s in sequences], [s.model for s in sequences], self._pad_id)
+            for sequence in sequences:
+                sequence.text = TextStream(self.engine.decode_text, sequence.stop)
+                sequence.generator = make_generator(sequence.sampling)
             tokens = self._sample(sequences, self.engine.prefill(batch))
-        except Exception:
-            logger.exception("finetune serve: a prefill forward failed")
+            self.stats.record_forward(batch.models, prefill=True)
+            keep = self._deliver(sequences, tokens)
+        except Exception:  # nothing of these rows is in the running batch yet: fail them alone
+            logger.exception("finetune serve: a prefill failed")
             for sequence in sequences:
                 self._fail(sequence, internal_error())
             return
-        self.stats.record_forward(batch.models, prefill=True)
-        keep = self._deliver(sequences, tokens)
         if not keep:
             return
         batch.select(keep)
@@ -312,7 +313,7 @@ class Batcher:
         assert self._batch is not None and len(self._batch) == len(self._running)
         try:
             last = [sequence.generated[-1] for sequence in self._running]
-            tokens = self._sample(self._running, self.engine.decode(self._batch, last))
+            tokens = self._sample(self._running, self.engine.step(self._batch, last))
         except Exception:
             logger.exception("finetune serve: a decode step failed")
             self._fail_running()

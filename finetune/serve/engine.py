@@ -21,6 +21,7 @@ Example:
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,18 +56,18 @@ class Engine:
         self.base_name = base_name
         self.merged = merged
         self.created = int(time.time())
+        self._tokenizer_lock = threading.Lock()
         tokenizer, config = loaded.tokenizer, loaded.model.config
         self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         self.stop_token_ids = _stop_token_ids(loaded.model, tokenizer)
         self.max_model_len = int(getattr(config, "max_position_embeddings", None) or tokenizer.model_max_length)
         for name in loaded.adapters:
             self._check_name(name)
-        self._per_row_model = None  # peft's model in per-row mode, once an adapter is attached
         if merged is not None:
             loaded.merge(merged)
         else:
             for name in loaded.adapters:
-                self._attach(name)
+                loaded.attach(name)
 
     @classmethod
     def load(cls, settings: ServeSettings) -> Engine:
@@ -111,14 +112,23 @@ class Engine:
         )
 
     # ---- prompts -----------------------------------------------------------------------------------
+    # A fast tokenizer is one Rust object: two threads encoding, or one encoding while another decodes,
+    # can fail with "RuntimeError: Already borrowed" (transformers #47085, vLLM #40949). One lock serialises them.
     def encode_completion(self, text: str) -> list[int]:
-        return prompt_ids(self.loaded.tokenizer, text)
+        with self._tokenizer_lock:
+            return prompt_ids(self.loaded.tokenizer, text)
 
     def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
         try:
-            return chat_prompt_ids(self.loaded.tokenizer, messages)
+            with self._tokenizer_lock:
+                return chat_prompt_ids(self.loaded.tokenizer, messages)
         except FinetuneError as exc:
             raise ServeError(str(exc), param="messages") from None
+
+    def decode_text(self, token_ids: list[int]) -> str:
+        """Text of generated tokens, as `finetune generate` prints it (special tokens skipped)."""
+        with self._tokenizer_lock:
+            return self.loaded.tokenizer.decode(token_ids, skip_special_tokens=True)
 
     def check_length(self, prompt_tokens: int, max_tokens: int | None, default: int | None, limit: int) -> int:
         """The number of tokens a request may generate; ServeError (400) when it cannot fit."""
@@ -156,7 +166,7 @@ class Engine:
         batch.advance()
         return logits
 
-    def decode(self, batch: KVBatch, tokens: list[int]) -> torch.Tensor:
+    def step(self, batch: KVBatch, tokens: list[int]) -> torch.Tensor:
         """Feed one token per row; return the next-token logits (B, V) and advance the batch."""
         logits = self._forward(torch.tensor(tokens, dtype=torch.long)[:, None], batch)
         batch.advance()
@@ -165,9 +175,9 @@ class Engine:
     def _forward(self, input_ids: torch.Tensor, batch: KVBatch) -> torch.Tensor:
         arguments = dict(input_ids=input_ids, logits_to_keep=1, **batch.forward_kwargs())
         with torch.inference_mode():
-            if self._per_row_model is not None:
+            if self.merged is None and self.loaded.attached:
                 rows = [BASE_ROW if model == self.base_name else model for model in batch.models]
-                output = self._per_row_model(**arguments, adapter_names=rows)
+                output = self.loaded.use_per_row()(**arguments, adapter_names=rows)
             else:
                 output = self.loaded.model(**arguments)
         return output.logits[:, -1].float()
@@ -204,7 +214,7 @@ class Engine:
             self.loaded.add_adapter(adapter)
         try:
             if self.merged is None:
-                self._attach(name)
+                self.loaded.attach(name)
                 return f"Success: LoRA adapter '{name}' added successfully."
             if self.merged != name:
                 self.loaded.swap(self.merged, name)
@@ -235,11 +245,6 @@ class Engine:
         self.check_removable(name)
         self.loaded.remove_adapter(name)
         return f"Success: LoRA adapter '{name}' removed successfully."
-
-    def _attach(self, name: str) -> None:
-        self.loaded.attach(name)
-        if self._per_row_model is None:
-            self._per_row_model = self.loaded.use_per_row()
 
     def _check_name(self, name: str) -> None:
         if name == self.base_name:

@@ -36,7 +36,7 @@ def make_generator(params: SamplingParams) -> torch.Generator | None:
     if params.greedy:
         return None
     seed = params.seed if params.seed is not None else secrets.randbits(63)
-    return torch.Generator().manual_seed(seed)
+    return torch.Generator().manual_seed(seed & (2**64 - 1))  # any integer a client sends: torch takes 64 bits
 
 
 def next_tokens(

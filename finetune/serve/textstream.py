@@ -1,13 +1,13 @@
 """Generated tokens -> text pieces safe to stream, and stop sequences.
 
-The text of a request is always `tokenizer.decode(tokens, skip_special_tokens=True)` of everything
-generated so far (what `finetune generate` prints), so streamed pieces add up to the non-streamed text.
+The text of a request is always `decode(tokens)` of everything generated so far; the server decodes as
+`finetune generate` prints (`skip_special_tokens=True`), so streamed pieces add up to the non-streamed text.
 A piece is held back while it ends in an incomplete UTF-8 character (decoded as U+FFFD, which a later
 byte-level token completes) or in the beginning of a stop sequence; a stop sequence ends the text
 before it, and is not part of it (as in the OpenAI API).
 
 Example:
-    stream = TextStream(tokenizer, stop=["\\n\\n"])
+    stream = TextStream(lambda ids: tokenizer.decode(ids, skip_special_tokens=True), stop=["\\n\\n"])
     for token in tokens:
         piece = stream.push(token)     # "" while held back
         if stream.stopped: break
@@ -16,7 +16,7 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 REPLACEMENT_CHARACTER = "\ufffd"
 
@@ -24,8 +24,8 @@ REPLACEMENT_CHARACTER = "\ufffd"
 class TextStream:
     """Text of one request's generated tokens, released piece by piece."""
 
-    def __init__(self, tokenizer, stop: Sequence[str] = ()):
-        self._tokenizer = tokenizer
+    def __init__(self, decode: Callable[[list[int]], str], stop: Sequence[str] = ()):
+        self._decode = decode
         self._stop = [s for s in stop if s]
         self._tokens: list[int] = []
         self._text = ""
@@ -40,7 +40,7 @@ class TextStream:
     def push(self, token_id: int) -> str:
         """Add one generated token; return the new text that is safe to release (maybe "")."""
         self._tokens.append(token_id)
-        self._text = self._tokenizer.decode(self._tokens, skip_special_tokens=True)
+        self._text = self._decode(self._tokens)
         cut = self._first_stop()
         if cut is not None:
             self._text, self.stopped = self._text[:cut], True
