@@ -27,6 +27,7 @@ import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
@@ -36,6 +37,7 @@ from starlette.exceptions import HTTPException
 from finetune.errors import FinetuneError, ServeError
 from finetune.serve import protocol
 from finetune.serve.batcher import Batcher, Event, Failed, Finished, Piece, Sequence, internal_error
+from finetune.serve.engine import Engine
 from finetune.serve.sampling import SamplingParams
 
 logger = logging.getLogger("finetune.serve")
@@ -44,105 +46,133 @@ MAX_BODY_BYTES = 16 * 2**20
 OPEN_PATHS = ("/health",)
 
 
+@dataclass(frozen=True)
+class _State:
+    """What every route needs, kept on `app.state.serve`."""
+
+    batcher: Batcher
+    max_tokens_limit: int
+    api_key: str | None
+
+    @property
+    def engine(self) -> Engine:
+        return self.batcher.engine
+
+
 def create_app(batcher: Batcher, *, max_tokens_limit: int, api_key: str | None) -> FastAPI:
     """The ASGI application over a started `Batcher`."""
-    engine = batcher.engine
-
-    def require_key(request: Request) -> None:
-        if api_key is None or request.url.path in OPEN_PATHS:
-            return
-        given = request.headers.get("authorization", "")
-        if not secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
-            raise ServeError(
-                "missing or wrong API key: send the header 'Authorization: Bearer <key>'",
-                status=401,
-                code="invalid_api_key",
-            )
-
     app = FastAPI(
-        title="finetune serve", docs_url=None, redoc_url=None, openapi_url=None, dependencies=[Depends(require_key)]
+        title="finetune serve", docs_url=None, redoc_url=None, openapi_url=None, dependencies=[Depends(_require_key)]
     )
+    app.state.serve = _State(batcher, max_tokens_limit, api_key)
     _add_error_handlers(app)
-
-    @app.get("/health")
-    async def health() -> PlainTextResponse:
-        return PlainTextResponse("ok")
-
-    @app.get("/v1/models")
-    async def models() -> JSONResponse:
-        return JSONResponse(protocol.models_body(engine.models(), engine.created, engine.max_model_len))
-
-    @app.get("/stats")
-    async def stats() -> JSONResponse:
-        return JSONResponse({**batcher.stats.snapshot(), **batcher.load(), "max_batch_size": batcher.max_batch_size})
-
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        body = protocol.parse_body(protocol.CompletionRequest, await _read_body(request))
-        engine.check_model(body.model)
-        prompts = await run_in_threadpool(lambda: [engine.encode_completion(p) for p in body.prompts()])
-        return await _generate(request, body, prompts, chat=False)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
-        body = protocol.parse_body(protocol.ChatCompletionRequest, await _read_body(request))
-        engine.check_model(body.model)
-        messages = [message.as_template_input() for message in body.messages]
-        prompt = await run_in_threadpool(engine.encode_chat, messages)
-        return await _generate(request, body, [prompt], chat=True)
-
-    async def _generate(request: Request, body, prompts: list[list[int]], *, chat: bool):
-        budget = body.token_budget() if chat else body.max_tokens
-        sampling = SamplingParams(body.temperature, body.top_p, max(body.top_k, 0), body.seed)
-        stop = body.stop_sequences()
-        lengths = [engine.check_length(len(p), budget, None if chat else 16, max_tokens_limit) for p in prompts]
-        events: asyncio.Queue[Event] = asyncio.Queue()
-        emit = _threadsafe_put(asyncio.get_running_loop(), events)
-        sequences = [
-            Sequence(body.model, p, n, sampling, emit, stop=stop, index=i, stream=body.stream)
-            for i, (p, n) in enumerate(zip(prompts, lengths))
-        ]
-        batcher.submit(sequences)
-        reply = _Reply(f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", body.model, int(time.time()))
-        if body.stream:
-            usage = body.stream_options is not None and body.stream_options.include_usage
-            chunks = reply.chat_chunks if chat else reply.completion_chunks
-            return _event_stream(chunks(events, sequences, usage), sequences)
-        try:
-            results = await _collect(events, len(sequences))
-        finally:
-            for sequence in sequences:  # the client may have gone: stop generating for it
-                sequence.cancelled = True
-        if chat:
-            return JSONResponse(
-                protocol.chat_body(reply.id, body.model, reply.created, results[0], body.return_token_ids)
-            )
-        return JSONResponse(
-            protocol.completion_body(reply.id, body.model, reply.created, results, body.return_token_ids)
-        )
-
-    @app.post("/v1/load_lora_adapter")
-    async def load_lora_adapter(request: Request) -> PlainTextResponse:
-        body = protocol.parse_body(protocol.LoadAdapterRequest, await _read_body(request))
-        adapter = await run_in_threadpool(engine.read_new_adapter, body.lora_name, body.lora_path)
-        action = lambda: engine.install(body.lora_name, adapter)
-        if engine.merged is None:  # attaching does not disturb running rows
-            future = batcher.control(action)
-        else:  # swapping the merged weights waits until nothing runs, and holds new rows back
-            future = batcher.control(action, blocks=lambda model: True, ready=lambda running: not running)
-        return PlainTextResponse(await asyncio.wrap_future(future))
-
-    @app.post("/v1/unload_lora_adapter")
-    async def unload_lora_adapter(request: Request) -> PlainTextResponse:
-        body = protocol.parse_body(protocol.UnloadAdapterRequest, await _read_body(request))
-        name = body.lora_name
-        engine.check_removable(name)
-        future = batcher.control(
-            lambda: engine.remove(name), blocks=lambda model: model == name, ready=lambda running: name not in running
-        )
-        return PlainTextResponse(await asyncio.wrap_future(future))
-
+    app.add_api_route("/health", health, methods=["GET"])
+    app.add_api_route("/stats", stats, methods=["GET"])
+    app.add_api_route("/v1/models", models, methods=["GET"])
+    app.add_api_route("/v1/completions", completions, methods=["POST"])
+    app.add_api_route("/v1/chat/completions", chat_completions, methods=["POST"])
+    app.add_api_route("/v1/load_lora_adapter", load_lora_adapter, methods=["POST"])
+    app.add_api_route("/v1/unload_lora_adapter", unload_lora_adapter, methods=["POST"])
     return app
+
+
+def _state(request: Request) -> _State:
+    return request.app.state.serve
+
+
+def _require_key(request: Request) -> None:
+    api_key = _state(request).api_key
+    if api_key is None or request.url.path in OPEN_PATHS:
+        return
+    given = request.headers.get("authorization", "")
+    if not secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+        raise ServeError(
+            "missing or wrong API key: send the header 'Authorization: Bearer <key>'",
+            status=401,
+            code="invalid_api_key",
+        )
+
+
+async def health() -> PlainTextResponse:
+    return PlainTextResponse("ok")
+
+
+async def stats(request: Request) -> JSONResponse:
+    batcher = _state(request).batcher
+    return JSONResponse({**batcher.stats.snapshot(), **batcher.load(), "max_batch_size": batcher.max_batch_size})
+
+
+async def models(request: Request) -> JSONResponse:
+    engine = _state(request).engine
+    return JSONResponse(protocol.models_body(engine.models(), engine.created, engine.max_model_len))
+
+
+async def completions(request: Request):
+    engine = _state(request).engine
+    body = protocol.parse_body(protocol.CompletionRequest, await _read_body(request))
+    engine.check_model(body.model)
+    prompts = await run_in_threadpool(lambda: [engine.encode_completion(p) for p in body.prompts()])
+    return await _generate(_state(request), body, prompts, chat=False)
+
+
+async def chat_completions(request: Request):
+    engine = _state(request).engine
+    body = protocol.parse_body(protocol.ChatCompletionRequest, await _read_body(request))
+    engine.check_model(body.model)
+    messages = [message.as_template_input() for message in body.messages]
+    prompt = await run_in_threadpool(engine.encode_chat, messages)
+    return await _generate(_state(request), body, [prompt], chat=True)
+
+
+async def _generate(state: _State, body, prompts: list[list[int]], *, chat: bool):
+    """Queue one sequence per prompt, then answer with JSON or, for `stream`, server-sent events."""
+    budget = body.token_budget() if chat else body.max_tokens
+    default = None if chat else protocol.COMPLETION_DEFAULT_MAX_TOKENS
+    lengths = [state.engine.check_length(len(p), budget, default, state.max_tokens_limit) for p in prompts]
+    sampling = SamplingParams(body.temperature, body.top_p, max(body.top_k, 0), body.seed)
+    stop = body.stop_sequences()
+    events: asyncio.Queue[Event] = asyncio.Queue()
+    emit = _threadsafe_put(asyncio.get_running_loop(), events)
+    sequences = [
+        Sequence(body.model, p, n, sampling, emit, stop=stop, index=i, stream=body.stream)
+        for i, (p, n) in enumerate(zip(prompts, lengths))
+    ]
+    state.batcher.submit(sequences)
+    reply = _Reply(f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", body.model, int(time.time()))
+    if body.stream:
+        usage = body.stream_options is not None and body.stream_options.include_usage
+        chunks = reply.chat_chunks if chat else reply.completion_chunks
+        return _event_stream(chunks(events, sequences, usage), sequences)
+    try:
+        results = await _collect(events, len(sequences))
+    finally:
+        for sequence in sequences:  # the client may have gone: stop generating for it
+            sequence.cancelled = True
+    if chat:
+        return JSONResponse(protocol.chat_body(reply.id, body.model, reply.created, results[0], body.return_token_ids))
+    return JSONResponse(protocol.completion_body(reply.id, body.model, reply.created, results, body.return_token_ids))
+
+
+async def load_lora_adapter(request: Request) -> PlainTextResponse:
+    state = _state(request)
+    body = protocol.parse_body(protocol.LoadAdapterRequest, await _read_body(request))
+    adapter = await run_in_threadpool(state.engine.read_new_adapter, body.lora_name, body.lora_path)
+    action = lambda: state.engine.install(body.lora_name, adapter)
+    if state.engine.merged is None:  # attaching does not disturb running rows
+        future = state.batcher.control(action)
+    else:  # swapping the merged weights waits until nothing runs, and holds new rows back
+        future = state.batcher.control(action, blocks=lambda model: True, ready=lambda running: not running)
+    return PlainTextResponse(await asyncio.wrap_future(future))
+
+
+async def unload_lora_adapter(request: Request) -> PlainTextResponse:
+    state = _state(request)
+    name = protocol.parse_body(protocol.UnloadAdapterRequest, await _read_body(request)).lora_name
+    state.engine.check_removable(name)
+    future = state.batcher.control(
+        lambda: state.engine.remove(name), blocks=lambda model: model == name, ready=lambda running: name not in running
+    )
+    return PlainTextResponse(await asyncio.wrap_future(future))
 
 
 class _Reply:

@@ -22,6 +22,7 @@ from finetune.errors import ServeError
 from finetune.serve.batcher import Finished
 
 MAX_STOP_SEQUENCES = 16
+COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 
 class _Strict(BaseModel):
@@ -63,7 +64,7 @@ class CompletionRequest(_Generation):
     """POST /v1/completions. A list of prompts gives one choice each (all batched together)."""
 
     prompt: str | list[str]
-    max_tokens: int | None = Field(16, ge=1)  # OpenAI's default for completions
+    max_tokens: int | None = Field(COMPLETION_DEFAULT_MAX_TOKENS, ge=1)
     echo: Literal[False] = False
     best_of: Literal[1] | None = None
     suffix: None = None
