@@ -16,62 +16,31 @@ from __future__ import annotations
 import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
-from finetune.adapters import AdapterWarning
-from finetune.errors import AdapterError
+from finetune.errors import AdapterError, AdapterWarning
+from finetune.fingerprint import check_fingerprint, fingerprint_model, fingerprint_model_dir
+from finetune.paths import local_model_dir
 
 if TYPE_CHECKING:  # torch and transformers load when a model does, so `import finetune` stays instant
-    from finetune.adapters.inmemory import LoadedModel
-    from finetune.adapters.weights import Adapter
+    import torch
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-__all__ = ["load_model", "check_fingerprint", "local_model_dir"]
+    from finetune.adapters.inmemory import LoadedModel
+    from finetune.adapters.ledger import Ledger
+    from finetune.adapters.lora import Adapter
+
+__all__ = ["load_model"]
 
 DTYPES = ("float32", "bfloat16", "float16")
 ADAPTER_CONFIG_NAME = "adapter_config.json"
-
-
-def local_model_dir(source: str, revision: str | None = None) -> Path | None:
-    """The local directory holding `source`'s files: itself, or its hub-cache snapshot; None if neither."""
-    if Path(source).is_dir():
-        return Path(source)
-    try:
-        from huggingface_hub import snapshot_download
-
-        return Path(snapshot_download(source, revision=revision, local_files_only=True))
-    except Exception:  # not a hub id, or not cached: no files to read a pristine copy from
-        return None
-
-
-def check_fingerprint(adapter: Adapter, base_fingerprint: str | None, base_where: str, *, force: bool) -> None:
-    """Refuse an adapter trained on another base (unless `force`); warn when no check is possible."""
-    if adapter.base_fingerprint is None or not adapter.base_fingerprint.startswith("sha256:"):
-        why = "has no manifest.json" if adapter.base_fingerprint is None else "records no base fingerprint"
-        warnings.warn(
-            f"adapter {adapter.name!r} ({adapter.path}) {why}, so whether it was trained on {base_where} "
-            "cannot be checked",
-            AdapterWarning,
-            stacklevel=3,
-        )
-        return
-    if base_fingerprint is None or adapter.base_fingerprint == base_fingerprint:
-        return
-    message = (
-        f"adapter {adapter.name!r} ({adapter.path}) was trained on base {adapter.manifest.base.path} "
-        f"({adapter.base_fingerprint}) but {base_where} is {base_fingerprint}; use the right base or pass --force "
-        "(force=True)"
-    )
-    if not force:
-        raise AdapterError(message)
-    warnings.warn("forced: " + message, AdapterWarning, stacklevel=3)
 
 
 def _adoptable_ledger(model_dir: Path | None, adapters: list, allow_pickle: bool):
     """The ledger of a merged checkpoint if its base and adapters are at hand (appending those adapters to
     `adapters`), else None with a warning: the checkpoint then counts as a base of its own."""
     from finetune.adapters.ledger import read_ledger
-    from finetune.adapters.weights import read_adapter
-    from finetune.fingerprint import fingerprint_model_dir
+    from finetune.adapters.lora import read_adapter
 
     ledger = read_ledger(model_dir) if model_dir is not None else None
     if ledger is None or not ledger.entries:
@@ -99,7 +68,7 @@ def _adoptable_ledger(model_dir: Path | None, adapters: list, allow_pickle: bool
             f"{model_dir} holds merged adapters ({', '.join(ledger.weights)}) but {problem}; it is loaded as a base of "
             "its own (use `finetune adapters subtract` for fp32 arithmetic on it)",
             AdapterWarning,
-            stacklevel=3,
+            stacklevel=4,  # the caller of `load_model`
         )
         return None
     given = {a.name for a in adapters}
@@ -117,11 +86,70 @@ def _named_paths(adapters: Mapping[str, str | Path] | Sequence[str | Path] | Non
     return [(None, Path(path)) for path in adapters]
 
 
+def _read_adapters(
+    base: str | Path, adapters: Mapping[str, str | Path] | Sequence[str | Path] | None, allow_pickle: bool
+) -> tuple[str | Path, list[Adapter], str | None]:
+    """(the base to load, the adapters read, the adapter to `use` first). When `base` is an adapter
+    directory, it is read first, named `use` first, and its recorded base is loaded."""
+    from finetune.adapters.lora import read_adapter  # imports torch: loaded with a model, not with `finetune`
+
+    named = _named_paths(adapters)
+    use_first = None
+    if (Path(base) / ADAPTER_CONFIG_NAME).is_file():
+        lead = read_adapter(base, allow_pickle=allow_pickle)
+        if lead.base_path is None:
+            raise AdapterError(
+                f"adapter {base} records no base (no manifest, no base_model_name_or_path); pass the base"
+            )
+        named.insert(0, (lead.name, Path(base)))
+        use_first, base = lead.name, lead.base_path
+    return base, [read_adapter(path, name, allow_pickle=allow_pickle) for name, path in named], use_first
+
+
+def _base_fingerprint(model: PreTrainedModel, base_dir: Path | None, quantization: str) -> str | None:
+    """The base's fingerprint: of its files when at hand, else of the loaded (unquantized) weights, else None."""
+    if base_dir is not None and any(base_dir.glob("*.safetensors")):
+        return fingerprint_model_dir(base_dir)
+    if quantization == "none":
+        return fingerprint_model(model)
+    return None
+
+
+def _recorded_quantization(read: list[Adapter]) -> str:
+    recorded = {a.manifest.base.quantization for a in read if a.manifest is not None}
+    return recorded.pop() if len(recorded) == 1 else "none"
+
+
+class _Base(NamedTuple):
+    """A loaded base, and the base the adapter arithmetic starts from (`dir`, `fingerprint`, `ledger`)."""
+
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
+    source: str
+    dir: Path | None
+    fingerprint: str | None
+    ledger: Ledger | None
+
+
+def _load_base(
+    base: str | Path, read: list[Adapter], allow_pickle: bool, *, quantization: str, revision: str | None, **options
+) -> _Base:
+    """Load `base`; a merged checkpoint whose ledger can be adopted continues from the base it records."""
+    from finetune.model import load_base  # imports transformers: with the model, not with `import finetune`
+
+    model, tokenizer, source = load_base(str(base), quantization=quantization, revision=revision, **options)
+    base_dir = local_model_dir(source, revision)
+    ledger = _adoptable_ledger(base_dir, read, allow_pickle)
+    if ledger is not None:
+        return _Base(model, tokenizer, source, Path(ledger.base_path), ledger.base_fingerprint, ledger)
+    return _Base(model, tokenizer, source, base_dir, _base_fingerprint(model, base_dir, quantization), None)
+
+
 def load_model(
     base: str | Path,
     adapters: Mapping[str, str | Path] | Sequence[str | Path] | None = None,
     *,
-    dtype: str = "float32",
+    dtype: str | torch.dtype = "float32",
     quantization: str | None = None,
     requantize: bool = False,
     force: bool = False,
@@ -136,7 +164,8 @@ def load_model(
         base: a model directory, hub id or `embedded:tiny-llama`; or an adapter directory, whose manifest
             (else `base_model_name_or_path`) names the base; that adapter is then switched on with `use`.
         adapters: name -> adapter directory (or a list of directories, named by manifest or directory).
-        dtype: float32 | bfloat16 | float16: the model's dtype, and that of merged weights.
+        dtype: float32 | bfloat16 | float16, as a name or a `torch.dtype` (as transformers accepts): the
+            model's dtype, and that of merged weights.
         quantization: none | 4bit | 8bit (bitsandbytes); default: what the adapters' manifests record.
             Merging into a quantized layer dequantizes it and writes a dense `dtype` layer.
         requantize: requantize merged layers instead (their added error is in `requantization_errors`).
@@ -147,60 +176,31 @@ def load_model(
         AdapterError: unreadable/unsafe adapters, fingerprint or shape mismatch, no base to be found.
         ModelError: the base cannot be loaded.
     """
-    import torch
+    import torch  # with the model, not with `import finetune`
 
     from finetune.adapters.inmemory import LoadedModel
-    from finetune.adapters.weights import read_adapter
-    from finetune.fingerprint import fingerprint_model, fingerprint_model_dir
-    from finetune.model import load_base
 
+    dtype = str(dtype).removeprefix("torch.")  # torch.bfloat16 -> "bfloat16"
     if dtype not in DTYPES:
-        raise AdapterError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
-    named = _named_paths(adapters)
-    use_first = None
-    if (Path(base) / ADAPTER_CONFIG_NAME).is_file():
-        lead = read_adapter(base, allow_pickle=allow_pickle)
-        if lead.base_path is None:
-            raise AdapterError(
-                f"adapter {base} records no base (no manifest, no base_model_name_or_path); pass the base"
-            )
-        named.insert(0, (lead.name, Path(base)))
-        use_first, base = lead.name, lead.base_path
-    read = [read_adapter(path, name, allow_pickle=allow_pickle) for name, path in named]
-    if quantization is None:
-        recorded = {a.manifest.base.quantization for a in read if a.manifest is not None}
-        quantization = recorded.pop() if len(recorded) == 1 else "none"
-    model, tokenizer, source = load_base(
-        str(base),
-        dtype=dtype,
-        revision=revision,
-        attn_implementation=attn_implementation,
-        trust_remote_code=trust_remote_code,
-        quantization=quantization,
-    )
-    base_dir = local_model_dir(source, revision)
-    ledger = _adoptable_ledger(base_dir, read, allow_pickle)
-    if ledger is not None:  # a merged checkpoint: exact arithmetic continues from the base it records
-        base_dir, base_fingerprint = Path(ledger.base_path), ledger.base_fingerprint
-    elif base_dir is not None and any(base_dir.glob("*.safetensors")):
-        base_fingerprint = fingerprint_model_dir(base_dir)
-    elif quantization == "none":
-        base_fingerprint = fingerprint_model(model)
-    else:
-        base_fingerprint = None
+        raise AdapterError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)} (names or torch dtypes)")
+    base, read, use_first = _read_adapters(base, adapters, allow_pickle)
+    if quantization is None:  # what the adapters were trained on, when they agree
+        quantization = _recorded_quantization(read)
+    options = dict(dtype=dtype, attn_implementation=attn_implementation, trust_remote_code=trust_remote_code)
+    loaded_base = _load_base(base, read, allow_pickle, quantization=quantization, revision=revision, **options)
     loaded = LoadedModel(
-        model,
-        tokenizer,
-        base_source=source,
-        base_dir=base_dir,
-        base_fingerprint=base_fingerprint or "",
+        loaded_base.model,
+        loaded_base.tokenizer,
+        base_source=loaded_base.source,
+        base_dir=loaded_base.dir,
+        base_fingerprint=loaded_base.fingerprint or "",
         dtype=getattr(torch, dtype),
         requantize=requantize,
         quantization=quantization,
-        ledger=ledger,
+        ledger=loaded_base.ledger,
     )
     for adapter in read:
-        check_fingerprint(adapter, base_fingerprint, str(base_dir or source), force=force)
+        check_fingerprint(adapter, loaded_base.fingerprint, str(loaded_base.dir or loaded_base.source), force=force)
         loaded.add_adapter(adapter)
     if use_first is not None:
         loaded.use(use_first)

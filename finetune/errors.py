@@ -34,6 +34,14 @@ class CheckpointError(FinetuneError):
     """A training checkpoint cannot be resumed from."""
 
 
+class OutputError(FinetuneError):
+    """An output (adapter, checkpoint, merged model) cannot be written: it exists, or the place is unwritable or full."""
+
+
+class TrainingError(FinetuneError):
+    """Training stopped on a problem in the run itself, e.g. a NaN or Inf loss or gradient."""
+
+
 class ServeError(FinetuneError):
     """A request to `finetune serve` (or its settings) is invalid; carries the HTTP status and OpenAI error fields.
 
@@ -52,3 +60,7 @@ class ServeError(FinetuneError):
     ):
         super().__init__(message)
         self.status, self.error_type, self.param, self.code = status, error_type, param, code
+
+
+class AdapterWarning(UserWarning):
+    """Adapter arithmetic that is allowed but worth knowing about (no fingerprint, kept copies, forced bases)."""

@@ -18,6 +18,8 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from finetune.errors import AdapterError
+from finetune.recipe import recipe_to_dict
+from finetune.version import __version__
 
 MANIFEST_NAME = "manifest.json"
 MANIFEST_FORMAT = "finetune-adapter/1"
@@ -62,14 +64,35 @@ class Manifest(BaseModel):
     created: str = ""
 
 
+def build_manifest(
+    recipe: Any, *, base_source: str, base_fingerprint: str, data: Any, metrics: dict[str, Any]
+) -> Manifest:
+    """The manifest of an adapter that `recipe` trained on `base_source` with `data` (a `DataBundle`)."""
+    return Manifest(
+        name=recipe.output.name,
+        base=BaseInfo(
+            id=recipe.model.base,
+            path=base_source,
+            revision=recipe.model.revision,
+            fingerprint=base_fingerprint,
+            dtype=recipe.model.dtype,
+            quantization=recipe.model.quantization,
+        ),
+        recipe=recipe_to_dict(recipe),
+        data=DataInfo(fingerprint=data.fingerprint, sources=[s.path for s in recipe.data.train], stats=data.stats),
+        metrics=metrics,
+        versions=library_versions(),
+        created=now_iso(),
+    )
+
+
 def library_versions() -> dict[str, str]:
     """Versions of the libraries that shape an adapter's numbers."""
+    # Imported here, not above: reading a manifest (`finetune adapters list`) must not load torch.
     import accelerate
     import peft
     import torch
     import transformers
-
-    from finetune import __version__
 
     return {
         "finetune": __version__,

@@ -27,8 +27,9 @@ from finetune.errors import RecipeError
 EMBEDDED_BASE = "embedded:tiny-llama"
 """Model id of the embedded default base, built locally on first use (see `finetune.embedded`)."""
 
-_NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
-"""Adapter names double as peft adapter names, where '.' would split a module path."""
+_NAME_PATTERN = re.compile(r"^[A-Za-z0-9](?!.*\.\.)[A-Za-z0-9._-]{0,63}$")
+"""An adapter's directory name under `adapters/`: no path separators, no `..`, no leading dot. Where the
+name becomes a peft adapter name (a module key, which `.` would split), dots become `_` (`finetune.adapters.lora`)."""
 
 
 class _Section(BaseModel):
@@ -52,6 +53,10 @@ class ModelConfig(_Section):
     """Attention kernel; packing isolates documents in all of them (position ids restart per document)."""
     trust_remote_code: bool = False
     """Run modelling code shipped with a hub model. Off by default: it executes arbitrary Python."""
+    check_updates: bool = False
+    """Ask the hub for a newer revision of a hub model already in the local cache. Off by default: a cached
+    model loads without touching the network (on a machine without internet the check costs minutes of
+    retries). A model that is not cached is downloaded either way, unless `HF_HUB_OFFLINE=1`."""
     quantization: Literal["none", "4bit", "8bit"] = "none"
     """Load the frozen base with bitsandbytes (QLoRA for `4bit`)."""
     bnb_4bit_quant_type: Literal["nf4", "fp4"] = "nf4"
@@ -89,9 +94,12 @@ class SourceConfig(_Section):
     """One data source: a local file or a dataset saved with `save_to_disk`."""
 
     path: str
-    """A .jsonl/.json/.csv/.parquet/.txt file, or a directory written by `datasets.save_to_disk`."""
+    """A .jsonl/.json/.csv/.parquet/.txt file, a directory written by `datasets.save_to_disk`, or a hub dataset
+    id (`org/name`) in the local hub cache."""
     split: str | None = None
-    """Split to read from a saved `DatasetDict` (default: `train`)."""
+    """Split to read from a saved `DatasetDict` or a hub dataset (default: `train`)."""
+    subset: str | None = None
+    """Configuration (subset) of a hub dataset, e.g. `main` of `openai/gsm8k`."""
     max_records: int | None = Field(None, ge=1)
     """Read at most this many records (after loading, before tokenizing)."""
 
@@ -175,6 +183,9 @@ class TrainConfig(_Section):
     optimizer: Literal["adamw", "adamw_8bit", "paged_adamw_8bit"] = "adamw"
     max_grad_norm: float | None = Field(1.0, gt=0)
     """Clip the global gradient norm to this; null turns clipping off."""
+    nonfinite_skips: int = Field(0, ge=0)
+    """Optimizer steps with a NaN/Inf loss or gradient that may be skipped (no update) before the run stops
+    with an error naming the step; 0 stops at the first one. No adapter is written when the run stops."""
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     """Autocast precision of the forward pass (mixed precision); trainable weights stay float32."""
     gradient_checkpointing: bool = False
@@ -207,7 +218,10 @@ class OutputConfig(_Section):
     @classmethod
     def _valid_name(cls, value: str) -> str:
         if not _NAME_PATTERN.match(value):
-            raise ValueError(f"{value!r} is not a valid adapter name: use up to 64 letters, digits, '_' and '-'")
+            raise ValueError(
+                f"{value!r} is not a valid adapter name: use up to 64 letters, digits, '.', '_' and '-', starting "
+                "with a letter or digit (no '/', no '..')"
+            )
         return value
 
     @property
@@ -219,10 +233,20 @@ class OutputConfig(_Section):
         return Path(self.run_dir) if self.run_dir else Path("runs") / self.name
 
 
+class CatalogInfo(_Section):
+    """How `finetune recipes list` describes a recipe; no effect on training."""
+
+    gpus: int | None = Field(None, ge=1)
+    """GPUs the recipe is written for."""
+    memory: str | None = None
+    """Peak memory per GPU, with where the figure comes from (published by an anchor tool, or an estimate)."""
+
+
 class Recipe(_Section):
     """A whole fine-tuning run."""
 
     description: str = ""
+    catalog: CatalogInfo = CatalogInfo()
     model: ModelConfig = ModelConfig()
     lora: LoraConfig = LoraConfig()
     data: DataConfig
@@ -379,13 +403,17 @@ def load_recipe(path: str | Path | Recipe, overrides: list[str] | tuple[str, ...
     """Read a recipe file, apply `key=value` overrides, validate once.
 
     Args:
-        path: a YAML file, or an already-built `Recipe` (overrides then apply to a copy of it).
+        path: a YAML file, a catalog name (`finetune recipes list`), or an already-built `Recipe` (overrides then
+            apply to a copy of it).
         overrides: dotted `key=value` strings, e.g. `["train.lr=1e-4", "lora.target_modules=[q_proj,v_proj]"]`.
     """
     if isinstance(path, Recipe):
         data, source = path.model_dump(), "recipe"
     else:
-        data, source = _read_yaml(Path(path)), str(path)
+        from finetune.catalog import resolve_recipe_path
+
+        resolved = resolve_recipe_path(str(path))
+        data, source = _read_yaml(resolved), str(path)
     return recipe_from_dict(apply_overrides(data, list(overrides)), source)
 
 

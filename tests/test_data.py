@@ -596,13 +596,15 @@ BAD_INPUT_CASES = [
         ["record 1", "messages[0].content must be a string, got missing"],
     ),
     (
-        "chat-template-not-incremental",
+        "chat-template-not-locatable",
         _file("d.jsonl", json.dumps({"messages": CHAT}) + "\n"),
         {
             "format": "chat",
-            "chat_template": "{% for m in messages %}{{ m['content'] }}{% endfor %}{{ messages|length }}",
+            # the total length of every message comes first: the text before a turn depends on its words
+            "chat_template": "{{ messages|map(attribute='content')|join|length }}{% for m in messages %}"
+            "{{ m['content'] }}{% endfor %}",
         },
-        ["d.jsonl line 1 (record 1)", "does not render conversations incrementally", "{% generation %}"],
+        ["d.jsonl line 1 (record 1)", "assistant turns cannot be located", "{% generation %}"],
     ),
     (
         "chat-template-error",
@@ -651,3 +653,28 @@ def test_chat_without_any_template_says_how_to_fix(tmp_path, tiny_tokenizer):
     source = write_records(tmp_path / "chat.jsonl", [{"messages": CHAT}])
     with pytest.raises(DataError, match="tokenizer has no chat template; set data.chat_template"):
         build(tmp_path, no_template, train=[source], format="chat")
+
+
+def _cached_hub_dataset(hub_cache: Path, repo_id: str, records: list[dict]) -> None:
+    """A dataset repository laid out in the local hub cache as `hf download --repo-type dataset` leaves it."""
+    revision = "0123456789abcdef0123456789abcdef01234567"
+    repo = hub_cache / f"datasets--{repo_id.replace('/', '--')}"
+    data = repo / "snapshots" / revision / "data"
+    data.mkdir(parents=True)
+    (data / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(revision)
+
+
+def test_a_hub_dataset_in_the_local_cache_is_read_offline(tmp_path, tiny_tokenizer, monkeypatch):
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    _cached_hub_dataset(tmp_path / "hub", "acme/crates", RECORDS)
+    config = DataConfig(train=["acme/crates"], format="text", max_seq_len=128)
+    bundle = build_datasets(config, tiny_tokenizer, cache_dir=tmp_path / "cache")
+    assert bundle.stats["num_records"] == len(RECORDS)
+
+    missing = DataConfig(train=["acme/absent"], format="text", max_seq_len=128)
+    with pytest.raises(DataError, match=r"acme/absent.*offline.*hf download --repo-type dataset acme/absent"):
+        build_datasets(missing, tiny_tokenizer, cache_dir=tmp_path / "cache")

@@ -45,8 +45,8 @@ MAX_PENDING = 16
 
 @pytest.fixture(scope="module")
 def serve_base(tmp_path_factory, tiny_tokenizer) -> Path:
-    from finetune.embedded import _is_built, embedded_base_dir
     from finetune.embedded.build import EMBEDDED_BASES
+    from finetune.embedded.cache import _is_built, embedded_base_dir
     from finetune.embedded.tiny import build_tiny_llama
 
     embedded = embedded_base_dir("tiny-llama", EMBEDDED_BASES["tiny-llama"])

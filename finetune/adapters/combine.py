@@ -30,8 +30,8 @@ from pathlib import Path
 
 import torch
 
-from finetune.adapters.files import staging_dir
-from finetune.adapters.weights import CONFIG_NAME, PEFT_PREFIX, SAFETENSORS_NAME, Adapter, read_adapter
+from finetune.adapters.lora import CONFIG_NAME, PEFT_PREFIX, SAFETENSORS_NAME, Adapter, LoraWeights, read_adapter
+from finetune.adapters.model_dir import staging_dir
 from finetune.errors import AdapterError
 from finetune.manifest import Manifest, library_versions, now_iso, write_manifest
 
@@ -115,6 +115,27 @@ def _check_compatible(adapters: list[Adapter]) -> None:
                 )
 
 
+def _combine_module(
+    parts: list[tuple[LoraWeights, float]], method: str, target_rank: int, density: float, generator: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One module's combination: (exact weighted sum of the ΔW, A, B, the ΔW that A and B give)."""
+    tasks = [lora.delta(w) for lora, w in parts]
+    exact = torch.stack(tasks).sum(dim=0)
+    if method == "cat":
+        A = torch.cat([lora.A for lora, _ in parts], dim=0)
+        B = torch.cat([lora.B * (w * lora.scale) for lora, w in parts], dim=1)
+        combined = B @ A
+        return exact, A, B, combined.T if parts[0][0].fan_in_fan_out else combined
+    if method == "svd":
+        merged = exact
+    elif method == "ties":
+        merged = _ties(tasks, density)
+    else:
+        merged = _dare(tasks, density, generator)
+    A, B = _low_rank(merged.T if parts[0][0].fan_in_fan_out else merged, target_rank)
+    return exact, A, B, (B @ A).T if parts[0][0].fan_in_fan_out else B @ A
+
+
 def combine_adapters(
     paths: list[str | Path],
     out: str | Path,
@@ -148,24 +169,7 @@ def combine_adapters(
     modules = sorted({m for a in adapters for m in a.modules})
     for module in modules:
         parts = [(a.modules[module], w) for a, w in zip(adapters, weights) if module in a.modules]
-        tasks = [lora.delta(w) for lora, w in parts]
-        exact = torch.stack(tasks).sum(dim=0)
-        if method == "cat":
-            A = torch.cat([lora.A for lora, _ in parts], dim=0)
-            B = torch.cat([lora.B * (w * lora.scale) for lora, w in parts], dim=1)
-            combined = B @ A
-            if parts[0][0].fan_in_fan_out:
-                combined = combined.T
-        else:
-            merged = (
-                exact
-                if method == "svd"
-                else _ties(tasks, density)
-                if method == "ties"
-                else _dare(tasks, density, generator)
-            )
-            A, B = _low_rank(merged.T if parts[0][0].fan_in_fan_out else merged, target_rank)
-            combined = (B @ A).T if parts[0][0].fan_in_fan_out else B @ A
+        exact, A, B, combined = _combine_module(parts, method, target_rank, density, generator)
         error = (combined - exact).norm().item()
         norm = exact.norm().item()
         error_squared, norm_squared = error_squared + error**2, norm_squared + norm**2

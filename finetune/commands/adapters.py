@@ -17,7 +17,7 @@ import sys
 import warnings
 from collections.abc import Callable
 
-from finetune.adapters import AdapterWarning
+from finetune.errors import AdapterWarning
 
 
 def _warnings_as_lines(handler: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
@@ -48,10 +48,7 @@ def _add_safety_flags(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser("adapters", help="merge, subtract, swap, combine, list and inspect adapters")
-    sub = parser.add_subparsers(dest="adapters_command", required=True, metavar="SUBCOMMAND")
-
+def _register_merge(sub: argparse._SubParsersAction) -> None:
     merge = sub.add_parser("merge", help="merge adapters into a base, writing a full model directory")
     merge.add_argument(
         "--base", required=True, help="base model: local dir, hub id, embedded:tiny-llama or a merged model"
@@ -80,6 +77,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     _add_safety_flags(merge)
     merge.set_defaults(handler=_warnings_as_lines(_merge))
 
+
+def _register_subtract_and_swap(sub: argparse._SubParsersAction) -> None:
     subtract = sub.add_parser("subtract", help="take an adapter back out of a merged model")
     subtract.add_argument("--model", required=True, help="a merged model directory written by `adapters merge`")
     subtract.add_argument("--adapter", required=True, metavar="NAME|PATH[:WEIGHT]", help="adapter to take out")
@@ -100,6 +99,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     _add_safety_flags(swap)
     swap.set_defaults(handler=_warnings_as_lines(_swap))
 
+
+def _register_combine(sub: argparse._SubParsersAction) -> None:
     combine = sub.add_parser("combine", help="combine adapters into one adapter (weighted sum of updates)")
     combine.add_argument("adapters", nargs="+", metavar="ADAPTER")
     combine.add_argument("--weights", default=None, help="comma-separated, e.g. 1,-0.5 (default: all 1)")
@@ -112,6 +113,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     combine.add_argument("--out", required=True)
     combine.add_argument("--allow-pickle", action="store_true")
     combine.set_defaults(handler=_warnings_as_lines(_combine))
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("adapters", help="merge, subtract, swap, combine, list and inspect adapters")
+    sub = parser.add_subparsers(dest="adapters_command", required=True, metavar="SUBCOMMAND")
+    _register_merge(sub)
+    _register_subtract_and_swap(sub)
+    _register_combine(sub)
 
     listing = sub.add_parser("list", help="list the adapters in a store directory")
     listing.add_argument(

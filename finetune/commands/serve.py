@@ -72,7 +72,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def _adapter_specs(specs: list[str]) -> dict[str, str]:
     """NAME=PATH (or PATH, named by its manifest or directory) -> {name: path}."""
-    from finetune.adapters.weights import read_adapter
+    from finetune.adapters.lora import read_adapter
     from finetune.errors import ServeError
 
     adapters: dict[str, str] = {}

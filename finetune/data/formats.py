@@ -11,8 +11,10 @@ document. EOS always ends a document as a trained label, so the tuned model lear
 - `chat`: the messages rendered by the chat template (`data.chat_template`, else the tokenizer's), which
   owns BOS and the turn delimiters. With `completion_only_loss` the loss is on the assistant turns only:
   from `return_assistant_tokens_mask` when the template marks them with `{% generation %}`, otherwise by
-  rendering each assistant turn's prefix and taking the characters the turn adds, up to and including
-  its last EOS (the template must render conversations incrementally: each prefix a prefix of the whole).
+  rendering the conversation with that turn's content replaced by a sentinel (see `_render_by_sentinel`):
+  the turn's content plus the end-of-turn token right after it. Records come in OpenAI `messages`
+  (role/content) or ShareGPT `conversations` (from/value) shape; a template that refuses a system
+  message (Gemma 2) gets it folded into the first user turn.
 
 A record with nothing to train on (empty text, a chat without assistant turns under completion-only
 loss) encodes to None and is dropped by the caller, who counts it.
@@ -67,8 +69,10 @@ def encode_records(
         DataError: a record lacks a field its format needs, or a field has the wrong type.
     """
     if tokenizer.eos_token_id is None:
-        raise DataError("the tokenizer has no EOS token, so documents cannot end with a trained stop token; "
-                        "use a tokenizer that defines eos_token")
+        raise DataError(
+            "the tokenizer has no EOS token, so documents cannot end with a trained stop token; "
+            "use a tokenizer that defines eos_token"
+        )
     encoder = {"text": _encode_text, "instruction": _encode_instruction, "chat": _encode_chat}[config.format]
     return encoder(records, config, tokenizer, locate)
 
@@ -85,12 +89,16 @@ def _string_field(record: dict[str, Any], name: str, config_key: str, where: str
             return None
         if name not in record:
             have = ", ".join(repr(key) for key in record) or "none"
-            raise DataError(f"{where}: no field {name!r} (fields it has: {have}); set data.{config_key} "
-                            f"to the field that holds it, or fix the record")
+            raise DataError(
+                f"{where}: no field {name!r} (fields it has: {have}); set data.{config_key} "
+                f"to the field that holds it, or fix the record"
+            )
         raise DataError(f"{where}: field {name!r} is null; give it a string or remove the record")
     if not isinstance(value, str):
-        raise DataError(f"{where}: field {name!r} must be a string, got {type(value).__name__} "
-                        f"{_preview(value)}; fix the record or set data.{config_key}")
+        raise DataError(
+            f"{where}: field {name!r} must be a string, got {type(value).__name__} "
+            f"{_preview(value)}; fix the record or set data.{config_key}"
+        )
     return value
 
 
@@ -164,7 +172,7 @@ def _encode_chat(records, config, tokenizer, locate) -> list[Document | None]:
             input_ids = list(_apply_template(tokenizer, messages, template, where, tokenize=True, return_dict=False))
             labels = list(input_ids)
         else:
-            render = _render_with_mask if marked else _render_by_prefixes
+            render = _render_with_mask if marked else _render_by_sentinel
             input_ids, trained = render(messages, template, tokenizer, where)
             labels = [token if keep else IGNORE_INDEX for token, keep in zip(input_ids, trained)]
         if labels:
@@ -181,75 +189,137 @@ def chat_template_of(config: DataConfig, tokenizer: PreTrainedTokenizerBase) -> 
     try:
         return tokenizer.get_chat_template()
     except ValueError:
-        raise DataError("data.format is chat but the tokenizer has no chat template; set data.chat_template "
-                        "to a Jinja template (with {% generation %} around assistant turns)") from None
+        raise DataError(
+            "data.format is chat but the tokenizer has no chat template; set data.chat_template "
+            "to a Jinja template (with {% generation %} around assistant turns)"
+        ) from None
+
+
+_SHAREGPT_FIELD = "conversations"
+_SHAREGPT_ROLES = {
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "system": "system",
+    "tool": "tool",
+    "function_call": "assistant",
+    "observation": "tool",
+}
+
+
+def _from_sharegpt(record: dict[str, Any], where: str) -> list[dict[str, Any]]:
+    """ShareGPT `conversations` (`from`/`value`, with human/gpt/system) as OpenAI `messages` (`role`/`content`)."""
+    turns = record[_SHAREGPT_FIELD]
+    if not isinstance(turns, list) or not all(isinstance(t, dict) for t in turns):
+        raise DataError(f"{where}: field 'conversations' must be a list of {{from, value}} objects; fix the record")
+    messages = []
+    for index, turn in enumerate(turns):
+        speaker, value = turn.get("from"), turn.get("value")
+        if speaker not in _SHAREGPT_ROLES or not isinstance(value, str):
+            raise DataError(
+                f"{where}: conversations[{index}] needs 'from' (one of {', '.join(_SHAREGPT_ROLES)}) "
+                f"and a string 'value', got from={speaker!r}; fix the record"
+            )
+        messages.append({"role": _SHAREGPT_ROLES[speaker], "content": value})
+    return messages
 
 
 def _messages_field(record: dict[str, Any], name: str, where: str) -> list[dict[str, Any]]:
+    """The record's messages: OpenAI shape in `name` (`role`/`content`), else ShareGPT `conversations`."""
     messages = record.get(name)
+    if messages is None and _SHAREGPT_FIELD in record:
+        messages = _from_sharegpt(record, where)
     if messages is None:
         _string_field(record, name, "messages_field", where)  # raises the missing/null error
     if not isinstance(messages, list) or not messages:
         kind = "an empty list" if isinstance(messages, list) else f"{type(messages).__name__} {_preview(messages)}"
-        raise DataError(f"{where}: field {name!r} must be a non-empty list of {{role, content}} messages, got "
-                        f"{kind}; fix the record or set data.messages_field")
+        raise DataError(
+            f"{where}: field {name!r} must be a non-empty list of {{role, content}} messages, got "
+            f"{kind}; fix the record or set data.messages_field"
+        )
     for index, message in enumerate(messages):
         if not isinstance(message, dict):
-            raise DataError(f"{where}: {name}[{index}] must be an object with 'role' and 'content', got "
-                            f"{type(message).__name__} {_preview(message)}; fix the record")
+            raise DataError(
+                f"{where}: {name}[{index}] must be an object with 'role' and 'content', got "
+                f"{type(message).__name__} {_preview(message)}; fix the record"
+            )
         for key in ("role", "content"):
             if not isinstance(message.get(key), str):
                 got = "missing" if key not in message else type(message[key]).__name__
-                raise DataError(f"{where}: {name}[{index}].{key} must be a string, got {got}; "
-                                f"each message needs a string 'role' and 'content'")
+                raise DataError(
+                    f"{where}: {name}[{index}].{key} must be a string, got {got}; "
+                    f"each message needs a string 'role' and 'content'"
+                )
     return messages
 
 
+def _fold_system_prompt(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A leading system message prepended to the first user turn (as Gemma 3's own template does)."""
+    system, first_user, *rest = messages
+    return [{**first_user, "content": f"{system['content']}\n\n{first_user['content']}"}, *rest]
+
+
 def _apply_template(tokenizer, messages, template: str, where: str, **kwargs):
+    """Render `messages`; a template that refuses a leading system message (Gemma 2, Mistral) gets it folded
+    into the first user turn, as Gemma 3's template does itself."""
     from jinja2 import TemplateError
 
     try:
         return tokenizer.apply_chat_template(messages, chat_template=template, **kwargs)
     except TemplateError as exc:
-        raise DataError(f"{where}: the chat template cannot render this conversation ({exc}); fix the "
-                        f"messages or data.chat_template") from None
+        folds = len(messages) > 1 and messages[0]["role"] == "system" and messages[1]["role"] == "user"
+        if folds:  # templates without a system role (Gemma 2, Mistral's) refuse it: fold it into the first turn
+            return _apply_template(tokenizer, _fold_system_prompt(messages), template, where, **kwargs)
+        raise DataError(
+            f"{where}: the chat template cannot render this conversation ({exc}); fix the "
+            f"messages or data.chat_template"
+        ) from None
 
 
 def _render_with_mask(messages, template, tokenizer, where) -> tuple[list[int], list[bool]]:
-    out = _apply_template(tokenizer, messages, template, where, tokenize=True, return_dict=True,
-                          return_assistant_tokens_mask=True)
+    out = _apply_template(
+        tokenizer, messages, template, where, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+    )
     return list(out["input_ids"]), [bool(flag) for flag in out["assistant_masks"]]
 
 
-def _render_by_prefixes(messages, template, tokenizer, where) -> tuple[list[int], list[bool]]:
+def _render_by_sentinel(messages, template, tokenizer, where) -> tuple[list[int], list[bool]]:
     """Assistant-token flags for a template without `{% generation %}`: find each turn's characters.
 
-    A turn starts where its content would (found by rendering a sentinel in its place) and ends where
-    the conversation up to and including it ends, cut after the turn's last EOS so that separators the
-    template writes between turns stay unlabelled.
+    Each assistant turn is located by rendering the whole conversation once more with that turn's content
+    replaced by a sentinel: the text before the sentinel and the text after it are the template's own, so
+    the turn's content spans the rest of the real rendering, however the template trims or wraps it, and
+    whatever it appends after the last turn (Phi-3's EOS) or injects before the first (a default system
+    prompt, Llama 3.1's dates). The turn's label span is its content plus the end-of-turn token that
+    directly follows it (`<|eot_id|>`, `<|im_end|>`, `<end_of_turn>`, `<|end|>`, `</s>`, ...).
     """
     if not getattr(tokenizer, "is_fast", False):
-        raise DataError("chat records rendered by a template without {% generation %} markers need a fast "
-                        "tokenizer (for character offsets); add the markers to data.chat_template")
+        raise DataError(
+            "chat records rendered by a template without {% generation %} markers need a fast "
+            "tokenizer (for character offsets); add the markers to data.chat_template"
+        )
 
     def render(conversation: list[dict[str, Any]]) -> str:
         return _apply_template(tokenizer, conversation, template, where, tokenize=False)
 
     full = render(messages)
+    end_tokens = sorted(set(tokenizer.all_special_tokens) | set(tokenizer.get_added_vocab()), key=len, reverse=True)
     spans = []
     for index, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
-        with_sentinel = render([*messages[:index], {**message, "content": _SENTINEL}])
-        start = with_sentinel.find(_SENTINEL)
-        through_turn = render(messages[: index + 1])
-        if start < 0 or not full.startswith(through_turn) or through_turn[:start] != with_sentinel[:start]:
-            raise DataError(f"{where}: the chat template does not render conversations incrementally, so "
-                            f"assistant turns cannot be located; add {{% generation %}}...{{% endgeneration %}} "
-                            f"around assistant content in data.chat_template, or set data.completion_only_loss=false")
-        end = len(through_turn)
-        if tokenizer.eos_token and (eos_at := full.rfind(tokenizer.eos_token, start, end)) >= 0:
-            end = eos_at + len(tokenizer.eos_token)
+        marked = render([*messages[:index], {**message, "content": _SENTINEL}, *messages[index + 1 :]])
+        start = marked.find(_SENTINEL)
+        suffix = marked[start + len(_SENTINEL) :] if start >= 0 else ""
+        if start < 0 or marked.count(_SENTINEL) != 1 or full[:start] != marked[:start] or not full.endswith(suffix):
+            raise DataError(
+                f"{where}: the chat template renders text that depends on the assistant's words, so "
+                f"assistant turns cannot be located; add {{% generation %}}...{{% endgeneration %}} "
+                f"around assistant content in data.chat_template, or set data.completion_only_loss=false"
+            )
+        end = len(full) - len(suffix)
+        end += next((len(token) for token in end_tokens if token and full.startswith(token, end)), 0)
         spans.append((start, end))
     encoded = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
     flags = [any(first < end and last > start for start, end in spans) for first, last in encoded["offset_mapping"]]

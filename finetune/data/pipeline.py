@@ -128,6 +128,24 @@ def build_datasets(
     return DataBundle(entry.train, entry.validation, fingerprint, entry.stats, False, entry.path)
 
 
+def preview_documents(config: DataConfig, tokenizer: PreTrainedTokenizerBase, limit: int) -> list[Document]:
+    """The first `limit` training records of the first source as training sees them (template, length, mask).
+
+    Records with nothing to train on are skipped (as training drops them); nothing is cached or packed.
+    """
+    raw = load_source(config.train[0], config.text_field)
+    documents: list[Document] = []
+    for first, records in iter_records(raw, max(limit, 1)):
+        encoded = encode_records(records, config, tokenizer, locate=lambda i, first=first: raw.where(first + i))
+        for offset, document in enumerate(encoded):
+            fitted, _ = _fit_to_length(document, config, raw.where(first + offset))
+            if fitted is not None:
+                documents.append(fitted)
+            if len(documents) == limit:
+                return documents
+    return documents
+
+
 def _build(config: DataConfig, tokenizer: PreTrainedTokenizerBase, seed: int,
                 log: Log) -> tuple[datasets.Dataset, datasets.Dataset | None, dict[str, Any]]:
     """Training rows, validation rows (or None) and their stats, built from the sources."""

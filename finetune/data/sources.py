@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import csv
 import hashlib
+import os
 import io
 import json
 import uuid
@@ -77,13 +78,46 @@ def _check_exists(path: Path, raw_path: str) -> None:
                         f"use one of {', '.join(FILE_SUFFIXES)} or a directory written by datasets.save_to_disk")
 
 
+def _looks_like_hub_id(raw_path: str) -> bool:
+    return raw_path.count("/") == 1 and not raw_path.startswith((".", "/", "~")) and not Path(raw_path).suffix
+
+
+def local_source_path(source: SourceConfig) -> Path:
+    """Where a source's bytes are on this machine: the path itself, or a hub dataset's snapshot in the local cache.
+
+    A hub dataset id (`org/name`) that is not a local path is looked up in the local hub cache without
+    touching the network; when it is not there it is downloaded, unless the machine is offline
+    (`HF_HUB_OFFLINE=1`), where that is an error saying how to bring it here.
+    """
+    path = Path(source.path)
+    if path.exists() or not _looks_like_hub_id(source.path):
+        return path
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(source.path, repo_type="dataset", local_files_only=True))
+    except Exception:  # not cached (huggingface_hub raises several types for this)
+        pass
+    if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False"):
+        raise DataError(
+            f"data source {source.path!r} is neither a local file nor a hub dataset in the local cache, and the hub "
+            f"is offline (HF_HUB_OFFLINE); on a machine with network run `hf download --repo-type dataset "
+            f"{source.path}` and copy its cache here (HF_HUB_CACHE), or give a local file"
+        )
+    try:
+        return Path(snapshot_download(source.path, repo_type="dataset"))
+    except Exception as exc:  # noqa: BLE001 - network, auth and not-found errors alike
+        raise DataError(f"data source {source.path!r}: not a local file, and the hub dataset cannot be fetched "
+                        f"({type(exc).__name__}); check the id, or download it where there is network") from None
+
+
 def source_content_hash(source: SourceConfig) -> str:
     """SHA-256 over the bytes of a source (every file of a saved dataset), for the data fingerprint.
 
     The path itself is left out, so moving or renaming data does not invalidate the cache; the suffix is
     kept, because the same bytes parse differently as `.csv` and `.txt`.
     """
-    path = Path(source.path)
+    path = local_source_path(source)
     _check_exists(path, source.path)
     digest = hashlib.sha256()
     files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
@@ -110,9 +144,11 @@ def load_source(source: SourceConfig, text_field: str) -> RawSource:
     Raises:
         DataError: missing or unreadable file, unsupported extension, malformed content, no records.
     """
-    path = Path(source.path)
+    path = local_source_path(source)
     _check_exists(path, source.path)
-    if path.is_dir():
+    if path != Path(source.path):  # a hub dataset's snapshot in the local cache
+        raw = _load_hub_snapshot(path, source)
+    elif path.is_dir():
         raw = _load_saved_dataset(path, source)
     else:
         if source.split is not None:
@@ -127,6 +163,17 @@ def load_source(source: SourceConfig, text_field: str) -> RawSource:
         lines = raw.line_numbers[:keep] if raw.line_numbers is not None else None
         raw = RawSource(raw.path, records, lines)
     return raw
+
+
+def _load_hub_snapshot(path: Path, source: SourceConfig) -> RawSource:
+    """A hub dataset's files (a snapshot directory) through `datasets.load_dataset`, split and subset applied."""
+    try:
+        loaded = datasets.load_dataset(str(path), name=source.subset, split=source.split or "train")
+    except Exception as exc:  # noqa: BLE001 - builder, split and file errors of datasets
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise DataError(f"data source {source.path} cannot be loaded ({first}); check split/subset, or point at a "
+                        f"data file or a directory written by datasets.save_to_disk") from None
+    return RawSource(source.path, loaded)
 
 
 def _load_saved_dataset(path: Path, source: SourceConfig) -> RawSource:

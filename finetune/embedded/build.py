@@ -85,6 +85,18 @@ def _available_cpu_count() -> int:
         return os.cpu_count() or 1
 
 
+def _save_quietly(model: torch.nn.Module, tokenizer, out_dir: Path) -> None:
+    """`save_pretrained` of model (safetensors, config.json, generation_config.json) and tokenizer."""
+    progress_bar_was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # a one-shard "Writing model shards" bar says nothing in our log
+    try:
+        model.save_pretrained(out_dir)
+    finally:
+        if progress_bar_was_enabled:
+            hf_logging.enable_progress_bar()
+    tokenizer.save_pretrained(out_dir)
+
+
 def build_embedded_base(
     out_dir: Path,
     settings: BuildSettings,
@@ -93,7 +105,7 @@ def build_embedded_base(
     """Build a base into `out_dir` (which must exist and be empty) and return its build record.
 
     Args:
-        out_dir: the directory to write; `finetune.embedded` passes a temporary one and renames it.
+        out_dir: the directory to write; `finetune.embedded.cache` passes a temporary one and renames it.
         settings: corpus size, tokenizer, shape and pretraining.
         progress: called with one-line progress messages.
     """
@@ -119,14 +131,7 @@ def build_embedded_base(
     finally:
         torch.set_num_threads(threads_before)
 
-    progress_bar_was_enabled = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()  # a one-shard "Writing model shards" bar says nothing in our log
-    try:
-        model.save_pretrained(out_dir)  # safetensors, config.json, generation_config.json
-    finally:
-        if progress_bar_was_enabled:
-            hf_logging.enable_progress_bar()
-    tokenizer.save_pretrained(out_dir)
+    _save_quietly(model, tokenizer, out_dir)
     record = {
         "format_version": BUILD_FORMAT_VERSION,
         "settings": settings_record(settings),

@@ -90,6 +90,17 @@ def _mean_loss(model: PreTrainedModel, rows: torch.Tensor, settings: PretrainSet
     return float(torch.stack(losses).sum() / len(rows))
 
 
+def _make_optimizer(model: PreTrainedModel, settings: PretrainSettings) -> torch.optim.AdamW:
+    """AdamW with weight decay on matrices only."""
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]  # norms: decaying them only hurts
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": settings.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=settings.lr,
+        betas=(0.9, 0.95),
+    )
+
+
 def pretrain(
     model: PreTrainedModel,
     rows: torch.Tensor,
@@ -107,13 +118,7 @@ def pretrain(
     assert len(rows) > settings.heldout_rows, "corpus too small for the held-out rows"
     train_rows, heldout_rows = rows[: -settings.heldout_rows], rows[-settings.heldout_rows :]
     generator = torch.Generator().manual_seed(settings.seed)
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]  # norms: decaying them only hurts
-    optimizer = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": settings.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=settings.lr,
-        betas=(0.9, 0.95),
-    )
+    optimizer = _make_optimizer(model, settings)
 
     start_seconds = time.perf_counter()
     heldout_loss_before = _mean_loss(model, heldout_rows, settings)

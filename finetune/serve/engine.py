@@ -36,7 +36,7 @@ from finetune.serve.settings import BASE_ROW, ServeSettings
 
 if TYPE_CHECKING:
     from finetune.adapters.inmemory import LoadedModel
-    from finetune.adapters.weights import Adapter
+    from finetune.adapters.lora import Adapter
 
 
 @dataclass(frozen=True)
@@ -72,7 +72,7 @@ class Engine:
     @classmethod
     def load(cls, settings: ServeSettings) -> Engine:
         """Load the base and adapters of `settings` (AdapterError/ModelError on a bad path or base)."""
-        from finetune.adapters.weights import read_adapter
+        from finetune.adapters.lora import read_adapter
         from finetune.api import load_model
 
         base, base_name = settings.base, settings.base_name or settings.base
@@ -190,8 +190,8 @@ class Engine:
         Raises:
             ServeError: the name clashes. AdapterError: unreadable, not safetensors, or another base.
         """
-        from finetune.adapters.weights import read_adapter
-        from finetune.api import check_fingerprint
+        from finetune.adapters.lora import read_adapter
+        from finetune.fingerprint import check_fingerprint
 
         self._check_name(name)
         known = self.loaded.adapters.get(name)

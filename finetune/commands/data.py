@@ -1,0 +1,69 @@
+"""`finetune data preview RECIPE [key=value ...] [--limit N] [--json]`: see what training will train on.
+
+Tokenizes the first N records exactly as training does (template, truncation, label mask) with only the
+tokenizer loaded, no model: the check to make before spending GPU hours. The human view marks trained
+tokens (green on a terminal, `[[...]]` otherwise); `--json` prints one object per document,
+`{"input_ids": [...], "labels": [...]}` with -100 where no loss is taken.
+
+Example:
+    finetune data preview llama-3.1-8b-instruct-chat data.train=chats.jsonl --limit 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+_GREEN, _RESET = "\033[32m", "\033[0m"
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    data = subparsers.add_parser("data", help="inspect a recipe's data")
+    actions = data.add_subparsers(dest="action", required=True, metavar="ACTION")
+    preview = actions.add_parser("preview", help="tokenize the first records as training would, marking trained tokens")
+    preview.add_argument("recipe", help="a recipe file or catalog name")
+    preview.add_argument("overrides", nargs="*", metavar="key=value")
+    preview.add_argument("--limit", type=int, default=3, help="documents to show (default 3)")
+    preview.add_argument("--json", action="store_true", help="one JSON object per document: input_ids and labels")
+    preview.set_defaults(handler=run_preview)
+
+
+def _marked_text(tokenizer, input_ids: list[int], labels: list[int], colour: bool) -> str:
+    """The document's text with each run of trained tokens marked."""
+    pieces, run, trained_run = [], [], False
+    for token, label in [*zip(input_ids, labels), (None, None)]:
+        trained = label is not None and label != -100
+        if token is None or trained != trained_run:
+            text = tokenizer.decode(run)
+            if trained_run:
+                text = f"{_GREEN}{text}{_RESET}" if colour else f"[[{text}]]"
+            pieces.append(text)
+            run, trained_run = [], trained
+        if token is not None:
+            run.append(token)
+    return "".join(pieces)
+
+
+def run_preview(args: argparse.Namespace) -> int:
+    from finetune.data.pipeline import preview_documents
+    from finetune.errors import FinetuneError
+    from finetune.model import load_tokenizer_for
+    from finetune.recipe import load_recipe
+
+    if args.limit < 1:
+        raise FinetuneError(f"--limit {args.limit}: show at least 1 document")
+    recipe = load_recipe(args.recipe, args.overrides)
+    tokenizer = load_tokenizer_for(recipe.model)
+    documents = preview_documents(recipe.data, tokenizer, args.limit)
+    if args.json:
+        for document in documents:
+            print(json.dumps({"input_ids": document.input_ids, "labels": document.labels}))
+        return 0
+    colour = sys.stdout.isatty()
+    for number, document in enumerate(documents, start=1):
+        trained = sum(label != -100 for label in document.labels)
+        print(f"--- document {number}: {len(document.input_ids)} tokens, {trained} trained "
+              f"({'green' if colour else '[[marked]]'})")  # fmt: skip
+        print(_marked_text(tokenizer, document.input_ids, document.labels, colour))
+    return 0
