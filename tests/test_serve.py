@@ -45,12 +45,12 @@ MAX_PENDING = 16
 
 @pytest.fixture(scope="module")
 def serve_base(tmp_path_factory, tiny_tokenizer) -> Path:
-    from finetune.embedded.build import EMBEDDED_BASES
-    from finetune.embedded.cache import _is_built, embedded_base_dir
+    from finetune.embedded import embedded_base_dir
+    from finetune.embedded.build import EMBEDDED_BASES, RECORD_FILE
     from finetune.embedded.tiny import build_tiny_llama
 
     embedded = embedded_base_dir("tiny-llama", EMBEDDED_BASES["tiny-llama"])
-    if _is_built(embedded):
+    if (embedded / RECORD_FILE).is_file():
         return embedded
     path = tmp_path_factory.mktemp("serve-base")
     build_tiny_llama(tiny_tokenizer, seed=0, initializer_range=0.3, **TEST_SHAPE).save_pretrained(path)
