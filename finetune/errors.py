@@ -42,5 +42,25 @@ class TrainingError(FinetuneError):
     """Training stopped on a problem in the run itself, e.g. a NaN or Inf loss or gradient."""
 
 
+class ServeError(FinetuneError):
+    """A request to `finetune serve` (or its settings) is invalid; carries the HTTP status and OpenAI error fields.
+
+    Example:
+        raise ServeError("model 'x' does not exist", status=404, code="model_not_found", param="model")
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        status: int = 400,
+        error_type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ):
+        super().__init__(message)
+        self.status, self.error_type, self.param, self.code = status, error_type, param, code
+
+
 class AdapterWarning(UserWarning):
     """Adapter arithmetic that is allowed but worth knowing about (no fingerprint, kept copies, forced bases)."""

@@ -165,6 +165,49 @@ def test_use_and_merge_exclude_each_other_for_the_same_adapter(tiny_base_dir, ad
     assert m.active is None and m.merged == {"legal": 1.0, "med": 1.0}
 
 
+def test_per_row_adapters_give_each_row_what_use_gives_it_alone(tiny_base_dir, adapter_dirs, tiny_tokenizer):
+    input_ids = tiny_tokenizer(["the adapter learns"], return_tensors="pt").input_ids
+    m = _load(tiny_base_dir, adapter_dirs)
+    alone = {}
+    for name in ("legal", "code", None):
+        m.use(name)
+        alone[name] = _logits(m.model, input_ids)
+    m.use(None)
+    m.attach("med")  # attached, not in use: plain forwards stay the base's
+    assert torch.equal(_logits(m.model, input_ids), alone[None])
+    model = m.use_per_row()
+    rows = ["legal", "__base__", "code", "legal"]
+    with torch.no_grad():
+        logits = model(
+            input_ids=input_ids.repeat(len(rows), 1), adapter_names=rows
+        ).logits  # legal, code attached by use
+    for row, name in enumerate(rows):
+        torch.testing.assert_close(
+            logits[row : row + 1], alone[None if name == "__base__" else name], rtol=0, atol=1e-5
+        )
+
+    m.merge("med")
+    with pytest.raises(AdapterError, match="merged; subtract it"):
+        m.remove_adapter("med")
+    m.use("legal")
+    with pytest.raises(AdapterError, match="in use"):
+        m.remove_adapter("legal")
+    m.use(None)
+    m.remove_adapter("code")
+    with pytest.raises(AdapterError, match="no adapter named 'code'"):
+        m.use("code")
+    m.subtract("med")
+    m.remove_adapter("med")
+    m.remove_adapter("legal")  # the last one attached: peft's layers are taken out
+    assert m.attached == [] and m.adapters == {}
+    assert torch.equal(_logits(m.model, input_ids), alone[None])
+    m.add_adapter(read_adapter(adapter_dirs["legal"], "legal"))
+    m.attach("legal")
+    with torch.no_grad():
+        again = m.use_per_row()(input_ids=input_ids, adapter_names=["legal"]).logits
+    torch.testing.assert_close(again, alone["legal"], rtol=0, atol=1e-5)
+
+
 def test_subtracting_what_is_not_merged_is_task_negation_and_must_be_asked_for(tiny_base_dir, adapter_dirs):
     m = _load(tiny_base_dir, adapter_dirs)
     with pytest.raises(AdapterError, match="task negation"):

@@ -10,8 +10,9 @@ import ast
 from pathlib import Path
 
 PACKAGE_DIR = Path(__file__).resolve().parents[1] / "finetune"
-# The top layer: user-facing entry points. Nothing below them may import them.
-TOP_LAYER = ("finetune.api", "finetune.cli", "finetune.commands")
+# The top layer: user-facing entry points. Nothing below them may import them. `finetune serve` is an
+# application on the public API (`load_model`).
+TOP_LAYER = ("finetune.api", "finetune.cli", "finetune.commands", "finetune.serve")
 TOP_LAYER_FILES = {"__init__.py", "__main__.py", "api.py", "cli.py"}
 MAX_FUNCTION_LINES = 60
 # Too long still, split in phase 2 of issue 7 (item 4: `adapters/ondisk.py` does one job). Nothing else.
@@ -34,7 +35,7 @@ def _relative(path: Path) -> str:
 
 def _is_top_layer(path: Path) -> bool:
     relative = _relative(path)
-    return relative in TOP_LAYER_FILES or relative.startswith("commands/")
+    return relative in TOP_LAYER_FILES or relative.startswith(("commands/", "serve/"))
 
 
 def _imported_modules(tree: ast.AST) -> list[tuple[int, str]]:

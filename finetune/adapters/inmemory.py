@@ -8,11 +8,12 @@ If any tensor would hold NaN/Inf, the tensors already rewritten are recomputed f
 the operation raises: a failed operation leaves the model as it was.
 
 `use(name)` switches an *unmerged* adapter on for every forward (peft's multi-adapter mode, loaded on
-first use); `use(None)` switches it off. Rules: an adapter cannot be both merged and in use (that would
-count it twice), so `use` refuses a merged adapter and `merge`/`swap` refuse the adapter in use; other
-adapters may be merged underneath the one in use (its LoRA adds on top of the merged weights). On a
-quantized base, `use` and merges exclude each other (peft's quantized LoRA layers need the quantized
-layer underneath).
+first use); `use(None)` switches it off. `attach(name)` loads one without switching it on, and
+`use_per_row()` lets each row of a batch name its own attached adapter (how `finetune serve` batches).
+Rules: an adapter cannot be both merged and in use (that would count it twice), so `use` refuses a
+merged adapter and `merge`/`swap` refuse the adapter in use; other adapters may be merged underneath
+the one in use (its LoRA adds on top of the merged weights). On a quantized base, `use` and merges
+exclude each other (peft's quantized LoRA layers need the quantized layer underneath).
 
 Example:
     m = finetune.load_model("models/tiny", adapters={"legal": "adapters/legal", "med": "adapters/med"})
@@ -105,6 +106,7 @@ class LoadedModel:
         self._requantization_errors: dict[str, float] = {}
         self._peft = None
         self._active: str | None = None
+        self._per_row = False  # use_per_row() is on: adapter layers enabled for calls with adapter_names
 
     # ---- state -------------------------------------------------------------------------------------
     @property
@@ -271,11 +273,19 @@ class LoadedModel:
     # ---- unmerged switching ------------------------------------------------------------------------
     def use(self, name: str | None) -> None:
         """Switch adapter `name` on, unmerged, for every forward (peft multi-adapter); None switches it off."""
+        self._per_row = False
         if name is None:
             if self._peft is not None:
                 self._peft.base_model.disable_adapter_layers()
             self._active = None
             return
+        self.attach(name)
+        self._peft.set_adapter(name)
+        self._peft.base_model.enable_adapter_layers()
+        self._active = name
+
+    def attach(self, name: str) -> None:
+        """Load adapter `name` into peft's LoRA layers, unmerged, without switching it on (see `use_per_row`)."""
         adapter = self._adapter(name)
         if name in self._ledger.entries:
             raise AdapterError(
@@ -291,11 +301,53 @@ class LoadedModel:
                 self._peft = PeftModel.from_pretrained(
                     self.model, str(adapter.path), adapter_name=name, is_trainable=False
                 )
+                self._peft.base_model.disable_adapter_layers()  # attached, not in use: forwards stay the base's
+                self._per_row = False
             elif name not in self._peft.peft_config:
                 self._peft.load_adapter(str(adapter.path), adapter_name=name, is_trainable=False)
-        self._peft.set_adapter(name)
-        self._peft.base_model.enable_adapter_layers()
-        self._active = name
+
+    def use_per_row(self) -> torch.nn.Module:
+        """Switch every attached adapter on for calls that name one adapter per row of a batch.
+
+        Returns peft's model: call it with `adapter_names=[...]`, one attached adapter per row and
+        "__base__" for base rows (peft's mixed-batch inference; DoRA, which peft refuses there, is
+        refused by `read_adapter` already). Each row then gets what `use(name)` gives it alone. What is
+        merged stays underneath every row, so name no merged adapter. Until `use(...)` ends this mode, a
+        call without `adapter_names` applies peft's active adapter: always pass them. Adapters attached
+        later take part too.
+
+        Example:
+            model = m.use_per_row()
+            model(input_ids=ids, attention_mask=mask, adapter_names=["legal", "__base__"])
+        """
+        if self._peft is None:
+            raise AdapterError("no adapter is attached; call attach(name) first")
+        if not self._per_row:  # switching costs a walk over every module: once, not per call
+            self._peft.base_model.enable_adapter_layers()
+            self._active, self._per_row = None, True
+        return self._peft
+
+    @property
+    def attached(self) -> list[str]:
+        """Adapters loaded into peft's LoRA layers (by `use` or `attach`), sorted."""
+        return sorted(self._peft.peft_config) if self._peft is not None else []
+
+    def remove_adapter(self, name: str) -> None:
+        """Forget adapter `name` and free its weights in peft; it must be neither merged nor in use."""
+        self._adapter(name)
+        if name in self._ledger.entries:
+            raise AdapterError(f"adapter {name!r} is merged; subtract it before removing it")
+        if name == self._active:
+            raise AdapterError(f"adapter {name!r} is in use; call use(None) before removing it")
+        if self._peft is not None and name in self._peft.peft_config:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                if len(self._peft.peft_config) == 1:  # peft cannot hold zero adapters: take its layers out
+                    self._peft.unload()
+                    self._peft, self._per_row = None, False
+                else:
+                    self._peft.delete_adapter(name)
+        del self.adapters[name]
 
     # ---- saving ------------------------------------------------------------------------------------
     def merged_state(self) -> dict[str, torch.Tensor]:

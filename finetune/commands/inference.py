@@ -93,17 +93,15 @@ def run_eval(args: argparse.Namespace) -> int:
 def run_generate(args: argparse.Namespace) -> int:
     import torch
 
+    from finetune.prompting import chat_prompt_ids, prompt_ids
+
     loaded, _ = _load(args)
     tokenizer = loaded.tokenizer
     if args.chat:
-        input_ids = tokenizer.apply_chat_template(
-            [{"role": "user", "content": args.prompt}],
-            add_generation_prompt=True,
-            return_tensors="pt",
-            return_dict=True,
-        )["input_ids"]
+        ids = chat_prompt_ids(tokenizer, [{"role": "user", "content": args.prompt}])
     else:
-        input_ids = tokenizer(args.prompt, return_tensors="pt")["input_ids"]
+        ids = prompt_ids(tokenizer, args.prompt)
+    input_ids = torch.tensor([ids])
     torch.manual_seed(args.seed)
     sampling = dict(do_sample=True, temperature=args.temperature) if args.temperature > 0 else dict(do_sample=False)
     with torch.no_grad():

@@ -1,0 +1,263 @@
+"""The model side of `finetune serve`: which models are served, prompts to tokens, and batched forwards.
+
+Two modes over one `LoadedModel` (`finetune.load_model`):
+- **per-row adapters** (default): every adapter is attached unmerged, and one forward serves rows of
+  different models: peft's mixed-batch inference gives each row its own adapter (`adapter_names`,
+  `"__base__"` for base rows), so a row gets what `use(name)` gives it alone.
+- **merged** (`merge=NAME`): one adapter is merged into the weights exactly (`LoadedModel.merge`) and the
+  plain model runs, with no LoRA layers in the way; loading another adapter swaps it in exactly
+  (`LoadedModel.swap`: the weights then equal a fresh base with that adapter merged). Only that adapter
+  is served.
+
+Tokens come from `finetune.prompting`, the rule `finetune generate` uses, so greedy output matches it.
+Every method that touches the model runs on the batcher's one worker thread; the `read_*`, `encode_*`
+and `check_*` methods only read, and run in request handlers.
+
+Example:
+    engine = Engine.load(ServeSettings(base="models/tiny", adapters={"legal": "adapters/legal"}))
+    batch = KVBatch.from_prompts([engine.encode_completion("def add")], ["legal"], engine.pad_token_id)
+    logits = engine.prefill(batch)            # (1, V) for the next token
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from finetune.errors import FinetuneError, ServeError
+from finetune.prompting import chat_prompt_ids, prompt_ids
+from finetune.serve.kvbatch import KVBatch
+from finetune.serve.settings import BASE_ROW, ServeSettings
+
+if TYPE_CHECKING:
+    from finetune.adapters.inmemory import LoadedModel
+    from finetune.adapters.lora import Adapter
+
+
+@dataclass(frozen=True)
+class ModelCard:
+    """One entry of /v1/models."""
+
+    id: str
+    root: str
+    parent: str | None
+
+
+class Engine:
+    """A `LoadedModel` served under model names: the base's and one per adapter (or the merged one)."""
+
+    def __init__(self, loaded: LoadedModel, base_name: str, merged: str | None = None):
+        self.loaded = loaded
+        self.base_name = base_name
+        self.merged = merged
+        self.created = int(time.time())
+        self._tokenizer_lock = threading.Lock()
+        tokenizer, config = loaded.tokenizer, loaded.model.config
+        self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        self.stop_token_ids = _stop_token_ids(loaded.model, tokenizer)
+        self.max_model_len = int(getattr(config, "max_position_embeddings", None) or tokenizer.model_max_length)
+        for name in loaded.adapters:
+            self._check_name(name)
+        if merged is not None:
+            loaded.merge(merged)
+        else:
+            for name in loaded.adapters:
+                loaded.attach(name)
+
+    @classmethod
+    def load(cls, settings: ServeSettings) -> Engine:
+        """Load the base and adapters of `settings` (AdapterError/ModelError on a bad path or base)."""
+        from finetune.adapters.lora import read_adapter
+        from finetune.api import load_model
+
+        base, base_name = settings.base, settings.base_name or settings.base
+        if base is None:  # the first adapter's manifest names the base
+            name, path = next(iter(settings.adapters.items()))
+            lead = read_adapter(path, name)
+            if lead.base_path is None:
+                raise ServeError(f"adapter {path} records no base (no manifest, no base_model_name_or_path); pass BASE")
+            base = lead.base_path
+            base_name = base_name or (lead.manifest.base.id if lead.manifest is not None else base)
+        loaded = load_model(base, settings.adapters, dtype=settings.dtype)
+        return cls(loaded, base_name, settings.merge)
+
+    # ---- what is served ----------------------------------------------------------------------------
+    def models(self) -> list[ModelCard]:
+        """The served models: the base and every adapter, or the merged adapter alone."""
+        if self.merged is not None:
+            return [ModelCard(self.merged, str(self.loaded.adapters[self.merged].path), self.base_name)]
+        adapters = [ModelCard(n, str(a.path), self.base_name) for n, a in sorted(self.loaded.adapters.items())]
+        return [ModelCard(self.base_name, str(self.loaded.base_source), None), *adapters]
+
+    def check_model(self, model: str) -> None:
+        """Raise a 404 `ServeError` unless `model` is served now."""
+        if any(card.id == model for card in self.models()):
+            return
+        served = ", ".join(card.id for card in self.models())
+        hint = (
+            f"; this server serves {self.merged!r} merged: swap another adapter in with POST /v1/load_lora_adapter"
+            if self.merged is not None
+            else ""
+        )
+        raise ServeError(
+            f"the model {model!r} does not exist (served: {served}){hint}",
+            status=404,
+            param="model",
+            code="model_not_found",
+        )
+
+    # ---- prompts -----------------------------------------------------------------------------------
+    # A fast tokenizer is one Rust object: two threads encoding, or one encoding while another decodes,
+    # can fail with "RuntimeError: Already borrowed" (transformers #47085, vLLM #40949). One lock serialises them.
+    def encode_completion(self, text: str) -> list[int]:
+        with self._tokenizer_lock:
+            return prompt_ids(self.loaded.tokenizer, text)
+
+    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+        try:
+            with self._tokenizer_lock:
+                return chat_prompt_ids(self.loaded.tokenizer, messages)
+        except FinetuneError as exc:
+            raise ServeError(str(exc), param="messages") from None
+
+    def decode_text(self, token_ids: list[int]) -> str:
+        """Text of generated tokens, as `finetune generate` prints it (special tokens skipped)."""
+        with self._tokenizer_lock:
+            return self.loaded.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    def check_length(self, prompt_tokens: int, max_tokens: int | None, default: int | None, limit: int) -> int:
+        """The number of tokens a request may generate; ServeError (400) when it cannot fit."""
+        room = self.max_model_len - prompt_tokens
+        if prompt_tokens == 0:
+            raise ServeError("the prompt is empty (no tokens)", param="prompt", code="empty_prompt")
+        if room <= 0:
+            raise ServeError(
+                f"the prompt is {prompt_tokens} tokens; this model's context is {self.max_model_len} tokens, and the "
+                "prompt plus max_tokens must fit in it; shorten the prompt",
+                param="prompt",
+                code="context_length_exceeded",
+            )
+        if max_tokens is None:
+            return min(default or limit, room, limit)
+        if max_tokens > limit:
+            raise ServeError(
+                f"max_tokens {max_tokens} is more than this server allows ({limit}, set by --max-tokens-limit)",
+                param="max_tokens",
+                code="max_tokens_too_large",
+            )
+        if max_tokens > room:
+            raise ServeError(
+                f"the prompt ({prompt_tokens} tokens) plus max_tokens ({max_tokens}) exceeds this model's context of "
+                f"{self.max_model_len} tokens; lower max_tokens to at most {room}",
+                param="max_tokens",
+                code="context_length_exceeded",
+            )
+        return max_tokens
+
+    # ---- forwards (worker thread) ------------------------------------------------------------------
+    def prefill(self, batch: KVBatch) -> torch.Tensor:
+        """Run the prompts of a fresh batch; return the next-token logits (B, V) and advance the batch."""
+        logits = self._forward(batch.input_ids, batch)
+        batch.advance()
+        return logits
+
+    def step(self, batch: KVBatch, tokens: list[int]) -> torch.Tensor:
+        """Feed one token per row; return the next-token logits (B, V) and advance the batch."""
+        logits = self._forward(torch.tensor(tokens, dtype=torch.long)[:, None], batch)
+        batch.advance()
+        return logits
+
+    def _forward(self, input_ids: torch.Tensor, batch: KVBatch) -> torch.Tensor:
+        arguments = dict(input_ids=input_ids, logits_to_keep=1, **batch.forward_kwargs())
+        with torch.inference_mode():
+            if self.merged is None and self.loaded.attached:
+                rows = [BASE_ROW if model == self.base_name else model for model in batch.models]
+                output = self.loaded.use_per_row()(**arguments, adapter_names=rows)
+            else:
+                output = self.loaded.model(**arguments)
+        return output.logits[:, -1].float()
+
+    # ---- adapters at runtime -----------------------------------------------------------------------
+    def read_new_adapter(self, name: str, path: str) -> Adapter | None:
+        """Read and check an adapter to load (handler thread). None: `name` is loaded from `path` already,
+        which in merged mode means "swap it back in".
+
+        Raises:
+            ServeError: the name clashes. AdapterError: unreadable, not safetensors, or another base.
+        """
+        from finetune.adapters.lora import read_adapter
+        from finetune.fingerprint import check_fingerprint
+
+        self._check_name(name)
+        known = self.loaded.adapters.get(name)
+        if known is not None:
+            if self.merged is not None and Path(known.path).resolve() == Path(path).resolve():
+                return None
+            raise ServeError(
+                f"an adapter named {name!r} is already loaded (from {known.path}); unload it first or choose "
+                "another lora_name",
+                param="lora_name",
+                code="adapter_exists",
+            )
+        adapter = read_adapter(path, name)
+        check_fingerprint(adapter, self.loaded.ledger.base_fingerprint, self.base_name, force=False)
+        return adapter
+
+    def install(self, name: str, adapter: Adapter | None) -> str:
+        """Add `adapter` (worker thread): attach it, or in merged mode swap it in. Returns what happened."""
+        if adapter is not None:
+            self.loaded.add_adapter(adapter)
+        try:
+            if self.merged is None:
+                self.loaded.attach(name)
+                return f"Success: LoRA adapter '{name}' added successfully."
+            if self.merged != name:
+                self.loaded.swap(self.merged, name)
+                self.merged = name
+            return f"Success: LoRA adapter '{name}' merged (serving it now)."
+        except Exception:
+            if adapter is not None:
+                self.loaded.remove_adapter(name)
+            raise
+
+    def check_removable(self, name: str) -> None:
+        """ServeError unless adapter `name` is loaded and may be unloaded."""
+        if name == self.base_name:
+            raise ServeError("the base model cannot be unloaded", param="lora_name", code="base_model")
+        if name not in self.loaded.adapters:
+            raise ServeError(
+                f"no LoRA adapter named {name!r} is loaded", status=404, param="lora_name", code="adapter_not_found"
+            )
+        if name == self.merged:
+            raise ServeError(
+                f"adapter {name!r} is merged and served; load another adapter to swap it out first",
+                param="lora_name",
+                code="adapter_merged",
+            )
+
+    def remove(self, name: str) -> str:
+        """Unload adapter `name` (worker thread, with no row of it running)."""
+        self.check_removable(name)
+        self.loaded.remove_adapter(name)
+        return f"Success: LoRA adapter '{name}' removed successfully."
+
+    def _check_name(self, name: str) -> None:
+        if name == self.base_name:
+            raise ServeError(
+                f"adapter name {name!r} is the base model's name; choose another (or rename the base with --base-name)",
+                param="lora_name",
+                code="name_clash",
+            )
+
+
+def _stop_token_ids(model, tokenizer) -> frozenset[int]:
+    """EOS of the tokenizer (what `finetune generate` stops at) and of the generation config (e.g. end of turn)."""
+    ids = {tokenizer.eos_token_id}
+    configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids.update(configured if isinstance(configured, list) else [configured])
+    return frozenset(i for i in ids if i is not None)

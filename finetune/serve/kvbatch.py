@@ -1,0 +1,96 @@
+"""The running batch's tensors: KV cache, attention mask and position ids, row by row, between decode steps.
+
+Rows are left-padded: every row's real tokens end at the same cache index, so one decode step appends
+one column for all rows. A padded slot holds zero keys and values and is masked out (mask 0); each
+row's position ids count its own real tokens only, so a row sees exactly the positions it would see
+alone (RoPE is applied before keys are cached, so padding on the left never moves a cached key).
+Rows join (`join`: the shorter cache is padded on the left) and leave (`select`) between steps, which is
+what lets a server add requests to a running batch (iteration-level batching); columns that no row
+uses any more are dropped (`select` trims them).
+
+The cache is transformers' `DynamicCache` with plain full-attention layers, whose `keys`/`values`
+tensors are (B, heads, T, head_dim).
+
+Example:
+    batch = KVBatch.from_prompts([[1, 5, 6], [1, 7]], models=["legal", "base"], pad_token_id=0)
+    batch.input_ids        # (2, 3): [[1, 5, 6], [0, 1, 7]]
+    out = model(input_ids=batch.input_ids, **batch.forward_kwargs())
+    batch.advance(); ...   # then feed one (B, 1) token per row
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache
+
+
+class KVBatch:
+    """Rows being decoded together: their cache, mask (B, T), last position ids (B, 1) and model names."""
+
+    def __init__(self, cache: DynamicCache, mask: torch.Tensor, positions: torch.Tensor, models: list[str]):
+        self.cache = cache
+        self.mask = mask  # (B, T) 1 = real token; T = cache length (+ the tokens of the next forward)
+        self.positions = positions  # (B, q) position ids of the tokens the next forward feeds
+        self.models = models
+        self.input_ids: torch.Tensor | None = None  # (B, q) set for a prefill; decode steps pass their own
+
+    @classmethod
+    def from_prompts(cls, prompts: list[list[int]], models: list[str], pad_token_id: int) -> KVBatch:
+        """A batch ready for its prefill forward: prompts left-padded to the longest, empty cache."""
+        length = max(len(prompt) for prompt in prompts)
+        ids = torch.tensor([[pad_token_id] * (length - len(p)) + p for p in prompts], dtype=torch.long)
+        mask = torch.tensor([[0] * (length - len(p)) + [1] * len(p) for p in prompts], dtype=torch.long)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)  # (B, T): 0 at each row's first real token
+        batch = cls(DynamicCache(), mask, positions, list(models))
+        batch.input_ids = ids
+        return batch
+
+    def __len__(self) -> int:
+        return len(self.models)
+
+    def forward_kwargs(self) -> dict:
+        """Keyword arguments of the model call for the tokens at `positions`."""
+        return dict(attention_mask=self.mask, position_ids=self.positions, past_key_values=self.cache, use_cache=True)
+
+    def advance(self) -> None:
+        """After a forward: make room for one more token per row (mask column, next position)."""
+        self.input_ids = None
+        self.mask = torch.cat([self.mask, self.mask.new_ones(len(self), 1)], dim=1)
+        self.positions = self.positions[:, -1:] + 1
+
+    def join(self, other: KVBatch) -> None:
+        """Append `other`'s rows (both advanced, i.e. waiting for their next token) to this batch."""
+        self._pad_left(other.mask.shape[1] - self.mask.shape[1])
+        other._pad_left(self.mask.shape[1] - other.mask.shape[1])
+        for mine, theirs in zip(self.cache.layers, other.cache.layers, strict=True):
+            mine.keys = torch.cat([mine.keys, theirs.keys])
+            mine.values = torch.cat([mine.values, theirs.values])
+        self.mask = torch.cat([self.mask, other.mask])
+        self.positions = torch.cat([self.positions, other.positions])
+        self.models += other.models
+
+    def select(self, rows: list[int]) -> None:
+        """Keep only `rows` (indices, in order), then drop the leading columns no kept row uses."""
+        index = torch.tensor(rows, dtype=torch.long)
+        self.cache.batch_select_indices(index)
+        self.mask, self.positions = self.mask[index], self.positions[index]
+        self.models = [self.models[i] for i in rows]
+        used = self.mask[:, :-1].any(dim=0).nonzero()  # the last column is the next token's: always kept
+        unused = int(used[0]) if len(used) else self.mask.shape[1] - 1
+        if unused:
+            for layer in self.cache.layers:
+                layer.keys, layer.values = layer.keys[:, :, unused:], layer.values[:, :, unused:]
+            self.mask = self.mask[:, unused:]
+
+    def _pad_left(self, columns: int) -> None:
+        if columns <= 0:
+            return
+        for layer in self.cache.layers:
+            layer.keys, layer.values = _pad_time(layer.keys, columns), _pad_time(layer.values, columns)
+        self.mask = torch.cat([self.mask.new_zeros(len(self), columns), self.mask], dim=1)
+
+
+def _pad_time(states: torch.Tensor, columns: int) -> torch.Tensor:
+    """(B, heads, T, d) -> (B, heads, columns + T, d) with zeros in front."""
+    batch, heads, _, dim = states.shape
+    return torch.cat([states.new_zeros(batch, heads, columns, dim), states], dim=2)

@@ -1,0 +1,233 @@
+"""The OpenAI wire format of `finetune serve`: request bodies (validated strictly) and response JSON.
+
+Requests are pydantic models with `extra="forbid"`: a parameter this server does not implement is a
+400 naming it, rather than silently ignored. Parameters clients commonly send with neutral values
+(`n: 1`, `presence_penalty: 0`, `logprobs: null`, `user`) are accepted. `return_token_ids` (as in vLLM)
+adds `prompt_token_ids` and `token_ids` to each choice. Errors have OpenAI's shape:
+`{"error": {"message", "type", "param", "code"}}`.
+
+Example:
+    request = parse_body(CompletionRequest, b'{"model": "legal", "prompt": "hi", "max_tokens": 8}')
+    completion_body("cmpl-1", "legal", created, [finished], usage_of([finished]))
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from finetune.errors import ServeError
+from finetune.serve.batcher import Finished
+
+MAX_STOP_SEQUENCES = 16
+COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _Generation(_Strict):
+    """Parameters shared by completions and chat completions."""
+
+    model: str
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=-1)  # vLLM's extension; 0 or -1: off
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    return_token_ids: bool = False
+    n: Literal[1] = 1
+    presence_penalty: Literal[0] = 0
+    frequency_penalty: Literal[0] = 0
+    logprobs: Literal[False] | None = None
+    logit_bias: dict[str, float] | None = Field(None, max_length=0)
+    user: str | None = None
+
+    def stop_sequences(self) -> tuple[str, ...]:
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if len(stops) > MAX_STOP_SEQUENCES or any(not s for s in stops):
+            raise ServeError(f"stop: give at most {MAX_STOP_SEQUENCES} non-empty strings", param="stop")
+        return tuple(stops)
+
+
+class CompletionRequest(_Generation):
+    """POST /v1/completions. A list of prompts gives one choice each (all batched together)."""
+
+    prompt: str | list[str]
+    max_tokens: int | None = Field(COMPLETION_DEFAULT_MAX_TOKENS, ge=1)
+    echo: Literal[False] = False
+    best_of: Literal[1] | None = None
+    suffix: None = None
+
+    def prompts(self) -> list[str]:
+        prompts = [self.prompt] if isinstance(self.prompt, str) else self.prompt
+        if not prompts:
+            raise ServeError("prompt: give a string or a non-empty list of strings", param="prompt")
+        return prompts
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def as_template_input(self) -> dict[str, str]:
+        content = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content or [])
+        return {"role": self.role, "content": content}
+
+
+class ChatCompletionRequest(_Generation):
+    """POST /v1/chat/completions: the conversation is rendered with the tokenizer's chat template."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+
+    def token_budget(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+class LoadAdapterRequest(_Strict):
+    """POST /v1/load_lora_adapter (vLLM's body)."""
+
+    lora_name: str
+    lora_path: str
+
+
+class UnloadAdapterRequest(_Strict):
+    """POST /v1/unload_lora_adapter (vLLM's body; `lora_int_id` is accepted and ignored)."""
+
+    lora_name: str
+    lora_int_id: int | None = None
+
+
+def parse_body(model: type[BaseModel], body: bytes) -> Any:
+    """The request body as `model`; ServeError (400) for bad JSON or the first invalid field."""
+    try:
+        data = json.loads(body)
+    except ValueError as exc:
+        raise ServeError(f"the request body is not valid JSON ({exc})", code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise ServeError("the request body must be a JSON object", code="invalid_json")
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        param = ".".join(str(part) for part in first["loc"]) or None
+        if first["type"] == "extra_forbidden":
+            message = f"{param}: this server does not support this parameter"
+        else:
+            message = f"{param}: {first['msg']}" if param else first["msg"]
+        more = exc.error_count() - 1
+        raise ServeError(message + (f" (and {more} more problems)" if more else ""), param=param) from None
+
+
+def error_body(error: ServeError) -> dict:
+    return {"error": {"message": str(error), "type": error.error_type, "param": error.param, "code": error.code}}
+
+
+def usage_of(results: list[Finished]) -> dict:
+    prompt = sum(len(r.prompt_token_ids) for r in results)
+    completion = sum(len(r.token_ids) for r in results)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def _token_ids(result: Finished, wanted: bool) -> dict:
+    return {"prompt_token_ids": result.prompt_token_ids, "token_ids": result.token_ids} if wanted else {}
+
+
+def completion_body(request_id: str, model: str, created: int, results: list[Finished], token_ids: bool) -> dict:
+    choices = [
+        {
+            "index": r.index,
+            "text": r.text,
+            "logprobs": None,
+            "finish_reason": r.finish_reason,
+            **_token_ids(r, token_ids),
+        }
+        for r in results
+    ]
+    return {
+        "id": request_id,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": choices,
+        "usage": usage_of(results),
+    }
+
+
+def chat_body(request_id: str, model: str, created: int, result: Finished, token_ids: bool) -> dict:
+    choice = {
+        "index": 0,
+        "message": {"role": "assistant", "content": result.text},
+        "logprobs": None,
+        "finish_reason": result.finish_reason,
+        **_token_ids(result, token_ids),
+    }
+    return {
+        "id": request_id,
+        "object": "chat.completion",
+        "created": created,
+        "model": model,
+        "choices": [choice],
+        "usage": usage_of([result]),
+    }
+
+
+def completion_chunk(request_id: str, model: str, created: int, index: int, text: str, finish: str | None) -> dict:
+    choice = {"index": index, "text": text, "logprobs": None, "finish_reason": finish}
+    return {"id": request_id, "object": "text_completion", "created": created, "model": model, "choices": [choice]}
+
+
+def chat_chunk(request_id: str, model: str, created: int, delta: dict, finish: str | None) -> dict:
+    choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+    return {
+        "id": request_id,
+        "object": "chat.completion.chunk",
+        "created": created,
+        "model": model,
+        "choices": [choice],
+    }
+
+
+def usage_chunk(request_id: str, model: str, created: int, obj: str, results: list[Finished]) -> dict:
+    """The last chunk when `stream_options.include_usage`: no choices, the usage."""
+    return {
+        "id": request_id,
+        "object": obj,
+        "created": created,
+        "model": model,
+        "choices": [],
+        "usage": usage_of(results),
+    }
+
+
+def models_body(cards, created: int, max_model_len: int) -> dict:
+    data = [
+        {
+            "id": card.id,
+            "object": "model",
+            "created": created,
+            "owned_by": "finetune",
+            "root": card.root,
+            "parent": card.parent,
+            "max_model_len": max_model_len,
+        }
+        for card in cards
+    ]
+    return {"object": "list", "data": data}

@@ -1,0 +1,443 @@
+"""`finetune serve` for real: uvicorn on 127.0.0.1 (a free port), talked to with httpx and the `openai` client.
+
+Every answer is checked against the same greedy tokens computed apart from the server: through
+`finetune.load_model` + `use` + `generate` (what `finetune generate` runs; once through the real
+`finetune generate` subprocess too). Concurrent requests for two adapters and the base must come back
+with the tokens each gets alone, and the server's /stats must show they shared forward passes.
+
+The base: the embedded one if this session already built it (the quickstart test does), else the tiny
+test base built with larger initial weights (`initializer_range=0.3`): the default tiny base repeats
+one token forever under greedy decoding, which would hide a wrong position or cache row.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import warnings
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import torch
+from adapter_fixtures import ALL_LINEAR, make_adapter
+from conftest import TEST_SHAPE
+from test_cli import REPO
+
+import finetune
+from finetune.cli import main
+from finetune.prompting import chat_prompt_ids, prompt_ids
+from finetune.serve.server import ServerThread
+from finetune.serve.settings import ServeSettings
+
+BASE_NAME = "tiny"
+PROMPTS = ["the model reads a document", "def add(a, b):\n", "for i in range(10):\n    print(i * 2)", "loss"]
+MAX_TOKENS = 16
+MAX_TOKENS_LIMIT = 64
+MAX_PENDING = 16
+
+
+@pytest.fixture(scope="module")
+def serve_base(tmp_path_factory, tiny_tokenizer) -> Path:
+    from finetune.embedded import embedded_base_dir
+    from finetune.embedded.build import EMBEDDED_BASES, RECORD_FILE
+    from finetune.embedded.tiny import build_tiny_llama
+
+    embedded = embedded_base_dir("tiny-llama", EMBEDDED_BASES["tiny-llama"])
+    if (embedded / RECORD_FILE).is_file():
+        return embedded
+    path = tmp_path_factory.mktemp("serve-base")
+    build_tiny_llama(tiny_tokenizer, seed=0, initializer_range=0.3, **TEST_SHAPE).save_pretrained(path)
+    tiny_tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def serve_adapters(tmp_path_factory, serve_base, tiny_base_dir) -> dict[str, Path]:
+    """Two adapters served from the start, one loaded at runtime, and two the server must refuse."""
+    root = tmp_path_factory.mktemp("serve-adapters")
+    adapters = {
+        "legal": make_adapter(serve_base, root / "legal", seed=11, targets=ALL_LINEAR, magnitude=0.3),
+        "med": make_adapter(serve_base, root / "med", seed=12, targets=("q_proj", "v_proj", "down_proj"), r=8),
+        "code": make_adapter(serve_base, root / "code", seed=13, targets=("v_proj", "up_proj"), magnitude=0.4),
+        "foreign": make_adapter(tiny_base_dir, root / "foreign", seed=14),  # same shapes, other weights
+    }
+    pickled = shutil.copytree(adapters["code"], root / "pickled")
+    from safetensors.torch import load_file
+
+    torch.save(load_file(pickled / "adapter_model.safetensors"), pickled / "adapter_model.bin")
+    (pickled / "adapter_model.safetensors").unlink()
+    return {**adapters, "pickled": pickled}
+
+
+@pytest.fixture(scope="module")
+def reference(serve_base, serve_adapters):
+    """The same base and adapters loaded apart from the server: what `finetune generate` computes."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return finetune.load_model(serve_base, {n: serve_adapters[n] for n in ("legal", "med", "code")})
+
+
+def greedy(loaded, model: str | None, ids: list[int], max_new_tokens: int = MAX_TOKENS) -> list[int]:
+    """`finetune generate`'s computation: `use(adapter)` then greedy `generate` on one unpadded row."""
+    loaded.use(model)
+    input_ids = torch.tensor([ids])
+    with torch.no_grad():
+        output = loaded.model.generate(
+            input_ids,
+            attention_mask=torch.ones_like(input_ids),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            pad_token_id=loaded.tokenizer.pad_token_id,
+            eos_token_id=loaded.tokenizer.eos_token_id,
+        )
+    loaded.use(None)
+    return output[0, len(ids) :].tolist()
+
+
+def adapter_of(model: str) -> str | None:
+    return None if model == BASE_NAME else model
+
+
+@pytest.fixture(scope="module")
+def server(serve_base, serve_adapters):
+    settings = ServeSettings(
+        base=str(serve_base),
+        adapters={"legal": str(serve_adapters["legal"]), "med": str(serve_adapters["med"])},
+        base_name=BASE_NAME,
+        port=0,
+        max_wait_ms=50,
+        max_tokens_limit=MAX_TOKENS_LIMIT,
+        max_pending=MAX_PENDING,
+    )
+    with ServerThread(settings) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with httpx.Client(base_url=server.url, timeout=120) as http:
+        yield http
+
+
+def complete(client: httpx.Client, model: str, prompt: str, **extra) -> dict:
+    body = {"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "return_token_ids": True}
+    response = client.post("/v1/completions", json={**body, **extra})
+    assert response.status_code == 200, response.text
+    return response.json()["choices"][0]
+
+
+def assert_error(response: httpx.Response, status: int, *fragments: str, param: str | None = None) -> dict:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    for fragment in fragments:
+        assert fragment in error["message"]
+    if param is not None:
+        assert error["param"] == param
+    return error
+
+
+def assert_still_serves(client: httpx.Client, reference) -> None:
+    choice = complete(client, "legal", PROMPTS[0])
+    assert choice["token_ids"] == greedy(reference, "legal", prompt_ids(reference.tokenizer, PROMPTS[0]))
+
+
+# ---- answers equal finetune generate ---------------------------------------------------------------
+def test_models_are_listed(client, serve_adapters):
+    listed = client.get("/v1/models").json()
+    assert listed["object"] == "list"
+    cards = {card["id"]: card for card in listed["data"]}
+    assert set(cards) == {BASE_NAME, "legal", "med"}
+    assert cards["legal"]["parent"] == BASE_NAME and cards["legal"]["root"] == str(serve_adapters["legal"])
+    assert cards[BASE_NAME]["parent"] is None
+
+
+def test_completions_per_model_equal_generate(client, reference):
+    outputs = {}
+    for model in (BASE_NAME, "legal", "med"):
+        for prompt in PROMPTS[:2]:
+            choice = complete(client, model, prompt)
+            ids = prompt_ids(reference.tokenizer, prompt)
+            expected = greedy(reference, adapter_of(model), ids)
+            assert choice["prompt_token_ids"] == ids
+            assert choice["token_ids"] == expected, (model, prompt)
+            assert choice["text"] == reference.tokenizer.decode(expected, skip_special_tokens=True)
+            outputs[model, prompt] = tuple(expected)
+    for prompt in PROMPTS[:2]:  # the adapters really change the answers
+        assert len({outputs[model, prompt] for model in (BASE_NAME, "legal", "med")}) == 3
+
+
+def test_chat_completions_with_the_openai_client_equal_generate(server, reference):
+    api = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": PROMPTS[2]}]
+    for model in (BASE_NAME, "med"):
+        reply = api.chat.completions.create(model=model, messages=messages, max_tokens=MAX_TOKENS, temperature=0)
+        expected = greedy(reference, adapter_of(model), chat_prompt_ids(reference.tokenizer, messages))
+        assert reply.choices[0].message.content == reference.tokenizer.decode(expected, skip_special_tokens=True)
+        assert reply.choices[0].message.role == "assistant"
+        assert reply.usage.completion_tokens == len(expected)
+    completion = api.completions.create(model="legal", prompt=PROMPTS[3], max_tokens=MAX_TOKENS, temperature=0)
+    expected = greedy(reference, "legal", prompt_ids(reference.tokenizer, PROMPTS[3]))
+    assert completion.choices[0].text == reference.tokenizer.decode(expected, skip_special_tokens=True)
+    assert [model.id for model in api.models.list()] == [BASE_NAME, "legal", "med"]
+
+
+def test_concurrent_requests_share_forwards_and_match_alone(client, reference):
+    jobs = [(model, prompt) for model in (BASE_NAME, "legal", "med") for prompt in PROMPTS[1:3]]
+    before = client.get("/stats").json()["forwards_by_model_count"].get("3", 0)
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        choices = list(pool.map(lambda job: complete(client, *job), jobs))
+    stats = client.get("/stats").json()
+    assert stats["forwards_by_model_count"].get("3", 0) > before  # base, legal and med rows in one forward
+    assert stats["max_rows_per_forward"] >= 3
+    for (model, prompt), choice in zip(jobs, choices):
+        assert choice["token_ids"] == greedy(reference, adapter_of(model), prompt_ids(reference.tokenizer, prompt))
+
+
+def test_requests_join_and_leave_a_running_batch(client, reference):
+    """Rows join a batch that is decoding (padded cache) and leave it at different steps (trimmed cache)."""
+    stats = lambda: client.get("/stats").json()
+    joins_before = stats()["joins"]
+    with ThreadPoolExecutor(8) as pool:
+        long = pool.submit(complete, client, "med", PROMPTS[3], max_tokens=MAX_TOKENS_LIMIT)
+        deadline = time.monotonic() + 60
+        while stats()["running"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        jobs = [("legal", PROMPTS[2], 3), (BASE_NAME, PROMPTS[0], 9), ("med", PROMPTS[1], 5), ("legal", PROMPTS[3], 12)]
+        choices = list(pool.map(lambda job: complete(client, job[0], job[1], max_tokens=job[2]), jobs))
+        jobs.append(("med", PROMPTS[3], MAX_TOKENS_LIMIT))
+        choices.append(long.result())
+    assert stats()["joins"] > joins_before
+    for (model, prompt, max_tokens), choice in zip(jobs, choices):
+        expected = greedy(reference, adapter_of(model), prompt_ids(reference.tokenizer, prompt), max_tokens)
+        assert choice["token_ids"] == expected, (model, prompt, max_tokens)
+
+
+def test_seeded_sampling_is_reproducible_alone_and_in_a_batch(client):
+    sampled = dict(temperature=0.9, top_p=0.9, top_k=50, seed=7)
+    alone = complete(client, "legal", PROMPTS[0], **sampled)["token_ids"]
+    with ThreadPoolExecutor(3) as pool:
+        others = [pool.submit(complete, client, model, PROMPTS[1]) for model in ("med", BASE_NAME)]
+        batched = complete(client, "legal", PROMPTS[0], **sampled)["token_ids"]
+        [other.result() for other in others]
+    assert batched == alone
+    assert complete(client, "legal", PROMPTS[0], **{**sampled, "seed": 8})["token_ids"] != alone
+
+
+def test_streaming_returns_the_same_text(client, reference):
+    body = {"model": "legal", "prompt": PROMPTS[0], "max_tokens": MAX_TOKENS, "temperature": 0, "stream": True}
+    with client.stream("POST", "/v1/completions", json=body) as response:
+        assert response.headers["content-type"].startswith("text/event-stream")
+        lines = [line for line in response.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]"
+    chunks = [httpx.Response(200, content=line.removeprefix("data: ")).json() for line in lines[:-1]]
+    assert {chunk["object"] for chunk in chunks} == {"text_completion"}
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    expected = greedy(reference, "legal", prompt_ids(reference.tokenizer, PROMPTS[0]))
+    text = reference.tokenizer.decode(expected, skip_special_tokens=True)
+    assert "".join(chunk["choices"][0]["text"] for chunk in chunks) == text
+
+    api = openai.OpenAI(base_url=client.base_url.join("/v1").__str__(), api_key="unused", max_retries=0)
+    messages = [{"role": "user", "content": PROMPTS[3]}]
+    stream = api.chat.completions.create(
+        model="med", messages=messages, max_tokens=MAX_TOKENS, temperature=0, stream=True
+    )
+    pieces = [chunk.choices[0].delta.content or "" for chunk in stream]
+    expected = greedy(reference, "med", chat_prompt_ids(reference.tokenizer, messages))
+    assert "".join(pieces) == reference.tokenizer.decode(expected, skip_special_tokens=True)
+
+
+def test_stop_sequence_cuts_the_text(client, reference):
+    expected = reference.tokenizer.decode(greedy(reference, "legal", prompt_ids(reference.tokenizer, PROMPTS[2])))
+    stop = next(expected[i : i + 2] for i in range(3, len(expected) - 2) if "\ufffd" not in expected[i : i + 2])
+    choice = complete(client, "legal", PROMPTS[2], stop=[stop])
+    assert choice["finish_reason"] == "stop"
+    assert choice["text"] == expected[: expected.find(stop)]
+
+
+# ---- adapters at runtime ---------------------------------------------------------------------------
+def test_load_and_unload_at_runtime(client, reference, serve_adapters):
+    loaded = client.post("/v1/load_lora_adapter", json={"lora_name": "code", "lora_path": str(serve_adapters["code"])})
+    assert loaded.status_code == 200 and "added successfully" in loaded.text
+    assert "code" in [card["id"] for card in client.get("/v1/models").json()["data"]]
+    choice = complete(client, "code", PROMPTS[0])
+    assert choice["token_ids"] == greedy(reference, "code", prompt_ids(reference.tokenizer, PROMPTS[0]))
+
+    unloaded = client.post("/v1/unload_lora_adapter", json={"lora_name": "code"})
+    assert unloaded.status_code == 200 and "removed successfully" in unloaded.text
+    assert_error(client.post("/v1/completions", json={"model": "code", "prompt": "x"}), 404, "'code' does not exist")
+    assert_still_serves(client, reference)
+
+
+@pytest.mark.parametrize(
+    ("name", "adapter", "status", "fragment"),
+    [
+        ("alien", "foreign", 400, "was trained on base"),
+        ("pickled", "pickled", 400, "pickle file"),
+        ("legal", "code", 400, "already loaded"),
+        (BASE_NAME, "code", 400, "the base model's name"),
+        ("bad/name", "code", 400, "adapter name 'bad/name' is invalid"),
+        ("nowhere", None, 400, "is not an adapter directory"),
+    ],
+)
+def test_load_refusals(client, reference, serve_adapters, tmp_path, name, adapter, status, fragment):
+    path = str(serve_adapters[adapter]) if adapter else str(tmp_path / "missing")
+    response = client.post("/v1/load_lora_adapter", json={"lora_name": name, "lora_path": path})
+    assert_error(response, status, fragment)
+    if name not in ("legal", BASE_NAME):  # served before: still there, unchanged
+        assert name not in [card["id"] for card in client.get("/v1/models").json()["data"]]
+    assert_still_serves(client, reference)
+
+
+def test_unload_refusals(client, reference):
+    assert_error(client.post("/v1/unload_lora_adapter", json={"lora_name": "ghost"}), 404, "no LoRA adapter")
+    assert_error(client.post("/v1/unload_lora_adapter", json={"lora_name": BASE_NAME}), 400, "base model")
+    assert_still_serves(client, reference)
+
+
+# ---- limits and errors -----------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("body", "status", "fragment", "param"),
+    [
+        ({"model": "nope", "prompt": "x"}, 404, "'nope' does not exist", "model"),
+        ({"model": "legal", "prompt": "x", "max_tokens": -1}, 400, "greater than or equal to 1", "max_tokens"),
+        (
+            {"model": "legal", "prompt": "x", "max_tokens": MAX_TOKENS_LIMIT + 1},
+            400,
+            "--max-tokens-limit",
+            "max_tokens",
+        ),
+        ({"model": "legal", "prompt": "loss " * 2000}, 400, "context is", "prompt"),
+        ({"model": "legal", "prompt": "x", "temperature": -0.5}, 400, "temperature", "temperature"),
+        ({"model": "legal", "prompt": "x", "n": 2}, 400, "Input should be 1", "n"),
+        ({"model": "legal", "prompt": "x", "tools": []}, 400, "does not support this parameter", "tools"),
+        ({"model": "legal", "prompt": ["x"] * (MAX_PENDING + 1)}, 429, "--max-pending", None),
+        ({"prompt": "x"}, 400, "Field required", "model"),
+    ],
+)
+def test_bad_requests_are_refused_and_the_server_goes_on(client, reference, body, status, fragment, param):
+    assert_error(client.post("/v1/completions", json=body), status, fragment, param=param)
+    assert_still_serves(client, reference)
+
+
+def test_bad_json_unknown_routes_and_chat_errors(client, reference):
+    assert_error(client.post("/v1/completions", content=b'{"model": "legal",'), 400, "not valid JSON")
+    assert_error(client.post("/v1/completions", content=b"[1, 2]"), 400, "JSON object")
+    assert_error(client.get("/v1/nothing-here"), 404, "Not Found")
+    chat = {"model": "med", "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}
+    assert_error(client.post("/v1/chat/completions", json=chat), 400)
+    assert_error(client.post("/v1/chat/completions", json={"model": "med", "messages": []}), 400, param="messages")
+    assert_still_serves(client, reference)
+
+
+def test_merged_mode_swaps_exactly_and_needs_the_key(serve_base, serve_adapters, reference):
+    settings = ServeSettings(
+        base=str(serve_base),
+        adapters={"legal": str(serve_adapters["legal"]), "med": str(serve_adapters["med"])},
+        base_name=BASE_NAME,
+        merge="legal",
+        port=0,
+        api_key="secret",
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        merged_reference = finetune.load_model(serve_base, {n: serve_adapters[n] for n in ("legal", "med")})
+    merged_reference.merge("legal")
+    ids = prompt_ids(reference.tokenizer, PROMPTS[2])
+    with ServerThread(settings) as server, httpx.Client(base_url=server.url, timeout=120) as anonymous:
+        assert_error(anonymous.get("/v1/models"), 401, "Authorization: Bearer")
+        wrong = anonymous.get("/v1/models", headers={"Authorization": "Bearer guess"})
+        assert_error(wrong, 401)
+        client = httpx.Client(base_url=server.url, timeout=120, headers={"Authorization": "Bearer secret"})
+        assert [card["id"] for card in client.get("/v1/models").json()["data"]] == ["legal"]
+        assert complete(client, "legal", PROMPTS[2])["token_ids"] == greedy(merged_reference, None, ids)
+        assert_error(client.post("/v1/completions", json={"model": BASE_NAME, "prompt": "x"}), 404, "merged")
+        assert_error(client.post("/v1/unload_lora_adapter", json={"lora_name": "legal"}), 400, "merged")
+
+        swapped = client.post(
+            "/v1/load_lora_adapter", json={"lora_name": "med", "lora_path": str(serve_adapters["med"])}
+        )
+        assert swapped.status_code == 200, swapped.text
+        merged_reference.swap("legal", "med")
+        assert complete(client, "med", PROMPTS[2])["token_ids"] == greedy(merged_reference, None, ids)
+        assert_error(client.post("/v1/completions", json={"model": "legal", "prompt": "x"}), 404)
+        client.close()
+
+
+# ---- the command line ------------------------------------------------------------------------------
+def test_cli_serve_answers_as_the_finetune_generate_subprocess(serve_base, serve_adapters, reference):
+    """Both commands as real subprocesses, run side by side (each spends seconds importing torch)."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    finetune_command = [sys.executable, "-m", "finetune"]
+    serve = [*finetune_command, "serve", str(serve_base), "--adapter", f"med={serve_adapters['med']}", "--port", "0"]
+    process = subprocess.Popen(serve, stderr=subprocess.PIPE, env=env, text=True)
+    try:
+        generate = [*finetune_command, "generate", "--base", str(serve_base), "--adapter", str(serve_adapters["med"])]
+        generated = subprocess.run(
+            [*generate, "--chat", "--max-new-tokens", str(MAX_TOKENS), PROMPTS[1]], capture_output=True, env=env
+        )
+        assert generated.returncode == 0, generated.stderr.decode()[-2000:]
+        seen = []  # stderr up to the line saying where it serves (model loading may print before it)
+        while not (seen and seen[-1].startswith("finetune serve: ")) and (line := process.stderr.readline()):
+            seen.append(line)
+        assert seen[-1].startswith("finetune serve: http://127.0.0.1:"), seen
+        with httpx.Client(base_url=seen[-1].split()[2].removesuffix("/v1"), timeout=120) as client:
+            assert [card["id"] for card in client.get("/v1/models").json()["data"]] == [str(serve_base), "med"]
+            body = {"model": "med", "messages": [{"role": "user", "content": PROMPTS[1]}], "max_tokens": MAX_TOKENS}
+            reply = client.post("/v1/chat/completions", json={**body, "temperature": 0}).json()
+        assert generated.stdout.decode("utf-8") == reply["choices"][0]["message"]["content"] + "\n"
+        process.send_signal(signal.SIGINT)  # uvicorn shuts down gracefully, then the CLI exits as interrupted
+        assert process.wait(timeout=60) == 130
+        assert "Traceback" not in process.stderr.read()
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+        process.stderr.close()
+
+
+@pytest.mark.parametrize(
+    ("arguments", "fragment"),
+    [
+        (["--adapter", "legal=/nonexistent/adapter"], "is not an adapter directory"),
+        (["--adapter", "legal={legal}", "--merge", "med"], "--merge med: no adapter of that name"),
+        (["--adapter", "legal={legal}", "--port", "70000"], "--port must be at most 65535"),
+        (["--adapter", "legal={legal}", "--max-batch-size", "0"], "--max-batch-size must be at least 1"),
+        (["--adapter", "legal={foreign}"], "was trained on base"),
+        (["--adapter", "legal={legal}", "--adapter", "legal={med}"], "given twice"),
+        (["--adapter", "{legal}", "--base-name", "legal"], "the base model's name"),
+    ],
+)
+def test_cli_startup_errors_are_one_line(serve_base, serve_adapters, capsys, arguments, fragment):
+    paths = {name: str(path) for name, path in serve_adapters.items()}
+    assert main(["serve", str(serve_base), "--port", "0", *[a.format(**paths) for a in arguments]]) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and fragment in errors[0], errors
+
+
+def test_cli_refuses_a_taken_port(serve_base, serve_adapters, capsys):
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        assert main(["serve", str(serve_base), "--port", port]) == 2
+    assert "cannot listen on 127.0.0.1:" in capsys.readouterr().err
+
+
+def test_serve_help_lists_the_options():
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    result = subprocess.run(
+        [sys.executable, "-m", "finetune", "serve", "--help"], capture_output=True, text=True, env=env, timeout=60
+    )
+    assert result.returncode == 0
+    for option in ("--adapter NAME=PATH", "--merge NAME", "--api-key", "--max-batch-size", "--max-wait-ms"):
+        assert option in result.stdout
