@@ -32,3 +32,11 @@ class AdapterError(FinetuneError):
 
 class CheckpointError(FinetuneError):
     """A training checkpoint cannot be resumed from."""
+
+
+class ExportError(FinetuneError):
+    """A model or adapter cannot be exported to the requested format (architecture, tokenizer, dtype)."""
+
+
+class ReportError(FinetuneError):
+    """A run directory cannot be reported on (no metrics.jsonl, unreadable records)."""
