@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 from finetune.errors import FinetuneError
 
-COMMAND_MODULES = ("train", "inference", "adapters", "export")
+COMMAND_MODULES = ("train", "inference", "adapters", "export", "report")
 """Modules under `finetune.commands`, in the order their commands appear in `--help`."""
 
 EXIT_USER_ERROR = 2
