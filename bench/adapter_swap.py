@@ -85,7 +85,7 @@ def prepare(args: argparse.Namespace) -> tuple[Path, dict[str, Path], int]:
     base, adapters = model_paths(args)
     build_base(base, hidden=args.hidden, layers=args.layers, intermediate=args.intermediate)
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-    for seed, (name, path) in enumerate(adapters.items(), start=1):
+    for seed, path in enumerate(adapters.values(), start=1):
         build_adapter(base, path, seed=seed, model=model)
     return base, adapters, parameter_count(model)
 
@@ -178,12 +178,12 @@ def bench_swap(base: Path, adapters: dict[str, Path], dtype: str, repeats: int) 
     reloaded = None
     for i in range(repeats):  # a -> b, then b -> a, ...: every in-place call is one full swap
         a, b = (old, new) if i % 2 == 0 else (new, old)
-        seconds["ours"].append(timed(lambda: ours.swap(a, b)))
+        seconds["ours"].append(timed(lambda a=a, b=b: ours.swap(a, b)))
         del reloaded
         started = time.perf_counter()
         reloaded = reload_and_merge()
         seconds["reload"].append(time.perf_counter() - started)
-        seconds["peft"].append(timed(lambda: (peft_model.unmerge_adapter(), peft_model.merge_adapter([b]))))
+        seconds["peft"].append(timed(lambda b=b, model=peft_model: (model.unmerge_adapter(), model.merge_adapter([b]))))
     if ours.merged != {new: 1.0}:  # an even number of repeats ends on a: one more swap each, untimed
         ours.swap(old, new)
         peft_model.unmerge_adapter(), peft_model.merge_adapter([new])
@@ -352,7 +352,17 @@ def main(argv: list[str] | None = None) -> None:
             figures["swap"].append(result)
             ours, best = result["ours_swap_s"], result["best_s"]
 
-            def row(label: str, key: str, method: str, equal: str, diff: str) -> list[str]:
+            def row(
+                label: str,
+                key: str,
+                method: str,
+                equal: str,
+                diff: str,
+                dtype=dtype,
+                result=result,
+                ours=ours,
+                best=best,
+            ) -> list[str]:
                 return [
                     dtype,
                     label,

@@ -44,7 +44,6 @@ import math
 import os
 import platform
 import random
-import re
 import resource
 import shutil
 import subprocess
@@ -211,8 +210,8 @@ def run_ours(spec: dict[str, Any], arm: str) -> dict[str, Any]:
     import finetune.checkpoint
     import finetune.manifest  # noqa: F401
     from finetune import Recipe
-    from finetune.batches import MicroBatchStream
     from finetune.data import build_datasets
+    from finetune.data.sampler import MicroBatchStream
     from finetune.model import load_tokenizer
     from finetune.train import train
 
@@ -254,13 +253,13 @@ def run_ours(spec: dict[str, Any], arm: str) -> dict[str, Any]:
 
     marks: dict[int, tuple[float, float]] = {}
     phases: dict[str, float] = {}
-    step_line = re.compile(r"step (\d+)/(\d+): loss")
 
-    def log(message: str) -> None:
+    def on_step(step: int, metrics: dict[str, float]) -> None:
+        marks[step] = (time.perf_counter(), cpu_seconds())
+
+    def log(message: str) -> None:  # setup phases only; steps come through on_step
         now, cpu = time.perf_counter(), cpu_seconds()
-        if match := step_line.match(message):
-            marks[int(match.group(1))] = (now, cpu)
-        elif message.startswith("training "):  # printed just before the first step
+        if message.startswith("training "):  # printed just before the first step
             marks[0] = (now, cpu)
         elif message.startswith("base model: eval loss"):  # the base evaluation is done
             phases["base_eval_done"] = now
@@ -270,7 +269,7 @@ def run_ours(spec: dict[str, Any], arm: str) -> dict[str, Any]:
             say(f"{arm}: {message}")
 
     start = time.perf_counter()
-    _, metrics = train(recipe, resume=False, log=log, progress=False)
+    _, metrics = train(recipe, resume=False, log=log, progress=False, on_step=on_step)
     end = time.perf_counter()
     rss = peak_rss_mib()
 

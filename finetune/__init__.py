@@ -2,16 +2,18 @@
 
 Example:
     import finetune
-    adapter_dir, metrics = finetune.train("recipes/quickstart.yaml", ["train.max_steps=20"])
+    from finetune.train import train
+
+    adapter_dir, metrics = train("recipes/quickstart.yaml", ["train.max_steps=20"])
+    model = finetune.load_model(adapter_dir)   # the base from the adapter's manifest, the adapter in use
 """
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
-
 from finetune.api import load_model
 from finetune.errors import AdapterError, DataError, FinetuneError, ModelError, RecipeError
 from finetune.recipe import Recipe, load_recipe
+from finetune.version import __version__
 
 __all__ = [
     "AdapterError",

@@ -18,59 +18,26 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from finetune.adapters import AdapterWarning
-from finetune.errors import AdapterError
+from finetune.errors import AdapterError, AdapterWarning
+from finetune.fingerprint import check_fingerprint
+from finetune.paths import local_model_dir
 
 if TYPE_CHECKING:  # torch and transformers load when a model does, so `import finetune` stays instant
-    from finetune.adapters.inmemory import LoadedModel
-    from finetune.adapters.weights import Adapter
+    import torch
 
-__all__ = ["load_model", "check_fingerprint", "local_model_dir"]
+    from finetune.adapters.inmemory import LoadedModel
+
+__all__ = ["load_model"]
 
 DTYPES = ("float32", "bfloat16", "float16")
 ADAPTER_CONFIG_NAME = "adapter_config.json"
-
-
-def local_model_dir(source: str, revision: str | None = None) -> Path | None:
-    """The local directory holding `source`'s files: itself, or its hub-cache snapshot; None if neither."""
-    if Path(source).is_dir():
-        return Path(source)
-    try:
-        from huggingface_hub import snapshot_download
-
-        return Path(snapshot_download(source, revision=revision, local_files_only=True))
-    except Exception:  # not a hub id, or not cached: no files to read a pristine copy from
-        return None
-
-
-def check_fingerprint(adapter: Adapter, base_fingerprint: str | None, base_where: str, *, force: bool) -> None:
-    """Refuse an adapter trained on another base (unless `force`); warn when no check is possible."""
-    if adapter.base_fingerprint is None or not adapter.base_fingerprint.startswith("sha256:"):
-        why = "has no manifest.json" if adapter.base_fingerprint is None else "records no base fingerprint"
-        warnings.warn(
-            f"adapter {adapter.name!r} ({adapter.path}) {why}, so whether it was trained on {base_where} "
-            "cannot be checked",
-            AdapterWarning,
-            stacklevel=3,
-        )
-        return
-    if base_fingerprint is None or adapter.base_fingerprint == base_fingerprint:
-        return
-    message = (
-        f"adapter {adapter.name!r} ({adapter.path}) was trained on base {adapter.manifest.base.path} "
-        f"({adapter.base_fingerprint}) but {base_where} is {base_fingerprint}; use the right base or pass --force "
-        "(force=True)"
-    )
-    if not force:
-        raise AdapterError(message)
-    warnings.warn("forced: " + message, AdapterWarning, stacklevel=3)
 
 
 def _adoptable_ledger(model_dir: Path | None, adapters: list, allow_pickle: bool):
     """The ledger of a merged checkpoint if its base and adapters are at hand (appending those adapters to
     `adapters`), else None with a warning: the checkpoint then counts as a base of its own."""
     from finetune.adapters.ledger import read_ledger
-    from finetune.adapters.weights import read_adapter
+    from finetune.adapters.lora import read_adapter
     from finetune.fingerprint import fingerprint_model_dir
 
     ledger = read_ledger(model_dir) if model_dir is not None else None
@@ -121,7 +88,7 @@ def load_model(
     base: str | Path,
     adapters: Mapping[str, str | Path] | Sequence[str | Path] | None = None,
     *,
-    dtype: str = "float32",
+    dtype: str | torch.dtype = "float32",
     quantization: str | None = None,
     requantize: bool = False,
     force: bool = False,
@@ -136,7 +103,8 @@ def load_model(
         base: a model directory, hub id or `embedded:tiny-llama`; or an adapter directory, whose manifest
             (else `base_model_name_or_path`) names the base; that adapter is then switched on with `use`.
         adapters: name -> adapter directory (or a list of directories, named by manifest or directory).
-        dtype: float32 | bfloat16 | float16: the model's dtype, and that of merged weights.
+        dtype: float32 | bfloat16 | float16, as a name or a `torch.dtype` (as transformers accepts): the
+            model's dtype, and that of merged weights.
         quantization: none | 4bit | 8bit (bitsandbytes); default: what the adapters' manifests record.
             Merging into a quantized layer dequantizes it and writes a dense `dtype` layer.
         requantize: requantize merged layers instead (their added error is in `requantization_errors`).
@@ -150,12 +118,13 @@ def load_model(
     import torch
 
     from finetune.adapters.inmemory import LoadedModel
-    from finetune.adapters.weights import read_adapter
+    from finetune.adapters.lora import read_adapter
     from finetune.fingerprint import fingerprint_model, fingerprint_model_dir
     from finetune.model import load_base
 
+    dtype = str(dtype).removeprefix("torch.")  # torch.bfloat16 -> "bfloat16"
     if dtype not in DTYPES:
-        raise AdapterError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+        raise AdapterError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)} (names or torch dtypes)")
     named = _named_paths(adapters)
     use_first = None
     if (Path(base) / ADAPTER_CONFIG_NAME).is_file():

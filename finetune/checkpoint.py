@@ -6,8 +6,8 @@ process's RNG state, and the position in the data stream. Resuming from it and t
 same adapter as never stopping (bit for bit on CPU).
 
 Tensors go to safetensors and everything else to JSON: nothing here is ever unpickled. A checkpoint is
-written into a `.tmp` directory and renamed into place, so a crash mid-write never leaves something
-that looks like a whole checkpoint.
+written through `finetune.atomic` (a hidden staging directory renamed into place), so a crash mid-write
+never leaves something that looks like a whole checkpoint.
 
 Example:
     save_checkpoint(run_dir, step=120, trainable=state, optimizer=opt, scheduler=sched, state={...}, keep=2)
@@ -25,7 +25,9 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from finetune.atomic import atomic_directory
 from finetune.errors import CheckpointError
+from finetune.tensorfile import check_safetensors
 
 PREFIX = "checkpoint-"
 TRAINABLE_FILE = "trainable.safetensors"
@@ -106,25 +108,20 @@ def save_checkpoint(
         state: JSON-ready trainer state: step, data position, per-process RNG states, recipe digest.
     """
     final = checkpoint_path(run_dir, step)
-    tmp = final.with_name(final.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    save_file({k: v.detach().cpu().contiguous() for k, v in trainable.items()}, tmp / TRAINABLE_FILE)
-    optimizer_tensors: dict[str, torch.Tensor] = {}
-    optimizer_structure = _split_tensors(optimizer.state_dict(), "optimizer", optimizer_tensors)
-    save_file(optimizer_tensors, tmp / OPTIMIZER_TENSORS_FILE)
-    document = {**state, "step": step, "optimizer": optimizer_structure, "scheduler": scheduler.state_dict()}
-    (tmp / STATE_FILE).write_text(json.dumps(document))
-    if final.exists():
-        shutil.rmtree(final)
-    tmp.rename(final)
+    with atomic_directory(final, replace=True, error=CheckpointError) as tmp:
+        save_file({k: v.detach().cpu().contiguous() for k, v in trainable.items()}, tmp / TRAINABLE_FILE)
+        optimizer_tensors: dict[str, torch.Tensor] = {}
+        optimizer_structure = _split_tensors(optimizer.state_dict(), "optimizer", optimizer_tensors)
+        save_file(optimizer_tensors, tmp / OPTIMIZER_TENSORS_FILE)
+        document = {**state, "step": step, "optimizer": optimizer_structure, "scheduler": scheduler.state_dict()}
+        (tmp / STATE_FILE).write_text(json.dumps(document))
     for old in list_checkpoints(run_dir)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return final
 
 
 def list_checkpoints(run_dir: Path) -> list[Path]:
-    """Complete checkpoints in `run_dir`, oldest first (`.tmp` leftovers of a crash are ignored)."""
+    """Complete checkpoints in `run_dir`, oldest first (hidden staging leftovers of a crash are ignored)."""
     if not run_dir.is_dir():
         return []
     found = [p for p in run_dir.iterdir() if p.name.startswith(PREFIX) and p.name[len(PREFIX) :].isdigit()]
@@ -140,6 +137,8 @@ def load_checkpoint(
     path: Path, *, optimizer: torch.optim.Optimizer, scheduler: Any
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """Restore optimizer and scheduler in place; return (trainable weights, trainer state)."""
+    for name in (TRAINABLE_FILE, OPTIMIZER_TENSORS_FILE):
+        check_safetensors(path / name, CheckpointError, "delete this checkpoint to resume from an earlier one")
     try:
         document = json.loads((path / STATE_FILE).read_text())
         trainable = load_file(path / TRAINABLE_FILE)

@@ -11,10 +11,10 @@ Example:
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from collections.abc import Sequence
 
+from finetune.console import configure_console
 from finetune.errors import FinetuneError
 
 COMMAND_MODULES = ("train", "inference", "adapters", "export", "report")
@@ -29,6 +29,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="finetune", description="LoRA fine-tuning of causal LMs, with exact adapter arithmetic."
     )
+    parser.add_argument(
+        "-v", "--verbose", action="store_true", help="let the libraries underneath print their own logs and bars"
+    )
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in COMMAND_MODULES:
         importlib.import_module(f"finetune.commands.{name}").register(subparsers)
@@ -37,13 +40,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the console script; returns the process exit code."""
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extras = parser.parse_known_args(argv)
+    if extras:  # `train R --nproc 2 k=v`: argparse stops collecting positionals at the first option
+        if not hasattr(args, "overrides") or any(arg.startswith("-") or "=" not in arg for arg in extras):
+            parser.error(f"unrecognized arguments: {' '.join(extras)}")
+        args.overrides = [*args.overrides, *extras]
+    configure_console(verbose=args.verbose)
     try:
         return int(args.handler(args) or 0)
     except FinetuneError as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return EXIT_USER_ERROR
+        return getattr(exc, "exit_code", EXIT_USER_ERROR)  # an interrupted run: 128 + the signal
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

@@ -34,6 +34,18 @@ class CheckpointError(FinetuneError):
     """A training checkpoint cannot be resumed from."""
 
 
+class OutputError(FinetuneError):
+    """An output (adapter, checkpoint, merged model) cannot be written: it exists, or the place is unwritable or full."""
+
+
+class TrainingError(FinetuneError):
+    """Training stopped on a problem in the run itself, e.g. a NaN or Inf loss or gradient."""
+
+
+class AdapterWarning(UserWarning):
+    """Adapter arithmetic that is allowed but worth knowing about (no fingerprint, kept copies, forced bases)."""
+
+
 class ExportError(FinetuneError):
     """A model or adapter cannot be exported to the requested format (architecture, tokenizer, dtype)."""
 

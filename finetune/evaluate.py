@@ -14,18 +14,7 @@ import math
 
 import torch
 
-from finetune.loss import token_loss_sum
-
-
-def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
-    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
-
-
-def forward_loss(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Summed next-token loss and label-token count of one collated batch (KV cache off: see packing)."""
-    inputs = {k: v for k, v in batch.items() if k != "labels"}
-    logits = model(**inputs, use_cache=False).logits
-    return token_loss_sum(logits, batch["labels"])
+from finetune.loss import forward_loss, to_device
 
 
 @torch.no_grad()

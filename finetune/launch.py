@@ -39,6 +39,7 @@ def launch_command(
     main_address: str | None = None,
     main_port: int | None = None,
     use_cpu: bool,
+    verbose: bool = False,
 ) -> list[str]:
     """The `accelerate launch` command line that runs `finetune train <train_args>` on every rank."""
     threads_per_process = max(1, (os.cpu_count() or 1) // nproc) if use_cpu else 1
@@ -60,7 +61,7 @@ def launch_command(
     ]
     if main_address:
         command += ["--main_process_ip", main_address]
-    return [*command, "-m", "finetune", "train", *train_args]
+    return [*command, "-m", "finetune", *(["--verbose"] if verbose else []), "train", *train_args]
 
 
 def run_launched(command: list[str], *, use_cpu: bool) -> int:

@@ -41,3 +41,14 @@ def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Te
         reduction="sum",
     )
     return loss_sum, (shift_labels != IGNORE_INDEX).sum()
+
+
+def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+
+
+def forward_loss(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed next-token loss and label-token count of one collated batch (KV cache off: see packing)."""
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    logits = model(**inputs, use_cache=False).logits
+    return token_loss_sum(logits, batch["labels"])

@@ -62,6 +62,30 @@ class Manifest(BaseModel):
     created: str = ""
 
 
+def build_manifest(
+    recipe: Any, *, base_source: str, base_fingerprint: str, data: Any, metrics: dict[str, Any]
+) -> Manifest:
+    """The manifest of an adapter that `recipe` trained on `base_source` with `data` (a `DataBundle`)."""
+    from finetune.recipe import recipe_to_dict
+
+    return Manifest(
+        name=recipe.output.name,
+        base=BaseInfo(
+            id=recipe.model.base,
+            path=base_source,
+            revision=recipe.model.revision,
+            fingerprint=base_fingerprint,
+            dtype=recipe.model.dtype,
+            quantization=recipe.model.quantization,
+        ),
+        recipe=recipe_to_dict(recipe),
+        data=DataInfo(fingerprint=data.fingerprint, sources=[s.path for s in recipe.data.train], stats=data.stats),
+        metrics=metrics,
+        versions=library_versions(),
+        created=now_iso(),
+    )
+
+
 def library_versions() -> dict[str, str]:
     """Versions of the libraries that shape an adapter's numbers."""
     import accelerate
@@ -69,7 +93,7 @@ def library_versions() -> dict[str, str]:
     import torch
     import transformers
 
-    from finetune import __version__
+    from finetune.version import __version__
 
     return {
         "finetune": __version__,

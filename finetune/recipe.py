@@ -52,6 +52,10 @@ class ModelConfig(_Section):
     """Attention kernel; packing isolates documents in all of them (position ids restart per document)."""
     trust_remote_code: bool = False
     """Run modelling code shipped with a hub model. Off by default: it executes arbitrary Python."""
+    check_updates: bool = False
+    """Ask the hub for a newer revision of a hub model already in the local cache. Off by default: a cached
+    model loads without touching the network (on a machine without internet the check costs minutes of
+    retries). A model that is not cached is downloaded either way, unless `HF_HUB_OFFLINE=1`."""
     quantization: Literal["none", "4bit", "8bit"] = "none"
     """Load the frozen base with bitsandbytes (QLoRA for `4bit`)."""
     bnb_4bit_quant_type: Literal["nf4", "fp4"] = "nf4"
@@ -175,6 +179,9 @@ class TrainConfig(_Section):
     optimizer: Literal["adamw", "adamw_8bit", "paged_adamw_8bit"] = "adamw"
     max_grad_norm: float | None = Field(1.0, gt=0)
     """Clip the global gradient norm to this; null turns clipping off."""
+    nonfinite_skips: int = Field(0, ge=0)
+    """Optimizer steps with a NaN/Inf loss or gradient that may be skipped (no update) before the run stops
+    with an error naming the step; 0 stops at the first one. No adapter is written when the run stops."""
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     """Autocast precision of the forward pass (mixed precision); trainable weights stay float32."""
     gradient_checkpointing: bool = False

@@ -1,15 +1,17 @@
 """The training loop: recipe in, adapter directory out. Explicit code on `accelerate`.
 
-The same loop runs on one CPU, one GPU, or many processes (DDP through `accelerate launch`). What
-happens per optimizer step, in order:
+The same loop runs on one CPU, one GPU, or many processes (DDP through `accelerate launch`). Setup
+lives in `finetune.run_setup` (the `TrainingRun` state), reporting in `finetune.progress` (one
+`on_step` callback). What happens per optimizer step, in order:
 
-1. take the next `grad_accum_steps` micro-batches of the deterministic stream (`finetune.batches`);
+1. take the next `grad_accum_steps` micro-batches of the deterministic stream (`finetune.data.sampler`);
 2. count their label tokens and sum that count over processes: N;
 3. for each micro-batch: loss = Σ token losses / N · num_processes, backward (gradients are only
    synchronised on the last one). DDP averages gradients over processes, hence the · num_processes:
    the result is exactly the gradient of the mean token loss over the whole global batch, however the
    tokens fall into micro-batches;
-4. clip, step, schedule; log; evaluate and checkpoint on their intervals.
+4. clip; stop (or skip, if the recipe allows) on a NaN/Inf loss or gradient; step, schedule;
+5. report the step, evaluate and checkpoint on their intervals; on SIGINT/SIGTERM checkpoint and stop.
 
 Example:
     result = train("recipes/quickstart.yaml", ["train.max_steps=20"])
@@ -18,155 +20,161 @@ Example:
 
 from __future__ import annotations
 
-import json
 import math
 import os
-import shutil
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from contextlib import nullcontext
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
-from finetune import checkpoint as ckpt
-from finetune.batches import MicroBatchStream
-from finetune.errors import CheckpointError, RecipeError
-from finetune.evaluate import evaluate, forward_loss, to_device
-from finetune.recipe import Recipe, load_recipe, recipe_to_dict
+from finetune.errors import TrainingError
+from finetune.interrupt import StopRequest, TrainingInterrupted, graceful_stop
+from finetune.loss import forward_loss, to_device
+from finetune.progress import Say, StepCallback, TrainingLog, fan_out
+from finetune.recipe import Recipe, load_recipe
+from finetune.run_setup import TrainingRun, start_run
 
-Log = Callable[[str], None]
+SLOW_STEP_ENV = "FINETUNE_TEST_SECONDS_PER_STEP"
 
 
 def _stderr_log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-class TrainResult(tuple):
-    """`(adapter_dir, metrics)`; unpacks like a tuple, with named fields too."""
-
-    def __new__(cls, adapter_dir: Path, metrics: dict[str, Any]):
-        return super().__new__(cls, (adapter_dir, metrics))
-
-    @property
-    def adapter_dir(self) -> Path:
-        return self[0]
-
-    @property
-    def metrics(self) -> dict[str, Any]:
-        return self[1]
+class TrainResult(NamedTuple):
+    adapter_dir: Path
+    metrics: dict[str, Any]
 
 
-@dataclass
-class _Plan:
-    """How long the run is, derived once from the data size and the recipe."""
+def train(
+    recipe_or_path: Recipe | str | Path,
+    overrides: Sequence[str] = (),
+    *,
+    resume: bool = False,
+    log: Say = _stderr_log,
+    progress: bool | None = None,
+    on_step: StepCallback | None = None,
+) -> TrainResult:
+    """Fine-tune a LoRA adapter as the recipe says; return (adapter directory, final metrics).
 
-    micro_batches_per_epoch: int
-    total_steps: int
-    warmup_steps: int
+    Args:
+        recipe_or_path: a `Recipe` or the path of a YAML recipe.
+        overrides: `key=value` strings applied on top (validated like the file).
+        resume: continue from the newest checkpoint in the run directory (error if there is none).
+        log: where progress lines go (stderr by default).
+        progress: show a progress bar; default: when stderr is a terminal.
+        on_step: called after every optimizer step with its metrics (see `finetune.progress`).
 
+    Raises:
+        TrainingError: a NaN/Inf loss or gradient (beyond `train.nonfinite_skips`); no adapter is written.
+        TrainingInterrupted: SIGINT/SIGTERM; a checkpoint of the last finished step was written.
+    """
+    from finetune.finish import finish_run
 
-def plan_steps(recipe: Recipe, stream: MicroBatchStream) -> _Plan:
-    train = recipe.train
-    if train.max_steps is not None:
-        total = train.max_steps
-    else:
-        total = max(1, math.ceil(train.epochs * stream.micro_batches_per_epoch / train.grad_accum_steps))
-    warmup = train.warmup_steps or int(train.warmup_ratio * total)
-    return _Plan(stream.micro_batches_per_epoch, total, min(warmup, total))
-
-
-def _make_optimizer(recipe: Recipe, parameters: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
-    train = recipe.train
-    kwargs = dict(
-        lr=train.lr, betas=(train.adam_beta1, train.adam_beta2), eps=train.adam_eps, weight_decay=train.weight_decay
+    recipe = load_recipe(recipe_or_path, list(overrides))
+    run = start_run(recipe, resume=resume, say=log)
+    if resume and run.step == run.plan.total_steps and recipe.output.adapter_dir.exists():
+        log(f"the run had finished: its adapter is {recipe.output.adapter_dir}")  # killed after writing it
+        return TrainResult(recipe.output.adapter_dir, _recorded_metrics(recipe.output.adapter_dir))
+    say = log if run.is_main else (lambda message: None)
+    show_bar = run.is_main and (sys.stderr.isatty() if progress is None else progress)
+    training_log = TrainingLog(
+        run.run_dir if run.is_main else None,
+        total_steps=run.plan.total_steps,
+        first_step=run.step,
+        log_every_steps=recipe.train.log_every_steps,
+        say=say,
+        show_bar=show_bar,
     )
-    if train.optimizer == "adamw":
-        return torch.optim.AdamW(parameters, **kwargs)
-    import bitsandbytes as bnb
-
-    optimizer_class = bnb.optim.PagedAdamW8bit if train.optimizer == "paged_adamw_8bit" else bnb.optim.AdamW8bit
-    return optimizer_class(parameters, **kwargs)
-
-
-def _make_scheduler(recipe: Recipe, optimizer: torch.optim.Optimizer, plan: _Plan):
-    from transformers import get_scheduler
-
-    name = {"cosine": "cosine", "linear": "linear", "constant": "constant_with_warmup"}[recipe.train.schedule]
-    return get_scheduler(name, optimizer, num_warmup_steps=plan.warmup_steps, num_training_steps=plan.total_steps)
-
-
-def _check_output_free(recipe: Recipe) -> None:
-    adapter_dir = recipe.output.adapter_dir
-    if adapter_dir.exists() and not recipe.output.overwrite:
-        raise RecipeError(
-            f"output: {adapter_dir} already exists; choose another output.name, or set output.overwrite=true"
-        )
+    say(
+        f"training {run.plan.total_steps} steps ({run.plan.micro_batches_per_epoch} micro-batches per epoch, "
+        f"{recipe.train.grad_accum_steps} per step, {run.accelerator.num_processes} process(es))"
+    )
+    try:
+        with graceful_stop(say) as stop:
+            last = run_steps(run, stop, fan_out(training_log, on_step))
+        final_eval = run.evaluate()
+        training_log.log_eval(run.step, final_eval)
+    finally:
+        training_log.close()
+    return TrainResult(*finish_run(run, {**last, **final_eval}, say))
 
 
-def _recipe_digest(recipe: Recipe) -> dict[str, Any]:
-    """The parts of a recipe a checkpoint must agree with to be resumed (length and intervals may change)."""
-    resolved = recipe_to_dict(recipe)
-    train = {
-        k: v
-        for k, v in resolved["train"].items()
-        if k
-        not in (
-            "epochs",
-            "max_steps",
-            "log_every_steps",
-            "eval_every_steps",
-            "save_every_steps",
-            "keep_checkpoints",
-            "eval_max_batches",
-        )
-    }
-    return {"model": resolved["model"], "lora": resolved["lora"], "data": resolved["data"], "train": train}
+def _recorded_metrics(adapter_dir: Path) -> dict[str, Any]:
+    from finetune.manifest import read_manifest
+
+    manifest = read_manifest(adapter_dir)
+    return dict(manifest.metrics) if manifest is not None else {}
 
 
-@dataclass
-class _MetricsWriter:
-    """metrics.jsonl + TensorBoard in the run directory (main process only)."""
+def run_steps(run: TrainingRun, stop: StopRequest, on_step: StepCallback) -> dict[str, float]:
+    """Optimizer steps until the plan's end; returns the metrics of the last step and evaluation."""
+    train_config = run.recipe.train
+    run.model_for_step.train()
+    start_time, skipped_steps, last = time.perf_counter(), 0, {}
+    while run.step < run.plan.total_steps:
+        micro_batches = run.next_micro_batches()
+        loss = accumulate_gradients(run.model_for_step, micro_batches, run.accelerator)
+        max_norm = train_config.max_grad_norm or math.inf  # inf: measure the norm (for the NaN check), clip nothing
+        grad_norm = float(run.accelerator.clip_grad_norm_(run.trainable_parameters, max_norm))
+        if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+            skipped_steps += 1
+            _refuse_nonfinite(run, loss, grad_norm, skipped_steps)
+        else:
+            run.optimizer.step()
+        run.scheduler.step()
+        run.optimizer.zero_grad(set_to_none=True)
+        run.advance(micro_batches)
 
-    run_dir: Path
-    enabled: bool
-    _tensorboard: Any = field(default=None, init=False)
-
-    def __post_init__(self) -> None:
-        if self.enabled:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            from torch.utils.tensorboard import SummaryWriter
-
-            self._tensorboard = SummaryWriter(log_dir=str(self.run_dir / "tensorboard"))
-
-    def write(self, step: int, values: dict[str, float]) -> None:
-        if not self.enabled:
-            return
-        with open(self.run_dir / "metrics.jsonl", "a") as handle:
-            handle.write(json.dumps({"step": step, **values}) + "\n")
-        for key, value in values.items():
-            self._tensorboard.add_scalar(key, value, step)
-
-    def close(self) -> None:
-        if self._tensorboard is not None:
-            self._tensorboard.close()
+        last = {**last, "loss": loss, "grad_norm": grad_norm, "lr": run.scheduler.get_last_lr()[0]}
+        last.update(tokens_seen=run.tokens_seen, epoch=run.stream.epoch_of(run.position))
+        last.update(elapsed_s=time.perf_counter() - start_time, skipped_steps=skipped_steps)
+        is_final = run.step == run.plan.total_steps
+        if not is_final and train_config.eval_every_steps and run.step % train_config.eval_every_steps == 0:
+            last.update(run.evaluate())
+        on_step(run.step, last)
+        _test_hook_slow_step()
+        last = {k: v for k, v in last.items() if not k.startswith("eval_")}  # an evaluation is reported once
+        if is_final or (train_config.save_every_steps and run.step % train_config.save_every_steps == 0):
+            run.save_checkpoint()
+        if not is_final and stop.agreed(run.accelerator):
+            path = run.save_checkpoint()
+            raise TrainingInterrupted(
+                f"interrupted at step {run.step} of {run.plan.total_steps}; checkpoint {path} written; run the same "
+                "`finetune train` command with --resume to continue",
+                stop.signal_number or 2,
+            )
+    return last
 
 
-def _real_tokens(batch: dict[str, torch.Tensor]) -> int:
-    """Tokens of a collated batch that are not padding (padding-free batches have none)."""
-    mask = batch.get("attention_mask")
-    return int(mask.sum()) if mask is not None else int(batch["input_ids"].numel())
+def _test_hook_slow_step() -> None:
+    """Tests sleep here (`FINETUNE_TEST_SECONDS_PER_STEP`) to signal a run at a known point; 0 by default."""
+    seconds = float(os.environ.get(SLOW_STEP_ENV, "0") or 0)
+    if seconds > 0:
+        time.sleep(seconds)
 
 
-def _format_seconds(seconds: float) -> str:
-    minutes, seconds = divmod(int(seconds), 60)
-    return f"{minutes}m{seconds:02d}s" if minutes else f"{seconds}s"
+def _refuse_nonfinite(run: TrainingRun, loss: float, grad_norm: float, skipped_steps: int) -> None:
+    """Stop on a NaN/Inf step, unless the recipe allows skipping it (then nothing is updated)."""
+    allowed = run.recipe.train.nonfinite_skips
+    if skipped_steps <= allowed:
+        return
+    from finetune import checkpoint as ckpt
+
+    last_good = ckpt.latest_checkpoint(run.run_dir)
+    where = f"the last good checkpoint is {last_good}" if last_good else "no checkpoint was written yet"
+    raise TrainingError(
+        f"step {run.step + 1}: loss {loss} and gradient norm {grad_norm} are not finite (after {skipped_steps - 1} "
+        f"allowed skips); no adapter was written; {where}; lower train.lr, use train.precision=fp32, or allow "
+        "skips with train.nonfinite_skips"
+    )
 
 
-def accumulate_gradients(model, micro_batches: list[dict[str, torch.Tensor]], accelerator) -> float:
+def accumulate_gradients(model: Any, micro_batches: list[dict[str, torch.Tensor]], accelerator: Any) -> float:
     """Backward every micro-batch of one optimizer step; return the step's mean token loss.
 
     Each micro-batch's summed token loss is divided by the label tokens of the whole step, summed over
@@ -186,261 +194,3 @@ def accumulate_gradients(model, micro_batches: list[dict[str, torch.Tensor]], ac
         loss_sum += batch_loss_sum.item()
     total = accelerator.reduce(torch.tensor(loss_sum, dtype=torch.float64, device=accelerator.device), reduction="sum")
     return float(total) / max(global_tokens, 1)
-
-
-def _write_adapter_atomically(peft_model, recipe: Recipe, manifest, final_dir: Path) -> None:
-    """Save the adapter into a hidden temp dir beside `final_dir`, then rename it into place."""
-    from finetune.manifest import write_manifest
-
-    final_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = final_dir.with_name(f".{final_dir.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    peft_model.save_pretrained(tmp, safe_serialization=True)
-    import yaml
-
-    (tmp / "recipe.yaml").write_text(yaml.safe_dump(recipe_to_dict(recipe), sort_keys=False))
-    write_manifest(tmp, manifest)
-    if final_dir.exists():
-        trash = final_dir.with_name(f".{final_dir.name}.old-{os.getpid()}")
-        final_dir.rename(trash)
-        tmp.rename(final_dir)
-        shutil.rmtree(trash, ignore_errors=True)
-    else:
-        tmp.rename(final_dir)
-
-
-def train(
-    recipe_or_path: Recipe | str | Path,
-    overrides: Sequence[str] = (),
-    *,
-    resume: bool = False,
-    log: Log = _stderr_log,
-    progress: bool | None = None,
-) -> TrainResult:
-    """Fine-tune a LoRA adapter as the recipe says; return (adapter directory, final metrics).
-
-    Args:
-        recipe_or_path: a `Recipe` or the path of a YAML recipe.
-        overrides: `key=value` strings applied on top (validated like the file).
-        resume: continue from the newest checkpoint in the run directory (error if there is none).
-        log: where progress lines go (stderr by default).
-        progress: show a progress bar; default: when stderr is a terminal.
-    """
-    from accelerate import Accelerator
-    from accelerate.state import AcceleratorState
-    from accelerate.utils import gather_object, set_seed
-
-    from finetune.api import local_model_dir
-    from finetune.data import build_datasets, collate_batch
-    from finetune.fingerprint import fingerprint_model_dir
-    from finetune.manifest import BaseInfo, DataInfo, Manifest, library_versions, now_iso
-    from finetune.model import describe_trainable, load_base_from_config, wrap_with_lora
-
-    recipe = load_recipe(recipe_or_path, list(overrides))
-    if not resume:
-        _check_output_free(recipe)
-    run_dir = recipe.output.run_path
-    resume_from = ckpt.latest_checkpoint(run_dir) if resume else None
-    if resume and resume_from is None:
-        raise CheckpointError(f"--resume: no checkpoint in {run_dir}; run without --resume to start fresh")
-
-    precision = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}[recipe.train.precision]
-    # accelerate keeps one process-wide AcceleratorState and refuses a second Accelerator with another
-    # precision. Clearing it (not the PartialState holding the process group) lets the Python API run
-    # several recipes in one process.
-    AcceleratorState._reset_state(reset_partial_state=False)
-    accelerator = Accelerator(mixed_precision=precision, cpu=not torch.cuda.is_available())
-    is_main = accelerator.is_main_process
-    say: Log = log if is_main else (lambda message: None)
-    set_seed(recipe.train.seed)
-
-    with accelerator.main_process_first():  # the embedded base and the data cache are built once
-        model, tokenizer, base_source = load_base_from_config(recipe.model)
-        data = build_datasets(recipe.data, tokenizer, seed=recipe.train.seed, log=say)
-    say(f"base {recipe.model.base} ({base_source}); data: {data.stats}")
-
-    model.config.use_cache = False  # packed rows are isolated by position ids only without the KV cache
-    peft_model = wrap_with_lora(model, recipe.lora)
-    if recipe.train.gradient_checkpointing:
-        peft_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    say(describe_trainable(peft_model))
-
-    stream = MicroBatchStream(
-        num_rows=len(data.train),
-        micro_batch_size=recipe.train.micro_batch_size,
-        seed=recipe.train.seed,
-        num_processes=accelerator.num_processes,
-        process_index=accelerator.process_index,
-    )
-    plan = plan_steps(recipe, stream)
-    trainable_parameters = [p for p in peft_model.parameters() if p.requires_grad]
-    optimizer = _make_optimizer(recipe, trainable_parameters)
-    scheduler = _make_scheduler(recipe, optimizer, plan)
-    # `model_for_step` (DDP-wrapped, maybe compiled) trains; evaluation and saving use `peft_model`, the
-    # same parameters unwrapped, so a compiled model is not recompiled for the no-grad eval graphs.
-    model_for_step, optimizer = accelerator.prepare(peft_model, optimizer)
-    if recipe.train.compile:
-        model_for_step = torch.compile(model_for_step)
-
-    # Varlen kernels want one padding-free sequence; sdpa/eager are faster on (B, T) packed rows.
-    layout = "one_sequence" if recipe.model.attn_implementation == "flash_attention_2" else "rows"
-
-    def collate(rows: list[dict]) -> dict[str, torch.Tensor]:
-        return collate_batch(rows, pad_token_id=tokenizer.pad_token_id, packing=recipe.data.packing, layout=layout)
-
-    def evaluate_validation() -> dict[str, float]:
-        return evaluate(
-            peft_model,
-            data.validation,
-            collate=collate,
-            micro_batch_size=recipe.train.micro_batch_size,
-            accelerator=accelerator,
-            max_batches=recipe.train.eval_max_batches,
-        )
-
-    def run_eval(step: int) -> dict[str, float]:
-        if data.validation is None:
-            return {}
-        result = evaluate_validation()
-        metrics_writer.write(step, result)
-        say(f"step {step}: eval loss {result['eval_loss']:.4f}, perplexity {result['eval_ppl']:.3f}")
-        return result
-
-    from peft import get_peft_model_state_dict, set_peft_model_state_dict
-
-    digest = _recipe_digest(recipe)
-    step, tokens_seen, position = 0, 0, 0
-    base_eval: dict[str, float] = {}
-    if resume_from is not None:
-        trainable, state = ckpt.load_checkpoint(resume_from, optimizer=optimizer, scheduler=scheduler)
-        if state.get("recipe_digest") != digest:
-            raise CheckpointError(
-                f"{resume_from} was written by a different recipe (model, lora, data or train settings differ); "
-                "resume with the original recipe, or start fresh without --resume"
-            )
-        set_peft_model_state_dict(peft_model, trainable)
-        step, tokens_seen, position = state["step"], state["tokens_seen"], state["position"]
-        base_eval = state.get("base_eval", {})
-        ckpt.restore_rng_state(state["rng"][accelerator.process_index])
-        say(f"resumed from {resume_from} at step {step}")
-
-    metrics_writer = _MetricsWriter(run_dir, enabled=is_main)
-    if resume_from is None and data.validation is not None:
-        with peft_model.disable_adapter():
-            base_eval = evaluate_validation()
-        say(f"base model: eval loss {base_eval['eval_loss']:.4f}, perplexity {base_eval['eval_ppl']:.3f}")
-
-    def save(step_now: int) -> None:
-        rng_states = gather_object([ckpt.capture_rng_state()])
-        if is_main:
-            ckpt.save_checkpoint(
-                run_dir,
-                step=step_now,
-                trainable=get_peft_model_state_dict(peft_model),
-                optimizer=optimizer,
-                scheduler=scheduler,
-                state={
-                    "position": position,
-                    "tokens_seen": tokens_seen,
-                    "rng": rng_states,
-                    "recipe_digest": digest,
-                    "base_eval": base_eval,
-                },
-                keep=recipe.train.keep_checkpoints,
-            )
-        accelerator.wait_for_everyone()
-
-    from tqdm.auto import tqdm
-
-    show_bar = is_main and (sys.stderr.isatty() if progress is None else progress)
-    bar = tqdm(total=plan.total_steps, initial=step, disable=not show_bar, unit="step", dynamic_ncols=True)
-    say(
-        f"training {plan.total_steps} steps ({plan.micro_batches_per_epoch} micro-batches per epoch, "
-        f"{recipe.train.grad_accum_steps} per step, {accelerator.num_processes} process(es))"
-    )
-    model_for_step.train()
-    last_log_time, last_log_tokens = time.perf_counter(), tokens_seen
-    loop_start, loop_start_step = last_log_time, step
-    train_metrics: dict[str, float] = {}
-    eval_metrics: dict[str, float] = {}
-    while step < plan.total_steps:
-        micro_batches = [
-            collate([data.train[i] for i in stream.indices(position + k)]) for k in range(recipe.train.grad_accum_steps)
-        ]
-        mean_loss = accumulate_gradients(model_for_step, micro_batches, accelerator)
-        grad_norm = None
-        if recipe.train.max_grad_norm is not None:
-            grad_norm = accelerator.clip_grad_norm_(trainable_parameters, recipe.train.max_grad_norm)
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        step += 1
-        position += recipe.train.grad_accum_steps
-        tokens_seen += sum(_real_tokens(b) for b in micro_batches) * accelerator.num_processes
-        bar.update(1)
-        bar.set_postfix(loss=f"{mean_loss:.4f}", refresh=False)
-        if step % recipe.train.log_every_steps == 0 or step == plan.total_steps:
-            now = time.perf_counter()
-            tokens_per_s = (tokens_seen - last_log_tokens) / max(now - last_log_time, 1e-9)
-            last_log_time, last_log_tokens = now, tokens_seen
-            train_metrics = {
-                "loss": mean_loss,
-                "lr": scheduler.get_last_lr()[0],
-                "tokens_per_s": tokens_per_s,
-                "epoch": stream.epoch_of(position),
-                "tokens_seen": tokens_seen,
-            }
-            if grad_norm is not None:
-                train_metrics["grad_norm"] = float(grad_norm)
-            metrics_writer.write(step, train_metrics)
-            bar.set_postfix(loss=f"{mean_loss:.4f}", tok_s=f"{tokens_per_s:,.0f}")
-            if not show_bar:
-                seconds_per_step = (now - loop_start) / (step - loop_start_step)
-                eta = _format_seconds(seconds_per_step * (plan.total_steps - step))
-                say(
-                    f"step {step}/{plan.total_steps}: loss {mean_loss:.4f}, lr {train_metrics['lr']:.3g}, "
-                    f"{tokens_per_s:,.0f} tokens/s, ETA {eta}"
-                )
-        is_final = step == plan.total_steps
-        if recipe.train.eval_every_steps and step % recipe.train.eval_every_steps == 0 and not is_final:
-            eval_metrics = run_eval(step)
-        if (recipe.train.save_every_steps and step % recipe.train.save_every_steps == 0) or is_final:
-            save(step)
-    bar.close()
-
-    eval_metrics = run_eval(step) or eval_metrics
-    metrics = {"step": step, "tokens_seen": tokens_seen, **train_metrics, **eval_metrics}
-    if base_eval:
-        metrics["base_eval_loss"], metrics["base_eval_ppl"] = base_eval["eval_loss"], base_eval["eval_ppl"]
-    if base_eval and eval_metrics:
-        cut = 1 - eval_metrics["eval_ppl"] / base_eval["eval_ppl"]
-        metrics["ppl_cut"] = cut
-        say(
-            f"held-out perplexity: base {base_eval['eval_ppl']:.3f} -> base + adapter {eval_metrics['eval_ppl']:.3f} "
-            f"({100 * cut:.1f}% lower)"
-        )
-
-    adapter_dir = recipe.output.adapter_dir
-    if is_main:
-        base_dir = local_model_dir(base_source, recipe.model.revision)  # a hub id: its local snapshot
-        manifest = Manifest(
-            name=recipe.output.name,
-            base=BaseInfo(
-                id=recipe.model.base,
-                path=base_source,
-                revision=recipe.model.revision,
-                fingerprint=fingerprint_model_dir(base_dir) if base_dir is not None else "unknown",
-                dtype=recipe.model.dtype,
-                quantization=recipe.model.quantization,
-            ),
-            recipe=recipe_to_dict(recipe),
-            data=DataInfo(fingerprint=data.fingerprint, sources=[s.path for s in recipe.data.train], stats=data.stats),
-            metrics=metrics,
-            versions=library_versions(),
-            created=now_iso(),
-        )
-        _write_adapter_atomically(peft_model, recipe, manifest, adapter_dir)
-        say(f"adapter written to {adapter_dir}")
-    metrics_writer.close()
-    accelerator.wait_for_everyone()
-    return TrainResult(adapter_dir, metrics)

@@ -18,8 +18,8 @@ from adapter_fixtures import assert_tensors_equal
 from safetensors.torch import load_file, save_file
 from test_adapters_ondisk import read_tensors
 
-from finetune.adapters.files import SLOW_HOOK_ENV
-from finetune.adapters.weights import read_adapter, validate_adapter_name
+from finetune.adapters.lora import read_adapter, validate_adapter_name
+from finetune.adapters.model_dir import SLOW_HOOK_ENV
 from finetune.cli import main
 from finetune.errors import AdapterError
 
@@ -186,6 +186,33 @@ def test_valid_adapter_names(name):
 def test_invalid_adapter_names_are_refused(name):
     with pytest.raises(AdapterError, match=f"adapter name {name!r}"):
         validate_adapter_name(name)
+
+
+@pytest.mark.parametrize(
+    ("directory", "derived"),
+    [
+        ("a", "a_adapter"),
+        ("lora", "lora_adapter"),
+        ("training", "training_adapter"),
+        ("legal.v2", "legal_v2"),
+        (".hidden", "hidden"),
+    ],
+)
+def test_names_derived_from_directories_are_made_valid(tmp_path, adapter_dirs, directory, derived):
+    """peft saves and loads an adapter from any directory, so its name alone must never make it unusable."""
+    copy = tmp_path / directory
+    shutil.copytree(adapter_dirs["legal"], copy)
+    (copy / "manifest.json").unlink()  # the name then comes from the directory
+    assert read_adapter(copy).name == derived
+
+
+def test_merge_accepts_an_adapter_in_a_directory_named_a(tmp_path, adapter_dirs, tiny_base_dir):
+    copy = tmp_path / "a"
+    shutil.copytree(adapter_dirs["legal"], copy)
+    (copy / "manifest.json").unlink()
+    out = tmp_path / "merged"
+    assert main(["adapters", "merge", "--base", str(tiny_base_dir), "--adapter", str(copy), "--out", str(out)]) == 0
+    assert (out / "config.json").is_file()
 
 
 def test_pickle_adapters_need_allow_pickle_and_load_weights_only(tmp_path, adapter_dirs):

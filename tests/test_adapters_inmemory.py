@@ -12,10 +12,9 @@ from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
 import finetune
-from finetune.adapters import AdapterWarning
 from finetune.adapters.inmemory import LoadedModel
-from finetune.adapters.weights import read_adapter
-from finetune.errors import AdapterError
+from finetune.adapters.lora import read_adapter
+from finetune.errors import AdapterError, AdapterWarning
 
 DTYPES = ["float32", "bfloat16", "float16"]
 

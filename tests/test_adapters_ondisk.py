@@ -17,8 +17,8 @@ from transformers import AutoModelForCausalLM
 import finetune
 from finetune.adapters.combine import combine_adapters
 from finetune.adapters.ledger import LEDGER_KEY
+from finetune.adapters.lora import read_adapter
 from finetune.adapters.ondisk import AdapterSpec, merge_checkpoint, subtract_checkpoint, swap_checkpoint
-from finetune.adapters.weights import read_adapter
 from finetune.errors import AdapterError
 
 

@@ -10,8 +10,7 @@ import torch
 from adapter_fixtures import make_adapter
 
 import finetune
-from finetune.adapters import AdapterWarning
-from finetune.errors import AdapterError
+from finetune.errors import AdapterError, AdapterWarning
 
 
 def test_plain_peft_adapter_without_manifest_loads_with_a_warning(tmp_path, tiny_base_dir, tiny_tokenizer):

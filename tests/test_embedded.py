@@ -21,8 +21,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Llama
 
 from finetune.embedded import embedded_base_dir, ensure_embedded_base, resolve_base_id
 from finetune.embedded.build import EMBEDDED_BASES, RECORD_FILE, BuildSettings
-from finetune.embedded.domain import generate_records, write_dataset
 from finetune.embedded.pretrain import PretrainSettings
+from finetune.embedded.quickstart_data import generate_records, write_dataset
 from finetune.errors import ModelError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -183,7 +183,7 @@ def test_domain_generator_is_deterministic(tmp_path):
 
 
 def test_shipped_quickstart_data_regenerates_byte_for_byte(tmp_path):
-    command = [sys.executable, "-m", "finetune.embedded.domain", "--out", str(tmp_path)]
+    command = [sys.executable, "-m", "finetune.embedded.quickstart_data", "--out", str(tmp_path)]
     subprocess.run(command, cwd=REPO, check=True, capture_output=True)
     for name in ("train.jsonl", "valid.jsonl"):
         assert (tmp_path / name).read_bytes() == (REPO / "data" / "quickstart" / name).read_bytes(), name

@@ -18,7 +18,7 @@ from collections.abc import Mapping
 import torch
 
 from finetune.adapters.ledger import Ledger
-from finetune.adapters.weights import Adapter, LoraWeights
+from finetune.adapters.lora import Adapter, LoraWeights
 from finetune.errors import AdapterError
 
 Term = tuple[str, float, LoraWeights]

@@ -30,8 +30,8 @@ from pathlib import Path
 
 import torch
 
-from finetune.adapters.files import staging_dir
-from finetune.adapters.weights import CONFIG_NAME, PEFT_PREFIX, SAFETENSORS_NAME, Adapter, read_adapter
+from finetune.adapters.lora import CONFIG_NAME, PEFT_PREFIX, SAFETENSORS_NAME, Adapter, read_adapter
+from finetune.adapters.model_dir import staging_dir
 from finetune.errors import AdapterError
 from finetune.manifest import Manifest, library_versions, now_iso, write_manifest
 

@@ -29,9 +29,11 @@ from pathlib import Path
 
 import torch
 
-from finetune.adapters import AdapterWarning, quantized
+from finetune.adapters import quantized
 from finetune.adapters.arithmetic import Term, changed_modules, merged_weight, module_terms
-from finetune.adapters.files import (
+from finetune.adapters.ledger import Ledger
+from finetune.adapters.lora import Adapter
+from finetune.adapters.model_dir import (
     copy_side_files,
     shard_file_name,
     staging_dir,
@@ -39,10 +41,8 @@ from finetune.adapters.files import (
     write_index,
     write_shard,
 )
-from finetune.adapters.ledger import Ledger
 from finetune.adapters.pristine import PristineWeights
-from finetune.adapters.weights import Adapter
-from finetune.errors import AdapterError
+from finetune.errors import AdapterError, AdapterWarning
 from finetune.fingerprint import base_state_items
 
 
@@ -96,7 +96,6 @@ class LoadedModel:
         self.dtype = dtype
         self.requantize = requantize
         self.adapters: dict[str, Adapter] = {}
-        self.last_report: OperationReport | None = None
         self._ledger = ledger or Ledger(
             base_path=str(base_dir or base_source), base_fingerprint=base_fingerprint, base_quantization=quantization
         )
@@ -224,8 +223,7 @@ class LoadedModel:
         if self._requantization_errors and self.requantize:
             worst = max(self._requantization_errors.items(), key=lambda kv: kv[1])
             notes.append(f"requantized merged layers: largest relative error added {worst[1]:.3e} ({worst[0]})")
-        self.last_report = OperationReport(operation, self.merged, len(rewritten), time.perf_counter() - started, notes)
-        return self.last_report
+        return OperationReport(operation, self.merged, len(rewritten), time.perf_counter() - started, notes)
 
     def _layer(self, module: str) -> tuple[torch.nn.Module, str, torch.nn.Module]:
         """(parent, attribute, layer) holding the base weight of `module`, looking through peft's LoRA wrapper."""

@@ -15,9 +15,11 @@ Example:
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from finetune.adapters.lora import validate_adapter_name
 from finetune.errors import AdapterError
 
 LEDGER_KEY = "finetune_merged"
@@ -67,9 +69,7 @@ class Ledger:
             entries[name] = LedgerEntry(weight=total, path=path, sha256=sha)
         return replace(self, entries=entries)
 
-    def minus(
-        self, name: str, weight: float | None, adapter=None, *, negate: bool, where: str = "the model"
-    ) -> Ledger:
+    def minus(self, name: str, weight: float | None, adapter=None, *, negate: bool, where: str = "the model") -> Ledger:
         """The ledger after subtracting `weight` of `name` (default: all that is merged).
 
         Taking out more than is merged, or an adapter that is not merged at all, is task negation
@@ -113,7 +113,13 @@ class Ledger:
                 for name, e in data["adapters"].items()
             }
             base = data["base"]
+            for name, entry in entries.items():  # names become module keys and file names: nothing may escape
+                validate_adapter_name(name)
+                if not math.isfinite(entry.weight):
+                    raise ValueError(f"adapter {name!r} has weight {entry.weight}")
             return cls(base.get("path", ""), base.get("fingerprint", ""), entries, base.get("quantization", "none"))
+        except AdapterError as exc:
+            raise AdapterError(f"{where}: the merge ledger names an invalid adapter: {exc}") from None
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise AdapterError(
                 f"{where}: the merge ledger is malformed ({exc!r}); re-create the merged model"

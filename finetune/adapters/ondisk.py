@@ -12,7 +12,7 @@ Each command turns the source model's ledger into a target ledger and writes a n
   result, per element).
 
 Peak memory is one shard of tensors plus the adapters (fp32) plus one fp32 accumulator. The output is
-built in a staging directory and renamed to `--out` at the end (`files.staging_dir`). Adapters trained
+built in a staging directory and renamed to `--out` at the end (`model_dir.staging_dir`). Adapters trained
 on a 4-bit/8-bit base are merged into the weights they were trained against: every linear weight
 bitsandbytes would quantize goes through the same quantize → dequantize round trip, and the model is
 written in 16/32-bit.
@@ -25,6 +25,7 @@ Example:
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import time
@@ -34,7 +35,9 @@ from pathlib import Path
 import torch
 
 from finetune.adapters.arithmetic import half_ulp, merged_weight, module_terms
-from finetune.adapters.files import (
+from finetune.adapters.ledger import Ledger, read_ledger
+from finetune.adapters.lora import Adapter, read_adapter
+from finetune.adapters.model_dir import (
     INDEX_NAME,
     after_shard_hook,
     copy_side_files,
@@ -44,8 +47,6 @@ from finetune.adapters.files import (
     write_index,
     write_shard,
 )
-from finetune.adapters.ledger import Ledger, read_ledger
-from finetune.adapters.weights import Adapter, read_adapter
 from finetune.errors import AdapterError
 from finetune.fingerprint import fingerprint_model_dir, weight_files
 
@@ -65,9 +66,12 @@ def parse_adapter_spec(spec: str) -> AdapterSpec:
     ref, separator, tail = spec.rpartition(":")
     if separator and ref:
         try:
-            return AdapterSpec(ref, float(tail))
+            weight = float(tail)
         except ValueError:
-            pass
+            return AdapterSpec(spec)
+        if not math.isfinite(weight):
+            raise AdapterError(f"adapter {spec!r}: weight {tail!r} is not a finite number; write e.g. {ref}:0.5")
+        return AdapterSpec(ref, weight)
     return AdapterSpec(spec)
 
 
@@ -104,8 +108,8 @@ class DiskReport:
 
 def resolve_model_dir(ref: str) -> Path:
     """A local model directory for `ref` (a path, `embedded:*`, or a hub id in the local cache)."""
-    from finetune.api import local_model_dir
     from finetune.embedded import resolve_base_id
+    from finetune.paths import local_model_dir
 
     directory = local_model_dir(resolve_base_id(ref))
     if directory is None or not (directory / "config.json").is_file():
@@ -352,7 +356,7 @@ def _quantization_options(adapters: dict[str, Adapter]) -> dict:
 
 
 def _check_new(adapter: Adapter, ledger: Ledger, where: Path, force: bool) -> None:
-    from finetune.api import check_fingerprint
+    from finetune.fingerprint import check_fingerprint
 
     check_fingerprint(adapter, ledger.base_fingerprint or None, str(ledger.base_path or where), force=force)
 

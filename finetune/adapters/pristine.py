@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from finetune.adapters import AdapterWarning
+from finetune.errors import AdapterWarning
 from finetune.fingerprint import weight_files
 
 
@@ -53,10 +53,6 @@ class PristineWeights:
         for path in weight_files(base_dir):
             with safe_open(str(path), framework="pt") as handle:
                 self._file_of.update({name: path for name in handle.keys()})
-
-    @property
-    def has_files(self) -> bool:
-        return bool(self._file_of)
 
     @property
     def copied_bytes(self) -> int:

@@ -48,13 +48,6 @@ def dequantize(module: torch.nn.Module) -> torch.Tensor:
     return F.int8_vectorwise_dequant(weight.data, scales).to(torch.float32)
 
 
-def quantization_name(module: torch.nn.Module) -> str:
-    bnb = _bnb()
-    if isinstance(module, bnb.nn.Linear4bit):
-        return f"4-bit {module.weight.quant_type}"
-    return "8-bit"
-
-
 def dense_linear_like(module: torch.nn.Module, weight: torch.Tensor) -> torch.nn.Linear:
     """A plain `nn.Linear` holding `weight` (and the quantized layer's bias), in `weight`'s dtype."""
     dense = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=module.bias is not None, device="meta")

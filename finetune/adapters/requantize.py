@@ -18,8 +18,8 @@ from pathlib import Path
 
 import torch
 
-from finetune.adapters.files import copy_side_files, staging_dir
 from finetune.adapters.ledger import LEDGER_KEY
+from finetune.adapters.model_dir import copy_side_files, staging_dir
 from finetune.errors import AdapterError
 
 

@@ -15,9 +15,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from finetune.adapters.ledger import read_ledger
-from finetune.adapters.weights import CONFIG_NAME, PICKLE_NAME, SAFETENSORS_NAME
+from finetune.adapters.lora import CONFIG_NAME, PICKLE_NAME, SAFETENSORS_NAME
 from finetune.errors import AdapterError
 from finetune.manifest import read_manifest
+from finetune.tensorfile import check_safetensors
 
 _SHOWN_METRICS = 3
 
@@ -45,18 +46,23 @@ def _rank(config: dict) -> str:
     return "/".join(str(r) for r in sorted(ranks, key=str))
 
 
-def _targets(config: dict) -> str:
-    targets = config.get("target_modules") or []
+def _targets(config: dict, adapter_dir: Path) -> str:
+    targets = config.get("target_modules")
+    if not targets:
+        raise AdapterError(
+            f"{adapter_dir / CONFIG_NAME} has no target_modules, so it adapts nothing; re-save the adapter with peft"
+        )
     if isinstance(targets, str):
         return targets
     return ",".join(sorted({t.rsplit(".", 1)[-1] for t in targets}))
 
 
 def _weights_file(adapter_dir: Path) -> Path | None:
-    for name in (SAFETENSORS_NAME, PICKLE_NAME):
-        if (adapter_dir / name).is_file():
-            return adapter_dir / name
-    return None
+    """The adapter's weights file; a safetensors file must be whole (header and size agree)."""
+    if (adapter_dir / SAFETENSORS_NAME).is_file():
+        check_safetensors(adapter_dir / SAFETENSORS_NAME, AdapterError, "re-save or re-copy the adapter")
+        return adapter_dir / SAFETENSORS_NAME
+    return adapter_dir / PICKLE_NAME if (adapter_dir / PICKLE_NAME).is_file() else None
 
 
 # What a reader of the store wants first: held-out quality, then how much training it took.
@@ -81,7 +87,7 @@ def summarize(adapter_dir: Path) -> AdapterSummary:
         path=adapter_dir,
         base=base,
         rank=_rank(config),
-        targets=_targets(config),
+        targets=_targets(config, adapter_dir),
         size_bytes=weights.stat().st_size if weights else 0,
         metrics=_format_metrics(manifest.metrics) if manifest is not None else "",
     )

@@ -17,7 +17,7 @@ import sys
 import warnings
 from collections.abc import Callable
 
-from finetune.adapters import AdapterWarning
+from finetune.errors import AdapterWarning
 
 
 def _warnings_as_lines(handler: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:

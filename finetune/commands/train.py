@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import argparse
 
+from finetune.errors import FinetuneError
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     train = subparsers.add_parser("train", help="fine-tune a LoRA adapter as a recipe says")
@@ -31,6 +33,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run_train(args: argparse.Namespace) -> int:
     from finetune.launch import already_launched, launch_command, run_launched
 
+    if args.nproc < 1 or args.nnodes < 1:
+        raise FinetuneError(f"--nproc {args.nproc} --nnodes {args.nnodes}: both must be at least 1")
     if (args.nproc > 1 or args.nnodes > 1) and not already_launched():
         import torch
 
@@ -47,6 +51,7 @@ def run_train(args: argparse.Namespace) -> int:
             main_address=args.main_address,
             main_port=args.main_port,
             use_cpu=use_cpu,
+            verbose=args.verbose,
         )
         return run_launched(command, use_cpu=use_cpu)
 

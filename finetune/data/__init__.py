@@ -2,7 +2,8 @@
 
 One job per module: `sources` (files and saved datasets → records), `formats` (record → token ids and
 labels), `packing` (documents → rows with restarting position ids), `cache` (fingerprint and on-disk
-cache), `pipeline` (the steps in order), `collate` (rows → tensors).
+cache), `pipeline` (the steps in order), `collate` (rows → tensors), `sampler` (which rows form which
+micro-batch on which process, resumable).
 
 Example:
     bundle = build_datasets(recipe.data, tokenizer, seed=recipe.train.seed, log=print)

@@ -42,9 +42,9 @@ def default_out_dir(run_dirs: Sequence[Path]) -> Path:
 
 def render_runs(runs: Sequence[RunHistory], out_dir: Path) -> ReportFiles:
     """Write the plots and the page of already-read runs into `out_dir`."""
-    from finetune import __version__
     from finetune.report.html import render_page
     from finetune.report.plots import make_figures, png_bytes
+    from finetune.version import __version__
 
     out_dir = Path(out_dir)
     images = {name: png_bytes(figure) for name, figure in make_figures(runs).items()}

@@ -65,17 +65,23 @@ def validate_adapter_name(name: str) -> str:
             f"adapter name {name!r} is invalid: use 1-64 letters, digits, '_' or '-', starting with a letter or "
             "digit (no '/', '.', spaces)"
         )
-    if name in PEFT_LORA_PREFIX or hasattr(torch.nn.ModuleDict(), name):
-        raise AdapterError(f"adapter name {name!r} is reserved by peft/torch; rename the adapter")
+    if _is_reserved(name):
+        raise AdapterError(f"adapter name {name!r} is reserved by peft/torch; choose another name")
     return name
 
 
-def derived_adapter_name(raw: str) -> str:
-    """A usable name made from a directory or manifest name: other characters become '_' (`legal.v2` -> `legal_v2`).
+def _is_reserved(name: str) -> bool:
+    return name in PEFT_LORA_PREFIX or hasattr(torch.nn.ModuleDict(), name)
 
-    Only names the user did not choose are rewritten; an explicit name is validated as given.
+
+def derived_adapter_name(raw: str) -> str:
+    """A usable name made from a directory or manifest name (`legal.v2` -> `legal_v2`, `a` -> `a_adapter`).
+
+    Characters peft cannot hold become '_'; a name peft or torch reserve gets an `_adapter` suffix. Only
+    names the user did not choose are rewritten; an explicit name is validated as given.
     """
-    return re.sub(r"[^A-Za-z0-9_-]", "_", raw)[:64] or "adapter"
+    name = re.sub(r"[^A-Za-z0-9_-]", "_", raw).lstrip("_-")[:56] or "adapter"
+    return f"{name}_adapter" if _is_reserved(name) else name
 
 
 @dataclass(frozen=True)

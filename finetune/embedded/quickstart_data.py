@@ -8,7 +8,7 @@ held-out perplexity shows clearly what an adapter learnt. Pure Python and seeded
 always give the same bytes.
 
 Example:
-    python -m finetune.embedded.domain --out data/quickstart
+    python -m finetune.embedded.quickstart_data --out data/quickstart
     # {"instruction": "Write the weather bulletin for Harrowmere.", "input": "day: 12 Frostmonth\\n...", ...}
 """
 

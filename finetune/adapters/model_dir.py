@@ -17,12 +17,13 @@ import contextlib
 import json
 import os
 import shutil
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
 
 from finetune.adapters.ledger import LEDGER_KEY, Ledger
+from finetune.atomic import atomic_directory
 from finetune.errors import AdapterError
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -31,28 +32,19 @@ WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".h5", ".msgpack", ".i
 SLOW_HOOK_ENV = "FINETUNE_TEST_SECONDS_PER_SHARD"
 
 
+_OUT_HINT = "choose another --out or delete it first"
+
+
 def ensure_free(out: str | Path) -> Path:
     out = Path(out)
     if out.exists():
-        raise AdapterError(f"{out} already exists; choose another --out or delete it first")
+        raise AdapterError(f"{out} already exists; {_OUT_HINT}")
     return out
 
 
-@contextlib.contextmanager
-def staging_dir(out: str | Path) -> Iterator[Path]:
-    """A temporary directory that becomes `out` when the block finishes, and is deleted if it fails."""
-    out = ensure_free(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    try:
-        yield tmp
-        ensure_free(out)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+def staging_dir(out: str | Path) -> contextlib.AbstractContextManager[Path]:
+    """A temporary directory that becomes `out` when the block finishes (`finetune.atomic`); `out` must be free."""
+    return atomic_directory(Path(out), error=AdapterError, hint=_OUT_HINT)
 
 
 def after_shard_hook() -> None:

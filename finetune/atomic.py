@@ -1,0 +1,120 @@
+"""Directories that appear whole or not at all: build beside the target, flush, rename into place.
+
+Adapters, checkpoints, merged models and built bases are directories of several files. A reader must
+never take a half-written one for a whole one, whatever kills the writer (an exception, SIGKILL, a full
+disk). Everything is written into a hidden `.<name>.partial-<pid>` sibling (same filesystem, so the
+final `rename` is atomic), its files are flushed to disk, and only then is it renamed to the target. A
+failure deletes the staging directory; a SIGKILL leaves only a hidden `.partial-*` sibling, which the
+next writer of the same target removes.
+
+Example:
+    with atomic_directory(Path("adapters/legal"), replace=True) as staging:
+        (staging / "adapter_config.json").write_text(...)
+    # adapters/legal now holds exactly what was written, or (on failure) what it held before
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import re
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+from finetune.errors import FinetuneError, OutputError
+
+STAGING_MARK = ".partial-"
+_RUST_OS_ERROR = re.compile(r"\(os error (\d+)\)")
+_USER_FIXABLE_ERRNOS = {
+    errno.ENOSPC: "free disk space (nothing was left behind) and run again",
+    errno.EDQUOT: "free space within your disk quota (nothing was left behind) and run again",
+    errno.EACCES: "write somewhere you have permission to, or fix the directory's permissions",
+    errno.EROFS: "the filesystem is read-only; write somewhere else",
+    errno.EPERM: "the directory does not allow writing (read-only or immutable); write somewhere else",
+    errno.EFBIG: "the file size limit or free space was reached (nothing was left behind); free space and run again",
+}
+
+
+def staging_path(final: Path) -> Path:
+    """The hidden sibling this process builds `final` in."""
+    return final.parent / f".{final.name}{STAGING_MARK}{os.getpid()}"
+
+
+def remove_stale_staging(final: Path) -> None:
+    """Delete staging siblings of `final` left by writers that were killed."""
+    for stale in final.parent.glob(f".{final.name}{STAGING_MARK}*"):
+        shutil.rmtree(stale, ignore_errors=True)
+
+
+def _flush_to_disk(directory: Path) -> None:
+    """fsync every file and the directory itself, so the rename publishes data that is on disk."""
+    for path in directory.rglob("*"):
+        if path.is_file():
+            with open(path, "rb") as handle:
+                os.fsync(handle.fileno())
+    descriptor = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+@contextlib.contextmanager
+def atomic_directory(
+    final: Path, *, replace: bool = False, error: type[FinetuneError] = OutputError, hint: str = "choose another path"
+) -> Iterator[Path]:
+    """Yield an empty staging directory that becomes `final` when the block completes.
+
+    Args:
+        final: the directory to publish.
+        replace: an existing `final` is replaced (the old one is removed only after the new one is whole);
+            otherwise an existing `final` raises `error` before anything is written.
+        error: the `FinetuneError` subclass raised for an existing target or an unwritable place.
+        hint: how to fix an existing target, appended to the message.
+    """
+    final = Path(final)
+    if final.exists() and not replace:
+        raise error(f"{final} already exists; {hint}")
+    try:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        remove_stale_staging(final)
+        staging = staging_path(final)
+        staging.mkdir()
+    except OSError as exc:
+        fix = _USER_FIXABLE_ERRNOS.get(exc.errno or 0, "check the path and its permissions")
+        raise error(f"cannot write {final}: {exc.strerror or exc}; {fix}") from None
+    try:
+        yield staging
+        _flush_to_disk(staging)
+        _publish(staging, final, replace=replace, error=error, hint=hint)
+    except BaseException as exc:
+        shutil.rmtree(staging, ignore_errors=True)
+        number, reason = _os_error_of(exc)
+        if number not in _USER_FIXABLE_ERRNOS:
+            raise
+        raise error(f"cannot write {final}: {reason}; {_USER_FIXABLE_ERRNOS[number]}") from None
+
+
+def _os_error_of(exc: BaseException) -> tuple[int | None, str]:
+    """(errno, reason) of an I/O failure: an `OSError`, or safetensors' Rust error carrying "(os error N)"."""
+    if isinstance(exc, OSError):
+        return exc.errno, exc.strerror or str(exc)
+    match = _RUST_OS_ERROR.search(str(exc)) if type(exc).__name__ == "SafetensorError" else None
+    if match is None:
+        return None, ""
+    number = int(match.group(1))
+    return number, os.strerror(number)
+
+
+def _publish(staging: Path, final: Path, *, replace: bool, error: type[FinetuneError], hint: str) -> None:
+    if not final.exists():
+        os.rename(staging, final)
+        return
+    if not replace:
+        raise error(f"{final} appeared while it was being written; {hint}")
+    old = final.parent / f".{final.name}.old-{os.getpid()}"
+    os.rename(final, old)  # from here until the next rename, a reader finds no `final`: never a partial one
+    os.rename(staging, final)
+    shutil.rmtree(old, ignore_errors=True)

@@ -1,0 +1,142 @@
+"""Where embedded bases are cached, building one once on first use, and what `embedded:` ids resolve to.
+
+A recipe whose `model.base` is `embedded:tiny-llama` gets a normal Hugging Face model directory under
+`$FINETUNE_HOME/embedded/` (default `~/.cache/finetune/embedded/`), so everything downstream, the
+adapter's `base_model_name_or_path` included, is a plain local path that `from_pretrained` loads.
+
+The directory name carries the build format version and a hash of the build settings and Python
+version, so a change of recipe builds a new base and never alters one an adapter was trained on. A base
+is built into a temporary directory beside its final place and renamed into place when complete, under
+a file lock: a reader never sees half a model, and two processes asking at once build it once.
+
+Example:
+    path = ensure_embedded_base("tiny-llama")      # builds on first use (about a minute), then cached
+    resolve_base_id("embedded:tiny-llama")         # the same path, as a string
+    resolve_base_id("meta-llama/Llama-3.2-1B")     # returned unchanged
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from finetune.errors import ModelError
+from finetune.paths import finetune_home
+
+if TYPE_CHECKING:  # build.py imports torch; this module stays importable without it
+    from finetune.embedded.build import BuildSettings
+
+EMBEDDED_PREFIX = "embedded:"
+
+
+def _print_to_stderr(message: str) -> None:
+    print(f"[finetune.embedded] {message}", file=sys.stderr, flush=True)
+
+
+def embedded_base_dir(name: str, settings: BuildSettings, root: str | Path | None = None) -> Path:
+    """Where the base built from `settings` lives (whether or not it is built yet)."""
+    from finetune.embedded.build import BUILD_FORMAT_VERSION, settings_record
+
+    key = json.dumps(
+        {"name": name, "settings": settings_record(settings), "python": platform.python_version()}, sort_keys=True
+    )
+    digest = hashlib.sha256(key.encode("utf-8")).hexdigest()[:12]
+    return (
+        (Path(root) if root is not None else finetune_home()) / "embedded" / f"{name}-v{BUILD_FORMAT_VERSION}-{digest}"
+    )
+
+
+def _is_built(path: Path) -> bool:
+    from finetune.embedded.build import RECORD_FILE
+
+    return (path / RECORD_FILE).is_file()
+
+
+def ensure_embedded_base(
+    name: str = "tiny-llama",
+    *,
+    root: str | Path | None = None,
+    settings: BuildSettings | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> Path:
+    """The local model directory of embedded base `name`, building it first if it is not cached.
+
+    Args:
+        name: a key of `finetune.embedded.build.EMBEDDED_BASES`.
+        root: cache root; default `finetune.paths.finetune_home()`.
+        settings: build settings other than the registered ones (tests build small bases this way);
+            they get a directory of their own.
+        progress: receives one-line progress messages; default prints them to stderr.
+
+    Raises:
+        ModelError: `name` is not an embedded base.
+    """
+    from filelock import FileLock, Timeout
+
+    from finetune.embedded.build import EMBEDDED_BASES, build_embedded_base
+
+    if settings is None:
+        if name not in EMBEDDED_BASES:
+            raise ModelError(
+                f"unknown embedded base {EMBEDDED_PREFIX}{name}; known: "
+                + ", ".join(EMBEDDED_PREFIX + known for known in sorted(EMBEDDED_BASES))
+                + "; or set model.base to a local model directory or hub id"
+            )
+        settings = EMBEDDED_BASES[name]
+    report = progress if progress is not None else _print_to_stderr
+    final_dir = embedded_base_dir(name, settings, root)
+    if _is_built(final_dir):
+        return final_dir
+
+    final_dir.parent.mkdir(parents=True, exist_ok=True)
+    lock = FileLock(str(final_dir.parent / f"{final_dir.name}.lock"))
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        report(f"another process is building {final_dir}; waiting for it")
+        lock.acquire()
+    try:
+        if _is_built(final_dir):  # built by the process we waited for
+            return final_dir
+        # Leftovers of a build that was killed before it could clean up; nobody else holds the lock.
+        for stale in final_dir.parent.glob(f".{final_dir.name}.tmp-*"):
+            shutil.rmtree(stale, ignore_errors=True)
+        if final_dir.exists():  # neither complete nor ours to trust
+            shutil.rmtree(final_dir)
+        report(f"building embedded base {EMBEDDED_PREFIX}{name} into {final_dir} (first use only; about a minute)")
+        start_seconds = time.perf_counter()
+        work_dir = Path(tempfile.mkdtemp(prefix=f".{final_dir.name}.tmp-", dir=final_dir.parent))
+        work_dir.chmod(0o755)  # mkdtemp makes it private; a model directory is ordinary data
+        try:
+            build_embedded_base(work_dir, settings, report)
+            os.rename(work_dir, final_dir)
+        except BaseException:
+            shutil.rmtree(work_dir, ignore_errors=True)
+            raise
+        report(f"built {EMBEDDED_PREFIX}{name} in {time.perf_counter() - start_seconds:.0f} s")
+        return final_dir
+    finally:
+        lock.release()
+
+
+def resolve_base_id(base: str, progress: Callable[[str], None] | None = None) -> str:
+    """Turn a recipe's `model.base` into something `from_pretrained` loads.
+
+    `embedded:<name>` becomes the local directory of that embedded base (built on first use); any other
+    string (a local path or a hub id) is returned unchanged.
+
+    Raises:
+        ModelError: `embedded:<name>` names no embedded base; the message lists the known ones.
+    """
+    if not base.startswith(EMBEDDED_PREFIX):
+        return base
+    return str(ensure_embedded_base(base.removeprefix(EMBEDDED_PREFIX), progress=progress))

@@ -1,0 +1,72 @@
+"""The end of a training run: the summary metrics, the manifest, and the adapter directory, written whole.
+
+The adapter is saved by peft into a staging directory beside `adapters/<name>/` together with the
+resolved recipe and the manifest, and renamed into place only when all of it is written
+(`finetune.atomic`): a run that fails or is killed never leaves a partial adapter.
+
+Example:
+    adapter_dir, metrics = finish_run(run, {**last_step_metrics, **final_eval}, say=print)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from finetune.atomic import atomic_directory
+from finetune.errors import OutputError
+from finetune.manifest import build_manifest, write_manifest
+from finetune.recipe import recipe_to_dict
+from finetune.run_setup import TrainingRun
+
+
+def summary_metrics(run: TrainingRun, last: dict[str, float], say: Callable[[str], None]) -> dict[str, Any]:
+    """The metrics recorded in the manifest: the last step's, the final evaluation and the base's."""
+    metrics: dict[str, Any] = {"step": run.step, **last, "tokens_seen": run.tokens_seen}
+    base_eval = run.base_eval
+    if base_eval:
+        metrics["base_eval_loss"], metrics["base_eval_ppl"] = base_eval["eval_loss"], base_eval["eval_ppl"]
+    if base_eval and "eval_ppl" in last:
+        cut = 1 - last["eval_ppl"] / base_eval["eval_ppl"]
+        metrics["ppl_cut"] = cut
+        say(
+            f"held-out perplexity: base {base_eval['eval_ppl']:.3f} -> base + adapter {last['eval_ppl']:.3f} "
+            f"({100 * cut:.1f}% lower)"
+        )
+    return metrics
+
+
+def write_adapter(run: TrainingRun, metrics: dict[str, Any]) -> Path:
+    """Write `adapters/<name>/` whole: peft's files, the resolved recipe and the manifest."""
+    import yaml
+
+    from finetune.fingerprint import fingerprint_model_dir
+    from finetune.paths import local_model_dir
+
+    recipe = run.recipe
+    base_dir = local_model_dir(run.base_source, recipe.model.revision)  # a hub id: its local snapshot
+    manifest = build_manifest(
+        recipe,
+        base_source=run.base_source,
+        base_fingerprint=fingerprint_model_dir(base_dir) if base_dir is not None else "unknown",
+        data=run.data,
+        metrics=metrics,
+    )
+    adapter_dir = recipe.output.adapter_dir
+    hint = "choose another output.name, or set output.overwrite=true"
+    with atomic_directory(adapter_dir, replace=recipe.output.overwrite, error=OutputError, hint=hint) as staging:
+        run.peft_model.save_pretrained(staging, safe_serialization=True)
+        (staging / "recipe.yaml").write_text(yaml.safe_dump(recipe_to_dict(recipe), sort_keys=False))
+        write_manifest(staging, manifest)
+    return adapter_dir
+
+
+def finish_run(run: TrainingRun, last: dict[str, float], say: Callable[[str], None]) -> tuple[Path, dict[str, Any]]:
+    """Summarise, write the adapter (main process), wait for every process; return (adapter dir, metrics)."""
+    metrics = summary_metrics(run, last, say)
+    if run.is_main:
+        write_adapter(run, metrics)
+        say(f"adapter written to {run.recipe.output.adapter_dir}")
+    run.accelerator.wait_for_everyone()
+    return run.recipe.output.adapter_dir, metrics

@@ -1,0 +1,114 @@
+"""What a training run reports as it goes: one `on_step(step, metrics)` callback, and its standard consumer.
+
+The loop in `finetune.train` calls `on_step` once per optimizer step with that step's metrics (`loss`,
+`lr`, `grad_norm`, `tokens_seen`, `epoch`, `elapsed_s`, and `eval_loss`/`eval_ppl` after an
+evaluation). Everything that reports progress consumes that one stream: `TrainingLog` (metrics.jsonl,
+TensorBoard, the console line or progress bar), a benchmark timing the run, a user's own callback.
+
+Example:
+    log = TrainingLog(run_dir, total_steps=150, log_every_steps=10, say=print, show_bar=False)
+    train("recipes/quickstart.yaml", on_step=lambda step, metrics: print(step, metrics["loss"]))
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+StepCallback = Callable[[int, dict[str, float]], None]
+Say = Callable[[str], None]
+
+
+def fan_out(*callbacks: StepCallback | None) -> StepCallback:
+    """One `on_step` that calls each given callback in turn (None entries are skipped)."""
+    chosen = [c for c in callbacks if c is not None]
+
+    def on_step(step: int, metrics: dict[str, float]) -> None:
+        for callback in chosen:
+            callback(step, metrics)
+
+    return on_step
+
+
+def format_seconds(seconds: float) -> str:
+    minutes, seconds = divmod(int(seconds), 60)
+    return f"{minutes}m{seconds:02d}s" if minutes else f"{seconds}s"
+
+
+class TrainingLog:
+    """metrics.jsonl + TensorBoard in the run directory, and a console line or bar, every N steps.
+
+    Train metrics are written every `log_every_steps` steps and at the last step, with `tokens_per_s`
+    measured over the steps since the previous write; evaluations are written whenever they happen.
+    """
+
+    def __init__(
+        self,
+        run_dir: Path | None,
+        *,
+        total_steps: int,
+        first_step: int,
+        log_every_steps: int,
+        say: Say,
+        show_bar: bool,
+    ) -> None:
+        from tqdm.auto import tqdm
+
+        self.run_dir, self.total_steps, self.log_every_steps, self.say = run_dir, total_steps, log_every_steps, say
+        self.show_bar = show_bar
+        self._bar = tqdm(total=total_steps, initial=first_step, disable=not show_bar, unit="step", dynamic_ncols=True)
+        self._tensorboard: Any = None
+        if run_dir is not None:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tensorboard = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+        self._start = (time.perf_counter(), first_step)
+        self._last = (0.0, 0)  # (elapsed_s, tokens_seen) at the previous write
+
+    def __call__(self, step: int, metrics: dict[str, float]) -> None:
+        self._bar.update(1)
+        self._bar.set_postfix(loss=f"{metrics['loss']:.4f}", refresh=False)
+        self.log_eval(step, {k: v for k, v in metrics.items() if k.startswith("eval_")})
+        if step % self.log_every_steps == 0 or step == self.total_steps:
+            self._log_train(step, metrics)
+
+    def log_eval(self, step: int, eval_metrics: dict[str, float]) -> None:
+        """Write and print an evaluation's results (nothing when `eval_metrics` is empty)."""
+        if not eval_metrics:
+            return
+        self._write(step, eval_metrics)
+        self.say(f"step {step}: eval loss {eval_metrics['eval_loss']:.4f}, perplexity {eval_metrics['eval_ppl']:.3f}")
+
+    def _log_train(self, step: int, metrics: dict[str, float]) -> None:
+        elapsed_s, tokens_seen = metrics["elapsed_s"], metrics["tokens_seen"]
+        tokens_per_s = (tokens_seen - self._last[1]) / max(elapsed_s - self._last[0], 1e-9)
+        self._last = (elapsed_s, int(tokens_seen))
+        keys = ("loss", "lr", "epoch", "tokens_seen", "grad_norm")
+        values = {**{k: metrics[k] for k in keys if k in metrics}, "tokens_per_s": tokens_per_s}
+        self._write(step, values)
+        self._bar.set_postfix(loss=f"{metrics['loss']:.4f}", tok_s=f"{tokens_per_s:,.0f}")
+        if not self.show_bar:
+            start_time, start_step = self._start
+            seconds_per_step = (time.perf_counter() - start_time) / max(step - start_step, 1)
+            eta = format_seconds(seconds_per_step * (self.total_steps - step))
+            self.say(
+                f"step {step}/{self.total_steps}: loss {metrics['loss']:.4f}, lr {metrics['lr']:.3g}, "
+                f"{tokens_per_s:,.0f} tokens/s, ETA {eta}"
+            )
+
+    def _write(self, step: int, values: dict[str, float]) -> None:
+        if self.run_dir is None:
+            return
+        with open(self.run_dir / "metrics.jsonl", "a") as handle:
+            handle.write(json.dumps({"step": step, **values}) + "\n")
+        for key, value in values.items():
+            self._tensorboard.add_scalar(key, value, step)
+
+    def close(self) -> None:
+        self._bar.close()
+        if self._tensorboard is not None:
+            self._tensorboard.close()

@@ -1,0 +1,303 @@
+"""Everything a training run holds between steps, and how it is built: the `TrainingRun` state object.
+
+`start_run` does the setup the loop needs, in order: an `Accelerator`, the base model and tokenizer,
+the data, LoRA, the deterministic micro-batch stream and the length of the run, the optimizer and
+schedule, and (with `resume`) the state of a checkpoint. The loop in `finetune.train` then only steps;
+evaluation and checkpointing are methods here because they read and write this state.
+
+The seed is set after the base is loaded and the data is built, right before LoRA initialises its
+weights: whatever loading consumes from the global RNG (building the embedded base, say) cannot change
+what is trained, so the same recipe trains the same adapter whether or not the base was cached.
+
+Example:
+    run = start_run(load_recipe("recipes/quickstart.yaml"), resume=False, say=print)
+    run.plan.total_steps, run.step          # (150, 0)
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from finetune import checkpoint as ckpt
+from finetune.data.sampler import MicroBatchStream
+from finetune.errors import CheckpointError, RecipeError
+from finetune.recipe import Recipe, recipe_to_dict
+
+Say = Callable[[str], None]
+
+# Train settings that may change between a checkpoint and its resumption: length and intervals.
+_RESUMABLE_TRAIN_KEYS = (
+    "epochs",
+    "max_steps",
+    "log_every_steps",
+    "eval_every_steps",
+    "save_every_steps",
+    "keep_checkpoints",
+    "eval_max_batches",
+)
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """How long the run is, derived once from the data size and the recipe."""
+
+    micro_batches_per_epoch: int
+    total_steps: int
+    warmup_steps: int
+
+
+def plan_steps(recipe: Recipe, stream: MicroBatchStream) -> StepPlan:
+    train = recipe.train
+    if train.max_steps is not None:
+        total = train.max_steps
+    else:
+        assert train.epochs is not None
+        total = max(1, math.ceil(train.epochs * stream.micro_batches_per_epoch / train.grad_accum_steps))
+    warmup = train.warmup_steps or int(train.warmup_ratio * total)
+    return StepPlan(stream.micro_batches_per_epoch, total, min(warmup, total))
+
+
+def recipe_digest(recipe: Recipe) -> dict[str, Any]:
+    """The parts of a recipe a checkpoint must agree with to be resumed (length and intervals may change)."""
+    resolved = recipe_to_dict(recipe)
+    train = {k: v for k, v in resolved["train"].items() if k not in _RESUMABLE_TRAIN_KEYS}
+    return {"model": resolved["model"], "lora": resolved["lora"], "data": resolved["data"], "train": train}
+
+
+def make_optimizer(recipe: Recipe, parameters: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    train = recipe.train
+    kwargs = dict(
+        lr=train.lr, betas=(train.adam_beta1, train.adam_beta2), eps=train.adam_eps, weight_decay=train.weight_decay
+    )
+    if train.optimizer == "adamw":
+        return torch.optim.AdamW(parameters, **kwargs)
+    import bitsandbytes as bnb  # only for the 8-bit optimizers: importing it is slow and chatty
+
+    optimizer_class = bnb.optim.PagedAdamW8bit if train.optimizer == "paged_adamw_8bit" else bnb.optim.AdamW8bit
+    return optimizer_class(parameters, **kwargs)
+
+
+def make_scheduler(recipe: Recipe, optimizer: torch.optim.Optimizer, plan: StepPlan) -> Any:
+    from transformers import get_scheduler
+
+    name = {"cosine": "cosine", "linear": "linear", "constant": "constant_with_warmup"}[recipe.train.schedule]
+    return get_scheduler(name, optimizer, num_warmup_steps=plan.warmup_steps, num_training_steps=plan.total_steps)
+
+
+def check_output_free(recipe: Recipe) -> None:
+    adapter_dir = recipe.output.adapter_dir
+    if adapter_dir.exists() and not recipe.output.overwrite:
+        raise RecipeError(
+            f"output: {adapter_dir} already exists; choose another output.name, or set output.overwrite=true"
+        )
+
+
+def real_tokens(batch: dict[str, torch.Tensor]) -> int:
+    """Tokens of a collated batch that are not padding (padding-free batches have none)."""
+    mask = batch.get("attention_mask")
+    return int(mask.sum()) if mask is not None else int(batch["input_ids"].numel())
+
+
+@dataclass
+class TrainingRun:
+    """The state of one training run: what was built at setup, and where the loop is now."""
+
+    recipe: Recipe
+    accelerator: Any
+    peft_model: Any
+    """The LoRA-wrapped model, unwrapped: evaluation and saving use it (no recompiles under `compile`)."""
+    model_for_step: Any
+    """The same parameters as prepared by accelerate (DDP-wrapped, maybe compiled): training uses it."""
+    tokenizer: Any
+    base_source: str
+    data: Any
+    stream: MicroBatchStream
+    plan: StepPlan
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    trainable_parameters: list[torch.nn.Parameter]
+    step: int = 0
+    tokens_seen: int = 0
+    position: int = 0
+    """Micro-batches consumed so far (across epochs): all a checkpoint needs to resume the data."""
+    base_eval: dict[str, float] = field(default_factory=dict)
+    resumed_from: Path | None = None
+
+    @property
+    def is_main(self) -> bool:
+        return bool(self.accelerator.is_main_process)
+
+    @property
+    def run_dir(self) -> Path:
+        return self.recipe.output.run_path
+
+    def collate(self, rows: list[dict]) -> dict[str, torch.Tensor]:
+        from finetune.data import collate_batch
+
+        # Varlen kernels want one padding-free sequence; sdpa/eager are faster on (B, T) packed rows.
+        layout = "one_sequence" if self.recipe.model.attn_implementation == "flash_attention_2" else "rows"
+        return collate_batch(
+            rows, pad_token_id=self.tokenizer.pad_token_id, packing=self.recipe.data.packing, layout=layout
+        )
+
+    def next_micro_batches(self) -> list[dict[str, torch.Tensor]]:
+        """The micro-batches of the next optimizer step, for this process."""
+        accumulation = self.recipe.train.grad_accum_steps
+        return [
+            self.collate([self.data.train[i] for i in self.stream.indices(self.position + k)])
+            for k in range(accumulation)
+        ]
+
+    def advance(self, micro_batches: list[dict[str, torch.Tensor]]) -> None:
+        """Count one optimizer step over `micro_batches` (tokens summed over every process)."""
+        self.step += 1
+        self.position += len(micro_batches)
+        self.tokens_seen += sum(real_tokens(b) for b in micro_batches) * self.accelerator.num_processes
+
+    def evaluate(self) -> dict[str, float]:
+        """Held-out loss and perplexity of the model as it is now; {} without validation data."""
+        from finetune.evaluate import evaluate
+
+        if self.data.validation is None:
+            return {}
+        return evaluate(
+            self.peft_model,
+            self.data.validation,
+            collate=self.collate,
+            micro_batch_size=self.recipe.train.micro_batch_size,
+            accelerator=self.accelerator,
+            max_batches=self.recipe.train.eval_max_batches,
+        )
+
+    def save_checkpoint(self) -> Path:
+        """Write a resumable checkpoint of this step (every process takes part: RNG states are gathered)."""
+        from accelerate.utils import gather_object
+        from peft import get_peft_model_state_dict
+
+        rng_states = gather_object([ckpt.capture_rng_state()])
+        path = ckpt.checkpoint_path(self.run_dir, self.step)
+        if self.is_main:
+            ckpt.save_checkpoint(
+                self.run_dir,
+                step=self.step,
+                trainable=get_peft_model_state_dict(self.peft_model),
+                optimizer=self.optimizer,
+                scheduler=self.scheduler,
+                state={
+                    "position": self.position,
+                    "tokens_seen": self.tokens_seen,
+                    "rng": rng_states,
+                    "recipe_digest": recipe_digest(self.recipe),
+                    "base_eval": self.base_eval,
+                },
+                keep=self.recipe.train.keep_checkpoints,
+            )
+        self.accelerator.wait_for_everyone()
+        return path
+
+
+def _make_accelerator(recipe: Recipe) -> Any:
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+
+    precision = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}[recipe.train.precision]
+    # accelerate keeps one process-wide AcceleratorState and refuses a second Accelerator with another
+    # precision. Clearing it (not the PartialState holding the process group) lets the Python API run
+    # several recipes in one process.
+    AcceleratorState._reset_state(reset_partial_state=False)
+    return Accelerator(mixed_precision=precision, cpu=not torch.cuda.is_available())
+
+
+def _wrap_for_training(recipe: Recipe, model: Any, say: Say) -> Any:
+    from accelerate.utils import set_seed
+
+    from finetune.model import describe_trainable, wrap_with_lora
+
+    model.config.use_cache = False  # packed rows are isolated by position ids only without the KV cache
+    set_seed(recipe.train.seed)  # after loading: see the module docstring
+    peft_model = wrap_with_lora(model, recipe.lora)
+    if recipe.train.gradient_checkpointing:
+        peft_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    say(describe_trainable(peft_model))
+    return peft_model
+
+
+def start_run(recipe: Recipe, *, resume: bool, say: Say) -> TrainingRun:
+    """Build everything the loop needs; with `resume`, continue from the newest checkpoint."""
+    from finetune.data import build_datasets
+    from finetune.model import load_base_from_config
+
+    if not resume:
+        check_output_free(recipe)
+    resume_from = ckpt.latest_checkpoint(recipe.output.run_path) if resume else None
+    if resume and resume_from is None:
+        raise CheckpointError(
+            f"--resume: no checkpoint in {recipe.output.run_path}; run without --resume to start fresh"
+        )
+    accelerator = _make_accelerator(recipe)
+    if not accelerator.is_main_process:
+        say = _silent
+    with accelerator.main_process_first():  # the embedded base and the data cache are built once
+        model, tokenizer, base_source = load_base_from_config(recipe.model)
+        data = build_datasets(recipe.data, tokenizer, seed=recipe.train.seed, log=say)
+    say(f"base {recipe.model.base} ({base_source}); data: {data.stats}")
+    peft_model = _wrap_for_training(recipe, model, say)
+
+    stream = MicroBatchStream(
+        num_rows=len(data.train),
+        micro_batch_size=recipe.train.micro_batch_size,
+        seed=recipe.train.seed,
+        num_processes=accelerator.num_processes,
+        process_index=accelerator.process_index,
+    )
+    plan = plan_steps(recipe, stream)
+    trainable_parameters = [p for p in peft_model.parameters() if p.requires_grad]
+    optimizer = make_optimizer(recipe, trainable_parameters)
+    scheduler = make_scheduler(recipe, optimizer, plan)
+    model_for_step, optimizer = accelerator.prepare(peft_model, optimizer)
+    if recipe.train.compile:
+        model_for_step = torch.compile(model_for_step)
+    run = TrainingRun(
+        recipe, accelerator, peft_model, model_for_step, tokenizer, base_source, data, stream, plan, optimizer,
+        scheduler, trainable_parameters,
+    )  # fmt: skip
+    if resume_from is not None:
+        _restore(run, resume_from, say)
+    elif data.validation is not None:
+        with peft_model.disable_adapter():
+            run.base_eval = run.evaluate()
+        say(f"base model: eval loss {run.base_eval['eval_loss']:.4f}, perplexity {run.base_eval['eval_ppl']:.3f}")
+    return run
+
+
+def _restore(run: TrainingRun, path: Path, say: Say) -> None:
+    from peft import set_peft_model_state_dict
+
+    trainable, state = ckpt.load_checkpoint(path, optimizer=run.optimizer, scheduler=run.scheduler)
+    if state.get("recipe_digest") != recipe_digest(run.recipe):
+        raise CheckpointError(
+            f"{path} was written by a different recipe (model, lora, data or train settings differ); "
+            "resume with the original recipe, or start fresh without --resume"
+        )
+    rng_states = state["rng"]
+    if len(rng_states) != run.accelerator.num_processes:
+        raise CheckpointError(
+            f"{path} was written by {len(rng_states)} process(es) but this run has "
+            f"{run.accelerator.num_processes}; resume with --nproc {len(rng_states)}"
+        )
+    set_peft_model_state_dict(run.peft_model, trainable)
+    run.step, run.tokens_seen, run.position = state["step"], state["tokens_seen"], state["position"]
+    run.base_eval = state.get("base_eval", {})
+    run.resumed_from = path
+    ckpt.restore_rng_state(rng_states[run.accelerator.process_index])
+    say(f"resumed from {path} at step {run.step}")
+
+
+def _silent(message: str) -> None:
+    """Where the log lines of processes other than the main one go."""

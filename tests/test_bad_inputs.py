@@ -1,0 +1,376 @@
+"""The table of bad inputs: every one is exit 2, one `error:` line saying what, where and how, no traceback,
+and nothing half-written.
+
+Each case prepares its bad input inside a working directory that holds a good recipe (`recipe.yaml` on the
+tiny base), good data and a good adapter, then runs the CLI in-process. A handful run again as real
+subprocesses (the console a user sees, and what only a process can do: a file-size limit, a signal).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import shutil
+import signal
+import subprocess
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from adapter_fixtures import make_adapter
+
+from finetune.cli import main
+from finetune.embedded.tiny import build_tiny_llama
+from finetune.embedded.tokenizer import train_tokenizer
+
+REPO = Path(__file__).resolve().parents[1]
+Setup = Callable[[Path], None]
+
+
+@dataclass(frozen=True)
+class Case:
+    id: str
+    argv: tuple[str, ...]
+    fragments: tuple[str, ...]
+    setup: Setup | None = None
+
+
+def write(relative: str, content: str | bytes) -> Setup:
+    def setup(work: Path) -> None:
+        path = work / relative
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(content) if isinstance(content, bytes) else path.write_text(content)
+
+    return setup
+
+
+def truncate(relative: str, keep_fraction: float = 0.5) -> Setup:
+    def setup(work: Path) -> None:
+        path = work / relative
+        data = path.read_bytes()
+        path.write_bytes(data[: int(len(data) * keep_fraction)])
+
+    return setup
+
+
+def edit_json(relative: str, change: Callable[[dict], None]) -> Setup:
+    def setup(work: Path) -> None:
+        path = work / relative
+        document = json.loads(path.read_text())
+        change(document)
+        path.write_text(json.dumps(document))
+
+    return setup
+
+
+def both(*setups: Setup) -> Setup:
+    def setup(work: Path) -> None:
+        for each in setups:
+            each(work)
+
+    return setup
+
+
+def make_dir(relative: str) -> Setup:
+    return lambda work: (work / relative).mkdir(parents=True)
+
+
+def train_a_checkpoint(work: Path) -> None:
+    assert main(["train", "recipe.yaml", "train.max_steps=2", "train.save_every_steps=1", "output.name=first"]) == 0
+
+
+CHAT_RECORD = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
+ADAPTER = "adapter"  # a good adapter for the tiny base, copied into every working directory
+MERGE = ("adapters", "merge", "--base", "base", "--adapter")
+
+CASES = [
+    # Recipes
+    Case("recipe-missing", ("validate", "nope.yaml"), ("nope.yaml does not exist",)),
+    Case("recipe-is-a-directory", ("validate", "somedir"), ("is a directory",), make_dir("somedir")),
+    Case("recipe-empty", ("validate", "empty.yaml"), ("is empty",), write("empty.yaml", "")),
+    Case("recipe-is-a-list", ("validate", "list.yaml"), ("must be a mapping",), write("list.yaml", "- a\n- b\n")),
+    Case("recipe-binary", ("validate", "bin.yaml"), ("bin.yaml",), write("bin.yaml", bytes(range(256)) * 4)),
+    Case(
+        "recipe-yaml-syntax",
+        ("validate", "bad.yaml"),
+        ("bad.yaml:2", "YAML syntax"),
+        write("bad.yaml", "a: 1\n b: [\n"),
+    ),
+    Case("recipe-duplicate-key", ("validate", "dup.yaml"), ("given twice",), write("dup.yaml", "data: {}\ndata: {}\n")),
+    Case(
+        "recipe-unknown-key",
+        ("validate", "recipe.yaml", "lora.rank=8"),
+        (
+            "lora.rank",
+            "did you mean 'r'",
+        ),
+    ),
+    Case("number-as-words", ("validate", "recipe.yaml", "train.max_steps=ten"), ("train.max_steps",)),
+    Case("negative-steps", ("validate", "recipe.yaml", "train.max_steps=-5"), ("train.max_steps", "greater than")),
+    Case("lr-zero", ("validate", "recipe.yaml", "train.lr=0"), ("train.lr",)),
+    Case(
+        "missing-data-train",
+        ("validate", "nodata.yaml"),
+        ("data: required",),
+        write("nodata.yaml", "output: {name: x}\n"),
+    ),
+    Case("output-name-escapes", ("validate", "recipe.yaml", "output.name=../evil"), ("output.name", "not a valid")),
+    Case("output-name-absolute", ("validate", "recipe.yaml", "output.name=/tmp/evil"), ("output.name",)),
+    Case("override-not-key-value", ("validate", "recipe.yaml", "train.lr"), ("is not key=value",)),
+    Case("override-into-a-value", ("validate", "recipe.yaml", "train.lr.x=1"), ("is a value, not a section",)),
+    Case("override-empty-part", ("validate", "recipe.yaml", "train..lr=1"), ("empty key part",)),
+    Case("bad-format", ("validate", "recipe.yaml", "data.format=poem"), ("data.format",)),
+    # Data
+    Case("data-missing", ("train", "recipe.yaml", "data.train=missing.jsonl"), ("missing.jsonl",)),
+    Case("data-is-a-directory", ("train", "recipe.yaml", "data.train=folder"), ("folder",), make_dir("folder/sub")),
+    Case(
+        "jsonl-line-not-json",
+        ("train", "recipe.yaml", "data.train=broken.jsonl"),
+        ("broken.jsonl", "line 2"),
+        write("broken.jsonl", '{"instruction": "a", "output": "b"}\n{not json\n'),
+    ),  # fmt: skip
+    Case(
+        "record-missing-field",
+        ("train", "recipe.yaml", "data.train=nofield.jsonl"),
+        ("nofield.jsonl", "output"),
+        write("nofield.jsonl", '{"instruction": "a"}\n'),
+    ),  # fmt: skip
+    Case("data-empty", ("train", "recipe.yaml", "data.train=empty.jsonl"), ("empty.jsonl",), write("empty.jsonl", "")),
+    Case(
+        "data-unknown-extension",
+        ("train", "recipe.yaml", "data.train=data.xml"),
+        ("data.xml",),
+        write("data.xml", "<a/>"),
+    ),  # fmt: skip
+    Case(
+        "chat-without-assistant-turn",
+        ("train", "recipe.yaml", "data.format=chat", "data.train=chat.jsonl", "data.validation=[]"),
+        ("chat.jsonl",),
+        write("chat.jsonl", json.dumps({"messages": [{"role": "user", "content": "only a question"}]}) + "\n"),
+    ),  # fmt: skip
+    # Model directories
+    Case("base-missing", ("train", "recipe.yaml", "model.base=./no-such-model"), ("no such directory",)),
+    Case(
+        "base-without-config", ("train", "recipe.yaml", "model.base=./folder"), ("no config.json",), make_dir("folder")
+    ),  # fmt: skip
+    Case(
+        "base-shard-truncated",
+        ("train", "recipe.yaml", "model.base=./base"),
+        ("model.safetensors", "truncated"),
+        truncate("base/model.safetensors"),
+    ),  # fmt: skip
+    Case(
+        "base-hub-id-not-cached", ("train", "recipe.yaml", "model.base=nobody/nothing-here"), ("nobody/nothing-here",)
+    ),
+    Case("targets-match-nothing", ("train", "recipe.yaml", "lora.target_modules=[qkv_proj]"), ("qkv_proj", "match no")),
+    Case(
+        "tokenizer-larger-than-embedding",
+        ("train", "recipe.yaml", "model.tokenizer=./big-tokenizer"),
+        ("big-tokenizer", "embedding has only"),
+    ),  # fmt: skip
+    # Adapters and merged checkpoints
+    Case("adapter-missing", (*MERGE, "no-adapter", "--out", "merged"), ("no-adapter",)),
+    Case(
+        "adapter-without-config", (*MERGE, "folder", "--out", "merged"), ("no adapter_config.json",), make_dir("folder")
+    ),  # fmt: skip
+    Case(
+        "adapter-truncated",
+        (*MERGE, ADAPTER, "--out", "merged"),
+        ("adapter_model.safetensors",),
+        truncate(f"{ADAPTER}/adapter_model.safetensors"),
+    ),  # fmt: skip
+    Case(
+        "adapter-config-not-json",
+        (*MERGE, ADAPTER, "--out", "merged"),
+        ("adapter_config.json", "not valid JSON"),
+        write(f"{ADAPTER}/adapter_config.json", "{oops"),
+    ),  # fmt: skip
+    Case(
+        "adapter-for-another-base",
+        (*MERGE, ADAPTER, "--out", "merged"),
+        ("was trained on base", "--force"),
+        lambda work: _replace_base(work),
+    ),  # fmt: skip
+    Case(
+        "adapter-pickle",
+        (*MERGE, "pickled", "--out", "merged"),
+        ("pickle", "--allow-pickle"),
+        lambda work: _pickle_adapter(work),
+    ),  # fmt: skip
+    Case("adapter-weight-not-a-number", (*MERGE, f"{ADAPTER}:heavy", "--out", "merged"), ("heavy",)),
+    Case("merge-out-exists", (*MERGE, ADAPTER, "--out", "folder"), ("folder already exists",), make_dir("folder")),
+    Case(
+        "info-truncated",
+        ("adapters", "info", ADAPTER),
+        ("truncated",),
+        truncate(f"{ADAPTER}/adapter_model.safetensors", 0.9),
+    ),  # fmt: skip
+    Case(
+        "info-no-target-modules",
+        ("adapters", "info", ADAPTER),
+        ("no target_modules",),
+        edit_json(f"{ADAPTER}/adapter_config.json", lambda c: c.pop("target_modules")),
+    ),  # fmt: skip
+    Case("info-neither", ("adapters", "info", "folder"), ("neither an adapter",), make_dir("folder")),
+    Case(
+        "subtract-from-a-plain-base",
+        ("adapters", "subtract", "--model", "base", "--adapter", "x", "--out", "m"),
+        ("x",),
+    ),  # fmt: skip
+    # Training runs and checkpoints
+    Case(
+        "output-exists", ("train", "recipe.yaml"), ("already exists", "output.overwrite"), make_dir("adapters/crates")
+    ),
+    Case("resume-without-checkpoint", ("train", "recipe.yaml", "--resume"), ("no checkpoint",)),
+    Case(
+        "resume-truncated-checkpoint",
+        ("train", "recipe.yaml", "output.name=first", "--resume"),
+        ("trainable.safetensors", "truncated"),
+        both(train_a_checkpoint, truncate("runs/first/checkpoint-000002/trainable.safetensors")),
+    ),  # fmt: skip
+    Case(
+        "resume-another-recipe",
+        ("train", "recipe.yaml", "output.name=first", "lora.r=8", "--resume"),
+        ("different recipe",),
+        train_a_checkpoint,
+    ),  # fmt: skip
+    Case(
+        "nonfinite-loss",
+        ("train", "recipe.yaml", "train.lr=1e30", "train.max_grad_norm=null"),
+        ("not finite", "no adapter was written"),
+    ),  # fmt: skip
+    Case(
+        "read-only-output",
+        ("train", "recipe.yaml", "output.dir=locked/crates"),
+        ("locked/crates", "write"),
+        lambda work: _immutable(work / "locked"),
+    ),  # fmt: skip
+    # CLI arguments
+    Case("generate-without-model", ("generate", "hello"), ("--base", "--adapter")),
+    Case("nproc-zero", ("train", "recipe.yaml", "--nproc", "0"), ("--nproc",)),
+]
+
+
+def _replace_base(work: Path) -> None:
+    """The working directory's `base` becomes another model (other weights), so the adapter does not fit."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(work / "base")
+    shutil.rmtree(work / "base")
+    from conftest import TEST_SHAPE
+
+    build_tiny_llama(tokenizer, seed=7, **TEST_SHAPE).save_pretrained(work / "base")
+    tokenizer.save_pretrained(work / "base")
+
+
+def _pickle_adapter(work: Path) -> None:
+    import torch
+    from safetensors.torch import load_file
+
+    shutil.copytree(work / ADAPTER, work / "pickled")
+    torch.save(load_file(work / "pickled" / "adapter_model.safetensors"), work / "pickled" / "adapter_model.bin")
+    (work / "pickled" / "adapter_model.safetensors").unlink()
+
+
+_immutable_dirs: list[Path] = []
+
+
+def _immutable(path: Path) -> None:
+    """A directory nobody may write into, root included (`chattr +i`), undone after the test."""
+    path.mkdir()
+    if os.geteuid() != 0:
+        path.chmod(0o555)
+    elif subprocess.run(["chattr", "+i", str(path)], capture_output=True).returncode != 0:
+        pytest.skip("this filesystem cannot make a directory immutable (chattr +i), and root ignores chmod")
+    _immutable_dirs.append(path)
+
+
+@pytest.fixture()
+def bad_input_workdir(workdir, tiny_base_dir, tiny_tokenizer):
+    """`workdir` plus a copy of the tiny base at ./base, a good adapter for it, and a larger tokenizer."""
+    shutil.copytree(tiny_base_dir, workdir / "base")
+    make_adapter(tiny_base_dir, workdir / ADAPTER, seed=3)
+    from conftest import _tokenizer_corpus
+
+    big = train_tokenizer(_tokenizer_corpus() + [f"word{i} token{i}" for i in range(400)], vocab_size=1024)
+    big.save_pretrained(workdir / "big-tokenizer")
+    yield workdir
+    for path in _immutable_dirs:
+        subprocess.run(["chattr", "-i", str(path)], capture_output=True)
+        path.chmod(0o755)
+    _immutable_dirs.clear()
+
+
+def _listing(work: Path) -> set[str]:
+    return {str(p.relative_to(work)) for p in work.rglob("*") if "tensorboard" not in p.parts}
+
+
+def assert_one_line_error(exit_code: int, stderr: str, fragments: tuple[str, ...]) -> str:
+    assert exit_code == 2, stderr[-3000:]
+    assert "Traceback" not in stderr, stderr[-3000:]
+    errors = [line for line in stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1, stderr[-3000:]
+    for fragment in fragments:
+        assert fragment in errors[0], errors[0]
+    return errors[0]
+
+
+def assert_nothing_half_written(work: Path, before: set[str]) -> None:
+    new = _listing(work) - before
+    half = [p for p in new if ".partial-" in p or ".tmp" in p or p.startswith(("adapters/", "merged", "m/"))]
+    assert not half, f"left behind: {sorted(half)}"
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_bad_input_is_one_line_and_exit_2(case, bad_input_workdir, capsys):
+    work = bad_input_workdir
+    if case.setup is not None:
+        case.setup(work)
+    capsys.readouterr()
+    before = _listing(work)
+    exit_code = main(list(case.argv))
+    assert_one_line_error(exit_code, capsys.readouterr().err, case.fragments)
+    assert_nothing_half_written(work, before)
+
+
+def run_cli(args: list[str], cwd: Path, **popen) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    return subprocess.run(
+        [sys.executable, "-m", "finetune", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+        **popen,
+    )
+
+
+SUBPROCESS_CASES = ["recipe-is-a-list", "jsonl-line-not-json", "adapter-for-another-base", "info-truncated"]
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c.id in SUBPROCESS_CASES], ids=SUBPROCESS_CASES)
+def test_bad_input_in_a_real_process_prints_only_our_line(case, bad_input_workdir):
+    """What a user sees: our one line on stderr, no library chatter (bitsandbytes, progress bars), exit 2."""
+    if case.setup is not None:
+        case.setup(bad_input_workdir)
+    result = run_cli(list(case.argv), bad_input_workdir)
+    line = assert_one_line_error(result.returncode, result.stderr, case.fragments)
+    assert result.stderr.strip() == line, result.stderr
+
+
+def _limit_file_size() -> None:
+    """In the child: files may not grow past 64 KiB (a full disk, for writers), and the limit is an error."""
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 10, 64 << 10))
+
+
+def test_a_full_disk_during_a_merge_is_one_line_and_leaves_nothing(bad_input_workdir):
+    work = bad_input_workdir
+    before = _listing(work)
+    result = run_cli([*MERGE, ADAPTER, "--out", "merged"], work, preexec_fn=_limit_file_size)
+    assert_one_line_error(result.returncode, result.stderr, ("merged", "nothing was left behind"))
+    assert_nothing_half_written(work, before)

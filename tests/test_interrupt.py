@@ -1,0 +1,134 @@
+"""Interruptions lose nothing: SIGTERM/SIGINT checkpoint and say how to resume, a second signal stops at
+once, SIGKILL at random moments never leaves a partial directory, and `--resume` ends bit for bit where an
+uninterrupted run ends. Real subprocesses and real signals."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from finetune.checkpoint import list_checkpoints
+from finetune.tensorfile import safetensors_problem
+from finetune.train import SLOW_STEP_ENV, train
+
+REPO = Path(__file__).resolve().parents[1]
+LONG_RUN = ["train.max_steps=60", "train.log_every_steps=1", "output.name=long"]
+
+
+def start(args: list[str], cwd: Path, **env_extra: str) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(REPO), **env_extra}
+    return subprocess.Popen(
+        [sys.executable, "-m", "finetune", "train", "recipe.yaml", *args],
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def wait_for_step(process: subprocess.Popen, step: int, lines: list[str]) -> None:
+    """Read stderr until the run reports `step` (the loop is then well inside training)."""
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        line = process.stderr.readline()
+        lines.append(line)
+        if line.startswith(f"step {step}/"):
+            return
+        assert line or process.poll() is None, "".join(lines)
+    raise AssertionError("the run did not reach step {step}: " + "".join(lines))
+
+
+def adapter_tensors(path: Path) -> dict[str, torch.Tensor]:
+    return load_file(path / "adapter_model.safetensors")
+
+
+def assert_same_tensors(expected: dict[str, torch.Tensor], actual: dict[str, torch.Tensor]) -> None:
+    assert expected.keys() == actual.keys()
+    for name in expected:
+        assert torch.equal(expected[name], actual[name]), name
+
+
+def test_sigterm_checkpoints_says_how_to_resume_and_resume_is_exact(workdir):
+    process = start(LONG_RUN, workdir)
+    lines: list[str] = []
+    wait_for_step(process, 5, lines)
+    process.send_signal(signal.SIGTERM)
+    _, rest = process.communicate(timeout=120)
+    assert process.returncode == 128 + signal.SIGTERM, "".join(lines) + rest
+    errors = [line for line in rest.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "--resume" in errors[0] and "checkpoint" in errors[0], rest
+    assert "Traceback" not in rest
+    assert not (workdir / "adapters" / "long").exists()
+    interrupted_at = int(errors[0].split("interrupted at step ")[1].split()[0])
+    assert list_checkpoints(workdir / "runs" / "long")[-1].name == f"checkpoint-{interrupted_at:06d}"
+
+    resumed = start([*LONG_RUN[:1], "train.log_every_steps=50", "output.name=long", "--resume"], workdir)
+    _, log = resumed.communicate(timeout=300)
+    assert resumed.returncode == 0, log[-3000:]
+    reference, _ = train("recipe.yaml", [*LONG_RUN[:1], "output.name=reference"], log=lambda message: None)
+    assert_same_tensors(adapter_tensors(reference), adapter_tensors(workdir / "adapters" / "long"))
+
+
+def test_a_second_signal_stops_at_once(workdir):
+    process = start(LONG_RUN, workdir, **{SLOW_STEP_ENV: "2"})  # 2 s after each step: time for two signals
+    lines: list[str] = []
+    wait_for_step(process, 1, lines)
+    process.send_signal(signal.SIGINT)
+    assert process.stderr.readline().startswith("SIGINT: finishing this step")
+    process.send_signal(signal.SIGINT)
+    process.communicate(timeout=60)
+    assert process.returncode == -signal.SIGINT
+    assert not (workdir / "adapters" / "long").exists()
+
+
+def assert_no_partial_directory(work: Path, name: str) -> None:
+    """Whatever a reader can see is whole: every checkpoint loads, the adapter (if any) is complete."""
+    run_dir = work / "runs" / name
+    for path in list_checkpoints(run_dir):
+        for file in ("trainable.safetensors", "optimizer.safetensors"):
+            assert safetensors_problem(path / file) is None, path
+        assert (path / "trainer_state.json").is_file(), path
+    adapter = work / "adapters" / name
+    if adapter.exists():
+        for file in ("adapter_config.json", "manifest.json", "recipe.yaml"):
+            assert (adapter / file).is_file(), file
+        assert safetensors_problem(adapter / "adapter_model.safetensors") is None
+
+
+def test_sigkill_at_random_moments_then_resume_gives_the_uninterrupted_adapter(workdir):
+    """10 SIGKILLs at random moments (start-up, training, checkpoint writes, the adapter write), then finish."""
+    args = ["train.max_steps=200", "train.save_every_steps=1", "train.log_every_steps=1000", "output.name=killed"]
+    randomness = random.Random(0)
+
+    def attempt(timeout: float | None) -> bool:
+        """One run (resumed when a checkpoint exists); True when it was killed."""
+        resume = ["--resume"] if list_checkpoints(workdir / "runs" / "killed") else []
+        # 10 ms more per step: no single run can finish within the longest kill time, even on a fast machine
+        process = start([*args, *resume], workdir, **{SLOW_STEP_ENV: "0.01" if timeout else "0"})
+        try:
+            _, log = process.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.communicate()
+            assert_no_partial_directory(workdir, "killed")
+            return True
+        assert process.returncode == 0, log[-2000:]
+        return False
+
+    kills = sum(attempt(randomness.uniform(1.5, 5.0)) for _ in range(10))
+    assert kills == 10, f"only {kills} of 10 attempts were killed; the others finished"
+    while not (workdir / "adapters" / "killed").exists():
+        attempt(None)
+    assert_no_partial_directory(workdir, "killed")
+    reference, _ = train("recipe.yaml", [*args[:1], "output.name=reference"], log=lambda message: None)
+    assert_same_tensors(adapter_tensors(reference), adapter_tensors(workdir / "adapters" / "killed"))
+    assert list_checkpoints(workdir / "runs" / "killed")[-1].name == "checkpoint-000200"
