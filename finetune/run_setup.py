@@ -31,7 +31,7 @@ from finetune.recipe import Recipe, recipe_to_dict
 
 Say = Callable[[str], None]
 
-# Train settings that may change between a checkpoint and its resumption: length and intervals.
+# Train settings that may change between a checkpoint and its resumption: length, intervals, trackers.
 _RESUMABLE_TRAIN_KEYS = (
     "epochs",
     "max_steps",
@@ -40,6 +40,8 @@ _RESUMABLE_TRAIN_KEYS = (
     "save_every_steps",
     "keep_checkpoints",
     "eval_max_batches",
+    "report_to",
+    "tracker_project",
 )
 
 
@@ -206,12 +208,14 @@ def _make_accelerator(recipe: Recipe) -> Any:
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState
 
+    from finetune.tracking import log_with
+
     precision = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}[recipe.train.precision]
     # accelerate keeps one process-wide AcceleratorState and refuses a second Accelerator with another
     # precision. Clearing it (not the PartialState holding the process group) lets the Python API run
     # several recipes in one process.
     AcceleratorState._reset_state(reset_partial_state=False)
-    return Accelerator(mixed_precision=precision, cpu=not torch.cuda.is_available())
+    return Accelerator(mixed_precision=precision, cpu=not torch.cuda.is_available(), log_with=log_with(recipe))
 
 
 def _wrap_for_training(recipe: Recipe, model: Any, say: Say) -> Any:

@@ -2,8 +2,8 @@
 
 The tensor list is planned first (names, shapes, encodings: the header needs every size up front),
 then each tensor is loaded, encoded and written in turn, so peak memory is about one tensor, not the
-model. The file is written beside `out` as `.<name>.partial-<pid>` and renamed into place at the end:
-an interrupted export leaves nothing at `out`.
+model. The file is written beside `out` and renamed into place at the end (`finetune.atomic`): an
+interrupted export leaves nothing at `out`.
 
 Example:
     plan = [PlannedTensor("token_embd.weight", (2048, 128), "f16", load_embeddings)]
@@ -13,7 +13,6 @@ Example:
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from finetune.atomic import atomic_file
 from finetune.errors import ExportError
 
 DTYPES = ("f32", "f16", "bf16", "q8_0")
@@ -95,44 +95,33 @@ def encode(array: np.ndarray, dtype: str) -> np.ndarray:
     return gguf.quants.quantize(np.ascontiguousarray(array, dtype=np.float32), _qtype(dtype))
 
 
-def ensure_free(out: Path) -> Path:
-    if out.exists():
-        raise ExportError(f"{out} already exists; choose another --out or delete it first")
-    return out
-
-
 def write_gguf(
     out: str | Path, arch: str, add_metadata: Callable[[Any], None], tensors: Sequence[PlannedTensor]
 ) -> Path:
     """Write a GGUF file: `add_metadata(writer)` fills the key-value section, then `tensors` are streamed.
 
     Raises:
-        ExportError: `out` exists already.
+        ExportError: `out` exists already, or cannot be written (disk full, permissions).
     """
     import gguf
 
-    out = ensure_free(Path(out))
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.partial-{os.getpid()}")
-    writer = gguf.GGUFWriter(path=None, arch=arch)
-    try:
-        add_metadata(writer)
-        for tensor in tensors:
-            shape, numpy_dtype = _encoded_shape(tensor.shape, tensor.dtype)
-            nbytes = math.prod(shape) * numpy_dtype.itemsize
-            writer.add_tensor_info(tensor.name, shape, numpy_dtype, nbytes, raw_dtype=_qtype(tensor.dtype))
-        writer.write_header_to_file(path=tmp)
-        writer.write_kv_data_to_file()
-        writer.write_ti_data_to_file()
-        for tensor in tensors:
-            data = tensor.load()
-            assert tuple(data.shape) == tensor.shape, (tensor.name, data.shape, tensor.shape)
-            writer.write_tensor_data(encode(data, tensor.dtype))
-        writer.close()
-        ensure_free(out)
-        os.replace(tmp, out)
-    except BaseException:
-        writer.close()
-        tmp.unlink(missing_ok=True)
-        raise
+    out = Path(out)
+    hint = "choose another --out or delete it first"
+    with atomic_file(out, replace=False, error=ExportError, hint=hint) as staging:
+        writer = gguf.GGUFWriter(path=None, arch=arch)
+        try:
+            add_metadata(writer)
+            for tensor in tensors:
+                shape, numpy_dtype = _encoded_shape(tensor.shape, tensor.dtype)
+                nbytes = math.prod(shape) * numpy_dtype.itemsize
+                writer.add_tensor_info(tensor.name, shape, numpy_dtype, nbytes, raw_dtype=_qtype(tensor.dtype))
+            writer.write_header_to_file(path=staging)
+            writer.write_kv_data_to_file()
+            writer.write_ti_data_to_file()
+            for tensor in tensors:
+                data = tensor.load()
+                assert tuple(data.shape) == tensor.shape, (tensor.name, data.shape, tensor.shape)
+                writer.write_tensor_data(encode(data, tensor.dtype))
+        finally:
+            writer.close()
     return out

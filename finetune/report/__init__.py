@@ -13,11 +13,12 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from finetune.report.runs import RunHistory, read_run, write_file_atomically, write_run_record
+from finetune.atomic import atomic_file
+from finetune.report.runs import RunHistory, read_run, write_run_record
 
 REPORT_NAME = "report.html"
 PLOTS_DIR = "plots"
@@ -51,9 +52,11 @@ def render_runs(runs: Sequence[RunHistory], out_dir: Path) -> ReportFiles:
     plots = {}
     for name, png in images.items():
         plots[name] = out_dir / PLOTS_DIR / f"{name}.png"
-        write_file_atomically(plots[name], png)
+        with atomic_file(plots[name]) as staging:
+            staging.write_bytes(png)
     html_path = out_dir / REPORT_NAME
-    write_file_atomically(html_path, render_page(runs, images, version=__version__).encode("utf-8"))
+    with atomic_file(html_path) as staging:
+        staging.write_text(render_page(runs, images, version=__version__), encoding="utf-8")
     return ReportFiles(html_path, plots)
 
 
@@ -67,7 +70,22 @@ def write_report(run_dirs: Sequence[str | Path], out_dir: str | Path | None = No
     return render_runs(runs, Path(out_dir) if out_dir is not None else default_out_dir([Path(d) for d in run_dirs]))
 
 
-def report_finished_run(run_dir: Path, adapter_dir: Path, manifest, *, html: bool) -> ReportFiles | None:
-    """At the end of training: record the run (run.json), then write its report if `html` (the recipe's choice)."""
-    write_run_record(run_dir, adapter_dir, manifest)
-    return write_report([run_dir]) if html else None
+def report_finished_run(
+    run_dir: Path, adapter_dir: Path, *, html: bool, say: Callable[[str], None]
+) -> ReportFiles | None:
+    """At the end of training: record the run (run.json), then write its report if `html` (`output.report`).
+
+    The adapter is already written when this runs, so a report that cannot be written is a warning line,
+    not a failed run.
+    """
+    from finetune.manifest import read_manifest
+
+    try:
+        write_run_record(run_dir, adapter_dir, read_manifest(adapter_dir))
+        files = write_report([run_dir]) if html else None
+    except Exception as exc:  # any failure here must not turn a finished run into a failed one
+        say(f"warning: no report written ({str(exc).splitlines()[0]}); retry with: finetune report {run_dir}")
+        return None
+    if files is not None:
+        say(f"report written to {files.html}")
+    return files

@@ -15,11 +15,11 @@ Example:
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from finetune.atomic import atomic_file
 from finetune.errors import ReportError
 from finetune.manifest import Manifest
 
@@ -93,7 +93,7 @@ def read_run(run_dir: str | Path) -> RunHistory:
     record_file = run_dir / RUN_RECORD_NAME
     if record_file.is_file():
         record = json.loads(record_file.read_text(encoding="utf-8"))
-        manifest = Manifest.model_validate(record["manifest"])
+        manifest = Manifest.model_validate(record["manifest"]) if record.get("manifest") else None
         adapter_dir = record.get("adapter_dir")
     name = manifest.name if manifest is not None else run_dir.resolve().name
     return RunHistory(
@@ -106,21 +106,10 @@ def read_run(run_dir: str | Path) -> RunHistory:
     )
 
 
-def write_run_record(run_dir: Path, adapter_dir: Path, manifest: Manifest) -> Path:
+def write_run_record(run_dir: Path, adapter_dir: Path, manifest: Manifest | None) -> Path:
     """Write run.json (where the adapter went and its manifest) into the run directory, atomically."""
     path = Path(run_dir) / RUN_RECORD_NAME
-    record = {"adapter_dir": str(adapter_dir), "manifest": manifest.model_dump(mode="json")}
-    write_file_atomically(path, (json.dumps(record, indent=2) + "\n").encode("utf-8"))
+    record = {"adapter_dir": str(adapter_dir), "manifest": manifest.model_dump(mode="json") if manifest else None}
+    with atomic_file(path) as staging:
+        staging.write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
     return path
-
-
-def write_file_atomically(path: Path, data: bytes) -> None:
-    """Write `data` to a temporary file beside `path`, then rename it over `path`."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        tmp.write_bytes(data)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
