@@ -99,7 +99,8 @@ def _data(run: RunHistory) -> str:
     parts = [", ".join(data.sources)]
     if section:
         parts.append(f"{section['format']}, max_seq_len {section['max_seq_len']}, packing {section['packing']}")
-    parts += [f"{key} {value:,}" if isinstance(value, int) else f"{key} {value}" for key, value in data.stats.items()]
+    stats = [f"{key}={value:,}" if isinstance(value, int) else f"{key}={value}" for key, value in data.stats.items()]
+    parts.append(", ".join(stats))
     parts.append(_short(data.fingerprint))
     return "; ".join(parts)
 

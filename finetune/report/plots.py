@@ -28,12 +28,12 @@ if TYPE_CHECKING:
 
 FIGURE_NAMES = ("loss", "lr", "eval", "throughput")
 BASE_SUFFIX = ": base model"
-_COLOURS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#17becf")
+RUN_COLOURS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#17becf")
 _FEW_POINTS = 30  # below this many points a line also gets markers, so single evaluations stay visible
 
 
 def _colour(index: int) -> str:
-    return _COLOURS[index % len(_COLOURS)]
+    return RUN_COLOURS[index % len(RUN_COLOURS)]
 
 
 def _new_figure(panels: int) -> tuple[Figure, list[Axes]]:
@@ -97,7 +97,12 @@ def _held_out(runs: Sequence[RunHistory]) -> Figure:
                 axes.axhline(base, color=_colour(index), linestyle="--", linewidth=1, label=run.name + BASE_SUFFIX)
             has_data = has_data or bool(steps) or base is not None
     if has_data:
+        from matplotlib.ticker import FuncFormatter
+
         ppl_axes.set_yscale("log")
+        plain = FuncFormatter(lambda value, _: f"{value:.4g}")  # 360, not 3.6 × 10²
+        ppl_axes.yaxis.set_major_formatter(plain)
+        ppl_axes.yaxis.set_minor_formatter(plain)
     _finish(loss_axes, "held-out loss at each evaluation", "step", "loss", has_data)
     _finish(ppl_axes, "held-out perplexity at each evaluation", "step", "perplexity", has_data)
     return figure
