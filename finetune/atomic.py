@@ -1,4 +1,4 @@
-"""Directories that appear whole or not at all: build beside the target, flush, rename into place.
+"""Directories and files that appear whole or not at all: build beside the target, flush, rename into place.
 
 Adapters, checkpoints, merged models and built bases are directories of several files. A reader must
 never take a half-written one for a whole one, whatever kills the writer (an exception, SIGKILL, a full
@@ -7,10 +7,14 @@ final `rename` is atomic), its files are flushed to disk, and only then is it re
 failure deletes the staging directory; a SIGKILL leaves only a hidden `.partial-*` sibling, which the
 next writer of the same target removes.
 
+Single files (a GGUF export, a report page) go the same way through `atomic_file`.
+
 Example:
     with atomic_directory(Path("adapters/legal"), replace=True) as staging:
         (staging / "adapter_config.json").write_text(...)
     # adapters/legal now holds exactly what was written, or (on failure) what it held before
+    with atomic_file(Path("runs/legal/report.html")) as staging:
+        staging.write_text(page)
 """
 
 from __future__ import annotations
@@ -118,3 +122,36 @@ def _publish(staging: Path, final: Path, *, replace: bool, error: type[FinetuneE
     os.rename(final, old)  # from here until the next rename, a reader finds no `final`: never a partial one
     os.rename(staging, final)
     shutil.rmtree(old, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def atomic_file(
+    final: Path, *, replace: bool = True, error: type[FinetuneError] = OutputError, hint: str = "choose another path"
+) -> Iterator[Path]:
+    """Yield a staging file path beside `final`; what the block writes there becomes `final` when it completes.
+
+    Args:
+        final: the file to publish.
+        replace: an existing `final` is replaced in one rename; otherwise it raises `error` before anything
+            is written.
+        error: the `FinetuneError` subclass raised for an existing target or an unwritable place.
+        hint: how to fix an existing target, appended to the message.
+    """
+    final = Path(final)
+    if final.exists() and not replace:
+        raise error(f"{final} already exists; {hint}")
+    staging = staging_path(final)
+    try:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        yield staging
+        with open(staging, "rb") as handle:
+            os.fsync(handle.fileno())
+        if not replace and final.exists():
+            raise error(f"{final} appeared while it was being written; {hint}")
+        os.replace(staging, final)
+    except BaseException as exc:
+        staging.unlink(missing_ok=True)
+        number, reason = _os_error_of(exc)
+        if number not in _USER_FIXABLE_ERRNOS:
+            raise
+        raise error(f"cannot write {final}: {reason}; {_USER_FIXABLE_ERRNOS[number]}") from None

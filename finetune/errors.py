@@ -64,3 +64,11 @@ class ServeError(FinetuneError):
 
 class AdapterWarning(UserWarning):
     """Adapter arithmetic that is allowed but worth knowing about (no fingerprint, kept copies, forced bases)."""
+
+
+class ExportError(FinetuneError):
+    """A model or adapter cannot be exported to the requested format (architecture, tokenizer, dtype)."""
+
+
+class ReportError(FinetuneError):
+    """A run directory cannot be reported on (no metrics.jsonl, unreadable records)."""

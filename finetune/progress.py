@@ -3,7 +3,8 @@
 The loop in `finetune.train` calls `on_step` once per optimizer step with that step's metrics (`loss`,
 `lr`, `grad_norm`, `tokens_seen`, `epoch`, `elapsed_s`, and `eval_loss`/`eval_ppl` after an
 evaluation). Everything that reports progress consumes that one stream: `TrainingLog` (metrics.jsonl,
-TensorBoard, the console line or progress bar), a benchmark timing the run, a user's own callback.
+the console line or progress bar, and the experiment trackers of `finetune.tracking`, TensorBoard among
+them, which receive exactly the records metrics.jsonl gets), a benchmark timing the run, a user's own callback.
 
 Example:
     log = TrainingLog(run_dir, total_steps=150, log_every_steps=10, say=print, show_bar=False)
@@ -16,7 +17,6 @@ import json
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 from tqdm.auto import tqdm
 
@@ -41,7 +41,8 @@ def format_seconds(seconds: float) -> str:
 
 
 class TrainingLog:
-    """metrics.jsonl + TensorBoard in the run directory, and a console line or bar, every N steps.
+    """metrics.jsonl in the run directory (each record also to `record`: the trackers), and a console line
+    or bar, every N steps.
 
     Train metrics are written every `log_every_steps` steps and at the last step, with `tokens_per_s`
     measured over the steps since the previous write; evaluations are written whenever they happen.
@@ -56,17 +57,14 @@ class TrainingLog:
         log_every_steps: int,
         say: Say,
         show_bar: bool,
+        record: StepCallback | None = None,
     ) -> None:
         self.run_dir, self.total_steps, self.log_every_steps, self.say = run_dir, total_steps, log_every_steps, say
         self.show_bar = show_bar
         self._bar = tqdm(total=total_steps, initial=first_step, disable=not show_bar, unit="step", dynamic_ncols=True)
-        self._tensorboard: Any = None
+        self._record = record
         if run_dir is not None:
             run_dir.mkdir(parents=True, exist_ok=True)
-            # TensorBoard's writer takes about a second to import; only the main process writes.
-            from torch.utils.tensorboard import SummaryWriter
-
-            self._tensorboard = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
         self._start = (time.perf_counter(), first_step)
         self._last = (0.0, 0)  # (elapsed_s, tokens_seen) at the previous write
 
@@ -106,10 +104,8 @@ class TrainingLog:
             return
         with open(self.run_dir / "metrics.jsonl", "a") as handle:
             handle.write(json.dumps({"step": step, **values}) + "\n")
-        for key, value in values.items():
-            self._tensorboard.add_scalar(key, value, step)
+        if self._record is not None:
+            self._record(step, values)
 
     def close(self) -> None:
         self._bar.close()
-        if self._tensorboard is not None:
-            self._tensorboard.close()

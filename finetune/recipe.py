@@ -200,6 +200,20 @@ class TrainConfig(_Section):
     keep_checkpoints: int = Field(2, ge=1)
     """How many checkpoints to keep in the run directory."""
     eval_max_batches: int | None = Field(None, ge=1)
+    report_to: list[Literal["tensorboard", "mlflow", "wandb", "trackio"]] = ["tensorboard"]
+    """Experiment trackers that also receive the run's metrics (through accelerate); [] for none.
+    mlflow, wandb and trackio need their package (`pip install 'finetune[wandb]'`); offline use:
+    `MLFLOW_TRACKING_URI` (a local store), `WANDB_MODE=offline`. See `finetune.tracking`."""
+    tracker_project: str = "finetune"
+    """Project (wandb, trackio) or experiment (mlflow) the run is filed under; the run is `output.name`."""
+
+    @field_validator("report_to")
+    @classmethod
+    def _trackers_installed(cls, value: list[str]) -> list[str]:
+        from finetune.tracking import check_installed
+
+        check_installed(value)
+        return value
 
 
 class OutputConfig(_Section):
@@ -213,6 +227,9 @@ class OutputConfig(_Section):
     """Checkpoints, metrics.jsonl and TensorBoard logs; default `runs/<name>`."""
     overwrite: bool = False
     """Replace an existing adapter directory of the same name (otherwise it is an error)."""
+    report: bool = True
+    """Write `report.html` (plots of loss, learning rate, held-out perplexity, throughput, and a table of the
+    run) and `plots/*.png` into the run directory when training ends; `finetune report` writes them any time."""
 
     @field_validator("name")
     @classmethod

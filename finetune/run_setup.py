@@ -36,10 +36,11 @@ from finetune.errors import CheckpointError, RecipeError
 from finetune.evaluate import evaluate
 from finetune.model import describe_trainable, load_base_from_config, wrap_with_lora
 from finetune.recipe import Recipe, recipe_to_dict
+from finetune.tracking import log_with
 
 Say = Callable[[str], None]
 
-# Train settings that may change between a checkpoint and its resumption: length and intervals.
+# Train settings that may change between a checkpoint and its resumption: length, intervals, trackers.
 _RESUMABLE_TRAIN_KEYS = (
     "epochs",
     "max_steps",
@@ -48,6 +49,8 @@ _RESUMABLE_TRAIN_KEYS = (
     "save_every_steps",
     "keep_checkpoints",
     "eval_max_batches",
+    "report_to",
+    "tracker_project",
 )
 
 
@@ -207,7 +210,7 @@ def _make_accelerator(recipe: Recipe) -> Any:
     # precision. Clearing it (not the PartialState holding the process group) lets the Python API run
     # several recipes in one process.
     AcceleratorState._reset_state(reset_partial_state=False)
-    return Accelerator(mixed_precision=precision, cpu=not torch.cuda.is_available())
+    return Accelerator(mixed_precision=precision, cpu=not torch.cuda.is_available(), log_with=log_with(recipe))
 
 
 def _wrap_for_training(recipe: Recipe, model: Any, say: Say) -> Any:

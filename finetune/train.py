@@ -39,7 +39,9 @@ from finetune.loss import forward_loss, to_device
 from finetune.manifest import read_manifest
 from finetune.progress import Say, StepCallback, TrainingLog, fan_out
 from finetune.recipe import Recipe, load_recipe
+from finetune.report import report_finished_run
 from finetune.run_setup import TrainingRun, start_run
+from finetune.tracking import Trackers
 
 SLOW_STEP_ENV = "FINETUNE_TEST_SECONDS_PER_STEP"
 
@@ -77,12 +79,14 @@ def train(
         TrainingInterrupted: SIGINT/SIGTERM; a checkpoint of the last finished step was written.
     """
     recipe = load_recipe(recipe_or_path, list(overrides))
+    started = time.perf_counter()
     run = start_run(recipe, resume=resume, say=log)
     if resume and run.step == run.plan.total_steps and recipe.output.adapter_dir.exists():
         log(f"the run had finished: its adapter is {recipe.output.adapter_dir}")  # killed after writing it
         return TrainResult(recipe.output.adapter_dir, _recorded_metrics(recipe.output.adapter_dir))
     say = log if run.is_main else (lambda message: None)
     show_bar = run.is_main and (sys.stderr.isatty() if progress is None else progress)
+    trackers = Trackers.start(run.accelerator, recipe, run.base_eval, run.step)
     training_log = TrainingLog(
         run.run_dir if run.is_main else None,
         total_steps=run.plan.total_steps,
@@ -90,6 +94,7 @@ def train(
         log_every_steps=recipe.train.log_every_steps,
         say=say,
         show_bar=show_bar,
+        record=trackers.log,
     )
     say(
         f"training {run.plan.total_steps} steps ({run.plan.micro_batches_per_epoch} micro-batches per epoch, "
@@ -102,7 +107,12 @@ def train(
         training_log.log_eval(run.step, final_eval)
     finally:
         training_log.close()
-    return TrainResult(*finish_run(run, {**last, **final_eval}, say))
+        trackers.close()
+    wall = {"wall_seconds": time.perf_counter() - started}
+    result = TrainResult(*finish_run(run, {**last, **final_eval, **wall}, say))
+    if run.is_main:
+        report_finished_run(run.run_dir, result.adapter_dir, html=recipe.output.report, say=say)
+    return result
 
 
 def _recorded_metrics(adapter_dir: Path) -> dict[str, Any]:

@@ -68,4 +68,5 @@ def tiny_base_dir(tmp_path_factory, tiny_tokenizer) -> Path:
 
 # Fixtures defined beside the tests that use them most, shared with the rest of the suite from here.
 from adapter_fixtures import adapter_dirs  # noqa: F401
+from run_fixtures import trained_runs  # noqa: F401
 from test_train import workdir  # noqa: F401

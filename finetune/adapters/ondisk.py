@@ -119,7 +119,7 @@ def resolve_model_dir(ref: str) -> Path:
     return directory
 
 
-def _tensor_headers(model_dir: Path) -> dict[str, tuple[Path, str, tuple[int, ...]]]:
+def tensor_headers(model_dir: Path) -> dict[str, tuple[Path, str, tuple[int, ...]]]:
     """name -> (file, safetensors dtype, shape), from the headers alone."""
     from safetensors import safe_open
 
@@ -288,8 +288,8 @@ def _execute(plan: _Plan, out: str | Path, operation: str, *, dtype: str | None)
         weights = {n: target.get(n, 0.0) - source.get(n, 0.0) for n in set(target) | set(source)}
         weights = {n: w for n, w in weights.items() if w != 0.0}
     terms = module_terms(weights, plan.adapters)
-    source_headers = _tensor_headers(plan.source_dir)
-    read_headers = source_headers if read_dir == plan.source_dir else _tensor_headers(read_dir)
+    source_headers = tensor_headers(plan.source_dir)
+    read_headers = source_headers if read_dir == plan.source_dir else tensor_headers(read_dir)
     for adapter in plan.adapters.values():
         _check_targets(adapter, read_headers, read_dir)
     quantization = plan.target_ledger.base_quantization

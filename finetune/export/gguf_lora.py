@@ -1,0 +1,87 @@
+"""A LoRA adapter alone as a GGUF LoRA adapter, applied by llama.cpp at load time (`--lora FILE.gguf`).
+
+llama.cpp adds scale · B·A to each weight with scale = `adapter.lora.alpha` / r, r read per tensor from
+`lora_a`; the user's `--lora-scaled` multiplies that. One alpha serves the whole file, so modules whose
+own scale differs (rsLoRA's alpha / sqrt(r), `rank_pattern`, `alpha_pattern`) get the ratio folded into
+B; for a plain adapter B is written unchanged. Tensors are named after the base weight they update
+(`blk.0.attn_q.weight.lora_a`, `.lora_b`), and B's rows of q/k projections are reordered like the base's
+(`llama_layout`), so the file applies to a GGUF export of the same base.
+
+Example:
+    report = export_lora_gguf("adapters/legal", "legal-lora.gguf")
+    # llama-cli -m base.gguf --lora legal-lora.gguf
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from finetune.errors import ExportError
+from finetune.export.gguf_file import PlannedTensor, file_type, tensor_dtype, write_gguf
+from finetune.export.gguf_model import ExportReport, check_dtype
+from finetune.export.llama_layout import GGUF_ARCH, LlamaLayout, read_layout
+
+
+def _lora_tensors(adapter, layout: LlamaLayout, alpha: float, dtype: str) -> list[PlannedTensor]:
+    """(lora_a, lora_b) per targeted module, B scaled so that alpha / r times B·A is the adapter's update."""
+    plan = []
+    for module, lora in sorted(adapter.modules.items()):
+        if lora.fan_in_fan_out:
+            raise ExportError(f"{adapter.path}: module {module} is fan_in_fan_out (Conv1D), not a Llama linear layer")
+        hf_name = module + ".weight"
+        gguf_name = layout.gguf_name(hf_name)
+        if gguf_name is None:
+            raise ExportError(
+                f"{adapter.path}: the adapter updates {module}, which the base ties to its input embeddings; "
+                "llama.cpp cannot apply it as a LoRA (merge the adapter and export the model instead)"
+            )
+        fold = lora.scale * lora.rank / alpha  # 1 for a plain adapter: llama.cpp's alpha / r is the scale
+        A = lora.A.contiguous()
+        B = layout.to_llama_cpp(hf_name, lora.B * fold if fold != 1.0 else lora.B).contiguous()
+        for suffix, tensor in (("lora_a", A), ("lora_b", B)):
+            shape = tuple(tensor.shape)
+            plan.append(PlannedTensor(f"{gguf_name}.{suffix}", shape, tensor_dtype(shape, dtype), tensor.numpy))
+    return plan
+
+
+def export_lora_gguf(
+    adapter_dir: str | Path, out: str | Path, *, dtype: str = "f32", base: str | None = None
+) -> ExportReport:
+    """Export a peft LoRA adapter to a GGUF LoRA adapter for llama.cpp.
+
+    Args:
+        adapter_dir: the adapter directory (adapter_config.json + adapter_model.safetensors).
+        out: the .gguf file to write (must not exist).
+        dtype: encoding of A and B (f32 keeps the adapter exact).
+        base: the base model directory, for its shape; default: the base the adapter records.
+
+    Raises:
+        ExportError: the base is not a supported architecture; the adapter targets something llama.cpp
+            cannot apply a LoRA to. `AdapterError` for adapters `read_adapter` refuses (DoRA, saved modules).
+    """
+    import gguf
+
+    from finetune.adapters.lora import read_adapter
+    from finetune.adapters.ondisk import resolve_model_dir
+
+    check_dtype(dtype)
+    adapter = read_adapter(adapter_dir)
+    base_ref = base or adapter.base_path
+    if not base_ref:
+        raise ExportError(f"{adapter_dir}: the adapter records no base model; pass --base MODEL_DIR")
+    layout = read_layout(resolve_model_dir(base_ref))
+    alpha = float(adapter.config.get("lora_alpha", 8))
+    tensors = _lora_tensors(adapter, layout, alpha, dtype)
+
+    def add_metadata(writer) -> None:
+        writer.add_type(gguf.GGUFType.ADAPTER)
+        writer.add_string(gguf.Keys.Adapter.TYPE, "lora")
+        writer.add_float32(gguf.Keys.Adapter.LORA_ALPHA, alpha)
+        writer.add_name(adapter.name)
+        writer.add_file_type(file_type(dtype))
+        writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+        if adapter.base_fingerprint:
+            writer.add_string("finetune.base_fingerprint", adapter.base_fingerprint)
+
+    written = write_gguf(out, GGUF_ARCH, add_metadata, tensors)
+    return ExportReport(written, "lora adapter", dtype, len(tensors), (f"base {base_ref}",))

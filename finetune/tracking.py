@@ -1,0 +1,114 @@
+"""Experiment trackers (`train.report_to`): TensorBoard, MLflow, Weights & Biases, trackio, through accelerate.
+
+accelerate owns the integrations: `Accelerator(log_with=...)` names the trackers, `init_trackers` starts
+a run in each with the resolved recipe as its configuration, and `accelerator.log` sends metrics to all
+of them from the main process. This module chooses and checks them, and feeds them the records the run's
+`TrainingLog` writes to metrics.jsonl (same steps, same values), plus the base model's held-out metrics.
+
+- TensorBoard (the default) writes into `<run_dir>/tensorboard/`.
+- MLflow logs to `MLFLOW_TRACKING_URI` (default: mlflow's own, `sqlite:///mlflow.db` in the working
+  directory; `file:` stores need `MLFLOW_ALLOW_FILE_STORE=true` since mlflow 3.7), experiment
+  `train.tracker_project` unless `MLFLOW_EXPERIMENT_NAME` says otherwise.
+- wandb logs to project `train.tracker_project`, files under `<run_dir>/wandb/`; `WANDB_MODE=offline`
+  keeps everything local (`wandb sync` uploads later).
+- trackio logs to its local database (`TRACKIO_DIR`, default under ~/.cache/huggingface/trackio).
+
+A tracker whose package is missing is a recipe error naming the package, before anything is loaded.
+
+Example:
+    check_installed(["mlflow", "wandb"])          # raises ValueError("wandb is not installed; ...")
+    accelerator = Accelerator(log_with=log_with(recipe))
+    trackers = Trackers.start(accelerator, recipe, base_eval={"eval_loss": 5.8, "eval_ppl": 345.5})
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from collections.abc import Mapping
+from typing import Any
+
+from finetune.recipe import Recipe, recipe_to_dict
+
+PACKAGES = {"tensorboard": "tensorboard", "mlflow": "mlflow", "wandb": "wandb", "trackio": "trackio"}
+"""`train.report_to` name -> the package that must be importable (and pip-installable under that name)."""
+
+
+def check_installed(names: list[str]) -> None:
+    """Raise ValueError naming the first tracker whose package is not installed, and how to install it."""
+    for name in names:
+        package = PACKAGES[name]
+        if importlib.util.find_spec(package) is None:
+            raise ValueError(f"{name} is not installed; pip install {package} (or pip install 'finetune[{name}]')")
+
+
+def log_with(recipe: Recipe) -> list[Any] | None:
+    """`Accelerator(log_with=...)` for the recipe's trackers (None for none: accelerate warns about []).
+
+    TensorBoard is given as a tracker object so that its files land in `<run_dir>/tensorboard/`, where
+    they have always been; the others are named and built by `init_trackers`.
+    """
+    from accelerate.tracking import TensorBoardTracker
+
+    if not recipe.train.report_to:
+        return None
+    return [
+        TensorBoardTracker("tensorboard", str(recipe.output.run_path)) if name == "tensorboard" else name
+        for name in recipe.train.report_to
+    ]
+
+
+def flat_config(values: Mapping[str, Any], prefix: str = "") -> dict[str, str | int | float | bool]:
+    """The resolved recipe as dotted keys with scalar values (`lora.r: 8`): what every tracker accepts.
+
+    Lists become JSON text and None becomes "null" (TensorBoard's hparams refuse both).
+    """
+    flat: dict[str, str | int | float | bool] = {}
+    for key, value in values.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping):
+            flat.update(flat_config(value, prefix=f"{name}."))
+        elif isinstance(value, (bool, int, float, str)):
+            flat[name] = value
+        else:
+            flat[name] = json.dumps(value)
+    return flat
+
+
+class Trackers:
+    """The accelerator's trackers for one run: started with the recipe, fed records, finished once."""
+
+    def __init__(self, accelerator: Any) -> None:
+        self.accelerator = accelerator
+
+    @classmethod
+    def start(cls, accelerator: Any, recipe: Recipe, base_eval: Mapping[str, float], step: int) -> Trackers:
+        """Start a run in each tracker (main process), with the recipe as its configuration and the base
+        model's held-out metrics (`base_eval_loss`, `base_eval_ppl`) logged at `step`."""
+        run_name = recipe.output.name
+        accelerator.init_trackers(
+            recipe.train.tracker_project,
+            config=flat_config(recipe_to_dict(recipe)),
+            init_kwargs={
+                "wandb": {"name": run_name, "dir": str(recipe.output.run_path)},
+                "mlflow": {"run_name": run_name},
+                "trackio": {"name": run_name},
+            },
+        )
+        trackers = cls(accelerator)
+        if base_eval:
+            trackers.log(step, {f"base_{key}": value for key, value in base_eval.items()})
+        return trackers
+
+    def log(self, step: int, values: Mapping[str, float]) -> None:
+        """Send one record (as written to metrics.jsonl) to every tracker."""
+        if self.accelerator.trackers:
+            self.accelerator.log(dict(values), step=step)
+
+    def close(self) -> None:
+        """Finish every tracker's run (flush, close files). Not `accelerator.end_training()`: that also
+        destroys the process group, which later runs in the same process still need."""
+        if self.accelerator.is_main_process:
+            for tracker in self.accelerator.trackers:
+                tracker.finish()
+        self.accelerator.trackers = []

@@ -1,0 +1,248 @@
+"""GGUF export checked by llama.cpp itself (llama-cpp-python): tokens, logits, and LoRA adapters applied at load.
+
+The reference is transformers running the same merged model in fp32. Tolerances are absolute, on logits
+whose largest magnitude is about 1 here (a random-init tiny Llama with a random LoRA merged in); measured
+worst cases are in the comments.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import llama_cpp  # llama-cpp-python, in the test extra: CI builds llama.cpp from source
+import numpy as np
+import pytest
+import torch
+from adapter_fixtures import ALL_LINEAR, make_adapter
+
+from finetune.cli import main as cli_main
+from finetune.errors import ExportError
+from finetune.export.gguf_lora import export_lora_gguf
+from finetune.export.gguf_model import export_model_gguf
+
+PROMPTS = [
+    "the model reads a document and predicts",
+    "def add(a, b):\n    return a + b\n",
+    "<|user|>\nwhat is the adapter for?</s>\n<|assistant|>\n",
+    "update of the frozen weight matrix for the domain in question",
+]
+# Worst |llama.cpp - transformers| over every position of PROMPTS, measured: f32 4.9e-7, f16 7.7e-4
+# (logits up to 0.62 in magnitude; the smallest top-1 margin among the prompts is 7.0e-3).
+LOGIT_TOLERANCE = {"f32": 1e-5, "f16": 3e-3}
+# Text for the tokenizer comparison: code, prose, numbers, contractions in both cases, runs of spaces,
+# tabs and newlines, accents, CJK, emoji (multi-codepoint too), and llama.cpp's own pre-tokenizer probe.
+TOKENIZER_TEXTS = [
+    "def f(x):\n    return x ** 2  # square\n\n\n",
+    "I've been 'told he's there, 'RE you sure? 'M not sure I'll make it, 'D you like some tea? We'Ve a'lL",
+    "3 33 333 3333 33333 3.3 3..3 3...3 1,000,000 -42 +7e-3",
+    "   leading spaces, trailing spaces   \t\ttabs\t \n \n\n \n\n\n  \n   \n",
+    "naïve café Ünïcödé — “quotes” …ellipsis… ¿qué? ñ ß ø",
+    "我想在apple工作1314151天～ нещо на Български ελληνικά عربى हिन्दी",
+    "🚀 (normal) 😶\u200d🌫️ (multiple emojis concatenated) ✅ 🦙🦙",
+    "------======= '''''' ``````` \"\"\"\" ......!!!!!!?????? <<>> {{}} [[]]",
+    "<s>special tokens inside text</s> <|user|>\nhello<|assistant|>\n",
+    "class Cache(dict):\n\tdef __missing__(self, key):\n\t\treturn None\r\n",
+]
+
+
+def _llama(gguf_path: Path, **options) -> contextlib.closing:
+    llm = llama_cpp.Llama(model_path=str(gguf_path), n_ctx=256, n_threads=1, verbose=False, **options)
+    return contextlib.closing(llm)
+
+
+def llama_cpp_logits(gguf_path: Path, ids: list[int], lora: Path | None = None) -> np.ndarray:
+    """(len(ids), vocab) logits from llama.cpp, optionally with a GGUF LoRA adapter applied at load.
+
+    The KV cache is f32: llama.cpp's default f16 cache alone moved logits by up to 1.3e-2 on a model whose
+    f32 export matched transformers to 4e-6, and would hide what the export itself does.
+    """
+    options = {"lora_path": str(lora)} if lora is not None else {}
+    f32_cache = {"type_k": llama_cpp.GGML_TYPE_F32, "type_v": llama_cpp.GGML_TYPE_F32}
+    with _llama(gguf_path, logits_all=True, **f32_cache, **options) as llm:
+        llm.eval(ids)
+        return np.array(llm.scores[: len(ids)], dtype=np.float32)
+
+
+def transformers_logits(model_dir: Path, ids_per_prompt: list[list[int]]) -> list[np.ndarray]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return [model(torch.tensor([ids])).logits[0].numpy() for ids in ids_per_prompt]
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory, tiny_base_dir, tiny_tokenizer) -> dict:
+    """A random LoRA on every linear layer, merged; the merged model exported as f32/f16, the base as f32,
+    the adapter alone as a GGUF LoRA; transformers' logits of the merged model on PROMPTS."""
+    from finetune.adapters.ondisk import AdapterSpec, merge_checkpoint
+
+    root = tmp_path_factory.mktemp("gguf")
+    adapter = make_adapter(
+        tiny_base_dir, root / "adapter", seed=5, targets=ALL_LINEAR, r=8, alpha=16, use_rslora=True, magnitude=0.1
+    )  # rsLoRA: its alpha / sqrt(r) scale is folded into B for llama.cpp
+    merge_checkpoint(str(tiny_base_dir), [AdapterSpec(str(adapter), 1.0)], root / "merged")
+    files = {
+        dtype: export_model_gguf(root / "merged", root / f"merged-{dtype}.gguf", dtype=dtype).out
+        for dtype in LOGIT_TOLERANCE
+    }
+    ids = [tiny_tokenizer(prompt)["input_ids"] for prompt in PROMPTS]
+    return {
+        "root": root,
+        "adapter": adapter,
+        "merged": files,
+        "base": export_model_gguf(tiny_base_dir, root / "base-f32.gguf", dtype="f32").out,
+        "lora": export_lora_gguf(adapter, root / "adapter.gguf").out,
+        "ids": ids,
+        "reference": transformers_logits(root / "merged", ids),
+    }
+
+
+@pytest.mark.parametrize("dtype", list(LOGIT_TOLERANCE))
+def test_merged_model_logits_in_llama_cpp_match_transformers(exported, dtype):
+    for ids, reference in zip(exported["ids"], exported["reference"]):
+        logits = llama_cpp_logits(exported["merged"][dtype], ids)
+        assert logits.argmax(-1)[-1] == reference.argmax(-1)[-1], "next-token top-1 differs"
+        assert np.abs(logits - reference).max() <= LOGIT_TOLERANCE[dtype]
+
+
+def test_lora_adapter_applied_by_llama_cpp_equals_the_merged_export(exported):
+    for ids in exported["ids"]:
+        with_lora = llama_cpp_logits(exported["base"], ids, lora=exported["lora"])
+        merged = llama_cpp_logits(exported["merged"]["f32"], ids)
+        base_alone = llama_cpp_logits(exported["base"], ids)
+        # Measured: 3.7e-7; the adapter moves these logits by up to 0.89, so it is really applied.
+        assert np.abs(with_lora - merged).max() <= 1e-5
+        assert np.abs(base_alone - merged).max() > 1e-2
+
+
+def test_quantized_exports_load_and_stay_close(exported, tiny_base_dir):
+    """bf16 and q8_0 are lossy: they load, and their logits stay near fp32 (measured 6.7e-3 and 1.9e-2)."""
+    root = exported["root"]
+    for dtype, tolerance in (("bf16", 0.03), ("q8_0", 0.08)):
+        path = export_model_gguf(root / "merged", root / f"merged-{dtype}.gguf", dtype=dtype).out
+        logits = llama_cpp_logits(path, exported["ids"][0])
+        assert np.abs(logits - exported["reference"][0]).max() <= tolerance
+
+
+def test_the_embedded_tokenizer_splits_like_llama_cpp_gpt2(tmp_path):
+    """The embedded base's tokenizer (trained as its build does) gives the same ids in llama.cpp, named `gpt-2`."""
+    import gguf
+
+    from finetune.embedded.build import EMBEDDED_BASES
+    from finetune.embedded.corpus import stdlib_corpus
+    from finetune.embedded.tiny import build_tiny_llama
+    from finetune.embedded.tokenizer import train_tokenizer
+
+    settings = EMBEDDED_BASES["tiny-llama"]
+    corpus = stdlib_corpus(settings.corpus_max_bytes, settings.corpus_file_max_bytes)
+    tokenizer = train_tokenizer(corpus.documents, vocab_size=settings.vocab_size)
+    build_tiny_llama(tokenizer, hidden_size=32, intermediate_size=64, num_hidden_layers=1).save_pretrained(
+        tmp_path / "m"
+    )
+    tokenizer.save_pretrained(tmp_path / "m")
+    path = export_model_gguf(tmp_path / "m", tmp_path / "m.gguf", dtype="f32").out
+    assert gguf.GGUFReader(path).fields["tokenizer.ggml.pre"].contents() == "gpt-2"
+
+    samples = TOKENIZER_TEXTS + [document[:600] for document in corpus.documents[::40]]
+    with _llama(path, vocab_only=True) as llm:
+        for text in samples:
+            ours = tokenizer(text)["input_ids"]
+            theirs = llm.tokenize(text.encode("utf-8"), add_bos=True, special=True)
+            assert theirs == ours, f"token ids differ on {text[:60]!r}"
+            assert llm.detokenize(ours[1:], special=True).decode("utf-8") == text
+
+
+def _variant_model(root: Path, tokenizer, architecture: str, **shape) -> Path:
+    """A tiny model of another Llama-family shape, saved with the tokenizer."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    from finetune.embedded.tiny import build_tiny_llama
+
+    if architecture == "MistralForCausalLM":
+        config = MistralConfig(
+            vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=1, max_position_embeddings=256, sliding_window=None,
+            bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+        )  # fmt: skip
+        torch.manual_seed(1)
+        model = MistralForCausalLM(config)
+    else:
+        model = build_tiny_llama(tokenizer, seed=2, **shape)
+    directory = root / architecture
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+@pytest.mark.parametrize(
+    "architecture, shape",
+    [
+        ("MistralForCausalLM", {}),
+        # untied output head, attention biases, Llama 3.1 RoPE scaling (rope_freqs tensor), head_dim 32
+        (
+            "LlamaForCausalLM",
+            dict(
+                hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+                num_key_value_heads=1, tie_word_embeddings=False, attention_bias=True, max_position_embeddings=256,
+                rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 32},
+            ),
+        ),
+    ],
+    ids=["mistral", "llama3-rope-bias-untied"],
+)  # fmt: skip
+def test_llama_family_variants_match_transformers(tmp_path, tiny_tokenizer, architecture, shape):
+    model_dir = _variant_model(tmp_path, tiny_tokenizer, architecture, **shape)
+    path = export_model_gguf(model_dir, tmp_path / "variant.gguf", dtype="f32").out
+    ids = [tiny_tokenizer(prompt)["input_ids"] for prompt in PROMPTS]
+    for prompt_ids, reference in zip(ids, transformers_logits(model_dir, ids)):
+        logits = llama_cpp_logits(path, prompt_ids)
+        assert np.abs(logits - reference).max() <= LOGIT_TOLERANCE["f32"]
+
+
+def test_unsupported_architecture_is_a_one_line_error_naming_the_supported(tmp_path, tiny_base_dir, capsys):
+    model_dir = tmp_path / "other"
+    shutil.copytree(tiny_base_dir, model_dir)
+    config = json.loads((model_dir / "config.json").read_text())
+    config["architectures"] = ["Qwen2ForCausalLM"]
+    (model_dir / "config.json").write_text(json.dumps(config))
+
+    assert cli_main(["export", "gguf", "--model", str(model_dir), "--out", str(tmp_path / "x.gguf")]) == 2
+    error = capsys.readouterr().err.strip()
+    assert error.count("\n") == 0
+    assert "Qwen2ForCausalLM" in error and "LlamaForCausalLM, MistralForCausalLM" in error
+    assert not list(tmp_path.glob("*.gguf*"))  # nothing half-written
+
+
+def test_export_refuses_an_existing_file_and_an_unknown_tokenizer_split(tmp_path, tiny_base_dir):
+    existing = tmp_path / "taken.gguf"
+    existing.write_bytes(b"keep")
+    with pytest.raises(ExportError, match="already exists"):
+        export_model_gguf(tiny_base_dir, existing)
+    assert existing.read_bytes() == b"keep"
+
+    model_dir = tmp_path / "metaspace"
+    shutil.copytree(tiny_base_dir, model_dir)
+    spec = json.loads((model_dir / "tokenizer.json").read_text())
+    spec["pre_tokenizer"] = {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True}
+    (model_dir / "tokenizer.json").write_text(json.dumps(spec))
+    with pytest.raises(ExportError, match="matches none llama.cpp knows by name; supported: gpt-2"):
+        export_model_gguf(model_dir, tmp_path / "m.gguf")
+
+
+def test_cli_exports_an_adapter_as_a_gguf_lora(exported, tmp_path):
+    out = tmp_path / "cli-adapter.gguf"
+    done = subprocess.run(
+        [sys.executable, "-m", "finetune", "export", "gguf", "--adapter", str(exported["adapter"]), "--out", str(out)],
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stderr
+    assert f"wrote {out}: lora adapter, 28 tensors (f32)" in done.stdout
+    assert out.read_bytes() == exported["lora"].read_bytes()

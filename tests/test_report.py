@@ -1,0 +1,134 @@
+"""Run reports: what `finetune train` leaves in the run directory, the plotted points, the page, the CLI.
+
+The runs are `trained_runs` (tests/run_fixtures.py): `a` writes its report at the end of training, `b`
+has `output.report: false`. The browser check (a real Chromium rendering the page) is
+`bench/check_report_in_browser.py`, not a test: CI machines may have no Chromium.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from PIL import Image
+
+from finetune.cli import main as cli_main
+from finetune.report import read_run, write_report
+from finetune.report.plots import BASE_SUFFIX, FIGURE_NAMES, make_figures
+
+
+def _jsonl(run_dir: Path) -> tuple[list[dict], list[dict]]:
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in records if "loss" in r], [r for r in records if "eval_loss" in r]
+
+
+def _line(axes, label: str):
+    (line,) = [line for line in axes.get_lines() if line.get_label() == label]
+    return list(line.get_xdata()), list(line.get_ydata())
+
+
+def test_train_writes_the_report_unless_the_recipe_turns_it_off(trained_runs):
+    a, b = trained_runs["a"], trained_runs["b"]
+    assert (a / "report.html").is_file() and (a / "run.json").is_file()
+    assert sorted(p.name for p in (a / "plots").iterdir()) == sorted(f"{name}.png" for name in FIGURE_NAMES)
+    assert not (b / "report.html").exists() and not (b / "plots").exists()
+    assert (b / "run.json").is_file()  # the record of the run is written either way
+    record = json.loads((a / "run.json").read_text())
+    assert record["adapter_dir"].endswith("adapters/a")
+    assert record["manifest"]["metrics"]["wall_seconds"] > 0
+
+
+def test_plotted_points_are_the_records_of_metrics_jsonl(trained_runs):
+    train_records, eval_records = _jsonl(trained_runs["a"])
+    manifest = json.loads((trained_runs["a"] / "run.json").read_text())["manifest"]
+    figures = make_figures([read_run(trained_runs["a"])])
+    steps = [r["step"] for r in train_records]
+    assert len(steps) == 4 and len(eval_records) == 2  # steps 2, 4, 6, 8; evaluations at 4 and 8
+
+    for name, key in (("loss", "loss"), ("lr", "lr")):
+        by_step, by_tokens = figures[name].axes
+        assert _line(by_step, "a") == (steps, [r[key] for r in train_records])
+        assert _line(by_tokens, "a") == ([r["tokens_seen"] for r in train_records], [r[key] for r in train_records])
+    loss_axes, ppl_axes = figures["eval"].axes
+    for axes, key in ((loss_axes, "eval_loss"), (ppl_axes, "eval_ppl")):
+        assert _line(axes, "a") == ([r["step"] for r in eval_records], [r[key] for r in eval_records])
+        assert _line(axes, "a" + BASE_SUFFIX)[1] == [manifest["metrics"][f"base_{key}"]] * 2
+    (throughput_axes,) = figures["throughput"].axes
+    assert _line(throughput_axes, "a") == (steps, [r["tokens_per_s"] for r in train_records])
+
+
+def test_the_pngs_are_images_and_the_page_embeds_them_with_nothing_external(trained_runs):
+    page = (trained_runs["a"] / "report.html").read_text()
+    embedded = re.findall(r'<img alt="(\w+)" src="data:image/png;base64,([A-Za-z0-9+/=]+)">', page)
+    assert [name for name, _ in embedded] == list(FIGURE_NAMES)
+    for name, data in embedded:
+        path = trained_runs["a"] / "plots" / f"{name}.png"
+        assert base64.b64decode(data) == path.read_bytes()
+        with Image.open(path) as image:
+            image.verify()
+        with Image.open(path) as image:
+            assert image.format == "PNG" and image.size == ((1040, 340) if name != "throughput" else (520, 340))
+    assert not re.search(r"""(src|href)=["']?(https?:|//)""", page) and "<script" not in page
+    manifest = json.loads((trained_runs["a"] / "run.json").read_text())["manifest"]
+    base_ppl, ppl = manifest["metrics"]["base_eval_ppl"], manifest["metrics"]["eval_ppl"]
+    assert f"{base_ppl:.3f} → {ppl:.3f}" in page
+    assert manifest["base"]["fingerprint"][:23] in page and "r=4, alpha=8" in page
+
+
+def test_cli_overlays_several_runs_in_one_report(trained_runs, tmp_path):
+    out = tmp_path / "compare"
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "finetune",
+            "report",
+            str(trained_runs["a"]),
+            str(trained_runs["b"]),
+            "--out",
+            str(out),
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stderr
+    written = json.loads(done.stdout)
+    assert written["html"] == str(out / "report.html") and set(written["plots"]) == set(FIGURE_NAMES)
+    figures = make_figures([read_run(trained_runs["a"]), read_run(trained_runs["b"])])
+    labels = {line.get_label() for line in figures["loss"].axes[0].get_lines()}
+    assert labels == {"a", "b"}
+    page = (out / "report.html").read_text()
+    assert "<th>a</th><th>b</th>" in page
+
+
+def test_an_unfinished_run_is_reported_from_its_metrics_alone(trained_runs, tmp_path):
+    run_dir = tmp_path / "killed"
+    run_dir.mkdir()
+    lines = (trained_runs["a"] / "metrics.jsonl").read_text().splitlines()
+    # A resumed run writes some steps twice (the later one counts); a killed one may leave a torn last line.
+    rewritten = lines[:2] + [json.dumps({**json.loads(lines[0]), "loss": 9.5})] + lines[2:] + ['{"step": 9, "lo']
+    (run_dir / "metrics.jsonl").write_text("\n".join(rewritten))
+    files = write_report([run_dir])
+    run = read_run(run_dir)
+    assert run.manifest is None and run.series("loss")[1][0] == 9.5 and run.series("loss")[0] == [2, 4, 6, 8]
+    assert "not written yet (run unfinished?)" in files.html.read_text()
+
+
+def test_a_directory_without_metrics_is_a_one_line_error(tmp_path, capsys):
+    assert cli_main(["report", str(tmp_path)]) == 2
+    error = capsys.readouterr().err
+    assert error.startswith("error: ") and error.count("\n") == 1 and "has no metrics.jsonl" in error
+    assert not (tmp_path / "report.html").exists()
+
+
+def test_copying_a_run_elsewhere_keeps_its_report_working(trained_runs, tmp_path):
+    moved = tmp_path / "moved"
+    shutil.copytree(trained_runs["a"], moved, ignore=shutil.ignore_patterns("checkpoint-*", "plots", "report.html"))
+    files = write_report([moved])
+    assert files.html == moved / "report.html" and "adapters/a" in files.html.read_text()

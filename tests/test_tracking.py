@@ -1,0 +1,124 @@
+"""Experiment trackers: what TensorBoard, MLflow (local file store) and wandb (offline) recorded, read back.
+
+Run `b` of `trained_runs` (tests/run_fixtures.py) reported to all three; each must hold exactly the
+series of its metrics.jsonl, and the base model's held-out metrics.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+import sys
+from pathlib import Path
+
+import pytest
+
+from finetune.cli import main as cli_main
+from finetune.tracking import flat_config
+
+TRAIN_KEYS = ("loss", "lr", "tokens_per_s", "tokens_seen", "grad_norm", "epoch")
+EVAL_KEYS = ("eval_loss", "eval_ppl")
+
+
+def _expected_series(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
+    """metric -> [(step, value)] from metrics.jsonl, plus the base model's metrics at step 0."""
+    series: dict[str, list[tuple[int, float]]] = {}
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        for key in TRAIN_KEYS + EVAL_KEYS:
+            if key in record:
+                series.setdefault(key, []).append((record["step"], record[key]))
+    manifest = json.loads((run_dir / "run.json").read_text())["manifest"]
+    for key in EVAL_KEYS:
+        series[f"base_{key}"] = [(0, manifest["metrics"][f"base_{key}"])]
+    return series
+
+
+def _wandb_records(path: Path):
+    """The protobuf records of a wandb run file: ':W&B' + magic + version (7 bytes), then LevelDB-log
+    blocks of 32 KiB holding chunks (crc32, length, type: 1 full, 2 first, 3 middle, 4 last)."""
+    from wandb.proto import wandb_internal_pb2
+
+    data, block_size = path.read_bytes(), 32768
+    assert data[:4] == b":W&B"
+    position, parts = 7, []
+    while position + 7 <= len(data):
+        left_in_block = block_size - position % block_size
+        _, length, kind = struct.unpack("<IHB", data[position : position + 7])
+        if left_in_block < 7 or (kind == 0 and length == 0):  # block trailer / padding
+            position += left_in_block
+            continue
+        parts.append(data[position + 7 : position + 7 + length])
+        position += 7 + length
+        if kind in (1, 4):
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(b"".join(parts))
+            parts = []
+            yield record
+
+
+def _assert_series_equal(recorded: dict[str, list[tuple[int, float]]], expected: dict) -> None:
+    for key, points in expected.items():
+        got = sorted(recorded.get(key, []))
+        assert [step for step, _ in got] == [step for step, _ in points], key
+        assert [value for _, value in got] == pytest.approx([value for _, value in points], rel=1e-6), key
+
+
+def test_mlflow_file_store_holds_the_run_metrics_and_recipe(trained_runs):
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=(trained_runs["root"] / "mlruns").as_uri())
+    (experiment,) = [e for e in client.search_experiments() if e.name == "finetune"]
+    (run,) = client.search_runs([experiment.experiment_id])
+    assert run.info.run_name == "b"
+    assert (
+        run.data.params["lora.r"] == "4" and run.data.params["train.report_to"] == '["tensorboard", "mlflow", "wandb"]'
+    )
+    expected = _expected_series(trained_runs["b"])
+    recorded = {key: [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, key)] for key in expected}
+    _assert_series_equal(recorded, expected)
+
+
+def test_wandb_offline_run_holds_the_run_metrics_and_recipe(trained_runs):
+    (run_file,) = (trained_runs["b"] / "wandb").glob("offline-run-*/run-*.wandb")
+    recorded: dict[str, list[tuple[int, float]]] = {}
+    config = {}
+    for record in _wandb_records(run_file):
+        kind = record.WhichOneof("record_type")
+        if kind == "history":
+            row = {item.key or ".".join(item.nested_key): json.loads(item.value_json) for item in record.history.item}
+            for key, value in row.items():
+                if not key.startswith("_"):
+                    recorded.setdefault(key, []).append((row["_step"], value))
+        elif kind == "config":
+            config.update({item.key: json.loads(item.value_json) for item in record.config.update})
+    _assert_series_equal(recorded, _expected_series(trained_runs["b"]))
+    assert config["lora.r"] == 4 and config["output.name"] == "b"
+
+
+def test_tensorboard_holds_the_run_metrics(trained_runs):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(trained_runs["b"] / "tensorboard")).Reload()
+    recorded = {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+    _assert_series_equal(recorded, _expected_series(trained_runs["b"]))
+
+
+def test_flat_config_gives_trackers_scalars_only():
+    assert flat_config({"lora": {"r": 8, "targets": ["q", "v"]}, "model": {"revision": None}}) == {
+        "lora.r": 8,
+        "lora.targets": '["q", "v"]',
+        "model.revision": "null",
+    }
+
+
+@pytest.mark.parametrize("command", ["train", "validate"])
+def test_a_tracker_that_is_not_installed_is_a_one_line_error_before_training(workdir, command, monkeypatch, capsys):
+    """wandb made unimportable as on a machine without it (`sys.modules[name] = None` is Python's own marker
+    for that: `import wandb` fails and `importlib.util.find_spec` answers None): one line naming the package."""
+    monkeypatch.setitem(sys.modules, "wandb", None)
+    assert cli_main([command, "recipe.yaml", "train.report_to=[tensorboard,wandb]"]) == 2
+    error = capsys.readouterr().err
+    assert error.count("\n") == 1 and error.startswith("error: recipe.yaml: 1 problem: train.report_to")
+    assert "wandb is not installed; pip install wandb (or pip install 'finetune[wandb]')" in error
+    assert not (workdir / "runs").exists() and not (workdir / "adapters").exists()
