@@ -133,6 +133,8 @@ def load_base_from_config(config: ModelConfig) -> tuple[PreTrainedModel, PreTrai
         model = AutoModelForCausalLM.from_pretrained(files_to_load(source, config), **kwargs)
     except (OSError, ValueError) as exc:
         first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        if not Path(source).is_dir() and local_model_dir(source, config.revision) is None:
+            first += f" (not in the local hub cache: run `hf download {source}` where there is network)"
         raise ModelError(f"cannot load base model {config.base!r}: {first}") from None
     model.config._name_or_path = source  # adapters record the hub id, not this machine's cache path
     tokenizer = load_tokenizer_for(config)

@@ -129,3 +129,14 @@ def test_an_adapter_moved_to_another_machine_finds_its_base_by_id(tmp_path, tiny
     (moved / "manifest.json").write_text(json.dumps(manifest))
     m = finetune.load_model(str(moved))  # the recorded path is gone; the id finds the base, fingerprints agree
     assert m.base_dir == tiny_base_dir and m.active == "legal"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, "bfloat16"])
+def test_load_model_takes_torch_dtypes_as_transformers_does(tiny_base_dir, adapter_dirs, dtype):
+    loaded = finetune.load_model(tiny_base_dir, {"legal": adapter_dirs["legal"]}, dtype=dtype)
+    assert next(loaded.model.parameters()).dtype == torch.bfloat16
+
+
+def test_load_model_names_the_dtypes_it_takes():
+    with pytest.raises(AdapterError, match="not one of float32, bfloat16, float16"):
+        finetune.load_model("unused", dtype=torch.int8)

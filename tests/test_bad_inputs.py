@@ -163,7 +163,9 @@ CASES = [
         truncate("base/model.safetensors"),
     ),  # fmt: skip
     Case(
-        "base-hub-id-not-cached", ("train", "recipe.yaml", "model.base=nobody/nothing-here"), ("nobody/nothing-here",)
+        "base-hub-id-not-cached",
+        ("train", "recipe.yaml", "model.base=nobody/nothing-here"),
+        ("nobody/nothing-here", "hf download"),
     ),
     Case("targets-match-nothing", ("train", "recipe.yaml", "lora.target_modules=[qkv_proj]"), ("qkv_proj", "match no")),
     Case(

@@ -81,3 +81,15 @@ def test_user_errors_from_a_real_process_have_no_traceback(workdir):
     Path("broken.yaml").write_text("data:\n  train: [a.jsonl\n")
     assert_user_error(run_cli("train", "broken.yaml"), "broken.yaml:", "YAML syntax error")
     assert_user_error(run_cli("train", "recipe.yaml", "lora.target_modules=[wq]"), "match no module")
+
+
+def test_overrides_may_follow_options(workdir, capsys):
+    """`train R --nproc 2 k=v`: the override after the option reaches the recipe (here, rejected by it)."""
+    assert main(["train", "recipe.yaml", "--nproc", "2", "train.lr=fast"]) == 2
+    assert "train.lr" in capsys.readouterr().err
+
+
+def test_an_unknown_option_is_still_an_argument_error(workdir):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["validate", "recipe.yaml", "--bogus"])
+    assert exit_info.value.code == 2
