@@ -267,11 +267,16 @@ def test_load_and_unload_at_runtime(client, reference, serve_adapters):
     loaded = client.post("/v1/load_lora_adapter", json={"lora_name": "code", "lora_path": str(serve_adapters["code"])})
     assert loaded.status_code == 200 and "added successfully" in loaded.text
     assert "code" in [card["id"] for card in client.get("/v1/models").json()["data"]]
-    choice = complete(client, "code", PROMPTS[0])
-    assert choice["token_ids"] == greedy(reference, "code", prompt_ids(reference.tokenizer, PROMPTS[0]))
-
-    unloaded = client.post("/v1/unload_lora_adapter", json={"lora_name": "code"})
+    with ThreadPoolExecutor(1) as pool:  # unloading waits for the running request of that adapter to finish
+        running = pool.submit(complete, client, "code", PROMPTS[0], max_tokens=MAX_TOKENS_LIMIT)
+        deadline = time.monotonic() + 60
+        while client.get("/stats").json()["running"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        unloaded = client.post("/v1/unload_lora_adapter", json={"lora_name": "code"})
+        choice = running.result()
     assert unloaded.status_code == 200 and "removed successfully" in unloaded.text
+    expected = greedy(reference, "code", prompt_ids(reference.tokenizer, PROMPTS[0]), MAX_TOKENS_LIMIT)
+    assert choice["token_ids"] == expected
     assert_error(client.post("/v1/completions", json={"model": "code", "prompt": "x"}), 404, "'code' does not exist")
     assert_still_serves(client, reference)
 
