@@ -55,7 +55,7 @@ def write_adapter(run: TrainingRun, metrics: dict[str, Any]) -> Path:
     adapter_dir = recipe.output.adapter_dir
     hint = "choose another output.name, or set output.overwrite=true"
     with atomic_directory(adapter_dir, replace=recipe.output.overwrite, error=OutputError, hint=hint) as staging:
-        run.peft_model.save_pretrained(staging, safe_serialization=True)
+        run.peft_model.save_pretrained(staging, safe_serialization=True, save_embedding_layers=False)
         (staging / "recipe.yaml").write_text(yaml.safe_dump(recipe_to_dict(recipe), sort_keys=False))
         write_manifest(staging, manifest)
     return adapter_dir

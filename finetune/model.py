@@ -193,6 +193,31 @@ def _check_targets(model: torch.nn.Module, targets: list[str]) -> None:
         )
 
 
+def embedding_module_names(model: torch.nn.Module) -> tuple[str, str]:
+    """(input embeddings, output head) module names of `model`, e.g. ('model.embed_tokens', 'lm_head')."""
+    names = {id(module): name for name, module in model.named_modules()}
+    return names[id(model.get_input_embeddings())], names[id(model.get_output_embeddings())]
+
+
+def _lora_targets(config: LoraConfig, model: torch.nn.Module) -> str | list[str]:
+    """peft's `target_modules`: the recipe's, plus the embeddings/head that `train_*` switches on."""
+    embed_tokens, lm_head = embedding_module_names(model)
+    extra = [
+        name for name, wanted in ((lm_head, config.train_lm_head), (embed_tokens, config.train_embed_tokens)) if wanted
+    ]
+    if not extra:
+        return config.target_modules
+    if config.target_modules == "all-linear":  # peft's `all-linear` leaves the head out and takes no additions
+        head = lm_head.rsplit(".", 1)[-1]
+        blocks = [name for name in linear_module_names(model) if name != head]
+    else:
+        blocks = list(config.target_modules)
+    # One regex (peft full-matches a string against each module name): the blocks' layers by their last name
+    # part, the additions by their full name, so `lm_head` cannot match anything inside the blocks.
+    suffixes = "|".join(re.escape(name) for name in blocks)
+    return "|".join([rf"(?:.*\.)?(?:{suffixes})"] + [re.escape(name) for name in extra])
+
+
 def peft_lora_config(config: LoraConfig, model: torch.nn.Module):
     """Translate the recipe's `lora` section into a `peft.LoraConfig` for `model`."""
     from peft import LoraConfig as PeftLoraConfig
@@ -205,7 +230,7 @@ def peft_lora_config(config: LoraConfig, model: torch.nn.Module):
         r=config.r,
         lora_alpha=config.alpha,
         lora_dropout=config.dropout,
-        target_modules=config.target_modules,
+        target_modules=_lora_targets(config, model),
         exclude_modules=config.exclude_modules or None,
         use_rslora=config.use_rslora,
         use_dora=config.use_dora,

@@ -72,7 +72,15 @@ class LoraConfig(_Section):
     """Scale numerator: the update is multiplied by alpha / r (alpha / sqrt(r) with rsLoRA)."""
     dropout: float = Field(0.05, ge=0.0, lt=1.0)
     target_modules: Literal["all-linear"] | list[str] = "all-linear"
-    """`all-linear` (every linear layer but the output head) or a list of module-name suffixes."""
+    """`all-linear` (every linear layer of the blocks, not the output head) or a list of module-name suffixes."""
+    train_lm_head: bool = False
+    """Also put LoRA on the output head (`lm_head`, whatever the family calls it). A small model on a new
+    domain gains most from this: on the quickstart it takes held-out perplexity from 9.2 to about 1.5,
+    close to full fine-tuning (see the README's learning-quality table). With tied input/output embeddings
+    the head's update stays the head's: merging unties the two (`finetune adapters merge`)."""
+    train_embed_tokens: bool = False
+    """Also put LoRA on the input embeddings (`embed_tokens`), as continued pretraining on a new vocabulary
+    mix does. Its learning rate is `train.embedding_lr`."""
     exclude_modules: list[str] = []
     use_rslora: bool = False
     """Scale by alpha / sqrt(r) instead of alpha / r (rank-stabilised LoRA)."""
@@ -172,6 +180,10 @@ class TrainConfig(_Section):
     grad_accum_steps: int = Field(1, ge=1)
     """Micro-batches per optimizer step. The loss is normalised by label tokens across all of them."""
     lr: float = Field(2e-4, gt=0)
+    embedding_lr: float | None = Field(None, gt=0)
+    """Learning rate of the LoRA weights on `lm_head`/`embed_tokens` (`lora.train_lm_head`,
+    `lora.train_embed_tokens`); default `lr`. unsloth's continued-pretraining recipes use a 2-10x smaller one
+    for the embeddings than for the blocks."""
     schedule: Literal["cosine", "linear", "constant"] = "cosine"
     warmup_steps: int = Field(0, ge=0)
     warmup_ratio: float = Field(0.0, ge=0.0, lt=1.0)

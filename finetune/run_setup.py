@@ -34,7 +34,7 @@ from finetune.data import build_datasets, collate_batch
 from finetune.data.sampler import MicroBatchStream
 from finetune.errors import CheckpointError, RecipeError
 from finetune.evaluate import evaluate
-from finetune.model import describe_trainable, load_base_from_config, wrap_with_lora
+from finetune.model import describe_trainable, embedding_module_names, load_base_from_config, wrap_with_lora
 from finetune.recipe import Recipe, recipe_to_dict
 from finetune.tracking import log_with
 
@@ -81,17 +81,33 @@ def recipe_digest(recipe: Recipe) -> dict[str, Any]:
     return {"model": resolved["model"], "lora": resolved["lora"], "data": resolved["data"], "train": train}
 
 
-def make_optimizer(recipe: Recipe, parameters: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+def parameter_groups(recipe: Recipe, peft_model: Any) -> list[dict[str, Any]]:
+    """The trainable weights as optimizer groups: the blocks' LoRA at `train.lr`, the LoRA on the
+    embeddings and head at `train.embedding_lr` (when they are trained and it is set)."""
+    embedding_names = embedding_module_names(peft_model.get_base_model())
+    blocks, embeddings = [], []
+    for name, parameter in peft_model.named_parameters():
+        if parameter.requires_grad:
+            module = name.removeprefix("base_model.model.")
+            on_embedding = any(module.startswith(embedding + ".") for embedding in embedding_names)
+            (embeddings if on_embedding else blocks).append(parameter)
+    groups = [{"params": blocks, "lr": recipe.train.lr}]
+    if embeddings:
+        groups.append({"params": embeddings, "lr": recipe.train.embedding_lr or recipe.train.lr})
+    return [group for group in groups if group["params"]]
+
+
+def make_optimizer(recipe: Recipe, groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
     train = recipe.train
     kwargs = dict(
         lr=train.lr, betas=(train.adam_beta1, train.adam_beta2), eps=train.adam_eps, weight_decay=train.weight_decay
     )
     if train.optimizer == "adamw":
-        return torch.optim.AdamW(parameters, **kwargs)
+        return torch.optim.AdamW(groups, **kwargs)
     import bitsandbytes as bnb  # only for the 8-bit optimizers: importing it is slow and chatty
 
     optimizer_class = bnb.optim.PagedAdamW8bit if train.optimizer == "paged_adamw_8bit" else bnb.optim.AdamW8bit
-    return optimizer_class(parameters, **kwargs)
+    return optimizer_class(groups, **kwargs)
 
 
 def make_scheduler(recipe: Recipe, optimizer: torch.optim.Optimizer, plan: StepPlan) -> Any:
@@ -188,7 +204,7 @@ class TrainingRun:
             ckpt.save_checkpoint(
                 self.run_dir,
                 step=self.step,
-                trainable=get_peft_model_state_dict(self.peft_model),
+                trainable=get_peft_model_state_dict(self.peft_model, save_embedding_layers=False),
                 optimizer=self.optimizer,
                 scheduler=self.scheduler,
                 state={
@@ -249,8 +265,9 @@ def start_run(recipe: Recipe, *, resume: bool, say: Say) -> TrainingRun:
         process_index=accelerator.process_index,
     )
     plan = plan_steps(recipe, stream)
-    trainable_parameters = [p for p in peft_model.parameters() if p.requires_grad]
-    optimizer = make_optimizer(recipe, trainable_parameters)
+    groups = parameter_groups(recipe, peft_model)
+    trainable_parameters = [parameter for group in groups for parameter in group["params"]]
+    optimizer = make_optimizer(recipe, groups)
     scheduler = make_scheduler(recipe, optimizer, plan)
     model_for_step, optimizer = accelerator.prepare(peft_model, optimizer)
     if recipe.train.compile:

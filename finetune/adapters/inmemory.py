@@ -43,6 +43,7 @@ from finetune.adapters.model_dir import (
     write_shard,
 )
 from finetune.adapters.pristine import PristineWeights
+from finetune.adapters.tied import TIE_KEY, tied_parameter_names
 from finetune.errors import AdapterError, AdapterWarning
 from finetune.fingerprint import base_state_items
 
@@ -101,7 +102,10 @@ class LoadedModel:
             base_path=str(base_dir or base_source), base_fingerprint=base_fingerprint, base_quantization=quantization
         )
         # A model loaded from a merged checkpoint already holds its ledger's merges: its tensors are not the base's.
-        self._pristine = PristineWeights(base_dir, verify=not self._ledger.entries)
+        self._tied = tied_parameter_names(model)
+        self._pristine = PristineWeights(base_dir, verify=not self._ledger.entries, aliases=self._tied)
+        self._untied: dict[str, torch.nn.Parameter] = {}  # module -> the shared weight it held before a merge
+        self._ties_on_load = bool(getattr(model.config, TIE_KEY, False))
         self._quantized_originals: dict[str, torch.nn.Module] = {}
         self._requantization_errors: dict[str, float] = {}
         self._peft = None
@@ -142,7 +146,6 @@ class LoadedModel:
         self.adapters[adapter.name] = adapter
 
     def _check_fits(self, adapter: Adapter) -> None:
-        tied = _tied_parameter_names(self.model)
         for module, lora in sorted(adapter.modules.items()):
             try:
                 layer = self._layer(module)[2]
@@ -161,11 +164,14 @@ class LoadedModel:
                     f"adapter {adapter.name!r} ({adapter.path}): {module} is {tuple(shape)} in the base but the update is "
                     f"{lora.weight_shape}: the adapter was trained on another base size"
                 )
-            if module + ".weight" in tied:
-                raise AdapterError(
-                    f"adapter {adapter.name!r}: {module}.weight is tied to {tied[module + '.weight']}; merging into it "
-                    "would change both (untie the weights or drop this target)"
-                )
+            if module in adapter.base_copies:
+                adapter.check_base_copy(module, self._base_weight(module, layer))
+
+    def _base_weight(self, module: str, layer: torch.nn.Module) -> torch.Tensor:
+        """The base's value of `module`'s weight: pristine if something is merged into it, else the current one."""
+        if any(module in adapter.modules for adapter in (self.adapters[n] for n in self._ledger.entries)):
+            return self._pristine.get(module + ".weight", layer.weight.dtype)
+        return layer.weight.detach()
 
     def _adapter(self, name: str) -> Adapter:
         if name not in self.adapters:
@@ -249,12 +255,30 @@ class LoadedModel:
         if original is not None:
             self._write_quantized(module, parent, attribute, original, terms)
             return
-        parameter = layer.weight
         name = module + ".weight"
-        self._pristine.remember(name, parameter.data)
+        self._pristine.remember(name, layer.weight.data)
+        if not terms and module in self._untied:  # pristine again: share the tied weight once more
+            layer.weight = self._untied.pop(module)
+            self._set_tie_flag()
+            return
+        if terms and name in self._tied and module not in self._untied:
+            self._untie(module, layer)
+        parameter = layer.weight
         new = merged_weight(self._pristine.get(name, parameter.dtype), terms, parameter.dtype, module=module)
         with torch.no_grad():
             parameter.data.copy_(new)
+
+    def _untie(self, module: str, layer: torch.nn.Module) -> None:
+        """Give `module` a weight of its own (see `finetune.adapters.tied`); the shared one stays untouched."""
+        shared = layer.weight
+        self._untied[module] = shared
+        layer.weight = torch.nn.Parameter(shared.detach().clone(), requires_grad=shared.requires_grad)
+        self._set_tie_flag()
+
+    def _set_tie_flag(self) -> None:
+        """The config says tied only while every tied pair is: save_merged writes it, from_pretrained obeys it."""
+        if self._ties_on_load:
+            setattr(self.model.config, TIE_KEY, not self._untied)
 
     def _write_quantized(self, module: str, parent, attribute: str, original, terms: list[Term]) -> None:
         """Replace a quantized layer by round(deq(W_q) + Σ w·ΔW) (dense, or requantized), or restore it."""
@@ -402,19 +426,9 @@ def _weight_shape(layer: torch.nn.Module) -> tuple[int, int] | None:
     if quantized.is_quantized_linear(layer):
         return (layer.out_features, layer.in_features)
     weight = getattr(layer, "weight", None)
-    # nn.Linear stores (out, in); transformers' Conv1D (GPT-2, fan_in_fan_out adapters) stores (in, out).
-    if isinstance(weight, torch.Tensor) and weight.dim() == 2 and type(layer).__name__ in ("Linear", "Conv1D"):
+    # nn.Linear stores (out, in); transformers' Conv1D (GPT-2, fan_in_fan_out adapters) stores (in, out);
+    # nn.Embedding (vocab, dim), the shape of an embedding LoRA's update.
+    known = isinstance(layer, (torch.nn.Linear, torch.nn.Embedding)) or type(layer).__name__ == "Conv1D"
+    if isinstance(weight, torch.Tensor) and weight.dim() == 2 and known:
         return tuple(weight.shape)
     return None
-
-
-def _tied_parameter_names(model: torch.nn.Module) -> dict[str, str]:
-    """parameter name -> another name sharing its storage, for every tied parameter."""
-    names_by_id: dict[int, list[str]] = {}
-    for name, parameter in model.named_parameters(remove_duplicate=False):
-        names_by_id.setdefault(id(parameter), []).append(name.replace(".base_layer", ""))
-    tied: dict[str, str] = {}
-    for names in names_by_id.values():
-        for name in names if len(names) > 1 else []:
-            tied[name] = next(other for other in names if other != name)
-    return tied

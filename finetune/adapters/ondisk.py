@@ -47,6 +47,7 @@ from finetune.adapters.model_dir import (
     write_index,
     write_shard,
 )
+from finetune.adapters.tied import TIE_KEY, stored_aliases
 from finetune.errors import AdapterError
 from finetune.fingerprint import fingerprint_model_dir, weight_files
 
@@ -132,10 +133,10 @@ def tensor_headers(model_dir: Path) -> dict[str, tuple[Path, str, tuple[int, ...
     return headers
 
 
-def _check_targets(adapter: Adapter, headers: dict, where: Path) -> None:
+def _check_targets(adapter: Adapter, headers: dict, where: Path, aliases: dict[str, str]) -> None:
     """Every module the adapter targets exists in the checkpoint with the right shape; else name the first."""
     for module, lora in sorted(adapter.modules.items()):
-        key = module + ".weight"
+        key = aliases.get(module + ".weight", module + ".weight")
         if key not in headers:
             raise AdapterError(
                 f"adapter {adapter.name!r} ({adapter.path}) targets {module}, but {where} has no tensor {key} (another "
@@ -146,6 +147,17 @@ def _check_targets(adapter: Adapter, headers: dict, where: Path) -> None:
                 f"adapter {adapter.name!r} ({adapter.path}): {key} is {headers[key][2]} in {where} but the update is "
                 f"{lora.weight_shape}: the adapter was trained on another base size"
             )
+
+
+def _check_base_copies(adapter: Adapter, headers: dict, aliases: dict[str, str]) -> None:
+    """The base weights peft saved beside embedding LoRA (`Adapter.base_copies`) equal the pristine base's."""
+    from safetensors import safe_open
+
+    for module in sorted(adapter.base_copies):
+        key = aliases.get(module + ".weight", module + ".weight")
+        with safe_open(str(headers[key][0]), framework="pt") as handle:
+            stored = handle.get_tensor(key)
+        adapter.check_base_copy(module, stored)
 
 
 def _quantizable_weights(model_dir: Path) -> set[str]:
@@ -290,8 +302,12 @@ def _execute(plan: _Plan, out: str | Path, operation: str, *, dtype: str | None)
     terms = module_terms(weights, plan.adapters)
     source_headers = tensor_headers(plan.source_dir)
     read_headers = source_headers if read_dir == plan.source_dir else tensor_headers(read_dir)
+    aliases = stored_aliases(read_dir, read_headers)
     for adapter in plan.adapters.values():
-        _check_targets(adapter, read_headers, read_dir)
+        _check_targets(adapter, read_headers, read_dir, aliases)
+        if exact:
+            _check_base_copies(adapter, read_headers, aliases)
+    untied = _names_to_untie(aliases, terms)
     quantization = plan.target_ledger.base_quantization
     roundtrip = _quantizable_weights(read_dir) if exact and quantization != "none" else set()
     options = _quantization_options(plan.adapters)
@@ -322,7 +338,13 @@ def _execute(plan: _Plan, out: str | Path, operation: str, *, dtype: str | None)
                     else:
                         result = base.to(out_dtype)
                     tensors[name] = result
-                    total_bytes += result.numel() * result.element_size()
+                    for tied_name in untied.get(name, []):  # the tied partner gets a tensor of its own
+                        tied_module = tied_name.removesuffix(".weight")
+                        tensors[tied_name] = merged_weight(
+                            base, terms.get(tied_module, []), out_dtype, module=tied_module
+                        )
+                        rewritten += tied_module in terms
+            total_bytes += sum(t.numel() * t.element_size() for t in tensors.values())
             weight_map.update(write_shard(tmp, path.name, tensors, plan.target_ledger))
             del tensors
             after_shard_hook()
@@ -330,6 +352,8 @@ def _execute(plan: _Plan, out: str | Path, operation: str, *, dtype: str | None)
             write_index(tmp, weight_map, total_bytes)
         copy_side_files(plan.source_dir, tmp)
         config = json.loads((plan.source_dir / "config.json").read_text())
+        if aliases:  # the base ties weights: the output does too, unless an update touches one of them
+            config[TIE_KEY] = not untied
         write_config(tmp, config, plan.target_ledger, out_dtype_override or _single_dtype(source_headers))
     notes = list(plan.notes)
     if quantization != "none" and exact:
@@ -339,6 +363,15 @@ def _execute(plan: _Plan, out: str | Path, operation: str, *, dtype: str | None)
     return DiskReport(
         operation, out, target, exact, rewritten, len(files), time.perf_counter() - started, max_drift_bound, notes
     )
+
+
+def _names_to_untie(aliases: dict[str, str], terms: dict) -> dict[str, list[str]]:
+    """stored name -> tied names to write beside it: those whose pair (either side) holds an update."""
+    untie: dict[str, list[str]] = {}
+    for tied_name, stored in sorted(aliases.items()):
+        if {tied_name.removesuffix(".weight"), stored.removesuffix(".weight")} & set(terms):
+            untie.setdefault(stored, []).append(tied_name)
+    return untie
 
 
 def _single_dtype(headers: dict) -> torch.dtype | None:

@@ -28,13 +28,16 @@ from finetune.fingerprint import weight_files
 class PristineWeights:
     """Base tensors by checkpoint name, from memory-mapped files where possible, else from kept copies."""
 
-    def __init__(self, base_dir: str | Path | None, *, verify: bool = True):
+    def __init__(self, base_dir: str | Path | None, *, verify: bool = True, aliases: dict[str, str] | None = None):
         """Args:
         base_dir: the base model's directory, or None when it has no files.
         verify: compare each file tensor with the model's at first touch; False when the model
             already holds merges (loaded from a merged checkpoint whose ledger names this base).
+        aliases: name -> the name the files store its values under (tied weights: `lm_head.weight` ->
+            `model.embed_tokens.weight`).
         """
         self._verify = verify
+        self._aliases = dict(aliases or {})
         self._file_of: dict[str, Path] = {}
         self._handles: dict[Path, object] = {}
         self._copies: dict[str, torch.Tensor] = {}
@@ -59,6 +62,8 @@ class PristineWeights:
         return sum(t.numel() * t.element_size() for t in self._copies.values())
 
     def _read(self, name: str, dtype: torch.dtype) -> torch.Tensor | None:
+        if name not in self._file_of:
+            name = self._aliases.get(name, name)
         path = self._file_of.get(name)
         if path is None:
             return None
