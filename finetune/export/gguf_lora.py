@@ -28,6 +28,11 @@ def _lora_tensors(adapter, layout: LlamaLayout, alpha: float, dtype: str) -> lis
     for module, lora in sorted(adapter.modules.items()):
         if lora.fan_in_fan_out:
             raise ExportError(f"{adapter.path}: module {module} is fan_in_fan_out (Conv1D), not a Llama linear layer")
+        if lora.embedding:
+            raise ExportError(
+                f"{adapter.path}: the adapter updates the input embeddings ({module}), which a llama.cpp LoRA file "
+                "cannot carry here; merge the adapter (finetune adapters merge) and export the merged model instead"
+            )
         hf_name = module + ".weight"
         gguf_name = layout.gguf_name(hf_name)
         if gguf_name is None:
