@@ -14,7 +14,7 @@ The arms differ only in what trains:
 fine-tuning's improvement an arm reaches.
 
 Run from the repository root (the quickstart's data paths are relative to it):
-    python bench/learning_quality.py                  # ~5 min on 2 cores
+    python bench/learning_quality.py                  # ~6 min on 2 cores
     python bench/learning_quality.py --steps 30       # a quick look
 It prints a Markdown table and writes bench/results/learning_quality.json.
 """
@@ -89,7 +89,7 @@ def _switch_to_full_fine_tuning(run, lr: float) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=None, help="optimizer steps (default: the quickstart's)")
-    parser.add_argument("--full-lrs", default="1e-3,3e-3", help="learning rates tried for full fine-tuning")
+    parser.add_argument("--full-lrs", default="1e-3,3e-3,1e-2", help="learning rates tried for full fine-tuning")
     args = parser.parse_args()
     steps = [f"train.max_steps={args.steps}"] if args.steps else []
     results: dict[str, dict] = {}

@@ -232,7 +232,9 @@ class OutputConfig(_Section):
     """Where the adapter and the run's logs go."""
 
     name: str
-    """Adapter name: up to 64 letters, digits, '_' and '-' (no '.', no path separators)."""
+    """Adapter name: up to 64 letters, digits, '.', '_' and '-' (no path separators, no '..'). It names the
+    directory; where peft needs a name without dots (merging, serving) the dots become '_'
+    (`adapters.lora.derived_adapter_name`), so `legal.v2` is merged as `legal_v2`."""
     dir: str | None = None
     """Adapter directory; default `adapters/<name>`."""
     run_dir: str | None = None

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from safetensors.torch import load_file
 
 from finetune.adapters.ledger import LEDGER_KEY, read_ledger
-from finetune.adapters.ondisk import parse_adapter_spec
+from finetune.commands.adapters import parse_adapter_spec
 from finetune.embedded import build
 from finetune.embedded.pretrain import PretrainSettings
 from finetune.errors import FinetuneError, TrainingError

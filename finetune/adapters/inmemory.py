@@ -25,13 +25,13 @@ from __future__ import annotations
 
 import time
 import warnings
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from finetune.adapters import quantized
 from finetune.adapters.arithmetic import Term, changed_modules, merged_weight, module_terms
+from finetune.adapters.fit import check_fits
 from finetune.adapters.ledger import Ledger
 from finetune.adapters.lora import Adapter
 from finetune.adapters.model_dir import (
@@ -43,27 +43,10 @@ from finetune.adapters.model_dir import (
     write_shard,
 )
 from finetune.adapters.pristine import PristineWeights
+from finetune.adapters.report import ArithmeticReport
 from finetune.adapters.tied import TIE_KEY, tied_parameter_names
 from finetune.errors import AdapterError, AdapterWarning
 from finetune.fingerprint import base_state_items
-
-
-@dataclass
-class OperationReport:
-    """What one merge/subtract/swap did: for logs and benchmarks."""
-
-    operation: str
-    merged: dict[str, float]
-    tensors_rewritten: int
-    seconds: float
-    notes: list[str] = field(default_factory=list)
-
-    def summary(self) -> str:
-        merged = ", ".join(f"{n}:{w:g}" for n, w in self.merged.items()) or "nothing"
-        lines = [
-            f"{self.operation}: rewrote {self.tensors_rewritten} tensors in {self.seconds:.3f} s; merged now: {merged}"
-        ]
-        return "\n".join(lines + self.notes)
 
 
 class LoadedModel:
@@ -103,7 +86,7 @@ class LoadedModel:
         )
         # A model loaded from a merged checkpoint already holds its ledger's merges: its tensors are not the base's.
         self._tied = tied_parameter_names(model)
-        self._pristine = PristineWeights(base_dir, verify=not self._ledger.entries, aliases=self._tied)
+        self._pristine = PristineWeights.of(base_dir, verify=not self._ledger.entries, aliases=self._tied)
         self._untied: dict[str, torch.nn.Parameter] = {}  # module -> the shared weight it held before a merge
         self._ties_on_load = bool(getattr(model.config, TIE_KEY, False))
         self._quantized_originals: dict[str, torch.nn.Module] = {}
@@ -146,26 +129,17 @@ class LoadedModel:
         self.adapters[adapter.name] = adapter
 
     def _check_fits(self, adapter: Adapter) -> None:
-        for module, lora in sorted(adapter.modules.items()):
-            try:
-                layer = self._layer(module)[2]
-            except AttributeError:
-                raise AdapterError(
-                    f"adapter {adapter.name!r} ({adapter.path}) targets {module}, which the base {self.base_source} does "
-                    "not have: it was trained on another architecture"
-                ) from None
-            shape = _weight_shape(layer)
-            if shape is None:
-                raise AdapterError(
-                    f"adapter {adapter.name!r}: {module} is a {type(layer).__name__}, not a linear layer"
-                )
-            if shape != lora.weight_shape:
-                raise AdapterError(
-                    f"adapter {adapter.name!r} ({adapter.path}): {module} is {tuple(shape)} in the base but the update is "
-                    f"{lora.weight_shape}: the adapter was trained on another base size"
-                )
-            if module in adapter.base_copies:
-                adapter.check_base_copy(module, self._base_weight(module, layer))
+        check_fits(adapter, self._weight_shape, base=self.base_source)
+        for module in sorted(adapter.base_copies):
+            adapter.check_base_copy(module, self._base_weight(module, self._layer(module)[2]))
+
+    def _weight_shape(self, module: str) -> tuple[int, ...] | str:
+        """The shape an update of `module` must have (see `fit.check_fits`)."""
+        try:
+            layer = self._layer(module)[2]
+        except AttributeError:
+            raise KeyError(module) from None
+        return _weight_shape(layer) or type(layer).__name__
 
     def _base_weight(self, module: str, layer: torch.nn.Module) -> torch.Tensor:
         """The base's value of `module`'s weight: pristine if something is merged into it, else the current one."""
@@ -182,12 +156,12 @@ class LoadedModel:
         return self.adapters[name]
 
     # ---- arithmetic --------------------------------------------------------------------------------
-    def merge(self, name: str, weight: float = 1.0) -> OperationReport:
+    def merge(self, name: str, weight: float = 1.0) -> ArithmeticReport:
         """Add `weight`·ΔW of adapter `name` into the weights (adds to its weight if already merged)."""
         self._adapter(name)
         return self._apply(self._ledger.plus(name, weight, self.adapters[name]), f"merge {name}:{weight:g}")
 
-    def subtract(self, name: str, weight: float | None = None, *, negate: bool = False) -> OperationReport:
+    def subtract(self, name: str, weight: float | None = None, *, negate: bool = False) -> ArithmeticReport:
         """Take `weight` of adapter `name` back out (default: all of it), exactly: tensors come from the base.
 
         Subtracting an adapter that is not merged (or more of it than is merged) is task negation: it
@@ -198,7 +172,7 @@ class LoadedModel:
         weight = self._ledger.weights.get(name, 0.0) - ledger.weights.get(name, 0.0)
         return self._apply(ledger, f"subtract {name}:{weight:g}")
 
-    def swap(self, old: str, new: str, weight: float = 1.0) -> OperationReport:
+    def swap(self, old: str, new: str, weight: float = 1.0) -> ArithmeticReport:
         """Take `old` out entirely and merge `new` with `weight`: equal to merging `new` into a fresh base."""
         self._adapter(old), self._adapter(new)
         if old not in self._ledger.entries:
@@ -206,7 +180,7 @@ class LoadedModel:
         ledger = self._ledger.minus(old, None, negate=False).plus(new, weight, self.adapters[new])
         return self._apply(ledger, f"swap {old} -> {new}:{weight:g}")
 
-    def _apply(self, ledger: Ledger, operation: str) -> OperationReport:
+    def _apply(self, ledger: Ledger, operation: str) -> ArithmeticReport:
         started = time.perf_counter()
         if self._active is not None and self._active in ledger.entries:
             raise AdapterError(f"adapter {self._active!r} is in use unmerged; call use(None) before merging it")
@@ -231,7 +205,7 @@ class LoadedModel:
         if self._requantization_errors and self.requantize:
             worst = max(self._requantization_errors.items(), key=lambda kv: kv[1])
             notes.append(f"requantized merged layers: largest relative error added {worst[1]:.3e} ({worst[0]})")
-        return OperationReport(operation, self.merged, len(rewritten), time.perf_counter() - started, notes)
+        return ArithmeticReport(operation, self.merged, len(rewritten), time.perf_counter() - started, notes)
 
     def _layer(self, module: str) -> tuple[torch.nn.Module, str, torch.nn.Module]:
         """(parent, attribute, layer) holding the base weight of `module`, looking through peft's LoRA wrapper."""
@@ -251,6 +225,7 @@ class LoadedModel:
         parent, attribute, layer = self._layer(module)
         if module not in self._quantized_originals and quantized.is_quantized_linear(layer):
             self._quantized_originals[module] = layer
+            self._pristine.remember_quantized(module + ".weight", layer)
         original = self._quantized_originals.get(module)
         if original is not None:
             self._write_quantized(module, parent, attribute, original, terms)
@@ -286,7 +261,8 @@ class LoadedModel:
             setattr(parent, attribute, original)
             self._requantization_errors.pop(module, None)
             return
-        weight = merged_weight(quantized.dequantize(original), terms, self.dtype, module=module)
+        base = self._pristine.get(module + ".weight", self.dtype)
+        weight = merged_weight(base, terms, self.dtype, module=module)
         if self.requantize:
             layer, relative_error = quantized.requantize(original, weight)
             self._requantization_errors[module] = relative_error

@@ -13,11 +13,29 @@ from __future__ import annotations
 
 import argparse
 import functools
+import math
 import sys
 import warnings
 from collections.abc import Callable
 
 from finetune.errors import AdapterWarning
+
+
+def parse_adapter_spec(spec: str):
+    """`adapters/legal:0.5` -> AdapterSpec('adapters/legal', 0.5); a suffix that is not a number is part of the path."""
+    from finetune.adapters.ondisk import AdapterSpec
+    from finetune.errors import AdapterError
+
+    ref, separator, tail = spec.rpartition(":")
+    if separator and ref:
+        try:
+            weight = float(tail)
+        except ValueError:
+            return AdapterSpec(spec)
+        if not math.isfinite(weight):
+            raise AdapterError(f"adapter {spec!r}: weight {tail!r} is not a finite number; write e.g. {ref}:0.5")
+        return AdapterSpec(ref, weight)
+    return AdapterSpec(spec)
 
 
 def _warnings_as_lines(handler: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
@@ -135,7 +153,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _merge(args: argparse.Namespace) -> int:
-    from finetune.adapters.ondisk import merge_checkpoint, parse_adapter_spec
+    from finetune.adapters.ondisk import merge_checkpoint
 
     report = merge_checkpoint(
         args.base,
@@ -152,7 +170,7 @@ def _merge(args: argparse.Namespace) -> int:
 
 
 def _subtract(args: argparse.Namespace) -> int:
-    from finetune.adapters.ondisk import parse_adapter_spec, subtract_checkpoint
+    from finetune.adapters.ondisk import subtract_checkpoint
 
     report = subtract_checkpoint(
         args.model,
@@ -168,7 +186,7 @@ def _subtract(args: argparse.Namespace) -> int:
 
 
 def _swap(args: argparse.Namespace) -> int:
-    from finetune.adapters.ondisk import parse_adapter_spec, swap_checkpoint
+    from finetune.adapters.ondisk import swap_checkpoint
 
     report = swap_checkpoint(
         args.model,

@@ -67,7 +67,7 @@ def export_lora_gguf(
     import gguf
 
     from finetune.adapters.lora import read_adapter
-    from finetune.adapters.ondisk import resolve_model_dir
+    from finetune.adapters.disk_plan import resolve_model_dir
 
     check_dtype(dtype)
     adapter = read_adapter(adapter_dir)
