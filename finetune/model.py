@@ -65,7 +65,9 @@ def _quantization_config(config: ModelConfig, compute_dtype: torch.dtype):
         load_in_4bit=True,
         bnb_4bit_quant_type=config.bnb_4bit_quant_type,
         bnb_4bit_use_double_quant=config.bnb_4bit_use_double_quant,
-        bnb_4bit_compute_dtype=compute_dtype,
+        bnb_4bit_compute_dtype=DTYPES[config.bnb_4bit_compute_dtype]
+        if config.bnb_4bit_compute_dtype
+        else compute_dtype,
     )
 
 

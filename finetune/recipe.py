@@ -58,9 +58,33 @@ class ModelConfig(_Section):
     model loads without touching the network (on a machine without internet the check costs minutes of
     retries). A model that is not cached is downloaded either way, unless `HF_HUB_OFFLINE=1`."""
     quantization: Literal["none", "4bit", "8bit"] = "none"
-    """Load the frozen base with bitsandbytes (QLoRA for `4bit`)."""
+    """Load the frozen base with bitsandbytes (QLoRA for `4bit`). Also written as a mapping, as QLoRA users
+    expect: `{bits: 4, type: nf4 | fp4, double_quant: true, compute_dtype: bfloat16}` or `{bits: 8}`, which
+    sets the `bnb_4bit_*` fields below."""
     bnb_4bit_quant_type: Literal["nf4", "fp4"] = "nf4"
     bnb_4bit_use_double_quant: bool = True
+    bnb_4bit_compute_dtype: Literal["float32", "bfloat16", "float16"] | None = None
+    """Dtype 4-bit layers compute in (dequantized per matmul); default: `dtype`."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _quantization_mapping(cls, data: Any) -> Any:
+        """Turn `quantization: {bits, type, double_quant, compute_dtype}` into the flat fields."""
+        if not isinstance(data, dict) or not isinstance(data.get("quantization"), dict):
+            return data
+        spec = dict(data["quantization"])
+        fields = {"type": "bnb_4bit_quant_type", "double_quant": "bnb_4bit_use_double_quant"}
+        fields["compute_dtype"] = "bnb_4bit_compute_dtype"
+        unknown = sorted(set(spec) - {"bits", *fields})
+        if unknown:
+            raise ValueError(f"quantization: unknown key(s) {unknown}; use bits, type, double_quant, compute_dtype")
+        if spec.get("bits") not in (4, 8):
+            raise ValueError(f"quantization.bits is {spec.get('bits')!r}; use 4 (QLoRA) or 8")
+        if spec["bits"] == 8 and len(spec) > 1:
+            raise ValueError("quantization: type, double_quant and compute_dtype apply to bits: 4 only")
+        flat = {**data, "quantization": f"{spec['bits']}bit"}
+        flat.update({fields[key]: value for key, value in spec.items() if key in fields})
+        return flat
 
 
 class LoraConfig(_Section):
