@@ -148,7 +148,10 @@ def swap_checkpoint(
     target = ledger.minus(old.name, None, old, negate=False).plus(
         new.name, 1.0 if add.weight is None else add.weight, new
     )
-    plan = make_plan(
-        source_dir, ledger, target, {old.name: old, new.name: new}, base=base, force=force, allow_pickle=allow_pickle
+    given = {old.name: old, new.name: new}
+    return write_target(
+        make_plan(source_dir, ledger, target, given, base=base, force=force, allow_pickle=allow_pickle),
+        out,
+        "swap",
+        dtype=None,
     )
-    return write_target(plan, out, "swap", dtype=None)

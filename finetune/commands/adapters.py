@@ -155,49 +155,30 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def _merge(args: argparse.Namespace) -> int:
     from finetune.adapters.ondisk import merge_checkpoint
 
-    report = merge_checkpoint(
-        args.base,
-        [parse_adapter_spec(spec) for spec in args.adapter],
-        args.out,
-        dtype=args.dtype,
-        quantization=args.quantization,
-        requantize=args.requantize,
-        force=args.force,
-        allow_pickle=args.allow_pickle,
-    )
-    print(report.summary())
+    specs = [parse_adapter_spec(spec) for spec in args.adapter]
+    options = dict(dtype=args.dtype, quantization=args.quantization, requantize=args.requantize)
+    print(merge_checkpoint(args.base, specs, args.out, **options, **_trust(args)).summary())
     return 0
+
+
+def _trust(args: argparse.Namespace) -> dict[str, bool]:
+    """What the user vouches for: another base (--force), pickle files (--allow-pickle)."""
+    return dict(force=args.force, allow_pickle=args.allow_pickle)
 
 
 def _subtract(args: argparse.Namespace) -> int:
     from finetune.adapters.ondisk import subtract_checkpoint
 
-    report = subtract_checkpoint(
-        args.model,
-        parse_adapter_spec(args.adapter),
-        args.out,
-        base=args.base,
-        negate=args.negate,
-        force=args.force,
-        allow_pickle=args.allow_pickle,
-    )
-    print(report.summary())
+    spec = parse_adapter_spec(args.adapter)
+    print(subtract_checkpoint(args.model, spec, args.out, base=args.base, negate=args.negate, **_trust(args)).summary())
     return 0
 
 
 def _swap(args: argparse.Namespace) -> int:
     from finetune.adapters.ondisk import swap_checkpoint
 
-    report = swap_checkpoint(
-        args.model,
-        parse_adapter_spec(args.remove),
-        parse_adapter_spec(args.add),
-        args.out,
-        base=args.base,
-        force=args.force,
-        allow_pickle=args.allow_pickle,
-    )
-    print(report.summary())
+    remove, add = parse_adapter_spec(args.remove), parse_adapter_spec(args.add)
+    print(swap_checkpoint(args.model, remove, add, args.out, base=args.base, **_trust(args)).summary())
     return 0
 
 
