@@ -165,8 +165,8 @@ class DataConfig(_Section):
             object.__setattr__(self, "overlength", "split" if self.format == "text" else "truncate")
         elif self.overlength == "split" and self.format != "text":
             raise ValueError(
-                f"data.overlength=split applies to format text only (got format {self.format}): a piece of a "
-                f"record without its prompt is not an example of the task; use truncate or error"
+                f"data.overlength=split applies to format text only (this is {self.format}): a piece of a record "
+                f"without its prompt is not an example of the task; use truncate or error"
             )
         return self
 
@@ -425,7 +425,8 @@ def format_validation_error(exc: ValidationError, source: str) -> str:
             problems.append(f"{where}: required key is missing")
         else:
             message = error["msg"].removeprefix("Value error, ")
-            problems.append(f"{where}: {message} (got {error.get('input')!r})")
+            got = error.get("input")
+            problems.append(f"{where}: {message}" + ("" if isinstance(got, dict) else f" (got {got!r})"))  # a section
     count = f"{len(problems)} problems" if len(problems) > 1 else "1 problem"
     return f"{source}: {count}: " + "; ".join(problems)
 

@@ -750,3 +750,23 @@ def test_a_hub_dataset_in_the_local_cache_is_read_offline(tmp_path, tiny_tokeniz
     missing = DataConfig(train=["acme/absent"], format="text", max_seq_len=128)
     with pytest.raises(DataError, match=r"acme/absent.*offline.*hf download --repo-type dataset acme/absent"):
         build_datasets(missing, tiny_tokenizer, cache_dir=tmp_path / "cache")
+
+
+def test_data_preview_shows_the_pieces_training_uses(tmp_path, tiny_tokenizer, tiny_base_dir, capsys, monkeypatch):
+    from finetune.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    source = write_records(tmp_path / "long.jsonl", [{"text": "short"}, {"text": _text_of_tokens(tiny_tokenizer, 40)}])
+    recipe = f"model: {{base: {tiny_base_dir}}}\ndata: {{train: {source}, max_seq_len: 16}}\noutput: {{name: x}}\n"
+    (tmp_path / "recipe.yaml").write_text(recipe)
+    assert main(["data", "preview", "recipe.yaml", "--limit", "10", "--json"]) == 0
+    shown = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    trained = build(tmp_path, tiny_tokenizer, train=[source], max_seq_len=16).train
+    assert [(d["input_ids"], d["labels"]) for d in shown] == list(zip(trained["input_ids"], trained["labels"]))
+    assert [(d["record"], d["piece"], d["pieces"]) for d in shown] == [(1, 1, 1), (2, 1, 3), (2, 2, 3), (2, 3, 3)]
+    assert main(["data", "preview", "recipe.yaml", "--limit", "2"]) == 0
+    assert "--- document 2: 16 tokens, 15 trained, piece 1 of 3 of record 2" in capsys.readouterr().out
+
+    assert main(["data", "preview", "recipe.yaml", "data.format=instruction", "data.overlength=split"]) == 2
+    (error,) = capsys.readouterr().err.strip().splitlines()
+    assert "data.overlength=split applies to format text only" in error
