@@ -12,7 +12,7 @@ Arms, each in its own fresh process (so peak RSS and allocator state are its own
 other (with `--repeats N`, N rounds of all arms, interleaved, and the median ratio of each arm to the
 baseline over the rounds):
 - `ours-packed`:   `finetune.train(recipe)` with `data.packing=true` (each micro-batch's documents packed
-                   into as few rows of max_seq_len as fit, no padding between them);
+                   into as few rows as fit, none longer than its longest document);
 - `ours-padded`:   the same with `data.packing=false` (one row per document, padded to the longest);
 - `hf-trainer`:    what a user would otherwise write: `get_peft_model`, `datasets` + `.map` tokenizing,
                    `DataCollatorForSeq2Seq` padding, `Trainer(processing_class=...)`, `use_cpu=True`.
@@ -283,7 +283,7 @@ def run_ours(spec: dict[str, Any], arm: str) -> dict[str, Any]:
         real = label = computed = 0
         for k in range(grad_accum_steps):
             documents = [data.train[i] for i in stream.indices(step * grad_accum_steps + k)]
-            batch = collate_batch(documents, tokenizer.pad_token_id, packing=packing, max_seq_len=spec["seq_len"])
+            batch = collate_batch(documents, tokenizer.pad_token_id, packing=packing)
             real += sum(len(document["input_ids"]) for document in documents)
             label += int((batch["labels"] != -100).sum())
             computed += batch["input_ids"].numel()
@@ -765,7 +765,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hidden", type=int, default=256, help="hidden size (heads of 64; default 256)")
     parser.add_argument("--layers", type=int, default=4, help="decoder layers (default 4)")
     parser.add_argument("--vocab", type=int, default=8192, help="tokenizer vocabulary (default 8192)")
-    parser.add_argument("--seq-len", type=int, default=512, help="max_seq_len: longest record, packed row size")
+    parser.add_argument("--seq-len", type=int, default=512, help="max_seq_len: longest record")
     parser.add_argument("--micro-batch-size", type=int, default=4)
     parser.add_argument("--grad-accum", type=int, default=2)
     parser.add_argument("--lr", type=float, default=1e-3)

@@ -140,8 +140,7 @@ class DataConfig(_Section):
     completion_only_loss: bool = True
     """Instruction/chat: put the loss on responses (assistant turns) only, EOS included."""
     max_seq_len: int = Field(512, ge=8)
-    """Longest document in tokens (longer records go through `overlength`); with packing, the row length
-    documents are packed up to."""
+    """Longest document in tokens; longer records go through `overlength`."""
     overlength: Literal["split", "truncate", "error"] | None = None
     """A record longer than max_seq_len: `split` into consecutive pieces of at most max_seq_len tokens, each
     trained as a document of its own (BOS only on the first, EOS only at the true end; the first token of
@@ -150,9 +149,9 @@ class DataConfig(_Section):
     Default: `split` for `text`, `truncate` for `instruction` and `chat`, where `split` is refused (a piece
     of a conversation without its prompt is not an example of the task)."""
     packing: bool = True
-    """Pack each micro-batch's documents into as few rows as fit (rows of up to max_seq_len tokens, no
-    padding between documents, which never attend to each other). It changes speed only, not what is
-    learned: a micro-batch is `train.micro_batch_size` documents either way."""
+    """Pack each micro-batch's documents into as few rows as fit (each no longer than its longest document;
+    documents never attend to each other) instead of one padded row each. It changes speed only, not what
+    is learned: a micro-batch is `train.micro_batch_size` documents either way."""
 
     @field_validator("train", "validation", mode="before")
     @classmethod

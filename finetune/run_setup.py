@@ -145,10 +145,7 @@ class TrainingRun:
     def collate(self, documents: list[dict]) -> dict[str, torch.Tensor]:
         # Varlen kernels want one padding-free sequence; sdpa/eager are faster on (R, T) packed rows.
         layout = "one_sequence" if self.recipe.model.attn_implementation == "flash_attention_2" else "rows"
-        data = self.recipe.data
-        return collate_batch(
-            documents, self.tokenizer.pad_token_id, packing=data.packing, layout=layout, max_seq_len=data.max_seq_len
-        )
+        return collate_batch(documents, self.tokenizer.pad_token_id, packing=self.recipe.data.packing, layout=layout)
 
     def next_micro_batches(self) -> list[dict[str, torch.Tensor]]:
         """The micro-batches of the next optimizer step, for this process."""
@@ -248,7 +245,7 @@ def start_run(recipe: Recipe, *, resume: bool, say: Say) -> TrainingRun:
         process_index=accelerator.process_index,
     )
     plan = plan_steps(recipe, stream)
-    say(describe_layout(document_lengths(data.train), stream, recipe.data.max_seq_len, recipe.data.packing))
+    say(describe_layout(document_lengths(data.train), stream, recipe.data.packing))
     trainable_parameters = [p for p in peft_model.parameters() if p.requires_grad]
     optimizer = make_optimizer(recipe, trainable_parameters)
     scheduler = make_scheduler(recipe, optimizer, plan)

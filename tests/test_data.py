@@ -375,15 +375,17 @@ def test_overlength_error_names_file_and_record(tmp_path, tiny_tokenizer):
 
 def test_packing_lays_out_the_same_documents_in_fewer_rows(tmp_path, tiny_tokenizer):
     """Rows are documents whatever `packing` says; a packed micro-batch holds exactly its documents, whole."""
-    source = write_records(tmp_path / "many.jsonl", MANY)
+    varied = [{"text": " ".join(["the"] * n)} for n in (1, 20, 3, 7, 2, 15, 4, 9, 1, 12, 5, 2, 18, 6, 3, 10)]
+    source = write_records(tmp_path / "varied.jsonl", varied)
     packed = build(tmp_path, tiny_tokenizer, train=[source], packing=True, max_seq_len=32)
     single = build(tmp_path, tiny_tokenizer, train=[source], packing=False, max_seq_len=32)
     assert packed.fingerprint == single.fingerprint and packed.train.to_dict() == single.train.to_dict()
     documents = list(single.train)
     for first in range(0, len(documents), 8):
         micro_batch = documents[first : first + 8]
-        batch = collate_batch(micro_batch, pad_token_id=tiny_tokenizer.pad_token_id, packing=True, max_seq_len=32)
-        assert batch["input_ids"].shape[0] < len(micro_batch) and batch["input_ids"].shape[1] <= 32
+        batch = collate_batch(micro_batch, pad_token_id=tiny_tokenizer.pad_token_id, packing=True)
+        longest = max(len(document["input_ids"]) for document in micro_batch)
+        assert batch["input_ids"].shape[0] < len(micro_batch) and batch["input_ids"].shape[1] == longest
         found = []
         for ids, labels, positions in zip(*(batch[key].tolist() for key in ("input_ids", "labels", "position_ids"))):
             for token, label, position in zip(ids, labels, positions):
@@ -430,7 +432,7 @@ def test_collate_padding_free_and_padded(tiny_tokenizer):
         "labels": [[-100, 7, eos, -100, eos, -100, 9, eos]],
         "position_ids": [[0, 1, 2, 0, 1, 0, 1, 2]],
     }
-    packed_rows = collate_batch(documents, pad_token_id=pad, packing=True, max_seq_len=5)  # a tail is a document
+    packed_rows = collate_batch(documents, pad_token_id=pad, packing=True, row_len=5)  # a tail is a document
     assert {key: value.tolist() for key, value in packed_rows.items()} == {
         "input_ids": [[0, 7, eos, 0, eos], [0, 9, eos, pad, pad]],
         "labels": [[-100, 7, eos, -100, eos], [-100, 9, eos, -100, -100]],

@@ -51,9 +51,7 @@ def single(tmp_path_factory, tiny_tokenizer):
 
 def _packed(single, tokenizer, layout: str = "rows") -> dict[str, torch.Tensor]:
     """All the documents as one packed micro-batch."""
-    batch = collate_batch(
-        list(single.train), tokenizer.pad_token_id, packing=True, layout=layout, max_seq_len=MAX_SEQ_LEN
-    )
+    batch = collate_batch(list(single.train), tokenizer.pad_token_id, packing=True, layout=layout)
     rows = batch["input_ids"].shape[0]
     assert 1 < rows < len(DOCUMENT_WORDS) or layout == "one_sequence"
     assert (batch["position_ids"] == 0).sum(dim=1).gt(1).any(), "no row holds two documents"
