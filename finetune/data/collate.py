@@ -6,8 +6,9 @@ how they are laid out, so it changes speed, never what a step learns.
 - Packing: the documents are packed best-fit decreasing into as few rows as fit, each no longer than
   the micro-batch's longest document (`finetune.data.packing`), so a packed batch never has more rows,
   columns or attention pairs than the padded one: on uniform lengths it is the padded one, on varied
-  lengths it drops the padding. (Rows of max_seq_len instead would have been no faster on varied
-  lengths, measured, and a few wide rows of short documents cost far more attention than they save.)
+  lengths it drops the padding. (Measured on a 5M-parameter Llama, 1 thread: rows of max_seq_len=512
+  instead were no faster on varied lengths, and 1.5x slower than padding on 6 documents of 100-120
+  tokens, packed into 2 rows of 443: attention grows with the square of the row.)
   Position ids restart at 0 at each document, and there is no
   `attention_mask`: transformers finds the document boundaries from the position restarts and masks
   attention to each document. This isolates documents only with `use_cache=False` (measured on this
