@@ -424,8 +424,8 @@ def format_validation_error(exc: ValidationError, source: str) -> str:
             problems.append(f"{where}: required key is missing")
         else:
             message = error["msg"].removeprefix("Value error, ")
-            got = error.get("input")
-            problems.append(f"{where}: {message}" + ("" if isinstance(got, dict) else f" (got {got!r})"))  # a section
+            got = error.get("input")  # a whole section (a model validator's error) is no help to repeat
+            problems.append(f"{where}: {message}" + ("" if isinstance(got, dict) else f" (got {got!r})"))
     count = f"{len(problems)} problems" if len(problems) > 1 else "1 problem"
     return f"{source}: {count}: " + "; ".join(problems)
 
