@@ -172,16 +172,34 @@ class DataConfig(_Section):
     completion_only_loss: bool = True
     """Instruction/chat: put the loss on responses (assistant turns) only, EOS included."""
     max_seq_len: int = Field(512, ge=8)
-    """Longest row in tokens; with packing, the length rows are filled up to."""
-    overlength: Literal["truncate", "error"] = "truncate"
-    """What to do with a record longer than max_seq_len: cut it (counted in the log) or stop with an error."""
+    """Longest document in tokens; longer records go through `overlength`."""
+    overlength: Literal["split", "truncate", "error"] | None = None
+    """A record longer than max_seq_len: `split` into consecutive pieces of at most max_seq_len tokens, each
+    trained as a document of its own (BOS only on the first, EOS only at the true end; the first token of
+    each later piece is context, not a target), as pretraining pipelines do; `truncate` keeps the first
+    max_seq_len tokens; `error` stops naming the record. The log says how many tokens each choice keeps.
+    Default: `split` for `text`, `truncate` for `instruction` and `chat`, where `split` is refused (a piece
+    of a conversation without its prompt is not an example of the task)."""
     packing: bool = True
-    """Fill rows with several documents, padding-free; documents never attend to each other."""
+    """Pack each micro-batch's documents into as few rows as fit (each no longer than its longest document;
+    documents never attend to each other) instead of one padded row each. It changes speed only, not what
+    is learned: a micro-batch is `train.micro_batch_size` documents either way."""
 
     @field_validator("train", "validation", mode="before")
     @classmethod
     def _coerce_sources(cls, value: Any) -> Any:
         return _as_sources(value)
+
+    @model_validator(mode="after")
+    def _resolve_overlength(self) -> DataConfig:
+        if self.overlength is None:  # resolved here, so the saved recipe says what was done
+            object.__setattr__(self, "overlength", "split" if self.format == "text" else "truncate")
+        elif self.overlength == "split" and self.format != "text":
+            raise ValueError(
+                f"data.overlength=split applies to format text only (this is {self.format}): a piece of a record "
+                f"without its prompt is not an example of the task; use truncate or error"
+            )
+        return self
 
     @model_validator(mode="after")
     def _templates_have_placeholders(self) -> DataConfig:
@@ -200,9 +218,12 @@ class TrainConfig(_Section):
     max_steps: int | None = Field(None, ge=1)
     """Optimizer steps to run; overrides `epochs`."""
     micro_batch_size: int = Field(4, ge=1)
-    """Rows per forward pass, per process."""
+    """Documents per forward pass, per process (the Trainer's `per_device_train_batch_size`). With packing
+    they are packed into as few rows as fit; without, each is a row padded to the longest. An optimizer
+    step takes micro_batch_size x grad_accum_steps x processes documents, packed or not, so packing
+    changes speed, never the number of steps or what they learn."""
     grad_accum_steps: int = Field(1, ge=1)
-    """Micro-batches per optimizer step. The loss is normalised by label tokens across all of them."""
+    """Micro-batches per optimizer step. The loss is the mean over the label tokens of all of them."""
     lr: float = Field(2e-4, gt=0)
     embedding_lr: float | None = Field(None, gt=0)
     """Learning rate of the LoRA weights on `lm_head`/`embed_tokens` (`lora.train_lm_head`,
@@ -441,7 +462,8 @@ def format_validation_error(exc: ValidationError, source: str) -> str:
             problems.append(f"{where}: required key is missing")
         else:
             message = error["msg"].removeprefix("Value error, ")
-            problems.append(f"{where}: {message} (got {error.get('input')!r})")
+            got = error.get("input")  # a whole section (a model validator's error) is no help to repeat
+            problems.append(f"{where}: {message}" + ("" if isinstance(got, dict) else f" (got {got!r})"))
     count = f"{len(problems)} problems" if len(problems) > 1 else "1 problem"
     return f"{source}: {count}: " + "; ".join(problems)
 

@@ -31,6 +31,8 @@ from transformers import get_scheduler
 
 from finetune import checkpoint as ckpt
 from finetune.data import build_datasets, collate_batch
+from finetune.data.collate import describe_layout
+from finetune.data.packing import document_lengths
 from finetune.data.sampler import MicroBatchStream
 from finetune.errors import CheckpointError, RecipeError
 from finetune.evaluate import evaluate
@@ -123,12 +125,6 @@ def check_output_free(recipe: Recipe) -> None:
         )
 
 
-def real_tokens(batch: dict[str, torch.Tensor]) -> int:
-    """Tokens of a collated batch that are not padding (padding-free batches have none)."""
-    mask = batch.get("attention_mask")
-    return int(mask.sum()) if mask is not None else int(batch["input_ids"].numel())
-
-
 @dataclass
 class TrainingRun:
     """The state of one training run: what was built at setup, and where the loop is now."""
@@ -162,12 +158,10 @@ class TrainingRun:
     def run_dir(self) -> Path:
         return self.recipe.output.run_path
 
-    def collate(self, rows: list[dict]) -> dict[str, torch.Tensor]:
-        # Varlen kernels want one padding-free sequence; sdpa/eager are faster on (B, T) packed rows.
+    def collate(self, documents: list[dict]) -> dict[str, torch.Tensor]:
+        # Varlen kernels want one padding-free sequence; sdpa/eager are faster on (R, T) packed rows.
         layout = "one_sequence" if self.recipe.model.attn_implementation == "flash_attention_2" else "rows"
-        return collate_batch(
-            rows, pad_token_id=self.tokenizer.pad_token_id, packing=self.recipe.data.packing, layout=layout
-        )
+        return collate_batch(documents, self.tokenizer.pad_token_id, packing=self.recipe.data.packing, layout=layout)
 
     def next_micro_batches(self) -> list[dict[str, torch.Tensor]]:
         """The micro-batches of the next optimizer step, for this process."""
@@ -178,10 +172,12 @@ class TrainingRun:
         ]
 
     def advance(self, micro_batches: list[dict[str, torch.Tensor]]) -> None:
-        """Count one optimizer step over `micro_batches` (tokens summed over every process)."""
+        """Count one optimizer step over `micro_batches` (their documents' tokens, times the processes)."""
+        positions = range(self.position, self.position + len(micro_batches))
+        tokens = sum(len(self.data.train[i]["input_ids"]) for p in positions for i in self.stream.indices(p))
         self.step += 1
         self.position += len(micro_batches)
-        self.tokens_seen += sum(real_tokens(b) for b in micro_batches) * self.accelerator.num_processes
+        self.tokens_seen += tokens * self.accelerator.num_processes
 
     def evaluate(self) -> dict[str, float]:
         """Held-out loss and perplexity of the model as it is now; {} without validation data."""
@@ -265,6 +261,7 @@ def start_run(recipe: Recipe, *, resume: bool, say: Say) -> TrainingRun:
         process_index=accelerator.process_index,
     )
     plan = plan_steps(recipe, stream)
+    say(describe_layout(document_lengths(data.train), stream, recipe.data.packing))
     groups = parameter_groups(recipe, peft_model)
     trainable_parameters = [parameter for group in groups for parameter in group["params"]]
     optimizer = make_optimizer(recipe, groups)
