@@ -260,7 +260,7 @@ def _plan(
     }
     needed_exact = set(target_ledger.weights)
     for name in sorted((needed_exact | changed) - set(adapters)):
-        entry = source_ledger.entries.get(name) or target_ledger.entries.get(name)
+        entry = source_ledger.entries.get(name) or target_ledger.entries[name]
         try:
             adapter = read_adapter(entry.path, name, allow_pickle=allow_pickle)
         except AdapterError as exc:
@@ -292,7 +292,7 @@ def _execute(plan: _Plan, out: str | Path, operation: str, *, dtype: str | None)
     started = time.perf_counter()
     out = ensure_free(out)
     exact = plan.pristine_dir is not None
-    read_dir = plan.pristine_dir if exact else plan.source_dir
+    read_dir = plan.pristine_dir if plan.pristine_dir is not None else plan.source_dir
     target, source = plan.target_ledger.weights, plan.source_ledger.weights
     if exact:
         weights = target
@@ -448,7 +448,7 @@ def merge_checkpoint(
         errors = requantize_checkpoint(dense_dir, out, quantization, _quantization_options(plan.adapters))
     finally:
         shutil.rmtree(dense_dir, ignore_errors=True)
-    worst = max(errors, key=errors.get)
+    worst = max(errors, key=lambda name: errors[name])
     report.out = out
     report.notes = [n for n in report.notes if not n.startswith("dequantized the")]
     report.notes.append(

@@ -18,11 +18,15 @@ from __future__ import annotations
 import json
 import warnings
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from finetune.errors import AdapterWarning
 from finetune.fingerprint import weight_files
+
+if TYPE_CHECKING:
+    from safetensors import safe_open
 
 
 class PristineWeights:
@@ -39,7 +43,7 @@ class PristineWeights:
         self._verify = verify
         self._aliases = dict(aliases or {})
         self._file_of: dict[str, Path] = {}
-        self._handles: dict[Path, object] = {}
+        self._handles: dict[Path, safe_open] = {}
         self._copies: dict[str, torch.Tensor] = {}
         self._from_file: set[str] = set()
         if base_dir is not None and Path(base_dir).is_dir():
