@@ -20,7 +20,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from accelerate import Accelerator
@@ -85,7 +85,8 @@ def parameter_groups(recipe: Recipe, peft_model: Any) -> list[dict[str, Any]]:
     """The trainable weights as optimizer groups: the blocks' LoRA at `train.lr`, the LoRA on the
     embeddings and head at `train.embedding_lr` (when they are trained and it is set)."""
     embedding_names = embedding_module_names(peft_model.get_base_model())
-    blocks, embeddings = [], []
+    blocks: list[torch.nn.Parameter] = []
+    embeddings: list[torch.nn.Parameter] = []
     for name, parameter in peft_model.named_parameters():
         if parameter.requires_grad:
             module = name.removeprefix("base_model.model.")
@@ -99,7 +100,7 @@ def parameter_groups(recipe: Recipe, peft_model: Any) -> list[dict[str, Any]]:
 
 def make_optimizer(recipe: Recipe, groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
     train = recipe.train
-    kwargs = dict(
+    kwargs: dict[str, Any] = dict(
         lr=train.lr, betas=(train.adam_beta1, train.adam_beta2), eps=train.adam_eps, weight_decay=train.weight_decay
     )
     if train.optimizer == "adamw":
@@ -164,7 +165,9 @@ class TrainingRun:
 
     def collate(self, rows: list[dict]) -> dict[str, torch.Tensor]:
         # Varlen kernels want one padding-free sequence; sdpa/eager are faster on (B, T) packed rows.
-        layout = "one_sequence" if self.recipe.model.attn_implementation == "flash_attention_2" else "rows"
+        layout: Literal["rows", "one_sequence"] = (
+            "one_sequence" if self.recipe.model.attn_implementation == "flash_attention_2" else "rows"
+        )
         return collate_batch(
             rows, pad_token_id=self.tokenizer.pad_token_id, packing=self.recipe.data.packing, layout=layout
         )
