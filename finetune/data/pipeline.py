@@ -30,9 +30,9 @@ import pyarrow.compute as pc
 from transformers import PreTrainedTokenizerBase
 
 from finetune.data import cache
-from finetune.data.formats import Document, encode_records
+from finetune.data.formats import Document, Locate, encode_records
 from finetune.data.packing import arrow_dataset, build_rows, document_lengths
-from finetune.data.sources import iter_records, load_source
+from finetune.data.sources import RawSource, iter_records, load_source
 from finetune.errors import DataError
 from finetune.loss import IGNORE_INDEX
 from finetune.recipe import DataConfig, SourceConfig
@@ -136,7 +136,7 @@ def preview_documents(config: DataConfig, tokenizer: PreTrainedTokenizerBase, li
     raw = load_source(config.train[0], config.text_field)
     documents: list[Document] = []
     for first, records in iter_records(raw, max(limit, 1)):
-        encoded = encode_records(records, config, tokenizer, locate=lambda i, first=first: raw.where(first + i))
+        encoded = encode_records(records, config, tokenizer, locate=_locator(raw, first))
         for offset, document in enumerate(encoded):
             fitted, _ = _fit_to_length(document, config, raw.where(first + offset))
             if fitted is not None:
@@ -174,6 +174,11 @@ def _build(config: DataConfig, tokenizer: PreTrainedTokenizerBase, seed: int,
     return train, validation, stats
 
 
+def _locator(raw: RawSource, first: int) -> Locate:
+    """Names record `i` of a chunk that starts at record `first` of `raw`, for error messages."""
+    return lambda i: raw.where(first + i)
+
+
 def _documents(sources: list[SourceConfig], config: DataConfig, tokenizer: PreTrainedTokenizerBase,
                log: Log) -> tuple[datasets.Dataset, int]:
     """All documents of `sources`, in order, cut or refused by `overlength`; and how many were dropped."""
@@ -182,7 +187,7 @@ def _documents(sources: list[SourceConfig], config: DataConfig, tokenizer: PreTr
         raw = load_source(source, config.text_field)
         num_records += len(raw.records)
         for first, records in iter_records(raw, _RECORDS_PER_CHUNK):
-            encoded = encode_records(records, config, tokenizer, locate=lambda i, first=first: raw.where(first + i))
+            encoded = encode_records(records, config, tokenizer, locate=_locator(raw, first))
             chunk: dict[str, list] = {"input_ids": [], "labels": [], "truncated": []}
             for offset, document in enumerate(encoded):
                 document, truncated = _fit_to_length(document, config, raw.where(first + offset))
