@@ -51,6 +51,7 @@ from finetune.fingerprint import base_state_items
 if TYPE_CHECKING:
     from peft import PeftModel
     from peft.tuners.tuners_utils import BaseTuner
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 
 @dataclass
@@ -85,8 +86,8 @@ class LoadedModel:
 
     def __init__(
         self,
-        model,
-        tokenizer,
+        model: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase,
         *,
         base_source: str,
         base_dir: Path | None,
@@ -285,7 +286,9 @@ class LoadedModel:
         if self._ties_on_load:
             setattr(self.model.config, TIE_KEY, not self._untied)
 
-    def _write_quantized(self, module: str, parent, attribute: str, original, terms: list[Term]) -> None:
+    def _write_quantized(
+        self, module: str, parent: torch.nn.Module, attribute: str, original: torch.nn.Module, terms: list[Term]
+    ) -> None:
         """Replace a quantized layer by round(deq(W_q) + Σ w·ΔW) (dense, or requantized), or restore it."""
         if not terms:
             setattr(parent, attribute, original)

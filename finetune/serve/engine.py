@@ -25,7 +25,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -130,7 +130,8 @@ class Engine:
     def decode_text(self, token_ids: list[int]) -> str:
         """Text of generated tokens, as `finetune generate` prints it (special tokens skipped)."""
         with self._tokenizer_lock:
-            return self.loaded.tokenizer.decode(token_ids, skip_special_tokens=True)
+            text = self.loaded.tokenizer.decode(token_ids, skip_special_tokens=True)
+        return cast(str, text)  # transformers types decode as str | list[str]; one sequence gives a str
 
     def check_length(self, prompt_tokens: int, max_tokens: int | None, default: int | None, limit: int) -> int:
         """The number of tokens a request may generate; ServeError (400) when it cannot fit."""
