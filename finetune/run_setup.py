@@ -20,7 +20,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from accelerate import Accelerator
@@ -87,7 +87,8 @@ def parameter_groups(recipe: Recipe, peft_model: Any) -> list[dict[str, Any]]:
     """The trainable weights as optimizer groups: the blocks' LoRA at `train.lr`, the LoRA on the
     embeddings and head at `train.embedding_lr` (when they are trained and it is set)."""
     embedding_names = embedding_module_names(peft_model.get_base_model())
-    blocks, embeddings = [], []
+    blocks: list[torch.nn.Parameter] = []
+    embeddings: list[torch.nn.Parameter] = []
     for name, parameter in peft_model.named_parameters():
         if parameter.requires_grad:
             module = name.removeprefix("base_model.model.")
@@ -101,7 +102,7 @@ def parameter_groups(recipe: Recipe, peft_model: Any) -> list[dict[str, Any]]:
 
 def make_optimizer(recipe: Recipe, groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
     train = recipe.train
-    kwargs = dict(
+    kwargs: dict[str, Any] = dict(
         lr=train.lr, betas=(train.adam_beta1, train.adam_beta2), eps=train.adam_eps, weight_decay=train.weight_decay
     )
     if train.optimizer == "adamw":
@@ -160,7 +161,9 @@ class TrainingRun:
 
     def collate(self, documents: list[dict]) -> dict[str, torch.Tensor]:
         # Varlen kernels want one padding-free sequence; sdpa/eager are faster on (R, T) packed rows.
-        layout = "one_sequence" if self.recipe.model.attn_implementation == "flash_attention_2" else "rows"
+        layout: Literal["rows", "one_sequence"] = (
+            "one_sequence" if self.recipe.model.attn_implementation == "flash_attention_2" else "rows"
+        )
         return collate_batch(documents, self.tokenizer.pad_token_id, packing=self.recipe.data.packing, layout=layout)
 
     def next_micro_batches(self) -> list[dict[str, torch.Tensor]]:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import time
 import warnings
 from pathlib import Path
+from typing import TYPE_CHECKING, cast
 
 import torch
 
@@ -48,6 +49,11 @@ from finetune.adapters.tied import TIE_KEY, tied_parameter_names
 from finetune.errors import AdapterError, AdapterWarning
 from finetune.fingerprint import base_state_items
 
+if TYPE_CHECKING:
+    from peft import PeftModel
+    from peft.tuners.tuners_utils import BaseTuner
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
 
 class LoadedModel:
     """A transformers model + tokenizer, its named adapters, and the ledger of what is merged.
@@ -63,8 +69,8 @@ class LoadedModel:
 
     def __init__(
         self,
-        model,
-        tokenizer,
+        model: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase,
         *,
         base_source: str,
         base_dir: Path | None,
@@ -91,7 +97,7 @@ class LoadedModel:
         self._ties_on_load = bool(getattr(model.config, TIE_KEY, False))
         self._quantized_originals: dict[str, torch.nn.Module] = {}
         self._requantization_errors: dict[str, float] = {}
-        self._peft = None
+        self._peft: PeftModel | None = None
         self._active: str | None = None
         self._per_row = False  # use_per_row() is on: adapter layers enabled for calls with adapter_names
 
@@ -144,8 +150,8 @@ class LoadedModel:
     def _base_weight(self, module: str, layer: torch.nn.Module) -> torch.Tensor:
         """The base's value of `module`'s weight: pristine if something is merged into it, else the current one."""
         if any(module in adapter.modules for adapter in (self.adapters[n] for n in self._ledger.entries)):
-            return self._pristine.get(module + ".weight", layer.weight.dtype)
-        return layer.weight.detach()
+            return self._pristine.get(module + ".weight", _weight(layer).dtype)
+        return _weight(layer).detach()
 
     def _adapter(self, name: str) -> Adapter:
         if name not in self.adapters:
@@ -231,21 +237,21 @@ class LoadedModel:
             self._write_quantized(module, parent, attribute, original, terms)
             return
         name = module + ".weight"
-        self._pristine.remember(name, layer.weight.data)
+        self._pristine.remember(name, _weight(layer).data)
         if not terms and module in self._untied:  # pristine again: share the tied weight once more
             layer.weight = self._untied.pop(module)
             self._set_tie_flag()
             return
         if terms and name in self._tied and module not in self._untied:
             self._untie(module, layer)
-        parameter = layer.weight
+        parameter = _weight(layer)
         new = merged_weight(self._pristine.get(name, parameter.dtype), terms, parameter.dtype, module=module)
         with torch.no_grad():
             parameter.data.copy_(new)
 
     def _untie(self, module: str, layer: torch.nn.Module) -> None:
         """Give `module` a weight of its own (see `finetune.adapters.tied`); the shared one stays untouched."""
-        shared = layer.weight
+        shared = _weight(layer)
         self._untied[module] = shared
         layer.weight = torch.nn.Parameter(shared.detach().clone(), requires_grad=shared.requires_grad)
         self._set_tie_flag()
@@ -255,7 +261,9 @@ class LoadedModel:
         if self._ties_on_load:
             setattr(self.model.config, TIE_KEY, not self._untied)
 
-    def _write_quantized(self, module: str, parent, attribute: str, original, terms: list[Term]) -> None:
+    def _write_quantized(
+        self, module: str, parent: torch.nn.Module, attribute: str, original: torch.nn.Module, terms: list[Term]
+    ) -> None:
         """Replace a quantized layer by round(deq(W_q) + Σ w·ΔW) (dense, or requantized), or restore it."""
         if not terms:
             setattr(parent, attribute, original)
@@ -276,12 +284,13 @@ class LoadedModel:
         self._per_row = False
         if name is None:
             if self._peft is not None:
-                self._peft.base_model.disable_adapter_layers()
+                _tuner(self._peft).disable_adapter_layers()
             self._active = None
             return
         self.attach(name)
+        assert self._peft is not None  # attach() made it
         self._peft.set_adapter(name)
-        self._peft.base_model.enable_adapter_layers()
+        _tuner(self._peft).enable_adapter_layers()
         self._active = name
 
     def attach(self, name: str) -> None:
@@ -301,7 +310,7 @@ class LoadedModel:
                 self._peft = PeftModel.from_pretrained(
                     self.model, str(adapter.path), adapter_name=name, is_trainable=False
                 )
-                self._peft.base_model.disable_adapter_layers()  # attached, not in use: forwards stay the base's
+                _tuner(self._peft).disable_adapter_layers()  # attached, not in use: forwards stay the base's
                 self._per_row = False
             elif name not in self._peft.peft_config:
                 self._peft.load_adapter(str(adapter.path), adapter_name=name, is_trainable=False)
@@ -323,7 +332,7 @@ class LoadedModel:
         if self._peft is None:
             raise AdapterError("no adapter is attached; call attach(name) first")
         if not self._per_row:  # switching costs a walk over every module: once, not per call
-            self._peft.base_model.enable_adapter_layers()
+            _tuner(self._peft).enable_adapter_layers()
             self._active, self._per_row = None, True
         return self._peft
 
@@ -398,6 +407,16 @@ class LoadedModel:
         return Path(out_dir)
 
 
+def _tuner(peft: PeftModel) -> BaseTuner:
+    """peft's LoRA tuner inside `peft`: peft types `PeftModel.base_model` as a plain Module."""
+    return cast("BaseTuner", peft.base_model)
+
+
+def _weight(layer: torch.nn.Module) -> torch.nn.Parameter:
+    """`layer.weight`, typed: torch types a module's attributes as `Tensor | Module`."""
+    return cast(torch.nn.Parameter, layer.weight)
+
+
 def _weight_shape(layer: torch.nn.Module) -> tuple[int, int] | None:
     if quantized.is_quantized_linear(layer):
         return (layer.out_features, layer.in_features)
@@ -406,5 +425,6 @@ def _weight_shape(layer: torch.nn.Module) -> tuple[int, int] | None:
     # nn.Embedding (vocab, dim), the shape of an embedding LoRA's update.
     known = isinstance(layer, (torch.nn.Linear, torch.nn.Embedding)) or type(layer).__name__ == "Conv1D"
     if isinstance(weight, torch.Tensor) and weight.dim() == 2 and known:
-        return tuple(weight.shape)
+        rows, columns = weight.shape
+        return (rows, columns)
     return None

@@ -69,8 +69,8 @@ class PristineWeights:
     @classmethod
     def of(cls, base_dir: str | Path | None, **options) -> PristineWeights:
         """The provider for a base directory (None, or a directory without safetensors files: copies only)."""
-        has_dir = base_dir is not None and Path(base_dir).is_dir()
-        return cls(TensorIndex.of(base_dir) if has_dir else None, **options)
+        index = TensorIndex.of(base_dir) if base_dir is not None and Path(base_dir).is_dir() else None
+        return cls(index, **options)
 
     @property
     def copied_bytes(self) -> int:

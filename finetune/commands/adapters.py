@@ -17,6 +17,7 @@ import math
 import sys
 import warnings
 from collections.abc import Callable
+from typing import Any
 
 from finetune.errors import AdapterWarning
 
@@ -156,12 +157,15 @@ def _merge(args: argparse.Namespace) -> int:
     from finetune.adapters.ondisk import merge_checkpoint
 
     specs = [parse_adapter_spec(spec) for spec in args.adapter]
-    options = dict(dtype=args.dtype, quantization=args.quantization, requantize=args.requantize)
-    print(merge_checkpoint(args.base, specs, args.out, **options, **_trust(args)).summary())
+    report = merge_checkpoint(
+        args.base, specs, args.out, dtype=args.dtype, quantization=args.quantization, requantize=args.requantize,
+        **_trust(args),
+    )  # fmt: skip
+    print(report.summary())
     return 0
 
 
-def _trust(args: argparse.Namespace) -> dict[str, bool]:
+def _trust(args: argparse.Namespace) -> dict[str, Any]:
     """What the user vouches for: another base (--force), pickle files (--allow-pickle)."""
     return dict(force=args.force, allow_pickle=args.allow_pickle)
 

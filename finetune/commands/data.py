@@ -33,7 +33,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def _marked_text(tokenizer, input_ids: list[int], labels: list[int], colour: bool) -> str:
     """The document's text with each run of trained tokens marked."""
-    pieces, run, trained_run = [], [], False
+    pieces: list[str] = []
+    run: list[int] = []
+    trained_run = False
     for token, label in [*zip(input_ids, labels), (None, None)]:
         trained = label is not None and label != -100
         if token is None or trained != trained_run:

@@ -77,8 +77,10 @@ def collate_batch(
         return _padded_rows(rows, pad_token_id or 0, with_mask=False)
     if pad_token_id is None:
         raise ValueError("collate_batch(packing=False) needs a pad_token_id; give the tokenizer a pad token")
-    rows = [{**document, "position_ids": range(len(document["input_ids"]))} for document in documents]
-    return _padded_rows(rows, pad_token_id, with_mask=True)
+    with_positions: list[Document] = [
+        {**document, "position_ids": range(len(document["input_ids"]))} for document in documents
+    ]
+    return _padded_rows(with_positions, pad_token_id, with_mask=True)
 
 
 def _concatenated(documents: Sequence[Document]) -> dict[str, list[int]]:

@@ -33,10 +33,10 @@ import pyarrow.compute as pc
 from transformers import PreTrainedTokenizerBase
 
 from finetune.data import cache
-from finetune.data.formats import Document, encode_records
+from finetune.data.formats import Document, Locate, encode_records
 from finetune.data.overlength import fit_to_length
 from finetune.data.packing import arrow_dataset, document_lengths, document_rows
-from finetune.data.sources import iter_records, load_source
+from finetune.data.sources import RawSource, iter_records, load_source
 from finetune.errors import DataError
 from finetune.loss import IGNORE_INDEX
 from finetune.recipe import DataConfig, SourceConfig
@@ -154,9 +154,7 @@ def preview_documents(config: DataConfig, tokenizer: PreTrainedTokenizerBase, li
     raw = load_source(config.train[0], config.text_field)
     documents: list[PreviewDocument] = []
     for first, records in iter_records(raw, max(limit, 1)):
-        encoded = encode_records(
-            records, config, tokenizer, locate=lambda i, first=first, raw=raw: raw.where(first + i)
-        )
+        encoded = encode_records(records, config, tokenizer, locate=_locator(raw, first))
         for offset, document in enumerate(encoded):
             pieces, _ = fit_to_length(document, config, raw.where(first + offset))
             for number, piece in enumerate(pieces, start=1):
@@ -200,6 +198,11 @@ def _build(
     return train, validation, stats
 
 
+def _locator(raw: RawSource, first: int) -> Locate:
+    """Names record `i` of a chunk that starts at record `first` of `raw`, for error messages."""
+    return lambda i: raw.where(first + i)
+
+
 def _documents(
     sources: list[SourceConfig], config: DataConfig, tokenizer: PreTrainedTokenizerBase, log: Log
 ) -> tuple[datasets.Dataset, int]:
@@ -208,9 +211,7 @@ def _documents(
     for source in sources:
         raw = load_source(source, config.text_field)
         for first, records in iter_records(raw, _RECORDS_PER_CHUNK):
-            encoded = encode_records(
-                records, config, tokenizer, locate=lambda i, first=first, raw=raw: raw.where(first + i)
-            )
+            encoded = encode_records(records, config, tokenizer, locate=_locator(raw, first))
             chunk: dict[str, list] = {name: [] for name in DOCUMENT_FEATURES}
             for offset, document in enumerate(encoded):
                 pieces, too_long = fit_to_length(document, config, raw.where(first + offset))

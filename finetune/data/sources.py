@@ -216,6 +216,7 @@ def _load_file(path: Path, raw_path: str, text_field: str) -> RawSource:
     if suffix == ".parquet":
         return RawSource(raw_path, _read_parquet(path, raw_path))
     text = _read_utf8(path, raw_path)
+    lines: list[int] | None
     if suffix == ".jsonl":
         records, lines = _parse_json_lines(text, raw_path)
     elif suffix == ".json":
@@ -243,7 +244,8 @@ def _read_utf8(path: Path, raw_path: str) -> str:
 
 
 def _parse_json_lines(text: str, raw_path: str) -> tuple[list[dict[str, Any]], list[int]]:
-    records, lines = [], []
+    records: list[dict[str, Any]] = []
+    lines: list[int] = []
     for line_number, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue

@@ -129,6 +129,8 @@ def export_model_gguf(
 
     written = write_gguf(out, GGUF_ARCH, add_metadata, tensors)
     fallbacks = sorted({t.name for t in tensors if t.dtype != dtype and len(t.shape) > 1})
-    notes = (f"{len(fallbacks)} tensors with rows not a multiple of 32 written as f16",) if fallbacks else ()
+    notes: tuple[str, ...] = (
+        (f"{len(fallbacks)} tensors with rows not a multiple of 32 written as f16",) if fallbacks else ()
+    )
     notes += (f"tokenizer pre-tokenizer {tokenizer.pre_tokenizer}",)
     return ExportReport(written, "model", dtype, len(tensors), notes)
