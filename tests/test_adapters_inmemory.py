@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from adapter_fixtures import assert_tensors_equal, base_tensors, make_adapter
+from helpers import assert_tensors_equal, base_tensors, make_adapter
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from peft import PeftModel

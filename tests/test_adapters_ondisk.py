@@ -9,7 +9,7 @@ import shutil
 
 import pytest
 import torch
-from adapter_fixtures import assert_tensors_equal, make_adapter
+from helpers import assert_tensors_equal, make_adapter, read_tensors
 from peft import PeftModel
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM
@@ -20,14 +20,6 @@ from finetune.adapters.ledger import LEDGER_KEY
 from finetune.adapters.lora import read_adapter
 from finetune.adapters.ondisk import AdapterSpec, merge_checkpoint, subtract_checkpoint, swap_checkpoint
 from finetune.errors import AdapterError
-
-
-def read_tensors(model_dir) -> dict[str, torch.Tensor]:
-    tensors = {}
-    for path in sorted(model_dir.glob("*.safetensors")):
-        with safe_open(str(path), framework="pt") as handle:
-            tensors.update({name: handle.get_tensor(name) for name in handle.keys()})
-    return tensors
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
@@ -126,7 +118,7 @@ def test_refusals_name_what_and_write_nothing(tmp_path, tiny_base_dir, adapter_d
             tmp_path / "x",
         )
     other_base = tmp_path / "other_base"
-    from conftest import TEST_SHAPE
+    from helpers import TEST_SHAPE
 
     from finetune.embedded.tiny import build_tiny_llama
 

@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from adapter_fixtures import make_adapter
+from helpers import make_adapter
 
 import finetune
 from finetune.errors import AdapterError, AdapterWarning
@@ -54,7 +54,7 @@ def test_load_model_from_an_adapter_finds_its_base_and_uses_it(tiny_base_dir, ad
 def test_fingerprint_mismatch_in_memory_names_both_and_force_overrides(
     tmp_path, tiny_base_dir, tiny_tokenizer, adapter_dirs
 ):
-    from conftest import TEST_SHAPE
+    from helpers import TEST_SHAPE
 
     from finetune.embedded.tiny import build_tiny_llama
 

@@ -8,10 +8,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import REPO
 
 from finetune.cli import main
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 def run_cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:

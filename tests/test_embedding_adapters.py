@@ -14,10 +14,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from adapter_fixtures import assert_tensors_equal, make_adapter
+from helpers import assert_tensors_equal, instruction_records, make_adapter, read_tensors
 from safetensors.torch import load_file, save_file
-from test_adapters_ondisk import read_tensors
-from test_train import _instruction_records
 from transformers import AutoModelForCausalLM
 
 import finetune
@@ -144,7 +142,7 @@ def test_combine_keeps_embedding_lora_and_equals_the_weighted_sum(tmp_path, tiny
 
 
 def _recipe(root: Path, base_dir: Path, embedding_lr: float) -> Path:
-    records = _instruction_records(40)
+    records = instruction_records(40)
     (root / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records[:32]))
     (root / "valid.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records[32:]))
     recipe = root / "recipe.yaml"

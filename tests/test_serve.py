@@ -26,9 +26,7 @@ import httpx
 import openai
 import pytest
 import torch
-from adapter_fixtures import ALL_LINEAR, make_adapter
-from conftest import TEST_SHAPE
-from test_cli import REPO
+from helpers import ALL_LINEAR, REPO, TEST_SHAPE, make_adapter
 
 import finetune
 from finetune.cli import main
