@@ -141,3 +141,17 @@ def greedy_ids(model, prompt_ids: list[int], max_new_tokens: int, eos_token_id: 
             if token == eos_token_id:
                 break
     return new
+
+
+def greedy_text(base_dir: Path, adapter_dir: Path | str | None, prompt: str, max_new_tokens: int) -> str:
+    """What `finetune generate` must print for `prompt` (without its newline): `greedy_ids` on the base
+    loaded by transformers with the adapter loaded by peft (none: the base alone), decoded without specials."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(base_dir)
+    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    if adapter_dir is not None:
+        model = PeftModel.from_pretrained(model, str(adapter_dir))
+    ids = greedy_ids(model.eval(), tokenizer(prompt)["input_ids"], max_new_tokens, tokenizer.eos_token_id)
+    return tokenizer.decode(ids, skip_special_tokens=True)

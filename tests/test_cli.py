@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import REPO
+from helpers import REPO, greedy_text
 
 from finetune.cli import main
 
@@ -29,7 +29,7 @@ def assert_user_error(result: subprocess.CompletedProcess, *fragments: str) -> N
         assert fragment in errors[0]
 
 
-def test_train_eval_generate_as_subprocesses(workdir):
+def test_train_eval_generate_as_subprocesses(workdir, tiny_base_dir):
     trained = run_cli("train", "recipe.yaml", "train.max_steps=4")
     assert trained.returncode == 0, trained.stderr[-2000:]
     assert "adapter: adapters/crates" in trained.stdout
@@ -41,9 +41,10 @@ def test_train_eval_generate_as_subprocesses(workdir):
     assert base_line.startswith("base: perplexity ")
     assert tuned_line.startswith("base + adapter: perplexity ") and "% lower" in tuned_line
 
-    generated = run_cli("generate", "--adapter", "adapters/crates", "--max-new-tokens", "5", "What colour is crate 3?")
+    prompt = "What colour is crate 3?"
+    generated = run_cli("generate", "--adapter", "adapters/crates", "--max-new-tokens", "5", prompt)
     assert generated.returncode == 0, generated.stderr[-2000:]
-    assert generated.stdout.strip()
+    assert generated.stdout == greedy_text(tiny_base_dir, "adapters/crates", prompt, 5) + "\n"
 
 
 def test_validate_reports_ok_and_errors(workdir, capsys):

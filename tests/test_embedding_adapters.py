@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import assert_tensors_equal, instruction_records, make_adapter, read_tensors
+from helpers import assert_tensors_equal, greedy_text, instruction_records, make_adapter, read_tensors
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
@@ -176,7 +176,9 @@ def test_a_trained_head_and_embedding_adapter_works_in_every_command(tmp_path, t
     assert [group["lr"] for group in groups] == [5e-3, 1e-3] and len(groups[1]["params"]) == 4  # head A, B; emb A, B
 
     valid = tmp_path / "valid.jsonl"
-    assert main(["generate", "--adapter", str(adapter_dir), "--max-new-tokens", "4", "What colour is crate 3?"]) == 0
+    prompt = "What colour is crate 3?"
+    assert main(["generate", "--adapter", str(adapter_dir), "--max-new-tokens", "4", prompt]) == 0
+    assert capsys.readouterr().out == greedy_text(tiny_base_dir, adapter_dir, prompt, 4) + "\n"
     assert main(["eval", "--adapter", str(adapter_dir), "--data", str(valid), "--format", "instruction"]) == 0
     merged, back = tmp_path / "merged", tmp_path / "back"
     assert (
