@@ -143,9 +143,12 @@ def greedy_ids(model, prompt_ids: list[int], max_new_tokens: int, eos_token_id: 
     return new
 
 
-def greedy_text(base_dir: Path, adapter_dir: Path | str | None, prompt: str, max_new_tokens: int) -> str:
+def greedy_text(
+    base_dir: Path, adapter_dir: Path | str | None, prompt: str, max_new_tokens: int, *, chat: bool = False
+) -> str:
     """What `finetune generate` must print for `prompt` (without its newline): `greedy_ids` on the base
-    loaded by transformers with the adapter loaded by peft (none: the base alone), decoded without specials."""
+    loaded by transformers with the adapter loaded by peft (none: the base alone), decoded without specials.
+    The prompt is tokenized as the tokenizer does (BOS first), or with `chat` as one user turn of its template."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -153,5 +156,10 @@ def greedy_text(base_dir: Path, adapter_dir: Path | str | None, prompt: str, max
     model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
     if adapter_dir is not None:
         model = PeftModel.from_pretrained(model, str(adapter_dir))
-    ids = greedy_ids(model.eval(), tokenizer(prompt)["input_ids"], max_new_tokens, tokenizer.eos_token_id)
+    if chat:
+        messages = [{"role": "user", "content": prompt}]
+        prompt_ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)["input_ids"]
+    else:
+        prompt_ids = tokenizer(prompt)["input_ids"]
+    ids = greedy_ids(model.eval(), prompt_ids, max_new_tokens, tokenizer.eos_token_id)
     return tokenizer.decode(ids, skip_special_tokens=True)

@@ -141,6 +141,17 @@ def test_combine_keeps_embedding_lora_and_equals_the_weighted_sum(tmp_path, tiny
         torch.testing.assert_close(actual, expected, rtol=0, atol=1e-6, msg=name)
 
 
+def test_generate_with_head_and_embedding_lora_prints_greedy_decoding(tiny_base_dir, head_adapters, capsys):
+    prompt = "What colour is crate 3?"
+    printed = []
+    for adapter in (head_adapters["style"], None):
+        adapter_args = ["--adapter", str(adapter)] if adapter else []
+        assert main(["generate", "--base", str(tiny_base_dir), *adapter_args, "--max-new-tokens", "6", prompt]) == 0
+        printed.append(capsys.readouterr().out)
+        assert printed[-1] == greedy_text(tiny_base_dir, adapter, prompt, 6) + "\n"
+    assert printed[0] != printed[1]  # the head and embedding LoRA change the tokens
+
+
 def _recipe(root: Path, base_dir: Path, embedding_lr: float) -> Path:
     records = instruction_records(40)
     (root / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records[:32]))
