@@ -53,13 +53,13 @@ def test_nested_tensors_round_trip_bit_for_bit(tmp_path):
         },
         "param_groups": [
             {"lr": 1e-3, "betas": (0.9, 0.999), "params": [0, 1], "name": "lora", "foreach": None, "amsgrad": False},
-            {"lr": torch.tensor(5e-4), "betas": (0.8, 0.99), "params": [2], "nested": [[1, 2], (3, "x")]},
+            {"lr": torch.tensor(5e-4), "betas": (0.8, 0.99), "params": [2], "nested": [[1, 2], (torch.ones(2), "x")]},
         ],
         "looks_like_a_reference": {"tensor": "optimizer.state.0.step", "dict": [], "list": 1},
     }
     joined, tensors = _round_trip(value, tmp_path)
     assert_same(value, joined)
-    assert len(tensors) == 8  # every tensor stored once, under its own name
+    assert len(tensors) == 9  # every tensor stored once, under its own name
 
 
 @pytest.mark.parametrize("value", [None, 0, 1.5, "text", [], {}, True])
