@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from adapter_fixtures import make_adapter
+from helpers import greedy_ids, make_adapter
 
 import finetune
 from finetune.errors import AdapterError, AdapterWarning
@@ -41,20 +41,29 @@ def test_load_model_from_an_adapter_finds_its_base_and_uses_it(tiny_base_dir, ad
 
     reference = PeftModel.from_pretrained(
         AutoModelForCausalLM.from_pretrained(tiny_base_dir), str(adapter_dirs["legal"])
-    )
-    input_ids = tiny_tokenizer(["for i in range"], return_tensors="pt").input_ids
+    ).eval()
+    input_ids = tiny_tokenizer(["the model"], return_tensors="pt").input_ids
     with torch.no_grad():
         torch.testing.assert_close(
             m.model(input_ids=input_ids).logits, reference(input_ids=input_ids).logits, rtol=0, atol=1e-5
         )
-    output = m.model.generate(input_ids, max_new_tokens=3, do_sample=False)
-    assert output.shape == (1, input_ids.shape[1] + 3)
+    # generate (KV cache, transformers' loop) gives the tokens of greedy decoding by hand on plain peft
+    expected = greedy_ids(reference, input_ids[0].tolist(), 8, tiny_tokenizer.eos_token_id)
+    assert len(set(expected)) > 2  # not one token repeated: a wrong position or cache row would show
+    output = m.model.generate(input_ids, max_new_tokens=8, do_sample=False, eos_token_id=tiny_tokenizer.eos_token_id)
+    assert output[0, input_ids.shape[1] :].tolist() == expected
+    m.use(None)
+    with reference.disable_adapter():
+        base_expected = greedy_ids(reference, input_ids[0].tolist(), 8, tiny_tokenizer.eos_token_id)
+    assert base_expected != expected  # the comparison tells the adapter's tokens from the base's
+    output = m.model.generate(input_ids, max_new_tokens=8, do_sample=False, eos_token_id=tiny_tokenizer.eos_token_id)
+    assert output[0, input_ids.shape[1] :].tolist() == base_expected
 
 
 def test_fingerprint_mismatch_in_memory_names_both_and_force_overrides(
     tmp_path, tiny_base_dir, tiny_tokenizer, adapter_dirs
 ):
-    from conftest import TEST_SHAPE
+    from helpers import TEST_SHAPE
 
     from finetune.embedded.tiny import build_tiny_llama
 

@@ -497,9 +497,9 @@ def test_damaged_cache_entry_is_rebuilt(tmp_path, tiny_tokenizer):
 
 @pytest.fixture(scope="module")
 def other_tokenizer():
-    from conftest import _tokenizer_corpus
+    from helpers import tokenizer_corpus
 
-    return train_tokenizer(_tokenizer_corpus(), vocab_size=400, max_model_len=512)
+    return train_tokenizer(tokenizer_corpus(), vocab_size=400, max_model_len=512)
 
 
 def _append_record(config, data_file: Path, tokenizer):

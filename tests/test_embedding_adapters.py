@@ -14,10 +14,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from adapter_fixtures import assert_tensors_equal, make_adapter
+from helpers import assert_tensors_equal, greedy_text, instruction_records, make_adapter, read_tensors
 from safetensors.torch import load_file, save_file
-from test_adapters_ondisk import read_tensors
-from test_train import _instruction_records
 from transformers import AutoModelForCausalLM
 
 import finetune
@@ -143,8 +141,19 @@ def test_combine_keeps_embedding_lora_and_equals_the_weighted_sum(tmp_path, tiny
         torch.testing.assert_close(actual, expected, rtol=0, atol=1e-6, msg=name)
 
 
+def test_generate_with_head_and_embedding_lora_prints_greedy_decoding(tiny_base_dir, head_adapters, capsys):
+    prompt = "What colour is crate 3?"
+    printed = []
+    for adapter in (head_adapters["style"], None):
+        adapter_args = ["--adapter", str(adapter)] if adapter else []
+        assert main(["generate", "--base", str(tiny_base_dir), *adapter_args, "--max-new-tokens", "6", prompt]) == 0
+        printed.append(capsys.readouterr().out)
+        assert printed[-1] == greedy_text(tiny_base_dir, adapter, prompt, 6) + "\n"
+    assert printed[0] != printed[1]  # the head and embedding LoRA change the tokens
+
+
 def _recipe(root: Path, base_dir: Path, embedding_lr: float) -> Path:
-    records = _instruction_records(40)
+    records = instruction_records(40)
     (root / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records[:32]))
     (root / "valid.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records[32:]))
     recipe = root / "recipe.yaml"
@@ -178,7 +187,9 @@ def test_a_trained_head_and_embedding_adapter_works_in_every_command(tmp_path, t
     assert [group["lr"] for group in groups] == [5e-3, 1e-3] and len(groups[1]["params"]) == 4  # head A, B; emb A, B
 
     valid = tmp_path / "valid.jsonl"
-    assert main(["generate", "--adapter", str(adapter_dir), "--max-new-tokens", "4", "What colour is crate 3?"]) == 0
+    prompt = "What colour is crate 3?"
+    assert main(["generate", "--adapter", str(adapter_dir), "--max-new-tokens", "4", prompt]) == 0
+    assert capsys.readouterr().out == greedy_text(tiny_base_dir, adapter_dir, prompt, 4) + "\n"
     assert main(["eval", "--adapter", str(adapter_dir), "--data", str(valid), "--format", "instruction"]) == 0
     merged, back = tmp_path / "merged", tmp_path / "back"
     assert (

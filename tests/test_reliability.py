@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import greedy_text
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file
@@ -142,6 +143,7 @@ def test_a_cached_hub_model_loads_without_waiting_on_an_unreachable_hub(tmp_path
     )  # fmt: skip
     seconds = time.monotonic() - started
     assert result.returncode == 0, result.stderr
+    assert result.stdout == greedy_text(tiny_base_dir, None, "the model", 3) + "\n"  # the cached model's tokens
     assert result.stderr == ""  # our lines only: no progress bars, no library warnings
     assert seconds < 60, f"took {seconds:.0f} s: it waited on the network (before the fix: 167 s)"
 
