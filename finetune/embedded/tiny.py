@@ -43,8 +43,7 @@ def tiny_llama_config(tokenizer: PreTrainedTokenizerBase, **shape: int | bool | 
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
         rms_norm_eps=1e-5,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-        **fields,
+        **{"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}, **fields},
     )
 
 
