@@ -27,11 +27,9 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
-
 from finetune.interrupt import graceful_stop
 from finetune.recipe import load_recipe
-from finetune.run_setup import make_scheduler, start_run
+from finetune.run_setup import make_optimizer, make_scheduler, start_run
 from finetune.train import run_steps
 
 RESULTS = Path(__file__).parent / "results" / "learning_quality.json"
@@ -79,10 +77,7 @@ def _switch_to_full_fine_tuning(run, lr: float) -> None:
             base_parameters.append(parameter)
     assert all(p.abs().max() == 0 for n, p in run.peft_model.named_parameters() if ".lora_B" in n)
     run.trainable_parameters = base_parameters
-    train = run.recipe.train
-    run.optimizer = torch.optim.AdamW(
-        base_parameters, lr=lr, betas=(train.adam_beta1, train.adam_beta2), eps=train.adam_eps, weight_decay=0.0
-    )
+    run.optimizer = make_optimizer(run.recipe, [{"params": base_parameters, "lr": lr}])
     run.scheduler = make_scheduler(run.recipe, run.optimizer, run.plan)
 
 

@@ -30,6 +30,7 @@ from peft import get_peft_model_state_dict, set_peft_model_state_dict
 from transformers import get_scheduler
 
 from finetune import checkpoint as ckpt
+from finetune.adapters.lora import PEFT_PREFIX
 from finetune.data import build_datasets, collate_batch
 from finetune.data.collate import describe_layout
 from finetune.data.packing import document_lengths
@@ -91,7 +92,7 @@ def parameter_groups(recipe: Recipe, peft_model: Any) -> list[dict[str, Any]]:
     embeddings: list[torch.nn.Parameter] = []
     for name, parameter in peft_model.named_parameters():
         if parameter.requires_grad:
-            module = name.removeprefix("base_model.model.")
+            module = name.removeprefix(PEFT_PREFIX)
             on_embedding = any(module.startswith(embedding + ".") for embedding in embedding_names)
             (embeddings if on_embedding else blocks).append(parameter)
     groups = [{"params": blocks, "lr": recipe.train.lr}]

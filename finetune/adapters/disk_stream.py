@@ -20,8 +20,12 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 from finetune.adapters.arithmetic import Term, half_ulp, merged_weight, module_terms
 from finetune.adapters.disk_plan import DiskPlan
@@ -61,9 +65,11 @@ class _ShardWriter:
         self.terms = module_terms(weights, plan.adapters)
         self.read_index = read_index
         self.source_index = read_index if read_dir == plan.source_dir else TensorIndex.of(plan.source_dir)
-        self.aliases = stored_aliases(read_dir, read_index)
+        architecture = _meta_model(read_dir)  # one per operation: tied names and quantizable weights
+        self.aliases = stored_aliases(architecture, read_index)
         self.untied = _names_to_untie(self.aliases, self.terms)
-        self.quantized_weights = _quantizable_weights(read_dir) if self._quantization(plan) != "none" else set()
+        quantized = self._quantization(plan) != "none"
+        self.quantized_weights = _quantizable_weights(architecture) if quantized else set()
         roundtrip = quantization_roundtrip(
             self.quantized_weights, self._quantization(plan), quantization_options(plan.adapters)
         )
@@ -166,15 +172,23 @@ def _names_to_untie(aliases: dict[str, str], terms: dict) -> dict[str, list[str]
     return untie
 
 
-def _quantizable_weights(model_dir: Path) -> set[str]:
-    """Names of the weights bitsandbytes quantizes on load: every nn.Linear except the output embeddings."""
+def _meta_model(model_dir: Path) -> PreTrainedModel:
+    """The checkpoint's architecture on the meta device: its module tree, with no weights allocated."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(model_dir)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
-    output = model.get_output_embeddings()
-    return {f"{name}.weight" for name, m in model.named_modules() if isinstance(m, torch.nn.Linear) and m is not output}
+        return AutoModelForCausalLM.from_config(config)
+
+
+def _quantizable_weights(architecture: PreTrainedModel) -> set[str]:
+    """Names of the weights bitsandbytes quantizes on load: every nn.Linear except the output embeddings."""
+    output = architecture.get_output_embeddings()
+    return {
+        f"{name}.weight"
+        for name, m in architecture.named_modules()
+        if isinstance(m, torch.nn.Linear) and m is not output
+    }
 
 
 def quantization_options(adapters: dict[str, Adapter]) -> dict:

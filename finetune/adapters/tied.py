@@ -9,15 +9,18 @@ pair is tied again, so subtracting everything gives the base back in structure a
 
 Example:
     tied_parameter_names(model)             # {'lm_head.weight': 'model.embed_tokens.weight', ...}
-    stored_aliases(model_dir, stored_names) # {'lm_head.weight': 'model.embed_tokens.weight'}
+    stored_aliases(meta_model, stored_names)  # {'lm_head.weight': 'model.embed_tokens.weight'}
 """
 
 from __future__ import annotations
 
 from collections.abc import Collection
-from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 TIE_KEY = "tie_word_embeddings"
 
@@ -34,20 +37,15 @@ def tied_parameter_names(model: torch.nn.Module) -> dict[str, str]:
     return tied
 
 
-def stored_aliases(model_dir: Path, stored_names: Collection[str]) -> dict[str, str]:
+def stored_aliases(architecture: PreTrainedModel, stored_names: Collection[str]) -> dict[str, str]:
     """Tied weight names the checkpoint does not store -> the stored name holding their values.
 
-    Read off the architecture built on the meta device (nothing is allocated), as transformers ties it on
-    load; empty when nothing is tied.
+    `architecture` is the model built from the checkpoint's config (on the meta device: nothing is
+    allocated); tied as transformers ties it on load. Empty when nothing is tied.
     """
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.from_pretrained(model_dir)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
-    model.tie_weights()
+    architecture.tie_weights()
     return {
         name: other
-        for name, other in tied_parameter_names(model).items()
+        for name, other in tied_parameter_names(architecture).items()
         if name not in stored_names and other in stored_names
     }
