@@ -309,6 +309,73 @@ class OutputConfig(_Section):
         return Path(self.run_dir) if self.run_dir else Path("runs") / self.name
 
 
+class FsdpConfig(_Section):
+    """`distributed.strategy: fsdp`: torch's FSDP2 (`fully_shard`), one shard unit per decoder layer plus the root.
+
+    Activation checkpointing is `train.gradient_checkpointing`, which checkpoints per decoder layer, the
+    unit FSDP shards by: one setting for every strategy rather than a second one that only FSDP reads."""
+
+    version: int = 2
+    """2, torch's `fully_shard` (per-parameter DTensor sharding). FSDP1 is deprecated in torch and not offered."""
+    sharding: Literal["full", "grad_op"] = "full"
+    """`full`: parameters are gathered for a layer's forward and backward and freed after (ZeRO-3; least
+    memory). `grad_op`: kept gathered from forward to backward (ZeRO-2-like; one all-gather less per step)."""
+    cpu_offload: bool = False
+    """Keep the sharded parameters, their gradients and the optimizer state in CPU memory (GPU runs)."""
+    wrap: Literal["decoder_layer"] = "decoder_layer"
+    """What one shard unit is: each decoder layer (found from the model's `_no_split_modules`)."""
+
+    @field_validator("version")
+    @classmethod
+    def _only_fsdp2(cls, value: int) -> int:
+        if value != 2:
+            raise ValueError(f"version {value} is not offered; use 2 (torch's fully_shard; FSDP1 is deprecated)")
+        return value
+
+
+class DeepSpeedConfig(_Section):
+    """`distributed.strategy: deepspeed`: DeepSpeed ZeRO through accelerate's DeepSpeed plugin (GPU only)."""
+
+    stage: Literal[2, 3] = 3
+    """ZeRO stage: 2 shards gradients and optimizer state, 3 also the parameters."""
+    offload_optimizer: bool = False
+    """Keep optimizer state in CPU memory (ZeRO-Offload)."""
+    offload_params: bool = False
+    """Keep parameters in CPU memory between uses (stage 3 only)."""
+
+    @model_validator(mode="after")
+    def _params_offload_needs_stage3(self) -> DeepSpeedConfig:
+        if self.offload_params and self.stage != 3:
+            raise ValueError("offload_params needs stage: 3 (stage 2 does not shard parameters)")
+        return self
+
+
+class DistributedConfig(_Section):
+    """How several processes share the work (`finetune train --nproc N`); no effect in one process."""
+
+    strategy: Literal["ddp", "fsdp", "deepspeed"] = "ddp"
+    """`ddp`: every rank holds the whole model, gradients are averaged. `fsdp`: the model is sharded over
+    the ranks (a base too large for one device). `deepspeed`: ZeRO stage 2/3 (`pip install 'finetune[deepspeed]'`)."""
+    fsdp: FsdpConfig = FsdpConfig()
+    deepspeed: DeepSpeedConfig = DeepSpeedConfig()
+
+    @field_validator("strategy")
+    @classmethod
+    def _deepspeed_installed(cls, value: str) -> str:
+        import importlib.util
+
+        if value == "deepspeed" and importlib.util.find_spec("deepspeed") is None:
+            raise ValueError("deepspeed is not installed; pip install 'finetune[deepspeed]' (it needs a GPU)")
+        return value
+
+    @model_validator(mode="after")
+    def _options_match_strategy(self) -> DistributedConfig:
+        for section in ("fsdp", "deepspeed"):
+            if section in self.model_fields_set and self.strategy != section:
+                raise ValueError(f"{section} options are set but strategy is {self.strategy}; set strategy: {section}")
+        return self
+
+
 class CatalogInfo(_Section):
     """How `finetune recipes list` describes a recipe; no effect on training."""
 
@@ -327,7 +394,18 @@ class Recipe(_Section):
     lora: LoraConfig = LoraConfig()
     data: DataConfig
     train: TrainConfig = TrainConfig()
+    distributed: DistributedConfig = DistributedConfig()
     output: OutputConfig
+
+    @model_validator(mode="after")
+    def _sharding_needs_dense_base(self) -> Recipe:
+        strategy = self.distributed.strategy
+        if strategy != "ddp" and self.model.quantization != "none":
+            raise ValueError(
+                f"distributed.strategy {strategy} with model.quantization {self.model.quantization} is not supported; "
+                "a quantized base is small enough for ddp (QLoRA), or shard an unquantized one"
+            )
+        return self
 
 
 # ---------------------------------------------------------------------------------------------------
