@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from finetune.console import configure_console
 from finetune.errors import FinetuneError
 
-COMMAND_MODULES = ("train", "inference", "adapters", "recipes", "data", "serve", "export", "report")
+COMMAND_MODULES = ("train", "plan", "inference", "adapters", "recipes", "data", "serve", "export", "report")
 """Modules under `finetune.commands`, in the order their commands appear in `--help`."""
 
 EXIT_USER_ERROR = 2

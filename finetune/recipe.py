@@ -564,6 +564,9 @@ def load_recipe(path: str | Path | Recipe, overrides: list[str] | tuple[str, ...
     """
     if isinstance(path, Recipe):
         data, source = path.model_dump(), "recipe"
+        for section in ("fsdp", "deepspeed"):  # a strategy's options count as given only where the recipe gave them
+            if section not in path.distributed.model_fields_set:
+                del data["distributed"][section]
     else:
         from finetune.catalog import resolve_recipe_path
 

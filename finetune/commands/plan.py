@@ -1,0 +1,86 @@
+"""`finetune plan RECIPE [key=value ...] [--json] [--nproc N] [--device-memory 24GB]`: will it fit?
+
+Estimates the peak memory of the recipe's run per device (per rank with `--nproc`) from the base's
+config.json alone, before anything is loaded; see `finetune.plan`.
+
+Example:
+    finetune plan llama-3.1-8b-instruct-chat --device-memory 24GB
+    finetune plan my.yaml distributed.strategy=fsdp --nproc 4 --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+
+from finetune.errors import FinetuneError
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(b|k|m|g|t)?(i?b)?\s*$", re.IGNORECASE)
+
+
+def parse_memory_size(text: str) -> int:
+    """`24GB`, `24GiB`, `24G`, `16000MB` or plain bytes. GB is read as GiB, as GPU memory is quoted (a 24 GB
+    card holds 24 GiB)."""
+    match = _SIZE.match(text)
+    if not match:
+        raise FinetuneError(f"--device-memory {text!r}: not a size; write e.g. 24GB, 80GiB or 16000MB")
+    unit = (match.group(2) or "b").lower()
+    return int(float(match.group(1)) * 1024 ** "bkmgt".index(unit))
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    plan = subparsers.add_parser("plan", help="estimate a recipe's peak memory per device before loading anything")
+    plan.add_argument("recipe", help="YAML recipe or catalog name, e.g. llama-3.1-8b-instruct-chat")
+    plan.add_argument(
+        "overrides", nargs="*", metavar="key=value", help="recipe overrides, e.g. train.micro_batch_size=1"
+    )
+    plan.add_argument("--json", action="store_true", help='print {"peak_bytes": N, "parts": {...}} (per rank)')
+    plan.add_argument("--nproc", type=int, default=1, help="processes (GPUs) the run is spread over; per-rank figures")
+    plan.add_argument(
+        "--device-memory", help="memory of one device, e.g. 24GB: says whether it fits, and if not what to change"
+    )
+    plan.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
+                      help="what the run trains on (auto: a GPU when torch sees one)")  # fmt: skip
+    plan.add_argument("--config", help="the base's config.json (or its directory) when it is not on this machine")
+    plan.set_defaults(handler=run_plan)
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    from finetune.plan.memory import estimate
+    from finetune.plan.model_config import find_model_config
+    from finetune.plan.shape import model_shape
+    from finetune.recipe import load_recipe
+
+    if args.nproc < 1:
+        raise FinetuneError(f"--nproc {args.nproc}: must be at least 1")
+    device_bytes = parse_memory_size(args.device_memory) if args.device_memory else None
+    recipe = load_recipe(args.recipe, args.overrides)
+    config, source = find_model_config(recipe.model.base, recipe.model.revision, args.config)
+    shape = model_shape(config, recipe.lora)
+    device = args.device
+    if device == "auto":
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    plan = estimate(recipe, shape, device=device, nproc=args.nproc)
+    found = []
+    if device_bytes is not None and plan.peak_bytes > device_bytes:
+        from finetune.plan.suggest import suggestions
+
+        found = suggestions(recipe, shape, device=device, nproc=args.nproc, device_bytes=device_bytes)
+    if args.json:
+        result = plan.as_json()
+        if device_bytes is not None:
+            result["device_memory_bytes"] = device_bytes
+            result["fits"] = plan.peak_bytes <= device_bytes
+            result["suggestions"] = [
+                {"change": s.description, "overrides": list(s.overrides), "nproc": s.nproc,
+                 "peak_bytes": s.plan.peak_bytes, "fits": s.fits} for s in found
+            ]  # fmt: skip
+        print(json.dumps(result, indent=2))
+        return 0
+    from finetune.commands.plan_view import render
+
+    print(render(args.recipe, recipe, source, plan, device_bytes, found))
+    return 0

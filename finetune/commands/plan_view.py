@@ -1,0 +1,63 @@
+"""The human view of `finetune plan`: a table of parts, the peak, whether it fits, what to change.
+
+Example:
+    print(render("quickstart", recipe, "config.json", plan, 8 * GiB, []))
+"""
+
+from __future__ import annotations
+
+from finetune.plan.memory import GiB, MemoryPlan
+from finetune.plan.suggest import Suggestion
+from finetune.recipe import Recipe
+
+
+def _gib(num_bytes: int) -> str:
+    return f"{num_bytes / GiB:.2f}"
+
+
+def _header(name: str, recipe: Recipe, source: str, plan: MemoryPlan) -> list[str]:
+    train = recipe.train
+    layout = f"{plan.nproc} processes, {plan.strategy}, per rank" if plan.nproc > 1 else "1 process"
+    return [
+        f"{name}: {recipe.model.base} (config: {source})",
+        f"{plan.device}, {layout}; micro-batch {train.micro_batch_size} x {recipe.data.max_seq_len} tokens, "
+        f"gradient checkpointing {'on' if train.gradient_checkpointing else 'off'}, precision {train.precision}",
+        "",
+    ]
+
+
+def _table(plan: MemoryPlan) -> list[str]:
+    rows = [("part", "GiB", "where", "what")]
+    rows += [(p.name, _gib(p.num_bytes), p.where, p.note) for p in plan.parts]
+    widths = [max(len(row[i]) for row in rows) for i in range(3)]
+    lines = [f"{r[0]:<{widths[0]}}  {r[1]:>{widths[1]}}  {r[2]:<{widths[2]}}  {r[3]}" for r in rows]
+    lines.append(f"{'peak':<{widths[0]}}  {_gib(plan.peak_bytes):>{widths[1]}}  per device")
+    if plan.host_bytes and plan.device == "cuda":
+        lines.append(f"{'host':<{widths[0]}}  {_gib(plan.host_bytes):>{widths[1]}}  offloaded to CPU memory")
+    return lines
+
+
+def _verdict(plan: MemoryPlan, device_bytes: int, found: list[Suggestion]) -> list[str]:
+    spare = device_bytes - plan.peak_bytes
+    if spare >= 0:
+        return ["", f"fits {_gib(device_bytes)} GiB: yes, {_gib(spare)} GiB to spare"]
+    lines = ["", f"fits {_gib(device_bytes)} GiB: no, {_gib(-spare)} GiB short. Changes, each alone:"]
+    for change in found:
+        command = " ".join(change.overrides) + (f" --nproc {change.nproc}" if change.nproc != plan.nproc else "")
+        verdict = "fits" if change.fits else "still too big"
+        lines.append(f"  {change.description}: peak {_gib(change.plan.peak_bytes)} GiB, {verdict}  ({command})")
+    if not found:
+        lines.append("  none of QLoRA, checkpointing, a smaller micro-batch or FSDP applies; use a larger device")
+    return lines
+
+
+def render(
+    name: str, recipe: Recipe, source: str, plan: MemoryPlan, device_bytes: int | None, found: list[Suggestion]
+) -> str:
+    """The whole human view as one string."""
+    lines = _header(name, recipe, source, plan) + _table(plan)
+    if device_bytes is not None:
+        lines += _verdict(plan, device_bytes, found)
+    lines.append("")
+    lines.append("estimate of the training step's peak (not evaluation or saving); see README 'Will it fit?'")
+    return "\n".join(lines)

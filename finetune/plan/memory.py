@@ -1,0 +1,264 @@
+"""Peak memory of a LoRA run per device, in parts, from parameter counts and the recipe.
+
+The peak of a training step comes at the start of the backward pass, when everything is live at once:
+the frozen weights, the LoRA parameters with their gradients and optimizer states (from the second step
+on), the activations saved for backward, and the largest single tensor family of the step, the logits.
+Each part is a small formula below, with where it comes from; `estimate` adds them per process (rank).
+
+Example:
+    plan = estimate(recipe, model_shape(config, recipe.lora), device="cuda", nproc=1)
+    plan.peak_bytes, [(part.name, part.num_bytes) for part in plan.parts]
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from finetune.plan.shape import ModelShape
+from finetune.recipe import Recipe
+
+MiB = 2**20
+GiB = 2**30
+
+CUDA_CONTEXT_BYTES = 500 * MiB
+"""CUDA context and kernels resident on a GPU before any tensor (a few hundred MB, by GPU and CUDA version).
+Not in `torch.cuda.max_memory_allocated`, which is what most published peaks report."""
+CPU_RUNTIME_BYTES = 605 * MiB
+"""Peak resident memory of `finetune train` itself on CPU (Python, torch, transformers, peft, accelerate,
+datasets, the tokenizer and data pipeline), measured as the peak RSS of a 3-step run on a 0.1M-parameter
+Llama (README, "Will it fit?"); the model's own parts come on top."""
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+NF4_BLOCK = 64
+"""bitsandbytes 4-bit: one absmax per 64 weights, itself quantized to 8 bits per block of 256 with double_quant."""
+
+
+@dataclass(frozen=True)
+class Implementation:
+    """Choices of the training code that change its memory, so that another tool's published peak can be
+    compared with this model of it (tests/test_plan.py compares torchtune's)."""
+
+    name: str
+    lora_bytes: int
+    """Bytes per trainable parameter (and per gradient): finetune trains LoRA in float32."""
+    upcast_unquantized: bool
+    """With a quantized base, peft's `prepare_model_for_kbit_training` casts every weight bitsandbytes left
+    unquantized (embeddings, output head, norms) to float32."""
+    logits_bytes: float
+    """Bytes per logit (B·T·V) at the peak of the loss. finetune's loss (`finetune.loss.token_loss_sum`)
+    upcasts the whole (B, T, V) logits to float32 for cross-entropy, which keeps its float32 log-softmax
+    for backward; the backward of that holds the incoming gradient, the saved output and the outgoing
+    gradient at once: 3 x 4 bytes. (Forward: 16-bit logits + float32 copy + log-softmax = 10 at most.)"""
+
+
+FINETUNE = Implementation("finetune", lora_bytes=4, upcast_unquantized=True, logits_bytes=12.0)
+TORCHTUNE = Implementation(
+    "torchtune (bf16 LoRA weights, chunked cross-entropy, compiled)",
+    lora_bytes=2,
+    upcast_unquantized=False,
+    logits_bytes=3.0,  # bf16 logit chunks kept for backward (2) + one float32 chunk of 8 and its gradient (2 x 4/8)
+)
+
+
+@dataclass(frozen=True)
+class Part:
+    name: str
+    num_bytes: int
+    where: Literal["device", "host"] = "device"
+    note: str = ""
+
+
+@dataclass
+class MemoryPlan:
+    """The parts of one rank's peak; `peak_bytes` is what must fit on the device."""
+
+    device: Literal["cpu", "cuda"]
+    nproc: int
+    strategy: str
+    parts: list[Part] = field(default_factory=list)
+
+    @property
+    def peak_bytes(self) -> int:
+        """Device memory at the peak; on CPU the host is the device, so offloaded parts count too."""
+        return sum(p.num_bytes for p in self.parts if p.where == "device" or self.device == "cpu")
+
+    @property
+    def host_bytes(self) -> int:
+        return sum(p.num_bytes for p in self.parts if p.where == "host")
+
+    def as_json(self) -> dict:
+        parts = {p.name: {"bytes": p.num_bytes, "where": p.where, "note": p.note} for p in self.parts}
+        return {
+            "peak_bytes": self.peak_bytes,
+            "host_bytes": self.host_bytes,
+            "device": self.device,
+            "nproc": self.nproc,
+            "strategy": self.strategy,
+            "parts": parts,
+        }
+
+
+def weight_bytes(recipe: Recipe, shape: ModelShape, impl: Implementation) -> int:
+    """Frozen base weights: 16/32-bit as `model.dtype`, or bitsandbytes 4/8-bit for the decoder's linear layers."""
+    model = recipe.model
+    dtype_bytes = DTYPE_BYTES[model.dtype]
+    if model.quantization == "none":
+        return shape.base_params * dtype_bytes
+    if model.quantization == "4bit":
+        absmax = 1 / NF4_BLOCK + 4 / (NF4_BLOCK * 256) if model.bnb_4bit_use_double_quant else 4 / NF4_BLOCK
+        per_weight = 0.5 + absmax
+    else:  # 8-bit: int8 plus one float32 scale per output row
+        per_weight = 1 + 4 / shape.hidden_size
+    other_bytes = 4 if impl.upcast_unquantized else dtype_bytes
+    return int(shape.quantizable_params * per_weight) + shape.other_params * other_bytes
+
+
+def optimizer_bytes_per_param(recipe: Recipe, impl: Implementation) -> float:
+    """AdamW keeps two moments per parameter in its dtype; the 8-bit ones one byte each plus block scales."""
+    if recipe.train.optimizer == "adamw":
+        return 2 * impl.lora_bytes
+    return 2 * (1 + 4 / 256)  # bitsandbytes blockwise (256) 8-bit state, one float32 absmax per block
+
+
+def _compute_bytes(recipe: Recipe) -> int:
+    """Bytes of the activations: 16-bit under bf16/fp16 autocast or on a 16-bit base, else 4."""
+    if recipe.train.precision != "fp32" or recipe.model.dtype != "float32":
+        return 2
+    return 4
+
+
+def layer_activation_bytes_per_token(recipe: Recipe, shape: ModelShape, tokens_per_row: int) -> float:
+    """Bytes one decoder layer saves for backward per token, LoRA on a frozen base.
+
+    The coefficients were counted on a Llama decoder layer traced on the meta device with
+    `torch.autograd.graph.saved_tensors_hooks` (distinct storages, weights excluded), at several hidden and
+    intermediate sizes: 33·d + 16·i bytes in float32, 44.5·d + 10·i in 16 bits (RMSNorm computes in
+    float32 and keeps its float32 input and output whatever the model's dtype); LoRA dropout keeps a dropped copy and a mask per targeted
+    layer: 36·d + 4·i more (24·d + 4·i in 16 bits). Eager attention also keeps the (heads, T, T) scores;
+    sdpa's fused kernels keep only a log-sum-exp per row.
+    """
+    d, i = shape.hidden_size, shape.intermediate_size
+    per_token: float
+    if _compute_bytes(recipe) == 4:
+        per_token = 33 * d + 16 * i + (36 * d + 4 * i if recipe.lora.dropout > 0 else 0)
+    else:
+        per_token = 44.5 * d + 10 * i + (24 * d + 4 * i if recipe.lora.dropout > 0 else 0)
+    if recipe.model.attn_implementation == "eager":
+        per_token += shape.num_heads * tokens_per_row * (4 + _compute_bytes(recipe))
+    return per_token
+
+
+def activation_bytes(recipe: Recipe, shape: ModelShape, impl: Implementation) -> tuple[int, str]:
+    """Saved activations of the decoder layers at the peak, at `micro_batch_size` x `max_seq_len` tokens.
+
+    Without checkpointing every layer's activations are live when the loss's backward starts, on top of
+    the logits. With gradient checkpointing each layer keeps only its input (the residual stream, in the
+    embedding's dtype); one layer at a time is recomputed with all its activations, but only after the
+    logits and their gradients are freed, so the recomputed layer adds only what it exceeds the logits by.
+    """
+    seq_len = recipe.data.max_seq_len
+    tokens = recipe.train.micro_batch_size * seq_len
+    one_layer = layer_activation_bytes_per_token(recipe, shape, seq_len) * tokens
+    if not recipe.train.gradient_checkpointing:
+        return int(one_layer * shape.num_layers), f"{shape.num_layers} layers x {tokens} tokens"
+    quantized = recipe.model.quantization != "none"
+    residual_bytes = 4 if quantized and impl.upcast_unquantized else DTYPE_BYTES[recipe.model.dtype]
+    kept = tokens * shape.hidden_size * residual_bytes * shape.num_layers
+    excess = max(0, one_layer - logits_bytes(recipe, shape, impl))
+    note = f"checkpointed: {shape.num_layers} layer inputs; 1 layer recomputed later ({one_layer / GiB:.2f} GiB)"
+    return int(kept + excess), note
+
+
+def logits_bytes(recipe: Recipe, shape: ModelShape, impl: Implementation) -> int:
+    """The (B, T, V) logits and their cross-entropy at the peak of the loss (see `Implementation.logits_bytes`)."""
+    tokens = recipe.train.micro_batch_size * recipe.data.max_seq_len
+    return int(tokens * shape.vocab_size * impl.logits_bytes)
+
+
+@dataclass(frozen=True)
+class _Sharding:
+    """How one rank holds the model state under a strategy: shares of each part, extras, and what is offloaded."""
+
+    weights_share: float = 1.0
+    state_share: float = 1.0
+    """LoRA parameters, gradients and optimizer states."""
+    gathered_layers: int = 0
+    """Decoder layers gathered whole at a time (the one computing and the one prefetched)."""
+    gathered_all: bool = False
+    """All weights stay gathered from forward to backward (FSDP grad_op)."""
+    grad_share: float | None = None
+    """Gradients sharded differently from the rest (ZeRO-2 replicates parameters, shards gradients)."""
+    offload: frozenset[str] = frozenset()
+
+
+def sharding(recipe: Recipe, nproc: int) -> _Sharding:
+    """Per-rank shares under `distributed` with `nproc` processes (one process: everything, no sharding)."""
+    dist = recipe.distributed
+    if nproc <= 1 or dist.strategy == "ddp":
+        return _Sharding()
+    share = 1 / nproc
+    if dist.strategy == "fsdp":
+        offload = frozenset({"weights", "lora", "gradients", "optimizer"}) if dist.fsdp.cpu_offload else frozenset()
+        grad_op = dist.fsdp.sharding == "grad_op"
+        return _Sharding(share, share, 0 if grad_op else 2, grad_op, None, offload)
+    stage = dist.deepspeed.stage
+    moved = {"optimizer"} if dist.deepspeed.offload_optimizer else set()
+    if dist.deepspeed.offload_params:
+        moved |= {"weights", "lora"}
+    if stage == 2:
+        return _Sharding(1.0, 1.0, 0, False, share, frozenset(moved))
+    return _Sharding(share, share, 2, False, None, frozenset(moved))
+
+
+def _state_parts(recipe: Recipe, shape: ModelShape, impl: Implementation, how: _Sharding) -> list[Part]:
+    """Weights, LoRA parameters, gradients and optimizer states of one rank, each on device or host."""
+    weights = weight_bytes(recipe, shape, impl)
+
+    def where(name: str) -> Literal["device", "host"]:
+        return "host" if name in how.offload else "device"
+
+    lora_share = how.state_share
+    grad_share = how.grad_share if how.grad_share is not None else how.state_share
+    optimizer_share = how.grad_share if how.grad_share is not None else how.state_share
+    optimizer = shape.lora_params * optimizer_bytes_per_param(recipe, impl) * optimizer_share
+    method = {"none": recipe.model.dtype, "4bit": f"4-bit {recipe.model.bnb_4bit_quant_type}", "8bit": "8-bit"}
+    parts = [
+        Part("weights", int(weights * how.weights_share), where("weights"), f"{shape.base_params:,} frozen, "
+             f"{method[recipe.model.quantization]}" + (f", 1/{round(1 / how.weights_share)} per rank" if how.weights_share < 1 else "")),
+        Part("lora", int(shape.lora_params * impl.lora_bytes * lora_share), where("lora"),
+             f"{shape.lora_params:,} trainable, {8 * impl.lora_bytes}-bit"),
+        Part("gradients", int(shape.lora_params * impl.lora_bytes * grad_share), where("gradients"), "of the LoRA weights"),
+        Part("optimizer", int(optimizer), where("optimizer"), recipe.train.optimizer),
+    ]  # fmt: skip
+    layer_bytes = weights / max(shape.base_params, 1) * shape.layer_params
+    if how.gathered_all:
+        parts.append(Part("gathered weights", int(weights), "device", "kept gathered forward to backward (grad_op)"))
+    elif how.gathered_layers:
+        parts.append(Part("gathered layers", int(layer_bytes * how.gathered_layers), "device",
+                          f"{how.gathered_layers} decoder layers unsharded at a time"))  # fmt: skip
+    return parts
+
+
+def estimate(
+    recipe: Recipe,
+    shape: ModelShape,
+    *,
+    device: Literal["cpu", "cuda"],
+    nproc: int = 1,
+    impl: Implementation = FINETUNE,
+) -> MemoryPlan:
+    """The peak memory of one rank of `recipe`'s run on `nproc` processes of `device`."""
+    how = sharding(recipe, nproc)
+    strategy = recipe.distributed.strategy if nproc > 1 else "single process"
+    plan = MemoryPlan(device=device, nproc=nproc, strategy=strategy, parts=_state_parts(recipe, shape, impl, how))
+    if nproc > 1 and recipe.distributed.strategy == "ddp":  # DDP's flat gradient buckets, a copy of the gradients
+        plan.parts.append(Part("ddp buckets", shape.lora_params * impl.lora_bytes, "device", "all-reduce buffers"))
+    activations, note = activation_bytes(recipe, shape, impl)
+    plan.parts.append(Part("activations", activations, "device", note))
+    tokens = recipe.train.micro_batch_size * recipe.data.max_seq_len
+    plan.parts.append(Part("logits", logits_bytes(recipe, shape, impl), "device",
+                           f"{tokens} tokens x {shape.vocab_size:,} vocabulary"))  # fmt: skip
+    runtime = CUDA_CONTEXT_BYTES if device == "cuda" else CPU_RUNTIME_BYTES
+    plan.parts.append(Part("runtime", runtime, "device", "CUDA context" if device == "cuda" else "Python + libraries"))
+    return plan

@@ -1,0 +1,84 @@
+"""Find a base model's `config.json` without loading weights or touching the network.
+
+Where it looks, in order: `--config PATH` (a config.json or a directory holding one); the embedded base
+(its built directory, else the config it is built from); a local model directory; the hub id's snapshot
+in the local hub cache; the architecture numbers shipped for the catalog's bases in
+`finetune/plan/configs/<hub id>.json` (hidden size, layers, heads, vocabulary: published facts).
+
+Example:
+    config, source = find_model_config("meta-llama/Llama-3.1-8B-Instruct")   # offline, from the shipped numbers
+    config.num_hidden_layers   # 32
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from finetune.errors import ModelError
+
+SHIPPED_CONFIGS = Path(__file__).resolve().parent / "configs"
+
+
+def config_from_json(path: Path) -> Any:
+    """A transformers config from a config.json file (its `model_type` picks the class)."""
+    try:
+        fields = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ModelError(f"--config {path}: cannot read a config.json ({exc})") from None
+    if not isinstance(fields, dict) or "model_type" not in fields:
+        raise ModelError(f"--config {path}: not a model config.json (no model_type)")
+    from transformers import AutoConfig
+
+    model_type = fields.pop("model_type")
+    try:
+        return AutoConfig.for_model(model_type, **fields)
+    except ValueError as exc:
+        raise ModelError(f"--config {path}: {str(exc).splitlines()[0]}") from None
+
+
+def _embedded_config(base: str) -> Any:
+    """The embedded base's config: from its built directory if built, else from the settings it is built from."""
+    from finetune.embedded.build import EMBEDDED_BASES
+    from finetune.embedded.cache import EMBEDDED_PREFIX, embedded_base_dir
+
+    name = base.removeprefix(EMBEDDED_PREFIX)
+    if name not in EMBEDDED_BASES:
+        raise ModelError(f"model.base {base!r}: unknown embedded base; known: " + ", ".join(sorted(EMBEDDED_BASES)))
+    settings = EMBEDDED_BASES[name]
+    built = embedded_base_dir(name, settings) / "config.json"
+    if built.is_file():
+        return config_from_json(built)
+    from transformers import LlamaConfig
+
+    fields: dict[str, Any] = dict(settings.shape)
+    return LlamaConfig(vocab_size=settings.vocab_size, **fields)
+
+
+def find_model_config(base: str, revision: str | None = None, config_path: str | None = None) -> tuple[Any, str]:
+    """The transformers config of `base` and where it was found (see the module docstring for where it looks).
+
+    Raises:
+        ModelError: nowhere to be found; the message says to pass `--config PATH` or download it.
+    """
+    if config_path is not None:
+        path = Path(config_path).expanduser()
+        path = path / "config.json" if path.is_dir() else path
+        if not path.is_file():
+            raise ModelError(f"--config {config_path}: no such file; give a config.json or a directory holding one")
+        return config_from_json(path), str(path)
+    if base.startswith("embedded:"):
+        return _embedded_config(base), "the embedded base's settings"
+    from finetune.paths import local_model_dir
+
+    local = local_model_dir(base, revision) if Path(base).is_dir() or base.count("/") == 1 else None
+    if local is not None and (local / "config.json").is_file():
+        return config_from_json(local / "config.json"), str(local / "config.json")
+    shipped = SHIPPED_CONFIGS / f"{base}.json"
+    if base.count("/") == 1 and shipped.is_file():
+        return config_from_json(shipped), "architecture numbers shipped with finetune"
+    raise ModelError(
+        f"config of model.base {base!r} not found (not a local model directory, not in the local hub cache, not "
+        f"one of the catalog's bases); give --config PATH (its config.json) or download it: hf download {base} config.json"
+    )
