@@ -10,7 +10,7 @@ written through `finetune.atomic` (a hidden staging directory renamed into place
 never leaves something that looks like a whole checkpoint.
 
 Example:
-    save_checkpoint(run_dir, step=120, trainable=state, optimizer=opt, scheduler=sched, state={...}, keep=2)
+    save_checkpoint(run_dir, step=120, trainable=state, optimizer_state=opt.state_dict(), scheduler=sched, state={...}, keep=2)
     path = latest_checkpoint(run_dir)
 """
 
@@ -96,7 +96,7 @@ def save_checkpoint(
     *,
     step: int,
     trainable: dict[str, torch.Tensor],
-    optimizer: torch.optim.Optimizer,
+    optimizer_state: dict[str, Any],
     scheduler: Any,
     state: dict[str, Any],
     keep: int,
@@ -104,14 +104,15 @@ def save_checkpoint(
     """Write checkpoint `step` atomically and prune all but the newest `keep`.
 
     Args:
-        trainable: the trainable weights (peft's adapter state dict).
+        trainable: the trainable weights (peft's adapter state dict), whole.
+        optimizer_state: the optimizer's state dict, whole (gathered from the ranks of a sharded run).
         state: JSON-ready trainer state: step, data position, per-process RNG states, recipe digest.
     """
     final = checkpoint_path(run_dir, step)
     with atomic_directory(final, replace=True, error=CheckpointError) as tmp:
         save_file({k: v.detach().cpu().contiguous() for k, v in trainable.items()}, tmp / TRAINABLE_FILE)
         optimizer_tensors: dict[str, torch.Tensor] = {}
-        optimizer_structure = _split_tensors(optimizer.state_dict(), "optimizer", optimizer_tensors)
+        optimizer_structure = _split_tensors(optimizer_state, "optimizer", optimizer_tensors)
         save_file(optimizer_tensors, tmp / OPTIMIZER_TENSORS_FILE)
         document = {**state, "step": step, "optimizer": optimizer_structure, "scheduler": scheduler.state_dict()}
         (tmp / STATE_FILE).write_text(json.dumps(document))
@@ -133,10 +134,8 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     return found[-1] if found else None
 
 
-def load_checkpoint(
-    path: Path, *, optimizer: torch.optim.Optimizer, scheduler: Any
-) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """Restore optimizer and scheduler in place; return (trainable weights, trainer state)."""
+def load_checkpoint(path: Path, *, scheduler: Any) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, Any]]:
+    """Restore the scheduler in place; return (trainable weights, optimizer state dict, trainer state)."""
     for name in (TRAINABLE_FILE, OPTIMIZER_TENSORS_FILE):
         check_safetensors(path / name, CheckpointError, "delete this checkpoint to resume from an earlier one")
     try:
@@ -149,6 +148,5 @@ def load_checkpoint(
         ) from None
     optimizer_state = _join_tensors(document.pop("optimizer"), optimizer_tensors)
     optimizer_state["state"] = {int(k): v for k, v in optimizer_state["state"].items()}
-    optimizer.load_state_dict(optimizer_state)
     scheduler.load_state_dict(document.pop("scheduler"))
-    return trainable, document
+    return trainable, optimizer_state, document

@@ -21,19 +21,28 @@ from finetune.loss import forward_loss, to_device
 def evaluate(
     model, rows, *, collate, micro_batch_size: int, accelerator, max_batches: int | None = None
 ) -> dict[str, float]:
-    """Mean token loss and perplexity over `rows`, each process taking a strided share."""
+    """Mean token loss and perplexity over `rows`, each process taking a strided share.
+
+    Every process runs the same number of forward passes (one with fewer rows repeats a batch and
+    discards it): a sharded model's forward is a collective, which a rank with no batch left would hang.
+    """
     was_training = model.training
     model.eval()
     loss_sum = torch.zeros((), dtype=torch.float64, device=accelerator.device)
     num_tokens = torch.zeros((), dtype=torch.float64, device=accelerator.device)
     indices = list(range(accelerator.process_index, len(rows), accelerator.num_processes))
     batches = [indices[i : i + micro_batch_size] for i in range(0, len(indices), micro_batch_size)]
-    for batch_indices in batches[:max_batches]:
+    batches = batches[:max_batches]
+    most = math.ceil(math.ceil(len(rows) / accelerator.num_processes) / micro_batch_size)
+    for number in range(min(most, max_batches or most)):
+        counted = number < len(batches)
+        batch_indices = batches[number] if counted else [0]
         batch = to_device(collate([rows[i] for i in batch_indices]), accelerator.device)
         with accelerator.autocast():
             batch_loss, batch_tokens = forward_loss(model, batch)
-        loss_sum += batch_loss.double()
-        num_tokens += batch_tokens.double()
+        if counted:
+            loss_sum += batch_loss.double()
+            num_tokens += batch_tokens.double()
     totals = accelerator.reduce(torch.stack([loss_sum, num_tokens]), reduction="sum")
     model.train(was_training)
     mean_loss = (totals[0] / totals[1].clamp(min=1)).item()

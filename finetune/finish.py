@@ -10,13 +10,16 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch
 import yaml
 
 from finetune.atomic import atomic_directory
+from finetune.distributed import trainable_state
 from finetune.errors import OutputError
 from finetune.fingerprint import fingerprint_model_dir
 from finetune.manifest import build_manifest, write_manifest
@@ -42,8 +45,9 @@ def summary_metrics(run: TrainingRun, last: dict[str, float], say: Callable[[str
     return metrics
 
 
-def write_adapter(run: TrainingRun, metrics: dict[str, Any]) -> Path:
-    """Write `adapters/<name>/` whole: peft's files, the resolved recipe and the manifest."""
+def write_adapter(run: TrainingRun, metrics: dict[str, Any], weights: dict[str, torch.Tensor]) -> Path:
+    """Write `adapters/<name>/` whole: peft's files (of `weights`, the whole trained tensors as
+    `finetune.distributed.trainable_state` gathers them), the resolved recipe and the manifest."""
     recipe = run.recipe
     base_dir = local_model_dir(run.base_source, recipe.model.revision)  # a hub id: its local snapshot
     manifest = build_manifest(
@@ -52,11 +56,14 @@ def write_adapter(run: TrainingRun, metrics: dict[str, Any]) -> Path:
         base_fingerprint=fingerprint_model_dir(base_dir) if base_dir is not None else "unknown",
         data=run.data,
         metrics=metrics,
+        distributed=dataclasses.asdict(run.distributed),
     )
     adapter_dir = recipe.output.adapter_dir
     hint = "choose another output.name, or set output.overwrite=true"
     with atomic_directory(adapter_dir, replace=recipe.output.overwrite, error=OutputError, hint=hint) as staging:
-        run.peft_model.save_pretrained(staging, safe_serialization=True, save_embedding_layers=False)
+        run.peft_model.save_pretrained(
+            staging, safe_serialization=True, save_embedding_layers=False, state_dict=weights
+        )
         (staging / "recipe.yaml").write_text(yaml.safe_dump(recipe_to_dict(recipe), sort_keys=False))
         write_manifest(staging, manifest)
     return adapter_dir
@@ -65,8 +72,9 @@ def write_adapter(run: TrainingRun, metrics: dict[str, Any]) -> Path:
 def finish_run(run: TrainingRun, last: dict[str, float], say: Callable[[str], None]) -> tuple[Path, dict[str, Any]]:
     """Summarise, write the adapter (main process), wait for every process; return (adapter dir, metrics)."""
     metrics = summary_metrics(run, last, say)
+    weights = trainable_state(run.peft_model)  # every process: gathering sharded weights is a collective
     if run.is_main:
-        write_adapter(run, metrics)
+        write_adapter(run, metrics, weights)
         say(f"adapter written to {run.recipe.output.adapter_dir}")
     run.accelerator.wait_for_everyone()
     return run.recipe.output.adapter_dir, metrics

@@ -60,12 +60,20 @@ class Manifest(BaseModel):
     recipe: dict[str, Any] | None = None
     data: DataInfo | None = None
     metrics: dict[str, Any] = {}
+    distributed: dict[str, Any] | None = None
+    """How the run was distributed: `{strategy, world_size, max_rank_param_share}` (`finetune.distributed`)."""
     versions: dict[str, str] = {}
     created: str = ""
 
 
 def build_manifest(
-    recipe: Any, *, base_source: str, base_fingerprint: str, data: Any, metrics: dict[str, Any]
+    recipe: Any,
+    *,
+    base_source: str,
+    base_fingerprint: str,
+    data: Any,
+    metrics: dict[str, Any],
+    distributed: dict[str, Any] | None = None,
 ) -> Manifest:
     """The manifest of an adapter that `recipe` trained on `base_source` with `data` (a `DataBundle`)."""
     return Manifest(
@@ -81,6 +89,7 @@ def build_manifest(
         recipe=recipe_to_dict(recipe),
         data=DataInfo(fingerprint=data.fingerprint, sources=[s.path for s in recipe.data.train], stats=data.stats),
         metrics=metrics,
+        distributed=distributed,
         versions=library_versions(),
         created=now_iso(),
     )

@@ -370,8 +370,9 @@ class DistributedConfig(_Section):
 
     @model_validator(mode="after")
     def _options_match_strategy(self) -> DistributedConfig:
-        for section in ("fsdp", "deepspeed"):
-            if section in self.model_fields_set and self.strategy != section:
+        # Compared with the defaults, not with what was given: a dumped recipe gives every option.
+        for section, defaults in (("fsdp", FsdpConfig()), ("deepspeed", DeepSpeedConfig())):
+            if getattr(self, section) != defaults and self.strategy != section:
                 raise ValueError(f"{section} options are set but strategy is {self.strategy}; set strategy: {section}")
         return self
 
@@ -564,9 +565,6 @@ def load_recipe(path: str | Path | Recipe, overrides: list[str] | tuple[str, ...
     """
     if isinstance(path, Recipe):
         data, source = path.model_dump(), "recipe"
-        for section in ("fsdp", "deepspeed"):  # a strategy's options count as given only where the recipe gave them
-            if section not in path.distributed.model_fields_set:
-                del data["distributed"][section]
     else:
         from finetune.catalog import resolve_recipe_path
 

@@ -26,7 +26,6 @@ import torch
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState
 from accelerate.utils import gather_object, set_seed
-from peft import get_peft_model_state_dict, set_peft_model_state_dict
 from transformers import get_scheduler
 
 from finetune import checkpoint as ckpt
@@ -35,6 +34,16 @@ from finetune.data import build_datasets, collate_batch
 from finetune.data.collate import describe_layout
 from finetune.data.packing import document_lengths
 from finetune.data.sampler import MicroBatchStream
+from finetune.distributed import (
+    DistributedInfo,
+    Sharding,
+    adapter_state,
+    load_adapter_state,
+    load_optimizer_state,
+    optimizer_state,
+    rank_param_share,
+    sharding_for,
+)
 from finetune.errors import CheckpointError, RecipeError
 from finetune.evaluate import evaluate
 from finetune.model import describe_trainable, embedding_module_names, load_base_from_config, wrap_with_lora
@@ -136,7 +145,7 @@ class TrainingRun:
     peft_model: Any
     """The LoRA-wrapped model, unwrapped: evaluation and saving use it (no recompiles under `compile`)."""
     model_for_step: Any
-    """The same parameters as prepared by accelerate (DDP-wrapped, maybe compiled): training uses it."""
+    """The same parameters as prepared for training (DDP-wrapped or sharded, maybe compiled): training uses it."""
     tokenizer: Any
     base_source: str
     data: Any
@@ -145,6 +154,8 @@ class TrainingRun:
     optimizer: torch.optim.Optimizer
     scheduler: Any
     trainable_parameters: list[torch.nn.Parameter]
+    sharding: Sharding
+    distributed: DistributedInfo
     step: int = 0
     tokens_seen: int = 0
     position: int = 0
@@ -197,15 +208,17 @@ class TrainingRun:
         )
 
     def save_checkpoint(self) -> Path:
-        """Write a resumable checkpoint of this step (every process takes part: RNG states are gathered)."""
+        """Write a resumable checkpoint of this step (every process takes part: RNG states and sharded
+        weights and optimizer state are gathered, and the main process writes them whole)."""
         rng_states = gather_object([ckpt.capture_rng_state()])
+        trainable, optimizer = adapter_state(self.peft_model), optimizer_state(self.optimizer)
         path = ckpt.checkpoint_path(self.run_dir, self.step)
         if self.is_main:
             ckpt.save_checkpoint(
                 self.run_dir,
                 step=self.step,
-                trainable=get_peft_model_state_dict(self.peft_model, save_embedding_layers=False),
-                optimizer=self.optimizer,
+                trainable=trainable,
+                optimizer_state=optimizer,
                 scheduler=self.scheduler,
                 state={
                     "position": self.position,
@@ -256,6 +269,7 @@ def start_run(recipe: Recipe, *, resume: bool, say: Say) -> TrainingRun:
         data = build_datasets(recipe.data, tokenizer, seed=recipe.train.seed, log=say)
     say(f"base {recipe.model.base} ({base_source}); data: {data.stats}")
     peft_model = _wrap_for_training(recipe, model, say)
+    sharding, distributed = _distribute(recipe, peft_model, accelerator, say)
 
     stream = MicroBatchStream(
         num_rows=len(data.train),
@@ -270,12 +284,12 @@ def start_run(recipe: Recipe, *, resume: bool, say: Say) -> TrainingRun:
     trainable_parameters = [parameter for group in groups for parameter in group["params"]]
     optimizer = make_optimizer(recipe, groups)
     scheduler = make_scheduler(recipe, optimizer, plan)
-    model_for_step, optimizer = accelerator.prepare(peft_model, optimizer)
+    model_for_step, optimizer = sharding.prepare(accelerator, peft_model, optimizer)
     if recipe.train.compile:
         model_for_step = torch.compile(model_for_step)
     run = TrainingRun(
         recipe, accelerator, peft_model, model_for_step, tokenizer, base_source, data, stream, plan, optimizer,
-        scheduler, trainable_parameters,
+        scheduler, trainable_parameters, sharding, distributed,
     )  # fmt: skip
     if resume_from is not None:
         _restore(run, resume_from, say)
@@ -286,8 +300,23 @@ def start_run(recipe: Recipe, *, resume: bool, say: Say) -> TrainingRun:
     return run
 
 
+def _distribute(recipe: Recipe, peft_model: Any, accelerator: Any, say: Say) -> tuple[Sharding, DistributedInfo]:
+    """Shard the model over the processes as the recipe says (before the optimizer is built: it must hold
+    the sharded parameters) and measure what each process holds. One process has nothing to share."""
+    if accelerator.num_processes == 1:
+        return Sharding(), DistributedInfo("none", 1, 1.0)
+    sharding = sharding_for(recipe)
+    sharding.shard(peft_model, accelerator)
+    distributed = DistributedInfo(sharding.name, accelerator.num_processes, rank_param_share(peft_model, accelerator))
+    say(
+        f"{distributed.strategy} over {distributed.world_size} processes: each holds at most "
+        f"{distributed.max_rank_param_share:.1%} of the parameters"
+    )
+    return sharding, distributed
+
+
 def _restore(run: TrainingRun, path: Path, say: Say) -> None:
-    trainable, state = ckpt.load_checkpoint(path, optimizer=run.optimizer, scheduler=run.scheduler)
+    trainable, optimizer, state = ckpt.load_checkpoint(path, scheduler=run.scheduler)
     if state.get("recipe_digest") != recipe_digest(run.recipe):
         raise CheckpointError(
             f"{path} was written by a different recipe (model, lora, data or train settings differ); "
@@ -299,7 +328,14 @@ def _restore(run: TrainingRun, path: Path, say: Say) -> None:
             f"{path} was written by {len(rng_states)} process(es) but this run has "
             f"{run.accelerator.num_processes}; resume with --nproc {len(rng_states)}"
         )
-    set_peft_model_state_dict(run.peft_model, trainable)
+    try:
+        load_adapter_state(run.peft_model, trainable)
+    except KeyError as exc:
+        raise CheckpointError(
+            f"{path} holds weights this recipe does not train ({exc.args[0]}); resume with "
+            "the original recipe, or start fresh without --resume"
+        ) from None
+    load_optimizer_state(run.optimizer, optimizer)
     run.step, run.tokens_seen, run.position = state["step"], state["tokens_seen"], state["position"]
     run.base_eval = state.get("base_eval", {})
     run.resumed_from = path

@@ -1,6 +1,7 @@
 """The training loop: recipe in, adapter directory out. Explicit code on `accelerate`.
 
-The same loop runs on one CPU, one GPU, or many processes (DDP through `accelerate launch`). Setup
+The same loop runs on one CPU, one GPU, or many processes (`accelerate launch`; DDP or FSDP, see
+`finetune.distributed`). Setup
 lives in `finetune.run_setup` (the `TrainingRun` state), reporting in `finetune.progress` (one
 `on_step` callback). What happens per optimizer step, in order:
 
@@ -25,13 +26,13 @@ import os
 import sys
 import time
 from collections.abc import Sequence
-from contextlib import nullcontext
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
 
 from finetune import checkpoint as ckpt
+from finetune.distributed import Sharding
 from finetune.errors import TrainingError
 from finetune.finish import finish_run
 from finetune.interrupt import StopRequest, TrainingInterrupted, graceful_stop
@@ -128,9 +129,9 @@ def run_steps(run: TrainingRun, stop: StopRequest, on_step: StepCallback) -> dic
     last: dict[str, float] = {}
     while run.step < run.plan.total_steps:
         micro_batches = run.next_micro_batches()
-        loss = accumulate_gradients(run.model_for_step, micro_batches, run.accelerator)
+        loss = accumulate_gradients(run.model_for_step, micro_batches, run.accelerator, run.sharding)
         max_norm = train_config.max_grad_norm or math.inf  # inf: measure the norm (for the NaN check), clip nothing
-        grad_norm = float(run.accelerator.clip_grad_norm_(run.trainable_parameters, max_norm))
+        grad_norm = run.sharding.clip_grad_norm(run.accelerator, run.trainable_parameters, max_norm)
         if not (math.isfinite(loss) and math.isfinite(grad_norm)):
             skipped_steps += 1
             _refuse_nonfinite(run, loss, grad_norm, skipped_steps)
@@ -183,20 +184,22 @@ def _refuse_nonfinite(run: TrainingRun, loss: float, grad_norm: float, skipped_s
     )
 
 
-def accumulate_gradients(model: Any, micro_batches: list[dict[str, torch.Tensor]], accelerator: Any) -> float:
+def accumulate_gradients(
+    model: Any, micro_batches: list[dict[str, torch.Tensor]], accelerator: Any, sharding: Sharding | None = None
+) -> float:
     """Backward every micro-batch of one optimizer step; return the step's mean token loss.
 
     Each micro-batch's summed token loss is divided by the label tokens of the whole step, summed over
-    processes, and multiplied by the process count (DDP averages gradients over processes): the
+    processes, and multiplied by the process count (DDP and FSDP average gradients over processes): the
     gradients are those of one batch holding every token, however the tokens were split up.
     """
+    sharding = sharding or Sharding()
     local_tokens = sum(int((b["labels"][:, 1:] != -100).sum()) for b in micro_batches)
     global_tokens = int(accelerator.reduce(torch.tensor(local_tokens, device=accelerator.device), reduction="sum"))
     loss_sum = 0.0
     for index, batch in enumerate(micro_batches):
         is_last = index == len(micro_batches) - 1
-        sync = nullcontext() if is_last else accelerator.no_sync(model)
-        with sync:  # the backward too: DDP all-reduces gradients during it, on the last micro-batch only
+        with sharding.gradient_sync(accelerator, model, sync=is_last):  # the backward too: it reduces gradients
             with accelerator.autocast():
                 batch_loss_sum, _ = forward_loss(model, to_device(batch, accelerator.device))
             accelerator.backward(batch_loss_sum * accelerator.num_processes / max(global_tokens, 1))

@@ -1,0 +1,163 @@
+"""FSDP2 over two gloo ranks on a 40M-parameter Llama: it really shards, and trains the DDP adapter.
+
+Both strategies are launched as users launch them (`finetune train ... --nproc 2`), on the same data,
+batches and seed, without dropout: they differ only in how gradients are reduced, so the adapters agree
+to float rounding. A killed rank must end the launch, whatever the strategy.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from helpers import REPO, instruction_records
+from safetensors.torch import load_file
+
+from finetune.embedded.tiny import build_tiny_llama
+from finetune.train import SLOW_STEP_ENV
+
+# 41.8M parameters, 14 decoder layers: large enough that sharding shows in what each rank holds.
+SHAPE_40M = dict(
+    hidden_size=512,
+    intermediate_size=1408,
+    num_hidden_layers=14,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    max_position_embeddings=256,
+    tie_word_embeddings=False,
+)
+
+RECIPE = """
+model:
+  base: {base}
+lora:
+  r: 8
+  alpha: 16
+  dropout: 0.0
+data:
+  train: train.jsonl
+  validation: valid.jsonl
+  format: instruction
+  max_seq_len: 64
+train:
+  max_steps: 2
+  micro_batch_size: 2
+  grad_accum_steps: 2
+  lr: 0.005
+  schedule: constant  # the same learning rates whether a run is 2 or 3 steps long (resumed runs change length)
+  log_every_steps: 1
+  report_to: []
+output:
+  name: unnamed
+  report: false
+"""
+
+
+@pytest.fixture(scope="module")
+def base_40m(tmp_path_factory, tiny_tokenizer) -> Path:
+    path = tmp_path_factory.mktemp("llama-40m")
+    model = build_tiny_llama(tiny_tokenizer, seed=0, **SHAPE_40M)
+    assert sum(p.numel() for p in model.parameters()) >= 40_000_000
+    model.save_pretrained(path)
+    tiny_tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture()
+def sharded_workdir(tmp_path, monkeypatch, base_40m) -> Path:
+    monkeypatch.chdir(tmp_path)
+    records = instruction_records(21)  # 16 to train, 5 held out: ranks get unequal evaluation shares
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records[:16]))
+    (tmp_path / "valid.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records[16:]))
+    (tmp_path / "recipe.yaml").write_text(RECIPE.format(base=base_40m))
+    return tmp_path
+
+
+def _launch(*args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+    command = [sys.executable, "-m", "finetune", "train", "recipe.yaml", *args, "--nproc", "2"]
+    environment = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
+    log = open("launch.log", "w")  # a file, not a pipe: nothing blocks on a full pipe
+    return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, text=True, env=environment)
+
+
+def _train(*args: str) -> str:
+    process = _launch(*args)
+    process.wait(timeout=400)
+    output = Path("launch.log").read_text()
+    assert process.returncode == 0, output[-3000:]
+    return output
+
+
+@pytest.mark.slow
+def test_fsdp_shards_resumes_and_trains_the_ddp_adapter(sharded_workdir):
+    ddp_log = _train("output.name=ddp", "train.max_steps=3")
+    fsdp = ("output.name=fsdp", "output.overwrite=true", "distributed.strategy=fsdp", "train.save_every_steps=2")
+    fsdp_log = _train(*fsdp, "train.max_steps=2")  # stops at step 2 with checkpoint-000002 ...
+    assert "fsdp over 2 processes" in fsdp_log and "eval loss" in ddp_log
+    manifest = json.loads(Path("adapters/fsdp/manifest.json").read_text())
+    assert manifest["distributed"]["strategy"] == "fsdp" and manifest["distributed"]["world_size"] == 2
+    assert manifest["distributed"]["max_rank_param_share"] <= 0.6, manifest["distributed"]
+    ddp = json.loads(Path("adapters/ddp/manifest.json").read_text())["distributed"]
+    assert ddp == {"strategy": "ddp", "world_size": 2, "max_rank_param_share": 1.0}
+
+    _train(*fsdp, "train.max_steps=3", "--resume")  # ... which resumes (weights and Adam moments) to step 3
+    expected = load_file("adapters/ddp/adapter_model.safetensors")
+    actual = load_file("adapters/fsdp/adapter_model.safetensors")
+    assert expected.keys() == actual.keys()
+    assert all(expected[k].shape == actual[k].shape for k in expected)  # whole tensors, not one rank's shard
+    largest = max((expected[k] - actual[k]).abs().max().item() for k in expected)
+    assert largest < 1e-4, largest
+    assert any(t.abs().max() > 0 for k, t in actual.items() if "lora_B" in k)  # it trained
+    eval_losses = [_metric(f"adapters/{name}", "eval_loss") for name in ("ddp", "fsdp")]
+    assert abs(eval_losses[0] - eval_losses[1]) < 1e-4, eval_losses
+
+
+def _metric(adapter_dir: str, name: str) -> float:
+    return json.loads(Path(adapter_dir, "manifest.json").read_text())["metrics"][name]
+
+
+def _rank_pid(token: str, rank: int, deadline: float) -> int:
+    """The pid of the worker process with `RANK=<rank>` launched with `TEST_LAUNCH=<token>` in its environment."""
+    wanted = {f"RANK={rank}".encode(), f"TEST_LAUNCH={token}".encode()}
+    while time.monotonic() < deadline:
+        for entry in Path("/proc").iterdir():
+            try:
+                environ = set((entry / "environ").read_bytes().split(b"\0")) if entry.name.isdigit() else set()
+            except OSError:
+                continue
+            if wanted <= environ:
+                return int(entry.name)
+        time.sleep(0.5)
+    raise AssertionError(f"no process with RANK={rank} appeared")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_a_killed_rank_ends_the_launch(workdir, strategy):  # the tiny base: what is tested is the launch
+    token = f"{os.getpid()}-{strategy}"
+    args = (f"distributed.strategy={strategy}", "train.max_steps=60", "train.log_every_steps=1", "output.name=killed")
+    process = _launch(*args, env={SLOW_STEP_ENV: "1", "TEST_LAUNCH": token})
+    try:
+        deadline = time.monotonic() + 300
+        rank1 = _rank_pid(token, 1, deadline)
+        while not Path("runs/killed/metrics.jsonl").exists():  # the ranks are past setup, inside the loop
+            assert process.poll() is None and time.monotonic() < deadline, Path("launch.log").read_text()[-2000:]
+            time.sleep(0.5)
+        os.kill(rank1, signal.SIGKILL)
+        killed = time.monotonic()
+        process.wait(timeout=90)
+        ended_after = time.monotonic() - killed
+    finally:
+        if process.poll() is None:
+            process.kill()
+    output = Path("launch.log").read_text()
+    assert process.returncode != 0
+    assert ended_after < 60, ended_after
+    assert "rank: 1" in output or "rank 1" in output, output[-2000:]
+    assert not Path("adapters/killed").exists()
