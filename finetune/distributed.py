@@ -8,12 +8,14 @@ The training loop does not branch on the strategy; it asks a `Sharding` for what
   prepares only the optimizer: accelerate's own FSDP plugin is silently ignored on CPU, where the run
   would quietly become DDP, and one code path for CPU and GPU is one that is tested here.
 - `gradient_sync`: skip the gradient all-reduce / reduce-scatter on all but a step's last micro-batch.
-- `clip_grad_norm`: the global norm, also when gradients are sharded `DTensor`s.
+- `backward`, `clip_grad_norm`: the global norm, also when gradients are sharded `DTensor`s.
 
-What is the same for both lives in plain functions: whole (gathered) trainable tensors and optimizer
-state for adapters and checkpoints, written by the main process and identical in names and shapes to a
-single-process run's, and loading them back into sharded parameters. Every rank must call the gathering
-functions, in the same order: they are collectives.
+- `trainable_state`, `optimizer_state`: whole (gathered) tensors for adapters and checkpoints, written by
+  the main process and identical in names and shapes to a single-process run's. Every rank must call
+  them, in the same order: they are collectives.
+
+Loading whole tensors back into sharded parameters is the same for both (plain functions below).
+DeepSpeed ZeRO, driven by its own engine, is `finetune.distributed_deepspeed.DeepSpeedSharding`.
 
 Example:
     sharding = sharding_for(recipe)
@@ -58,8 +60,28 @@ class Sharding:
     def gradient_sync(self, accelerator: Any, model: Any, sync: bool) -> AbstractContextManager[Any]:
         return nullcontext() if sync else accelerator.no_sync(model)
 
+    def backward(self, accelerator: Any, loss: torch.Tensor) -> None:
+        accelerator.backward(loss)
+
     def clip_grad_norm(self, accelerator: Any, parameters: list[torch.nn.Parameter], max_norm: float) -> float:
         return float(accelerator.clip_grad_norm_(parameters, max_norm))
+
+    def trainable_state(self, model: Any) -> dict[str, torch.Tensor]:
+        """Every trainable parameter, whole, by its name in `model.state_dict()` (a collective when sharded)."""
+        return {name: gathered(p.detach()).cpu() for name, p in model.named_parameters() if p.requires_grad}
+
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """The optimizer's state dict with every sharded tensor gathered whole (a collective when sharded)."""
+        state = optimizer.state_dict()
+        slots = {
+            index: {key: gathered(value).cpu() if torch.is_tensor(value) else value for key, value in slot.items()}
+            for index, slot in state["state"].items()
+        }
+        return {**state, "state": slots}
+
+    def held_numel(self, parameter: torch.nn.Parameter) -> tuple[int, int]:
+        """(elements this rank stores, elements of the whole parameter)."""
+        return _local(parameter).numel(), parameter.numel()
 
 
 class FsdpSharding(Sharding):
@@ -106,9 +128,9 @@ def sharding_for(recipe: Recipe) -> Sharding:
     if strategy == "fsdp":
         return FsdpSharding(recipe.distributed, recipe.train.precision)
     if strategy == "deepspeed":
-        from finetune.errors import RecipeError
+        from finetune.distributed_deepspeed import DeepSpeedSharding
 
-        raise RecipeError("distributed.strategy deepspeed: training under DeepSpeed is not implemented yet; use fsdp")
+        return DeepSpeedSharding(recipe)
     return Sharding()
 
 
@@ -143,33 +165,16 @@ def gathered(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
-def trainable_state(model: Any) -> dict[str, torch.Tensor]:
-    """Every trainable parameter, whole, by its name in `model.state_dict()` (collective under FSDP)."""
-    return {name: gathered(p.detach()).cpu() for name, p in model.named_parameters() if p.requires_grad}
-
-
 def load_trainable_state(model: Any, state: dict[str, torch.Tensor]) -> None:
-    """Copy whole tensors (as `trainable_state` gives them) into the parameters, sharded or not."""
+    """Copy whole tensors (as `Sharding.trainable_state` gives them) into the parameters, sharded or not."""
     for name, parameter in model.named_parameters():
         if name in state:
             with torch.no_grad():
                 _local(parameter).copy_(_local(_shard_like(state[name], parameter)))
 
 
-def optimizer_state(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """The optimizer's state dict with every sharded tensor gathered whole (collective under FSDP)."""
-    state = optimizer.state_dict()
-    return {
-        **state,
-        "state": {
-            index: {key: gathered(value).cpu() if torch.is_tensor(value) else value for key, value in slot.items()}
-            for index, slot in state["state"].items()
-        },
-    }
-
-
 def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
-    """Load a whole state dict (as `optimizer_state` gives it), sharding each tensor like its parameter."""
+    """Load a whole state dict (as `Sharding.optimizer_state` gives it), sharding each tensor like its parameter."""
     parameters = [p for group in optimizer.param_groups for p in group["params"]]
     slots = {}
     for index, slot in state["state"].items():
@@ -192,21 +197,20 @@ def _shard_like(whole: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return distribute_tensor(whole.to(like.device_mesh.device_type), like.device_mesh, like.placements)
 
 
-def rank_param_share(model: torch.nn.Module, accelerator: Any) -> float:
+def rank_param_share(sharding: Sharding, model: torch.nn.Module, accelerator: Any) -> float:
     """The largest share of the model's parameters held by one rank (all ranks must call it)."""
-    held = sum(_local(p).numel() for p in model.parameters())
-    total = sum(p.numel() for p in model.parameters())
+    held, total = (sum(counts) for counts in zip(*(sharding.held_numel(p) for p in model.parameters())))
     share = torch.tensor(held / max(total, 1), dtype=torch.float64, device=accelerator.device)
     if accelerator.num_processes > 1:
         torch.distributed.all_reduce(share, op=torch.distributed.ReduceOp.MAX)
     return float(share)
 
 
-def adapter_state(peft_model: Any) -> dict[str, torch.Tensor]:
-    """The trained LoRA weights, whole, named as in peft's adapter files (collective under FSDP)."""
+def adapter_state(peft_model: Any, trainable: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`trainable` (as `Sharding.trainable_state` gives it) named as in peft's adapter files."""
     from peft import get_peft_model_state_dict
 
-    return get_peft_model_state_dict(peft_model, state_dict=trainable_state(peft_model), save_embedding_layers=False)
+    return get_peft_model_state_dict(peft_model, state_dict=trainable, save_embedding_layers=False)
 
 
 def load_adapter_state(peft_model: Any, state: dict[str, torch.Tensor]) -> None:

@@ -19,7 +19,6 @@ import torch
 import yaml
 
 from finetune.atomic import atomic_directory
-from finetune.distributed import trainable_state
 from finetune.errors import OutputError
 from finetune.fingerprint import fingerprint_model_dir
 from finetune.manifest import build_manifest, write_manifest
@@ -47,7 +46,7 @@ def summary_metrics(run: TrainingRun, last: dict[str, float], say: Callable[[str
 
 def write_adapter(run: TrainingRun, metrics: dict[str, Any], weights: dict[str, torch.Tensor]) -> Path:
     """Write `adapters/<name>/` whole: peft's files (of `weights`, the whole trained tensors as
-    `finetune.distributed.trainable_state` gathers them), the resolved recipe and the manifest."""
+    `Sharding.trainable_state` gathers them), the resolved recipe and the manifest."""
     recipe = run.recipe
     base_dir = local_model_dir(run.base_source, recipe.model.revision)  # a hub id: its local snapshot
     manifest = build_manifest(
@@ -72,7 +71,7 @@ def write_adapter(run: TrainingRun, metrics: dict[str, Any], weights: dict[str, 
 def finish_run(run: TrainingRun, last: dict[str, float], say: Callable[[str], None]) -> tuple[Path, dict[str, Any]]:
     """Summarise, write the adapter (main process), wait for every process; return (adapter dir, metrics)."""
     metrics = summary_metrics(run, last, say)
-    weights = trainable_state(run.peft_model)  # every process: gathering sharded weights is a collective
+    weights = run.sharding.trainable_state(run.peft_model)  # every process: gathering sharded weights is a collective
     if run.is_main:
         write_adapter(run, metrics, weights)
         say(f"adapter written to {run.recipe.output.adapter_dir}")

@@ -64,9 +64,13 @@ def launch_command(
     return [*command, "-m", "finetune", *(["--verbose"] if verbose else []), "train", *train_args]
 
 
-def run_launched(command: list[str], *, use_cpu: bool) -> int:
-    """Run the launcher in the foreground and return its exit code."""
+def run_launched(command: list[str], *, use_cpu: bool, deepspeed: bool = False) -> int:
+    """Run the launcher in the foreground and return its exit code.
+
+    DeepSpeed on CPU must not get `ACCELERATE_USE_CPU` (accelerate would ignore DeepSpeed and run DDP);
+    DeepSpeed itself falls back to gloo there.
+    """
     env = dict(os.environ)
-    if use_cpu:
+    if use_cpu and not deepspeed:
         env["ACCELERATE_USE_CPU"] = "true"
     return subprocess.call(command, env=env)

@@ -158,7 +158,8 @@ def load_tokenizer_for(config: ModelConfig) -> PreTrainedTokenizerBase:
 
 def _check_vocabulary_fits(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, tokenizer_source: str) -> None:
     """Refuse a tokenizer whose ids the model has no embedding rows for (an index error mid-forward otherwise)."""
-    rows = cast(torch.Tensor, model.get_input_embeddings().weight).shape[0]  # torch: Tensor | Module
+    weight = cast(torch.Tensor, model.get_input_embeddings().weight)  # torch: Tensor | Module
+    rows = getattr(weight, "ds_shape", weight.shape)[0]  # loaded under ZeRO-3, a rank holds a partition
     if len(tokenizer) > rows:
         raise ModelError(
             f"tokenizer {tokenizer_source} has {len(tokenizer):,} tokens but the base model's embedding has only "

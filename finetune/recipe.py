@@ -399,6 +399,15 @@ class Recipe(_Section):
     output: OutputConfig
 
     @model_validator(mode="after")
+    def _deepspeed_steps_itself(self) -> Recipe:
+        if self.distributed.strategy == "deepspeed" and self.train.nonfinite_skips:
+            raise ValueError(
+                "train.nonfinite_skips cannot be used with distributed.strategy deepspeed: DeepSpeed takes its step "
+                "before the loop sees the gradient norm; set it to 0 or use fsdp"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _sharding_needs_dense_base(self) -> Recipe:
         strategy = self.distributed.strategy
         if strategy != "ddp" and self.model.quantization != "none":

@@ -17,6 +17,7 @@ Example:
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,7 +26,7 @@ from typing import Any, Literal
 import torch
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState
-from accelerate.utils import gather_object, set_seed
+from accelerate.utils import DistributedType, InitProcessGroupKwargs, gather_object, set_seed
 from transformers import get_scheduler
 
 from finetune import checkpoint as ckpt
@@ -40,13 +41,18 @@ from finetune.distributed import (
     adapter_state,
     load_adapter_state,
     load_optimizer_state,
-    optimizer_state,
     rank_param_share,
     sharding_for,
 )
 from finetune.errors import CheckpointError, RecipeError
 from finetune.evaluate import evaluate
-from finetune.model import describe_trainable, embedding_module_names, load_base_from_config, wrap_with_lora
+from finetune.model import (
+    describe_trainable,
+    embedding_module_names,
+    load_base_from_config,
+    load_tokenizer_for,
+    wrap_with_lora,
+)
 from finetune.recipe import Recipe, recipe_to_dict
 from finetune.tracking import log_with
 
@@ -211,7 +217,8 @@ class TrainingRun:
         """Write a resumable checkpoint of this step (every process takes part: RNG states and sharded
         weights and optimizer state are gathered, and the main process writes them whole)."""
         rng_states = gather_object([ckpt.capture_rng_state()])
-        trainable, optimizer = adapter_state(self.peft_model), optimizer_state(self.optimizer)
+        trainable = adapter_state(self.peft_model, self.sharding.trainable_state(self.peft_model))
+        optimizer = self.sharding.optimizer_state(self.optimizer)
         path = ckpt.checkpoint_path(self.run_dir, self.step)
         if self.is_main:
             ckpt.save_checkpoint(
@@ -239,7 +246,24 @@ def _make_accelerator(recipe: Recipe) -> Any:
     # precision. Clearing it (not the PartialState holding the process group) lets the Python API run
     # several recipes in one process.
     AcceleratorState._reset_state(reset_partial_state=False)
-    return Accelerator(mixed_precision=precision, cpu=not torch.cuda.is_available(), log_with=log_with(recipe))
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if recipe.distributed.strategy != "deepspeed" or world_size == 1:
+        return Accelerator(mixed_precision=precision, cpu=not torch.cuda.is_available(), log_with=log_with(recipe))
+    from finetune.distributed_deepspeed import deepspeed_plugin
+
+    plugin = deepspeed_plugin(recipe, world_size)
+    # Without CUDA accelerate picks no backend and counts 1 process although DeepSpeed joined all of them.
+    handlers = [] if torch.cuda.is_available() else [InitProcessGroupKwargs(backend="gloo")]
+    accelerator = Accelerator(
+        mixed_precision=precision, deepspeed_plugin=plugin, log_with=log_with(recipe), kwargs_handlers=handlers
+    )
+    if accelerator.distributed_type != DistributedType.DEEPSPEED or accelerator.num_processes != world_size:
+        raise RecipeError(
+            f"distributed.strategy deepspeed: accelerate started {accelerator.distributed_type.value} on "
+            f"{accelerator.num_processes} of {world_size} processes instead (ACCELERATE_USE_CPU set?); launch with "
+            "`finetune train --nproc N`, or unset ACCELERATE_USE_CPU"
+        )
+    return accelerator
 
 
 def _wrap_for_training(recipe: Recipe, model: Any, say: Say) -> Any:
@@ -257,6 +281,11 @@ def start_run(recipe: Recipe, *, resume: bool, say: Say) -> TrainingRun:
     if not resume:
         check_output_free(recipe)
     resume_from = ckpt.latest_checkpoint(recipe.output.run_path) if resume else None
+    if resume and recipe.distributed.strategy == "deepspeed":
+        raise CheckpointError(
+            "--resume: resuming a distributed.strategy deepspeed run is not supported yet (ZeRO partitions the "
+            "optimizer state in its own layout); resume it with strategy fsdp or ddp, or start fresh"
+        )
     if resume and resume_from is None:
         raise CheckpointError(
             f"--resume: no checkpoint in {recipe.output.run_path}; run without --resume to start fresh"
@@ -265,11 +294,12 @@ def start_run(recipe: Recipe, *, resume: bool, say: Say) -> TrainingRun:
     if not accelerator.is_main_process:
         say = _silent
     with accelerator.main_process_first():  # the embedded base and the data cache are built once
-        model, tokenizer, base_source = load_base_from_config(recipe.model)
-        data = build_datasets(recipe.data, tokenizer, seed=recipe.train.seed, log=say)
+        data = build_datasets(recipe.data, load_tokenizer_for(recipe.model), seed=recipe.train.seed, log=say)
+    # Every process at once: under ZeRO-3, transformers partitions the weights while loading (a collective).
+    model, tokenizer, base_source = load_base_from_config(recipe.model)
     say(f"base {recipe.model.base} ({base_source}); data: {data.stats}")
     peft_model = _wrap_for_training(recipe, model, say)
-    sharding, distributed = _distribute(recipe, peft_model, accelerator, say)
+    sharding = _shard(recipe, peft_model, accelerator)
 
     stream = MicroBatchStream(
         num_rows=len(data.train),
@@ -285,6 +315,7 @@ def start_run(recipe: Recipe, *, resume: bool, say: Say) -> TrainingRun:
     optimizer = make_optimizer(recipe, groups)
     scheduler = make_scheduler(recipe, optimizer, plan)
     model_for_step, optimizer = sharding.prepare(accelerator, peft_model, optimizer)
+    distributed = _measure_distribution(sharding, peft_model, accelerator, say)  # ZeRO-3 partitions in prepare
     if recipe.train.compile:
         model_for_step = torch.compile(model_for_step)
     run = TrainingRun(
@@ -300,19 +331,23 @@ def start_run(recipe: Recipe, *, resume: bool, say: Say) -> TrainingRun:
     return run
 
 
-def _distribute(recipe: Recipe, peft_model: Any, accelerator: Any, say: Say) -> tuple[Sharding, DistributedInfo]:
-    """Shard the model over the processes as the recipe says (before the optimizer is built: it must hold
-    the sharded parameters) and measure what each process holds. One process has nothing to share."""
+def _shard(recipe: Recipe, peft_model: Any, accelerator: Any) -> Sharding:
+    """Shard the model over the processes as the recipe says, before the optimizer is built (it must
+    hold the sharded parameters). One process has nothing to share."""
     if accelerator.num_processes == 1:
-        return Sharding(), DistributedInfo("none", 1, 1.0)
+        return Sharding()
     sharding = sharding_for(recipe)
     sharding.shard(peft_model, accelerator)
-    distributed = DistributedInfo(sharding.name, accelerator.num_processes, rank_param_share(peft_model, accelerator))
-    say(
-        f"{distributed.strategy} over {distributed.world_size} processes: each holds at most "
-        f"{distributed.max_rank_param_share:.1%} of the parameters"
-    )
-    return sharding, distributed
+    return sharding
+
+
+def _measure_distribution(sharding: Sharding, peft_model: Any, accelerator: Any, say: Say) -> DistributedInfo:
+    """What the manifest records: the strategy, the processes, and the largest share one of them holds."""
+    if accelerator.num_processes == 1:
+        return DistributedInfo("none", 1, 1.0)
+    share = rank_param_share(sharding, peft_model, accelerator)
+    say(f"{sharding.name} over {accelerator.num_processes} processes: each holds at most {share:.1%} of the parameters")
+    return DistributedInfo(sharding.name, accelerator.num_processes, share)
 
 
 def _restore(run: TrainingRun, path: Path, say: Say) -> None:

@@ -202,7 +202,7 @@ def accumulate_gradients(
         with sharding.gradient_sync(accelerator, model, sync=is_last):  # the backward too: it reduces gradients
             with accelerator.autocast():
                 batch_loss_sum, _ = forward_loss(model, to_device(batch, accelerator.device))
-            accelerator.backward(batch_loss_sum * accelerator.num_processes / max(global_tokens, 1))
+            sharding.backward(accelerator, batch_loss_sum * accelerator.num_processes / max(global_tokens, 1))
         loss_sum += batch_loss_sum.item()
     total = accelerator.reduce(torch.tensor(loss_sum, dtype=torch.float64, device=accelerator.device), reduction="sum")
     return float(total) / max(global_tokens, 1)

@@ -98,7 +98,9 @@ def test_without_a_port_a_free_one_is_chosen(eight_cpus):
 
 def test_the_cli_hands_its_options_to_the_launcher(workdir, eight_cpus, monkeypatch):
     launched = []
-    monkeypatch.setattr(launch, "run_launched", lambda command, *, use_cpu: launched.append((command, use_cpu)) or 7)
+    monkeypatch.setattr(
+        launch, "run_launched", lambda command, *, use_cpu, deepspeed: launched.append((command, use_cpu)) or 7
+    )
     monkeypatch.delenv("LOCAL_RANK", raising=False)
     monkeypatch.delenv("RANK", raising=False)
     argv = ["-v", "train", "recipe.yaml", "--nproc", "2", "--nnodes", "2", "--node-rank", "1", "train.lr=1e-4"]
@@ -129,7 +131,7 @@ def test_the_cli_hands_its_options_to_the_launcher(workdir, eight_cpus, monkeypa
 )
 def test_bad_options_or_recipes_are_refused_before_any_launch(workdir, monkeypatch, capsys, argv, fragment):
     launched = []
-    monkeypatch.setattr(launch, "run_launched", lambda command, *, use_cpu: launched.append(command) or 0)
+    monkeypatch.setattr(launch, "run_launched", lambda command, *, use_cpu, deepspeed: launched.append(command) or 0)
     assert main(argv) == 2
     assert fragment in capsys.readouterr().err
     assert launched == []

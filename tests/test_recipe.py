@@ -93,6 +93,22 @@ def test_overrides_apply_through_the_schema(tmp_path, override, check):
             [],
             ["model.bnb_4bit_quant_type", "'nf4' or 'fp4'"],
         ),
+        # distributed: no strategy quietly becomes another
+        (MINIMAL, ["distributed.strategy=zero"], ["distributed.strategy", "'ddp', 'fsdp' or 'deepspeed'"]),
+        (MINIMAL, ["distributed.fsdp.version=1"], ["distributed.fsdp.version", "FSDP1 is deprecated"]),
+        (MINIMAL, ["distributed.fsdp.sharding=grad_op"], ["fsdp options are set but strategy is ddp"]),
+        (MINIMAL, ["distributed.strategy=fsdp", "distributed.deepspeed.stage=2"], ["set strategy: deepspeed"]),
+        (MINIMAL, ["distributed.strategy=fsdp", "model.quantization=4bit"], ["fsdp with model.quantization 4bit"]),
+        (
+            MINIMAL,
+            [
+                "distributed.strategy=deepspeed",
+                "distributed.deepspeed.stage=2",
+                "distributed.deepspeed.offload_params=true",
+            ],
+            ["offload_params needs stage: 3"],
+        ),
+        (MINIMAL, ["distributed.strategy=deepspeed", "train.nonfinite_skips=2"], ["nonfinite_skips cannot be used"]),
     ],
 )
 def test_bad_recipes_fail_with_one_line_that_says_where(tmp_path, text, overrides, expected):
@@ -157,3 +173,30 @@ def test_every_shipped_recipe_validates():
     assert files, "recipes/ holds no YAML"
     for path in files:  # rglob: subfolders too
         assert isinstance(load_recipe(path), Recipe)
+
+
+@pytest.mark.parametrize(
+    "options, zero",
+    [
+        (["distributed.deepspeed.stage=2"], {"stage": 2, "offload_optimizer": "none"}),
+        (
+            ["distributed.deepspeed.offload_optimizer=true", "distributed.deepspeed.offload_params=true"],
+            {"stage": 3, "offload_optimizer": "cpu", "offload_param": "cpu"},
+        ),
+    ],
+)
+def test_the_deepspeed_config_we_build_passes_deepspeeds_own_parser(tmp_path, options, zero):
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    from finetune.distributed_deepspeed import deepspeed_config
+
+    overrides = ["distributed.strategy=deepspeed", "train.micro_batch_size=2", "train.grad_accum_steps=4", *options]
+    recipe = load_recipe(write(tmp_path, MINIMAL), [*overrides, "train.precision=bf16", "train.max_grad_norm=0.5"])
+    parsed = DeepSpeedConfig(deepspeed_config(recipe, world_size=1))  # the parser checks it against this process
+    assert (parsed.train_batch_size, parsed.train_micro_batch_size_per_gpu) == (8, 2)
+    assert parsed.gradient_accumulation_steps == 4 and parsed.gradient_clipping == 0.5
+    assert parsed.bfloat16_config.enabled and not parsed.float16_config.enabled
+    assert parsed.zero_config.stage == zero["stage"]
+    assert parsed.zero_config.offload_optimizer.device == zero["offload_optimizer"]
+    if "offload_param" in zero:
+        assert parsed.zero_config.offload_param.device == zero["offload_param"]

@@ -1,6 +1,7 @@
-"""FSDP2 over two gloo ranks on a 40M-parameter Llama: it really shards, and trains the DDP adapter.
+"""FSDP2 and DeepSpeed ZeRO-3 over two gloo ranks on a 40M-parameter Llama: they really shard, and train
+the DDP adapter.
 
-Both strategies are launched as users launch them (`finetune train ... --nproc 2`), on the same data,
+The strategies are launched as users launch them (`finetune train ... --nproc 2`), on the same data,
 batches and seed, without dropout: they differ only in how gradients are reduced, so the adapters agree
 to float rounding. A killed rank must end the launch, whatever the strategy.
 """
@@ -107,14 +108,35 @@ def test_fsdp_shards_resumes_and_trains_the_ddp_adapter(sharded_workdir):
     assert ddp == {"strategy": "ddp", "world_size": 2, "max_rank_param_share": 1.0}
 
     _train(*fsdp, "train.max_steps=3", "--resume")  # ... which resumes (weights and Adam moments) to step 3
-    expected = load_file("adapters/ddp/adapter_model.safetensors")
-    actual = load_file("adapters/fsdp/adapter_model.safetensors")
+    _assert_same_adapter("adapters/ddp", "adapters/fsdp")
+
+
+@pytest.mark.slow
+def test_deepspeed_zero3_partitions_and_trains_the_ddp_adapter(sharded_workdir):
+    # DeepSpeed runs on CPU ranks too (gloo), so ZeRO-3 is tested here for real, not only its config.
+    _train("output.name=ddp", "train.max_steps=3")
+    log = _train("output.name=zero3", "distributed.strategy=deepspeed", "train.max_steps=3")
+    assert "deepspeed over 2 processes" in log
+    distributed = json.loads(Path("adapters/zero3/manifest.json").read_text())["distributed"]
+    assert distributed["strategy"] == "deepspeed" and distributed["max_rank_param_share"] <= 0.6, distributed
+    # Losses and gradient norms agree to 1e-6 relative, but Adam divides by sqrt(v): on weights whose gradient
+    # is near zero, rounding in ZeRO's reduce-scatter becomes a visible difference (measured: 4 of 1.05M
+    # weights off by more than 1e-4, at most 3.6e-4). Each tensor as a whole agrees to 3e-4 relative.
+    _assert_same_adapter("adapters/ddp", "adapters/zero3", max_abs=1e-3, max_relative=1e-3)
+
+
+def _assert_same_adapter(reference: str, sharded: str, max_abs: float = 1e-4, max_relative: float = 1e-4) -> None:
+    """Same names and whole shapes, values within the tolerances, the same held-out loss; and it trained."""
+    expected = load_file(f"{reference}/adapter_model.safetensors")
+    actual = load_file(f"{sharded}/adapter_model.safetensors")
     assert expected.keys() == actual.keys()
     assert all(expected[k].shape == actual[k].shape for k in expected)  # whole tensors, not one rank's shard
     largest = max((expected[k] - actual[k]).abs().max().item() for k in expected)
-    assert largest < 1e-4, largest
-    assert any(t.abs().max() > 0 for k, t in actual.items() if "lora_B" in k)  # it trained
-    eval_losses = [_metric(f"adapters/{name}", "eval_loss") for name in ("ddp", "fsdp")]
+    assert largest < max_abs, largest
+    relative = max(((expected[k] - actual[k]).norm() / expected[k].norm().clamp(min=1e-12)).item() for k in expected)
+    assert relative < max_relative, relative
+    assert any(t.abs().max() > 0 for k, t in actual.items() if "lora_B" in k)
+    eval_losses = [_metric(path, "eval_loss") for path in (reference, sharded)]
     assert abs(eval_losses[0] - eval_losses[1]) < 1e-4, eval_losses
 
 

@@ -40,7 +40,7 @@ def run_train(args: argparse.Namespace) -> int:
 
         from finetune.recipe import load_recipe
 
-        load_recipe(args.recipe, args.overrides)  # a bad recipe fails here, once, not on every rank
+        recipe = load_recipe(args.recipe, args.overrides)  # a bad recipe fails here, once, not on every rank
         use_cpu = not torch.cuda.is_available()
         train_args = [args.recipe, *args.overrides, *(["--resume"] if args.resume else [])]
         command = launch_command(
@@ -53,7 +53,7 @@ def run_train(args: argparse.Namespace) -> int:
             use_cpu=use_cpu,
             verbose=args.verbose,
         )
-        return run_launched(command, use_cpu=use_cpu)
+        return run_launched(command, use_cpu=use_cpu, deepspeed=recipe.distributed.strategy == "deepspeed")
 
     import os
 
