@@ -96,6 +96,7 @@ class DeepSpeedSharding(Sharding):
         return {"state": {}, "param_groups": []}  # resuming a DeepSpeed run is refused (module docstring)
 
     def held_numel(self, parameter: torch.nn.Parameter) -> tuple[int, int]:
-        if hasattr(parameter, "ds_tensor"):  # partitioned by ZeRO-3: this rank's partition, the whole size
-            return parameter.ds_tensor.numel(), parameter.ds_numel
+        partition = getattr(parameter, "ds_tensor", None)  # set by ZeRO-3: this rank's partition
+        if partition is not None:
+            return partition.numel(), int(getattr(parameter, "ds_numel"))
         return parameter.numel(), parameter.numel()
