@@ -98,5 +98,5 @@ class DeepSpeedSharding(Sharding):
     def held_numel(self, parameter: torch.nn.Parameter) -> tuple[int, int]:
         partition = getattr(parameter, "ds_tensor", None)  # set by ZeRO-3: this rank's partition
         if partition is not None:
-            return partition.numel(), int(getattr(parameter, "ds_numel"))
+            return partition.numel(), int(parameter.ds_numel)  # type: ignore[attr-defined]  # set by ZeRO-3
         return parameter.numel(), parameter.numel()
