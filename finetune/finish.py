@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 import yaml
+from accelerate.utils import gather_object
 
 from finetune.atomic import atomic_directory
 from finetune.errors import OutputError
@@ -42,6 +43,15 @@ def summary_metrics(run: TrainingRun, last: dict[str, float], say: Callable[[str
             f"({perplexity_change(base_eval['eval_ppl'], last['eval_ppl'])})"
         )
     return metrics
+
+
+def peak_memory_bytes() -> int:
+    """This process's peak: allocated device memory on a GPU, resident host memory otherwise."""
+    if torch.cuda.is_available():
+        return int(torch.cuda.max_memory_allocated())
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
 def write_adapter(run: TrainingRun, metrics: dict[str, Any], weights: dict[str, torch.Tensor]) -> Path:
@@ -71,6 +81,7 @@ def write_adapter(run: TrainingRun, metrics: dict[str, Any], weights: dict[str, 
 def finish_run(run: TrainingRun, last: dict[str, float], say: Callable[[str], None]) -> tuple[Path, dict[str, Any]]:
     """Summarise, write the adapter (main process), wait for every process; return (adapter dir, metrics)."""
     metrics = summary_metrics(run, last, say)
+    metrics["peak_memory_bytes_per_rank"] = gather_object([peak_memory_bytes()])  # every process: a collective
     weights = run.sharding.trainable_state(run.peft_model)  # every process: gathering sharded weights is a collective
     if run.is_main:
         write_adapter(run, metrics, weights)

@@ -87,10 +87,20 @@ def load_tokenizer(
     try:
         tokenizer = AutoTokenizer.from_pretrained(source, revision=revision, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as exc:
-        raise ModelError(f"cannot load a tokenizer from {source!r}: {str(exc).splitlines()[0]}") from None
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise ModelError(
+            f"cannot load a tokenizer from {source!r}: {first}{_not_cached_hint(source, revision)}"
+        ) from None
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
+
+
+def _not_cached_hint(source: str, revision: str | None) -> str:
+    """What to do when `source` is a hub id that is not in the local cache ('' for a local directory)."""
+    if Path(source).is_dir() or local_model_dir(source, revision) is not None:
+        return ""
+    return f" (not in the local hub cache: run `hf download {source}` where there is network)"
 
 
 def load_base(
@@ -139,9 +149,9 @@ def load_base_from_config(config: ModelConfig) -> tuple[PreTrainedModel, PreTrai
         model = AutoModelForCausalLM.from_pretrained(files_to_load(source, config), **kwargs)
     except (OSError, ValueError) as exc:
         first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        if not Path(source).is_dir() and local_model_dir(source, config.revision) is None:
-            first += f" (not in the local hub cache: run `hf download {source}` where there is network)"
-        raise ModelError(f"cannot load base model {config.base!r}: {first}") from None
+        raise ModelError(
+            f"cannot load base model {config.base!r}: {first}{_not_cached_hint(source, config.revision)}"
+        ) from None
     model.config._name_or_path = source  # adapters record the hub id, not this machine's cache path
     tokenizer = load_tokenizer_for(config)
     _check_vocabulary_fits(model, tokenizer, config.tokenizer or config.base)

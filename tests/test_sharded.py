@@ -96,33 +96,30 @@ def _train(*args: str) -> str:
 
 
 @pytest.mark.slow
-def test_fsdp_shards_resumes_and_trains_the_ddp_adapter(sharded_workdir):
+def test_fsdp_and_deepspeed_shard_resume_and_train_the_ddp_adapter(sharded_workdir):
     ddp_log = _train("output.name=ddp", "train.max_steps=3")
     fsdp = ("output.name=fsdp", "output.overwrite=true", "distributed.strategy=fsdp", "train.save_every_steps=2")
     fsdp_log = _train(*fsdp, "train.max_steps=2")  # stops at step 2 with checkpoint-000002 ...
     assert "fsdp over 2 processes" in fsdp_log and "eval loss" in ddp_log
-    manifest = json.loads(Path("adapters/fsdp/manifest.json").read_text())
-    assert manifest["distributed"]["strategy"] == "fsdp" and manifest["distributed"]["world_size"] == 2
-    assert manifest["distributed"]["max_rank_param_share"] <= 0.6, manifest["distributed"]
-    ddp = json.loads(Path("adapters/ddp/manifest.json").read_text())["distributed"]
-    assert ddp == {"strategy": "ddp", "world_size": 2, "max_rank_param_share": 1.0}
-
+    assert _distributed("ddp") == {"strategy": "ddp", "world_size": 2, "max_rank_param_share": 1.0}
+    assert _distributed("fsdp")["strategy"] == "fsdp" and _distributed("fsdp")["world_size"] == 2
+    assert _distributed("fsdp")["max_rank_param_share"] <= 0.6, _distributed("fsdp")
     _train(*fsdp, "train.max_steps=3", "--resume")  # ... which resumes (weights and Adam moments) to step 3
     _assert_same_adapter("adapters/ddp", "adapters/fsdp")
 
-
-@pytest.mark.slow
-def test_deepspeed_zero3_partitions_and_trains_the_ddp_adapter(sharded_workdir):
     # DeepSpeed runs on CPU ranks too (gloo), so ZeRO-3 is tested here for real, not only its config.
-    _train("output.name=ddp", "train.max_steps=3")
-    log = _train("output.name=zero3", "distributed.strategy=deepspeed", "train.max_steps=3")
-    assert "deepspeed over 2 processes" in log
-    distributed = json.loads(Path("adapters/zero3/manifest.json").read_text())["distributed"]
-    assert distributed["strategy"] == "deepspeed" and distributed["max_rank_param_share"] <= 0.6, distributed
+    assert "deepspeed over 2 processes" in _train(
+        "output.name=zero3", "distributed.strategy=deepspeed", "train.max_steps=3"
+    )
+    assert _distributed("zero3")["strategy"] == "deepspeed" and _distributed("zero3")["max_rank_param_share"] <= 0.6
     # Losses and gradient norms agree to 1e-6 relative, but Adam divides by sqrt(v): on weights whose gradient
     # is near zero, rounding in ZeRO's reduce-scatter becomes a visible difference (measured: 4 of 1.05M
     # weights off by more than 1e-4, at most 3.6e-4). Each tensor as a whole agrees to 3e-4 relative.
     _assert_same_adapter("adapters/ddp", "adapters/zero3", max_abs=1e-3, max_relative=1e-3)
+
+
+def _distributed(name: str) -> dict:
+    return json.loads(Path(f"adapters/{name}/manifest.json").read_text())["distributed"]
 
 
 def _assert_same_adapter(reference: str, sharded: str, max_abs: float = 1e-4, max_relative: float = 1e-4) -> None:
