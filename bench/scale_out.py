@@ -3,8 +3,9 @@
 Every arm runs `finetune train` as a user does (`--nproc 2 distributed.strategy=...` for the ranks) on the
 same random-init Llama (built here from a config, vocabulary 32,000), the same LoRA (r=16, all-linear,
 no dropout), the same instruction records and the same documents per optimizer step: one process takes
-`--micro-batch` documents x 2 accumulation steps, each of 2 ranks `--micro-batch` x 1. The arms run one
-after the other; on a 2-core machine, 2 ranks get 1 thread each and one process gets both.
+2 x `--micro-batch` documents per step, each of 2 ranks `--micro-batch` of them (the sampler deals the
+very same documents out to the ranks, so all arms learn the same thing). The arms run one after the
+other; on a 2-core machine, 2 ranks get 1 thread each and one process gets both.
 
 Reported per arm, from the adapter's manifest: real tokens per second of the training steps (tokens seen
 / seconds from the first step to the last; setup and evaluation excluded), the held-out loss (the same
@@ -120,7 +121,7 @@ def main() -> None:
         RECIPE.format(base=base, seq_len=args.seq_len, steps=args.steps, micro_batch=args.micro_batch)
     )
     arms = [
-        ("one-process", ["train.grad_accum_steps=2"]),
+        ("one-process", [f"train.micro_batch_size={2 * args.micro_batch}"]),
         ("ddp-2", ["--nproc", "2"]),
         ("fsdp-2", ["--nproc", "2", "distributed.strategy=fsdp"]),
     ]
