@@ -193,12 +193,14 @@ class TrainingRun:
         ]
 
     def advance(self, micro_batches: list[dict[str, torch.Tensor]]) -> None:
-        """Count one optimizer step over `micro_batches` (their documents' tokens, times the processes)."""
+        """Count one optimizer step over `micro_batches` (their documents' tokens, summed over the processes:
+        ranks hold documents of different lengths)."""
         positions = range(self.position, self.position + len(micro_batches))
         tokens = sum(len(self.data.train[i]["input_ids"]) for p in positions for i in self.stream.indices(p))
         self.step += 1
         self.position += len(micro_batches)
-        self.tokens_seen += tokens * self.accelerator.num_processes
+        local = torch.tensor(tokens, dtype=torch.int64, device=self.accelerator.device)
+        self.tokens_seen += int(self.accelerator.reduce(local, reduction="sum"))
 
     def evaluate(self) -> dict[str, float]:
         """Held-out loss and perplexity of the model as it is now; {} without validation data."""
