@@ -101,22 +101,46 @@ def _make_optimizer(model: PreTrainedModel, settings: PretrainSettings) -> torch
     )
 
 
+def _step(
+    model: PreTrainedModel,
+    optimizer: torch.optim.Optimizer,
+    ids: torch.Tensor,
+    labels: torch.Tensor,
+    settings: PretrainSettings,
+) -> float:
+    """One optimizer step on a `(B, T)` batch; returns its loss."""
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=settings.bf16_autocast):
+        loss = model(input_ids=ids, labels=labels, use_cache=False).loss
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), settings.max_grad_norm)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss.item()
+
+
 def pretrain(
     model: PreTrainedModel,
     rows: torch.Tensor,
     settings: PretrainSettings,
     progress: Callable[[str], None] = lambda message: None,
+    extra_rows: tuple[torch.Tensor, torch.Tensor] | None = None,
+    probe: Callable[[], str] = lambda: "",
 ) -> PretrainResult:
-    """Train every parameter of `model` on `rows` for `settings.steps` steps, in place.
+    """Train every parameter of `model` on `rows` (and `extra_rows`) for `settings.steps` steps, in place.
 
     Args:
         model: a freshly initialised causal LM (float32 weights).
         rows: `(num_rows, seq_len)` token ids from `token_rows`; the last `settings.heldout_rows` are held out.
         settings: steps, batch size, learning rate and schedule.
         progress: called with a one-line message every tenth of the run.
+        extra_rows: `(ids, labels)` of further training rows of the same length (`synthetic_rows`), labels
+            -100 where no loss is taken; shuffled in with the others.
     """
     assert len(rows) > settings.heldout_rows, "corpus too small for the held-out rows"
-    train_rows, heldout_rows = rows[: -settings.heldout_rows], rows[-settings.heldout_rows :]
+    train_ids, heldout_rows = rows[: -settings.heldout_rows], rows[-settings.heldout_rows :]
+    train_labels = train_ids
+    if extra_rows is not None:
+        train_ids, train_labels = torch.cat([train_ids, extra_rows[0]]), torch.cat([train_labels, extra_rows[1]])
     generator = torch.Generator().manual_seed(settings.seed)
     optimizer = _make_optimizer(model, settings)
 
@@ -128,21 +152,17 @@ def pretrain(
     model.train()
     for step in range(settings.steps):
         if len(order) < settings.micro_batch_size:  # a new epoch: a fresh seeded permutation
-            order = torch.cat([order, torch.randperm(len(train_rows), generator=generator)])
-        batch = train_rows[order[: settings.micro_batch_size]]  # (B, T)
+            order = torch.cat([order, torch.randperm(len(train_ids), generator=generator)])
+        batch = order[: settings.micro_batch_size]
         order = order[settings.micro_batch_size :]
         for group in optimizer.param_groups:
             group["lr"] = _lr_at(step, settings)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=settings.bf16_autocast):
-            loss = model(input_ids=batch, labels=batch, use_cache=False).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), settings.max_grad_norm)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        losses.append(loss.item())
+        losses.append(_step(model, optimizer, train_ids[batch], train_labels[batch], settings))  # (B, T) rows
         if (step + 1) % report_every_steps == 0 or step + 1 == settings.steps:
+            model.eval()
             elapsed = time.perf_counter() - start_seconds
-            progress(f"pretraining step {step + 1}/{settings.steps}: loss {losses[-1]:.3f} ({elapsed:.0f} s)")
+            progress(f"pretraining step {step + 1}/{settings.steps}: loss {losses[-1]:.3f}{probe()} ({elapsed:.0f} s)")
+            model.train()
     model.eval()
     heldout_loss_after = _mean_loss(model, heldout_rows, settings)
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import re
 from pathlib import Path
 
 _TOWN_STARTS = ("Har", "Vel", "Ost", "Brin", "Cal", "Dun", "Elm", "Fen", "Gral", "Kes", "Lor", "Mav", "Quill", "Tarn")
@@ -82,6 +83,34 @@ def bulletin(
         sentences.append("Frost is likely overnight.")
     sentences.append(f"Chance of rain {rain_percent} percent. {_rain_advice(rain_percent)}")
     return {"instruction": INSTRUCTION.format(town=town), "input": forecast, "output": " ".join(sentences)}
+
+
+_BULLETIN_PATTERNS = {
+    "city": re.compile(r"^\s*([^,.\n]+), \d+ \w+\."),
+    "day": re.compile(r"^\s*[^,.\n]+, (\d+ \w+)\."),
+    "sky": re.compile(r"^\s*[^.\n]+\. (.+?), with "),
+    "wind": re.compile(r", with (a [\w-]+ [\w-]+ wind at \d+ km/h)\."),
+    "figures": re.compile(r"High of ((?:minus )?\d+) degrees, low of ((?:minus )?\d+)\."),
+}
+BULLETIN_FIELDS = tuple(_BULLETIN_PATTERNS)
+"""What a bulletin says that depends on its input: the town, the date, the sky phrase, the wind (strength word,
+direction and speed) and the high/low figures."""
+
+
+def bulletin_fields(text: str) -> dict[str, str | None]:
+    """Each of `BULLETIN_FIELDS` as written in a bulletin (None where the text does not say it in house style).
+
+    Comparing the fields of a generated bulletin with those of the reference one tells whether a model
+    followed its input, field by field, whatever else it wrote.
+
+    Example:
+        bulletin_fields("Kesgate, 3 Hightide. Fog at first, ...")["city"]   # "Kesgate"
+    """
+    fields = {}
+    for name, pattern in _BULLETIN_PATTERNS.items():
+        match = pattern.search(text)
+        fields[name] = None if match is None else " / ".join(match.groups())
+    return fields
 
 
 def generate_records(num_records: int, seed: int = 0) -> list[dict[str, str]]:
