@@ -1,8 +1,9 @@
-"""The README's quickstart, run as users run it: builds the embedded base from nothing, trains, and cuts
-held-out perplexity by at least 30% (the promise of the front door)."""
+"""The README's quickstart, run as users run it: trains on the shipped embedded base, cuts held-out perplexity
+by at least 30%, and the adapter's greedy bulletins follow their input (the promise of the front door)."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -11,12 +12,18 @@ from pathlib import Path
 
 import pytest
 
+from finetune.cli import main
+from finetune.embedded.quickstart_data import bulletin_fields
+from finetune.recipe import DataConfig
+
 REPO = Path(__file__).resolve().parents[1]
+NUM_BULLETINS = 5
 
 
-@pytest.mark.slow
-def test_quickstart_cuts_held_out_perplexity_by_30_percent(tmp_path):
-    # FINETUNE_HOME is the session's scratch cache (conftest), so the embedded base is built here from scratch.
+@pytest.fixture(scope="module")
+def quickstart(tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path]:
+    # FINETUNE_HOME is the session's scratch cache (conftest): a fresh machine's, as far as caches go.
+    tmp_path = tmp_path_factory.mktemp("quickstart")
     result = subprocess.run(
         [
             sys.executable,
@@ -34,6 +41,12 @@ def test_quickstart_cuts_held_out_perplexity_by_30_percent(tmp_path):
         env={**os.environ, "PYTHONPATH": str(REPO)},
     )
     assert result.returncode == 0, result.stderr[-3000:]
+    return result, tmp_path / "adapter"
+
+
+@pytest.mark.slow
+def test_quickstart_cuts_held_out_perplexity_by_30_percent(quickstart):
+    result, adapter = quickstart
     match = re.search(
         r"held-out perplexity: base ([\d.]+) -> base \+ adapter ([\d.]+) \(([\d.]+)% lower\)", result.stderr
     )
@@ -41,5 +54,26 @@ def test_quickstart_cuts_held_out_perplexity_by_30_percent(tmp_path):
     base_ppl, adapter_ppl, cut = map(float, match.groups())
     assert adapter_ppl <= 0.7 * base_ppl
     assert cut == pytest.approx(100 * (1 - adapter_ppl / base_ppl), abs=0.1)
-    assert (tmp_path / "adapter" / "adapter_model.safetensors").is_file()
-    assert f"adapter: {tmp_path / 'adapter'}" in result.stdout
+    assert (adapter / "adapter_model.safetensors").is_file()
+    assert f"adapter: {adapter}" in result.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(
+    strict=True,
+    reason="issue 13 not met yet: on the copying base (copy score 0.93) the quickstart LoRA's greedy bulletins got "
+    "the figures right in 2 of 20 held-out ones; strict, so the test says when a base or recipe passes",
+)
+def test_quickstart_adapter_copies_the_figures_of_held_out_bulletins(quickstart, capsys):
+    """`finetune generate` (greedy) on held-out bulletins gets the high/low figures right in at least 4 of 5."""
+    _, adapter = quickstart
+    template = DataConfig.model_fields["prompt_with_input_template"].default
+    valid = (REPO / "data" / "quickstart" / "valid.jsonl").read_text().splitlines()
+    records = [json.loads(line) for line in valid[:NUM_BULLETINS]]
+    right = []
+    for record in records:
+        prompt = template.format(prompt=record["instruction"], input=record["input"])
+        assert main(["generate", "--adapter", str(adapter), "--max-new-tokens", "96", prompt]) == 0
+        generated = capsys.readouterr().out
+        right.append(bulletin_fields(generated)["figures"] == bulletin_fields(record["output"])["figures"])
+    assert sum(right) >= 4, right

@@ -118,6 +118,22 @@ def _step(
     return loss.item()
 
 
+def _split_rows(
+    rows: torch.Tensor,
+    settings: PretrainSettings,
+    extra_rows: tuple[torch.Tensor, torch.Tensor] | None,
+    train_on_rows: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(training ids, training labels, held-out rows): the held-out rows are the last of `rows`."""
+    assert len(rows) > settings.heldout_rows, "corpus too small for the held-out rows"
+    train_ids, heldout_rows = rows[: -settings.heldout_rows], rows[-settings.heldout_rows :]
+    if extra_rows is None:
+        return train_ids, train_ids, heldout_rows
+    if not train_on_rows:
+        return extra_rows[0], extra_rows[1], heldout_rows
+    return torch.cat([train_ids, extra_rows[0]]), torch.cat([train_ids, extra_rows[1]]), heldout_rows
+
+
 def pretrain(
     model: PreTrainedModel,
     rows: torch.Tensor,
@@ -125,6 +141,7 @@ def pretrain(
     progress: Callable[[str], None] = lambda message: None,
     extra_rows: tuple[torch.Tensor, torch.Tensor] | None = None,
     probe: Callable[[], str] = lambda: "",
+    train_on_rows: bool = True,
 ) -> PretrainResult:
     """Train every parameter of `model` on `rows` (and `extra_rows`) for `settings.steps` steps, in place.
 
@@ -135,12 +152,10 @@ def pretrain(
         progress: called with a one-line message every tenth of the run.
         extra_rows: `(ids, labels)` of further training rows of the same length (`synthetic_rows`), labels
             -100 where no loss is taken; shuffled in with the others.
+        probe: called (model in eval mode) at each progress message; what it returns is appended.
+        train_on_rows: False trains on `extra_rows` alone (`rows` then only supply the held-out rows).
     """
-    assert len(rows) > settings.heldout_rows, "corpus too small for the held-out rows"
-    train_ids, heldout_rows = rows[: -settings.heldout_rows], rows[-settings.heldout_rows :]
-    train_labels = train_ids
-    if extra_rows is not None:
-        train_ids, train_labels = torch.cat([train_ids, extra_rows[0]]), torch.cat([train_labels, extra_rows[1]])
+    train_ids, train_labels, heldout_rows = _split_rows(rows, settings, extra_rows, train_on_rows)
     generator = torch.Generator().manual_seed(settings.seed)
     optimizer = _make_optimizer(model, settings)
 

@@ -63,9 +63,10 @@ def _recall_row(
 
 
 def synthetic_rows(
-    tokenizer: PreTrainedTokenizerFast, num_rows: int, seq_len: int, seed: int
+    tokenizer: PreTrainedTokenizerFast, num_rows: int, seq_len: int, seed: int, recall: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`(ids, labels)`, each `(num_rows, seq_len)`: alternately `repeat` and `recall` rows, each starting with BOS.
+    """`(ids, labels)`, each `(num_rows, seq_len)`: alternately `repeat` and `recall` rows (`repeat` rows
+    only if not `recall`), each starting with BOS.
 
     Labels are `IGNORE_INDEX` wherever the next token cannot be known from the row so far.
     """
@@ -77,7 +78,7 @@ def synthetic_rows(
     ids = torch.empty((num_rows, seq_len), dtype=torch.long)
     labels = torch.empty((num_rows, seq_len), dtype=torch.long)
     for row in range(num_rows):
-        if row % 2 == 0:
+        if row % 2 == 0 or not recall:
             row_ids, row_labels = _repeat_row(rng, ordinary, seq_len - 1)
         else:
             row_ids, row_labels = _recall_row(rng, ordinary, seq_len - 1, colon, newline)
