@@ -178,7 +178,7 @@ def _build_into(final_dir: Path, name: str, settings: BuildSettings, report: Cal
 def resolve_base_id(base: str, progress: Callable[[str], None] | None = None) -> str:
     """Turn a recipe's `model.base` into something `from_pretrained` loads.
 
-    `embedded:<name>` becomes the local directory of that embedded base (built on first use); any other
+    `embedded:<name>` becomes the local directory of that embedded base (shipped, or built on first use); any other
     string (a local path or a hub id) is returned unchanged.
 
     Raises:
