@@ -34,8 +34,7 @@ def main() -> None:
     parser.add_argument("--every", type=int, default=50)
     args = parser.parse_args()
 
-    from conftest import TEST_SHAPE, _tokenizer_corpus
-    from test_train import _instruction_records
+    from helpers import TEST_SHAPE, instruction_records, tokenizer_corpus
 
     from finetune.embedded.tiny import build_tiny_llama
     from finetune.embedded.tokenizer import train_tokenizer
@@ -44,10 +43,10 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="soak-"))
     os.environ["FINETUNE_HOME"] = str(work / "home")
     os.environ["HF_DATASETS_CACHE"] = str(work / "datasets")
-    tokenizer = train_tokenizer(_tokenizer_corpus(), vocab_size=512, max_model_len=512)
+    tokenizer = train_tokenizer(tokenizer_corpus(), vocab_size=512, max_model_len=512)
     build_tiny_llama(tokenizer, seed=0, **TEST_SHAPE).save_pretrained(work / "base")
     tokenizer.save_pretrained(work / "base")
-    records = _instruction_records(240)
+    records = instruction_records(240)
     (work / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records[:200]))
     (work / "valid.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records[200:]))
     recipe = {

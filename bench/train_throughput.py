@@ -3,17 +3,19 @@
 Every arm trains the same model (a random-init Llama built from a config and saved with
 `save_pretrained`), with the same LoRA (r=16, alpha=32, dropout 0.05, all-linear), on the same
 instruction records (generated here, of varied length, so padding and packing differ), for the same
-number of optimizer steps, with the same micro-batch size, accumulation, learning rate, schedule
-(cosine, no warmup), clipping (1.0) and precision.
+number of optimizer steps, with the same documents per step (micro-batch size x accumulation: the
+Trainer's `per_device_train_batch_size` x `gradient_accumulation_steps`), learning rate, schedule
+(cosine, no warmup), clipping (1.0) and precision. So every arm sees the same documents and the same
+tokens; packing may only change how fast.
 
 Arms, each in its own fresh process (so peak RSS and allocator state are its own), run one after the
-other:
-- `ours-packed`:   `finetune.train(recipe)` with `data.packing=true` (padding-free rows);
-- `ours-padded`:   the same with `data.packing=false` (rows padded to the longest in the micro-batch);
+other (with `--repeats N`, N rounds of all arms, interleaved, and the median ratio of each arm to the
+baseline over the rounds):
+- `ours-packed`:   `finetune.train(recipe)` with `data.packing=true` (each micro-batch's documents packed
+                   into as few rows as fit, none longer than its longest document);
+- `ours-padded`:   the same with `data.packing=false` (one row per document, padded to the longest);
 - `hf-trainer`:    what a user would otherwise write: `get_peft_model`, `datasets` + `.map` tokenizing,
                    `DataCollatorForSeq2Seq` padding, `Trainer(processing_class=...)`, `use_cpu=True`.
-- `ours-packed-mbs1` (only with `--arms`): packing with micro-batch 1 and the accumulation multiplied by
-  the micro-batch size: the same rows per optimizer step, one packed row per forward.
 
 What is timed: the steps after `--warmup-steps`, from the end of the last warm-up step to the end of the
 last step (both loops report the end of each optimizer step: ours through its log line, the Trainer
@@ -32,7 +34,7 @@ machine CPU seconds inflate too: a thread spins while its partner is descheduled
 Example:
     python bench/train_throughput.py                # fp32, defaults: ~2 min on 2 idle cores, 8.5 at load 9
     python bench/train_throughput.py --threads 1 --precision bf16 --json /tmp/bf16.json   # shared machine
-    python bench/train_throughput.py --arms ours-packed,ours-padded,hf-trainer,ours-packed-mbs1
+    python bench/train_throughput.py --threads 1 --repeats 3   # interleaved rounds, median ratios
     python bench/train_throughput.py --hidden 384 --layers 6 --seq-len 1024 --steps 30 --compile
 """
 
@@ -57,8 +59,8 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:  # run from a checkout: `python bench/train_throughput.py`
     sys.path.insert(0, str(REPO_ROOT))
 
-ARMS = ("ours-packed", "ours-padded", "hf-trainer", "ours-packed-mbs1")
-DEFAULT_ARMS = ("ours-packed", "ours-padded", "hf-trainer")
+ARMS = ("ours-packed", "ours-padded", "hf-trainer")
+DEFAULT_ARMS = ARMS
 BASELINE = "hf-trainer"
 LORA = dict(r=16, alpha=32.0, dropout=0.05)
 PROMPT_TEMPLATE = "### Instruction:\n{prompt}\n\n### Response:\n"  # finetune's default instruction template
@@ -210,15 +212,13 @@ def run_ours(spec: dict[str, Any], arm: str) -> dict[str, Any]:
     import finetune.checkpoint
     import finetune.manifest  # noqa: F401
     from finetune import Recipe
-    from finetune.data import build_datasets
+    from finetune.data import build_datasets, collate_batch
     from finetune.data.sampler import MicroBatchStream
     from finetune.model import load_tokenizer
     from finetune.train import train
 
-    packing = arm != "ours-padded"
+    packing = arm == "ours-packed"
     micro_batch_size, grad_accum_steps = spec["micro_batch_size"], spec["grad_accum_steps"]
-    if arm == "ours-packed-mbs1":
-        micro_batch_size, grad_accum_steps = 1, grad_accum_steps * micro_batch_size
     work = Path(spec["workdir"]) / arm
     shutil.rmtree(work, ignore_errors=True)
     recipe = Recipe.model_validate(
@@ -273,7 +273,8 @@ def run_ours(spec: dict[str, Any], arm: str) -> dict[str, Any]:
     end = time.perf_counter()
     rss = peak_rss_mib()
 
-    # Which rows each step took: the same deterministic stream the loop uses, over the cached rows.
+    # Which documents each step took: the same deterministic stream the loop uses, over the cached rows,
+    # laid out by the same collate function (packed rows, or padded ones).
     tokenizer = load_tokenizer(spec["base_dir"])
     data = build_datasets(recipe.data, tokenizer, seed=SEED)
     stream = MicroBatchStream(num_rows=len(data.train), micro_batch_size=micro_batch_size, seed=SEED)
@@ -281,11 +282,11 @@ def run_ours(spec: dict[str, Any], arm: str) -> dict[str, Any]:
     for step in range(spec["steps"]):
         real = label = computed = 0
         for k in range(grad_accum_steps):
-            rows = [data.train[i] for i in stream.indices(step * grad_accum_steps + k)]
-            lengths = [len(row["input_ids"]) for row in rows]
-            real += sum(lengths)
-            label += sum(sum(1 for t in row["labels"] if t != -100) for row in rows)
-            computed += sum(lengths) if packing else len(rows) * max(lengths)
+            documents = [data.train[i] for i in stream.indices(step * grad_accum_steps + k)]
+            batch = collate_batch(documents, tokenizer.pad_token_id, packing=packing)
+            real += sum(len(document["input_ids"]) for document in documents)
+            label += int((batch["labels"] != -100).sum())
+            computed += batch["input_ids"].numel()
         step_tokens.append({"real": real, "label": label, "computed": computed})
     step_losses = {}
     for line in (work / "run" / "metrics.jsonl").read_text().splitlines():
@@ -714,6 +715,46 @@ def check_same_data(results: dict[str, dict[str, Any]]) -> list[str]:
     return warnings
 
 
+def run_arm_process(arm: str, spec_path: Path, out_path: Path, env: dict[str, str]) -> dict[str, Any] | None:
+    """One arm in a fresh process; its result, or None when it failed."""
+    command = [sys.executable, str(Path(__file__).resolve()), "--_arm", arm, "--_spec", str(spec_path)]
+    started = time.perf_counter()
+    completed = subprocess.run([*command, "--_out", str(out_path)], env=env, cwd=spec_path.parent)
+    if completed.returncode != 0:
+        say(f"{arm} failed with exit code {completed.returncode}")
+        return None
+    result = json.loads(out_path.read_text())
+    result["process_seconds"] = time.perf_counter() - started
+    say(
+        f"{arm}: {result['tokens_per_s']:.0f} real tokens/s over {result['timed_steps']} steps, held-out loss "
+        f"{result['heldout_loss']:.4f}, process {result['process_seconds']:.0f} s"
+    )
+    return result
+
+
+RATIO_KEYS = ("tokens_per_s", "tokens_per_cpu_s", "median_step_tokens_per_s")
+
+
+def median_ratios(rounds: list[dict[str, dict[str, Any]]]) -> dict[str, dict[str, float]]:
+    """Per figure and arm, the median over rounds of (arm / baseline) within the same round."""
+    medians: dict[str, dict[str, float]] = {}
+    for key in RATIO_KEYS:
+        for arm in {arm for results in rounds for arm in results} - {BASELINE}:
+            ratios = sorted(r[arm][key] / r[BASELINE][key] for r in rounds if arm in r and BASELINE in r)
+            if ratios:
+                medians.setdefault(key, {})[arm] = ratios[len(ratios) // 2]
+    return medians
+
+
+def median_round(rounds: list[dict[str, dict[str, Any]]]) -> dict[str, dict[str, Any]]:
+    """Each arm's result from the round where its real tokens/s was the median of its rounds."""
+    results = {}
+    for arm in dict.fromkeys(arm for results in rounds for arm in results):
+        runs = sorted((r[arm] for r in rounds if arm in r), key=lambda result: result["tokens_per_s"])
+        results[arm] = runs[len(runs) // 2]
+    return results
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
@@ -724,7 +765,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hidden", type=int, default=256, help="hidden size (heads of 64; default 256)")
     parser.add_argument("--layers", type=int, default=4, help="decoder layers (default 4)")
     parser.add_argument("--vocab", type=int, default=8192, help="tokenizer vocabulary (default 8192)")
-    parser.add_argument("--seq-len", type=int, default=512, help="max_seq_len: longest record, packed row size")
+    parser.add_argument("--seq-len", type=int, default=512, help="max_seq_len: longest record")
     parser.add_argument("--micro-batch-size", type=int, default=4)
     parser.add_argument("--grad-accum", type=int, default=2)
     parser.add_argument("--lr", type=float, default=1e-3)
@@ -740,6 +781,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--validation-records", type=int, default=64)
     parser.add_argument("--loss-tail-steps", type=int, default=3, help="final train loss = mean of the last N steps")
     parser.add_argument("--arms", default=",".join(DEFAULT_ARMS), help=f"comma-separated subset of {', '.join(ARMS)}")
+    parser.add_argument(
+        "--repeats", type=int, default=1, help="rounds of all arms, interleaved; ratios are medians over rounds"
+    )
     parser.add_argument("--workdir", type=Path, help="where model, data and runs go (default: a temp dir, removed)")
     parser.add_argument("--json", type=Path, help="write every figure here")
     parser.add_argument("--verbose", action="store_true", help="show each arm's own log")
@@ -794,32 +838,16 @@ def main(argv: list[str] | None = None) -> int:
             f"records (median {spec['data']['median_tokens']}, p90 {spec['data']['p90_tokens']}, max "
             f"{spec['data']['max_tokens']} tokens); prepared in {spec['prepare_seconds']:.1f} s"
         )
-        results: dict[str, dict[str, Any]] = {}
-        for arm in arms:
-            say(f"running {arm} ({args.steps} steps, {args.precision}{', compiled' if args.compile else ''})")
-            out_path = workdir / f"result-{arm}.json"
-            command = [
-                sys.executable,
-                str(Path(__file__).resolve()),
-                "--_arm",
-                arm,
-                "--_spec",
-                str(spec_path),
-                "--_out",
-                str(out_path),
-            ]
-            started = time.perf_counter()
-            completed = subprocess.run(command, env=env, cwd=workdir)
-            if completed.returncode != 0:
-                say(f"{arm} failed with exit code {completed.returncode}")
-                continue
-            results[arm] = json.loads(out_path.read_text())
-            results[arm]["process_seconds"] = time.perf_counter() - started
-            r = results[arm]
-            say(
-                f"{arm}: {r['tokens_per_s']:.0f} real tokens/s over {r['timed_steps']} steps, held-out loss "
-                f"{r['heldout_loss']:.4f}, process {r['process_seconds']:.0f} s"
-            )
+        rounds: list[dict[str, dict[str, Any]]] = []
+        for number in range(1, args.repeats + 1):
+            rounds.append({})
+            first = (number - 1) % len(arms)  # each round starts with another arm
+            for arm in arms[first:] + arms[:first]:
+                say(f"round {number}/{args.repeats}: running {arm} ({args.steps} steps, {args.precision})")
+                result = run_arm_process(arm, spec_path, workdir / f"result-{arm}-{number}.json", env)
+                if result is not None:
+                    rounds[-1][arm] = result
+        results = median_round(rounds)
         if not results:
             return 1
         report = {
@@ -829,6 +857,8 @@ def main(argv: list[str] | None = None) -> int:
             "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, torch threads {spec['torch_threads']}",
             "spec": spec,
             "results": results,
+            "rounds": rounds,
+            "median_ratios": median_ratios(rounds),
             "warnings": check_same_data(results),
         }
         print(f"\n{report['date_utc']}  {report['command']}")
@@ -842,6 +872,10 @@ def main(argv: list[str] | None = None) -> int:
             f"{d['median_tokens']} / p90 {d['p90_tokens']} / max {d['max_tokens']} tokens"
         )
         print(format_table(results))
+        if args.repeats > 1:
+            print(f"median over {args.repeats} interleaved rounds of each round's ratio to {BASELINE}:")
+            for key, ratios in report["median_ratios"].items():
+                print(f"  {key}: " + ", ".join(f"{arm} {ratio:.2f}x" for arm, ratio in ratios.items()))
         for warning in report["warnings"]:
             print(f"WARNING: {warning}")
         if args.json:

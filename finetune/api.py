@@ -16,7 +16,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from finetune.errors import AdapterError, AdapterWarning
 from finetune.fingerprint import check_fingerprint, fingerprint_model, fingerprint_model_dir
@@ -36,7 +36,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 ADAPTER_CONFIG_NAME = "adapter_config.json"
 
 
-def _adoptable_ledger(model_dir: Path | None, adapters: list, allow_pickle: bool):
+def _adoptable_ledger(model_dir: Path | None, adapters: list[Adapter], allow_pickle: bool) -> Ledger | None:
     """The ledger of a merged checkpoint if its base and adapters are at hand (appending those adapters to
     `adapters`), else None with a warning: the checkpoint then counts as a base of its own."""
     from finetune.adapters.ledger import read_ledger
@@ -132,7 +132,13 @@ class _Base(NamedTuple):
 
 
 def _load_base(
-    base: str | Path, read: list[Adapter], allow_pickle: bool, *, quantization: str, revision: str | None, **options
+    base: str | Path,
+    read: list[Adapter],
+    allow_pickle: bool,
+    *,
+    quantization: str,
+    revision: str | None,
+    **options: Any,
 ) -> _Base:
     """Load `base`; a merged checkpoint whose ledger can be adopted continues from the base it records."""
     from finetune.model import load_base  # imports transformers: with the model, not with `import finetune`

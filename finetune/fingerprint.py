@@ -59,12 +59,14 @@ def _tensor_digest(tensor: torch.Tensor) -> str:
     digest = hashlib.sha256()
     tensor = tensor.detach()
     if tensor.dim() == 0 or tensor.numel() * tensor.element_size() <= _BYTES_PER_READ:
-        digest.update(tensor.contiguous().reshape(-1).view(torch.uint8).cpu().numpy())
+        whole = tensor.contiguous().reshape(-1).view(torch.uint8).cpu().numpy()
+        digest.update(whole)  # type: ignore[arg-type]  # numpy's stubs give ndarray __buffer__ for Python >= 3.12 only
         return digest.hexdigest()
     bytes_per_row = tensor[0].numel() * tensor.element_size()
     rows_per_read = max(1, _BYTES_PER_READ // max(1, bytes_per_row))
     for start in range(0, tensor.shape[0], rows_per_read):
-        digest.update(tensor[start : start + rows_per_read].contiguous().reshape(-1).view(torch.uint8).cpu().numpy())
+        chunk = tensor[start : start + rows_per_read].contiguous().reshape(-1).view(torch.uint8).cpu().numpy()
+        digest.update(chunk)  # type: ignore[arg-type]  # as above
     return digest.hexdigest()
 
 
@@ -194,6 +196,7 @@ def check_fingerprint(adapter: Adapter, base_fingerprint: str | None, base_where
         return
     if base_fingerprint is None or adapter.base_fingerprint == base_fingerprint:
         return
+    assert adapter.manifest is not None  # it holds the base fingerprint
     message = (
         f"adapter {adapter.name!r} ({adapter.path}) was trained on base {adapter.manifest.base.path} "
         f"({adapter.base_fingerprint}) but {base_where} is {base_fingerprint}; use the right base or pass --force "

@@ -21,6 +21,7 @@ from finetune.errors import OutputError
 from finetune.fingerprint import fingerprint_model_dir
 from finetune.manifest import build_manifest, write_manifest
 from finetune.paths import local_model_dir
+from finetune.progress import perplexity_change
 from finetune.recipe import recipe_to_dict
 from finetune.run_setup import TrainingRun
 
@@ -36,7 +37,7 @@ def summary_metrics(run: TrainingRun, last: dict[str, float], say: Callable[[str
         metrics["ppl_cut"] = cut
         say(
             f"held-out perplexity: base {base_eval['eval_ppl']:.3f} -> base + adapter {last['eval_ppl']:.3f} "
-            f"({100 * cut:.1f}% lower)"
+            f"({perplexity_change(base_eval['eval_ppl'], last['eval_ppl'])})"
         )
     return metrics
 
@@ -55,7 +56,7 @@ def write_adapter(run: TrainingRun, metrics: dict[str, Any]) -> Path:
     adapter_dir = recipe.output.adapter_dir
     hint = "choose another output.name, or set output.overwrite=true"
     with atomic_directory(adapter_dir, replace=recipe.output.overwrite, error=OutputError, hint=hint) as staging:
-        run.peft_model.save_pretrained(staging, safe_serialization=True)
+        run.peft_model.save_pretrained(staging, safe_serialization=True, save_embedding_layers=False)
         (staging / "recipe.yaml").write_text(yaml.safe_dump(recipe_to_dict(recipe), sort_keys=False))
         write_manifest(staging, manifest)
     return adapter_dir

@@ -14,6 +14,7 @@ from __future__ import annotations
 import re
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING, Literal, cast
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
@@ -22,6 +23,9 @@ from finetune.errors import ModelError
 from finetune.paths import local_model_dir
 from finetune.recipe import LoraConfig, ModelConfig
 from finetune.tensorfile import check_safetensors
+
+if TYPE_CHECKING:
+    from peft import LoraConfig as PeftLoraConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -65,7 +69,9 @@ def _quantization_config(config: ModelConfig, compute_dtype: torch.dtype):
         load_in_4bit=True,
         bnb_4bit_quant_type=config.bnb_4bit_quant_type,
         bnb_4bit_use_double_quant=config.bnb_4bit_use_double_quant,
-        bnb_4bit_compute_dtype=compute_dtype,
+        bnb_4bit_compute_dtype=DTYPES[config.bnb_4bit_compute_dtype]
+        if config.bnb_4bit_compute_dtype
+        else compute_dtype,
     )
 
 
@@ -152,7 +158,7 @@ def load_tokenizer_for(config: ModelConfig) -> PreTrainedTokenizerBase:
 
 def _check_vocabulary_fits(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, tokenizer_source: str) -> None:
     """Refuse a tokenizer whose ids the model has no embedding rows for (an index error mid-forward otherwise)."""
-    rows = model.get_input_embeddings().weight.shape[0]
+    rows = cast(torch.Tensor, model.get_input_embeddings().weight).shape[0]  # torch: Tensor | Module
     if len(tokenizer) > rows:
         raise ModelError(
             f"tokenizer {tokenizer_source} has {len(tokenizer):,} tokens but the base model's embedding has only "
@@ -193,19 +199,50 @@ def _check_targets(model: torch.nn.Module, targets: list[str]) -> None:
         )
 
 
-def peft_lora_config(config: LoraConfig, model: torch.nn.Module):
+def embedding_module_names(model: PreTrainedModel) -> tuple[str, str]:
+    """(input embeddings, output head) module names of `model`, e.g. ('model.embed_tokens', 'lm_head')."""
+    names = {id(module): name for name, module in model.named_modules()}
+    return names[id(model.get_input_embeddings())], names[id(model.get_output_embeddings())]
+
+
+def _lora_targets(config: LoraConfig, model: PreTrainedModel) -> str | list[str]:
+    """peft's `target_modules`: the recipe's, plus the embeddings/head that `train_*` switches on."""
+    embed_tokens, lm_head = embedding_module_names(model)
+    extra = [
+        name for name, wanted in ((lm_head, config.train_lm_head), (embed_tokens, config.train_embed_tokens)) if wanted
+    ]
+    if not extra:
+        return config.target_modules
+    if config.target_modules == "all-linear":  # peft's `all-linear` leaves the head out and takes no additions
+        head = lm_head.rsplit(".", 1)[-1]
+        blocks = [name for name in linear_module_names(model) if name != head]
+    else:
+        blocks = list(config.target_modules)
+    # One regex (peft full-matches a string against each module name): the blocks' layers by their last name
+    # part, the additions by their full name, so `lm_head` cannot match anything inside the blocks.
+    suffixes = "|".join(re.escape(name) for name in blocks)
+    return "|".join([rf"(?:.*\.)?(?:{suffixes})"] + [re.escape(name) for name in extra])
+
+
+def peft_lora_config(config: LoraConfig, model: PreTrainedModel) -> PeftLoraConfig:
     """Translate the recipe's `lora` section into a `peft.LoraConfig` for `model`."""
     from peft import LoraConfig as PeftLoraConfig
 
     if isinstance(config.target_modules, list):
         _check_targets(model, config.target_modules)
-    init = {"default": True, "gaussian": "gaussian", "pissa": "pissa", "olora": "olora"}[config.init]
+    inits: dict[str, bool | Literal["gaussian", "pissa", "olora"]] = {
+        "default": True,
+        "gaussian": "gaussian",
+        "pissa": "pissa",
+        "olora": "olora",
+    }
+    init = inits[config.init]
     return PeftLoraConfig(
         task_type="CAUSAL_LM",
         r=config.r,
-        lora_alpha=config.alpha,
+        lora_alpha=config.alpha,  # type: ignore[arg-type]  # peft annotates int; it computes alpha / r, floats work
         lora_dropout=config.dropout,
-        target_modules=config.target_modules,
+        target_modules=_lora_targets(config, model),
         exclude_modules=config.exclude_modules or None,
         use_rslora=config.use_rslora,
         use_dora=config.use_dora,

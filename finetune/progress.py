@@ -109,3 +109,9 @@ class TrainingLog:
 
     def close(self) -> None:
         self._bar.close()
+
+
+def perplexity_change(base_ppl: float, ppl: float) -> str:
+    """'97.3% lower' or '12.0% higher': how `ppl` compares with the base's, in words a log line can hold."""
+    change = 100 * (1 - ppl / base_ppl)
+    return f"{change:.1f}% lower" if change >= 0 else f"{-change:.1f}% higher"

@@ -20,7 +20,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from accelerate import Accelerator
@@ -30,11 +30,14 @@ from peft import get_peft_model_state_dict, set_peft_model_state_dict
 from transformers import get_scheduler
 
 from finetune import checkpoint as ckpt
+from finetune.adapters.lora import PEFT_PREFIX
 from finetune.data import build_datasets, collate_batch
+from finetune.data.collate import describe_layout
+from finetune.data.packing import document_lengths
 from finetune.data.sampler import MicroBatchStream
 from finetune.errors import CheckpointError, RecipeError
 from finetune.evaluate import evaluate
-from finetune.model import describe_trainable, load_base_from_config, wrap_with_lora
+from finetune.model import describe_trainable, embedding_module_names, load_base_from_config, wrap_with_lora
 from finetune.recipe import Recipe, recipe_to_dict
 from finetune.tracking import log_with
 
@@ -81,17 +84,34 @@ def recipe_digest(recipe: Recipe) -> dict[str, Any]:
     return {"model": resolved["model"], "lora": resolved["lora"], "data": resolved["data"], "train": train}
 
 
-def make_optimizer(recipe: Recipe, parameters: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+def parameter_groups(recipe: Recipe, peft_model: Any) -> list[dict[str, Any]]:
+    """The trainable weights as optimizer groups: the blocks' LoRA at `train.lr`, the LoRA on the
+    embeddings and head at `train.embedding_lr` (when they are trained and it is set)."""
+    embedding_names = embedding_module_names(peft_model.get_base_model())
+    blocks: list[torch.nn.Parameter] = []
+    embeddings: list[torch.nn.Parameter] = []
+    for name, parameter in peft_model.named_parameters():
+        if parameter.requires_grad:
+            module = name.removeprefix(PEFT_PREFIX)
+            on_embedding = any(module.startswith(embedding + ".") for embedding in embedding_names)
+            (embeddings if on_embedding else blocks).append(parameter)
+    groups = [{"params": blocks, "lr": recipe.train.lr}]
+    if embeddings:
+        groups.append({"params": embeddings, "lr": recipe.train.embedding_lr or recipe.train.lr})
+    return [group for group in groups if group["params"]]
+
+
+def make_optimizer(recipe: Recipe, groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
     train = recipe.train
-    kwargs = dict(
+    kwargs: dict[str, Any] = dict(
         lr=train.lr, betas=(train.adam_beta1, train.adam_beta2), eps=train.adam_eps, weight_decay=train.weight_decay
     )
     if train.optimizer == "adamw":
-        return torch.optim.AdamW(parameters, **kwargs)
+        return torch.optim.AdamW(groups, **kwargs)
     import bitsandbytes as bnb  # only for the 8-bit optimizers: importing it is slow and chatty
 
     optimizer_class = bnb.optim.PagedAdamW8bit if train.optimizer == "paged_adamw_8bit" else bnb.optim.AdamW8bit
-    return optimizer_class(parameters, **kwargs)
+    return optimizer_class(groups, **kwargs)
 
 
 def make_scheduler(recipe: Recipe, optimizer: torch.optim.Optimizer, plan: StepPlan) -> Any:
@@ -105,12 +125,6 @@ def check_output_free(recipe: Recipe) -> None:
         raise RecipeError(
             f"output: {adapter_dir} already exists; choose another output.name, or set output.overwrite=true"
         )
-
-
-def real_tokens(batch: dict[str, torch.Tensor]) -> int:
-    """Tokens of a collated batch that are not padding (padding-free batches have none)."""
-    mask = batch.get("attention_mask")
-    return int(mask.sum()) if mask is not None else int(batch["input_ids"].numel())
 
 
 @dataclass
@@ -146,12 +160,12 @@ class TrainingRun:
     def run_dir(self) -> Path:
         return self.recipe.output.run_path
 
-    def collate(self, rows: list[dict]) -> dict[str, torch.Tensor]:
-        # Varlen kernels want one padding-free sequence; sdpa/eager are faster on (B, T) packed rows.
-        layout = "one_sequence" if self.recipe.model.attn_implementation == "flash_attention_2" else "rows"
-        return collate_batch(
-            rows, pad_token_id=self.tokenizer.pad_token_id, packing=self.recipe.data.packing, layout=layout
+    def collate(self, documents: list[dict]) -> dict[str, torch.Tensor]:
+        # Varlen kernels want one padding-free sequence; sdpa/eager are faster on (R, T) packed rows.
+        layout: Literal["rows", "one_sequence"] = (
+            "one_sequence" if self.recipe.model.attn_implementation == "flash_attention_2" else "rows"
         )
+        return collate_batch(documents, self.tokenizer.pad_token_id, packing=self.recipe.data.packing, layout=layout)
 
     def next_micro_batches(self) -> list[dict[str, torch.Tensor]]:
         """The micro-batches of the next optimizer step, for this process."""
@@ -162,10 +176,12 @@ class TrainingRun:
         ]
 
     def advance(self, micro_batches: list[dict[str, torch.Tensor]]) -> None:
-        """Count one optimizer step over `micro_batches` (tokens summed over every process)."""
+        """Count one optimizer step over `micro_batches` (their documents' tokens, times the processes)."""
+        positions = range(self.position, self.position + len(micro_batches))
+        tokens = sum(len(self.data.train[i]["input_ids"]) for p in positions for i in self.stream.indices(p))
         self.step += 1
         self.position += len(micro_batches)
-        self.tokens_seen += sum(real_tokens(b) for b in micro_batches) * self.accelerator.num_processes
+        self.tokens_seen += tokens * self.accelerator.num_processes
 
     def evaluate(self) -> dict[str, float]:
         """Held-out loss and perplexity of the model as it is now; {} without validation data."""
@@ -188,7 +204,7 @@ class TrainingRun:
             ckpt.save_checkpoint(
                 self.run_dir,
                 step=self.step,
-                trainable=get_peft_model_state_dict(self.peft_model),
+                trainable=get_peft_model_state_dict(self.peft_model, save_embedding_layers=False),
                 optimizer=self.optimizer,
                 scheduler=self.scheduler,
                 state={
@@ -249,8 +265,10 @@ def start_run(recipe: Recipe, *, resume: bool, say: Say) -> TrainingRun:
         process_index=accelerator.process_index,
     )
     plan = plan_steps(recipe, stream)
-    trainable_parameters = [p for p in peft_model.parameters() if p.requires_grad]
-    optimizer = make_optimizer(recipe, trainable_parameters)
+    say(describe_layout(document_lengths(data.train), stream, recipe.data.packing))
+    groups = parameter_groups(recipe, peft_model)
+    trainable_parameters = [parameter for group in groups for parameter in group["params"]]
+    optimizer = make_optimizer(recipe, groups)
     scheduler = make_scheduler(recipe, optimizer, plan)
     model_for_step, optimizer = accelerator.prepare(peft_model, optimizer)
     if recipe.train.compile:

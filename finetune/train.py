@@ -124,7 +124,8 @@ def run_steps(run: TrainingRun, stop: StopRequest, on_step: StepCallback) -> dic
     """Optimizer steps until the plan's end; returns the metrics of the last step and evaluation."""
     train_config = run.recipe.train
     run.model_for_step.train()
-    start_time, skipped_steps, last = time.perf_counter(), 0, {}
+    start_time, skipped_steps = time.perf_counter(), 0
+    last: dict[str, float] = {}
     while run.step < run.plan.total_steps:
         micro_batches = run.next_micro_batches()
         loss = accumulate_gradients(run.model_for_step, micro_batches, run.accelerator)

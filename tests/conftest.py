@@ -7,6 +7,7 @@ through the real `from_pretrained` path, exactly as it would load a hub model.
 from __future__ import annotations
 
 import atexit
+import json
 import os
 import shutil
 import tempfile
@@ -26,35 +27,16 @@ os.environ["FINETUNE_HOME"] = os.path.join(_SCRATCH_CACHE, "finetune")
 from pathlib import Path
 
 import pytest
+from helpers import TEST_SHAPE, instruction_records, tokenizer_corpus
 
 from finetune.embedded.tiny import build_tiny_llama
 from finetune.embedded.tokenizer import train_tokenizer
-
-# Small enough that a training step takes milliseconds; every linear out_features is a multiple of 32.
-TEST_SHAPE = dict(
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=512,
-)
-
-
-def _tokenizer_corpus() -> list[str]:
-    words = (
-        "the model reads a document and predicts the next token while the adapter learns a low rank "
-        "update of the frozen weight matrix for the domain in question with loss on response tokens"
-    ).split()
-    lines = [" ".join(words[i:] + words[:i]) for i in range(len(words))]
-    code = ["def add(a, b):\n    return a + b\n", "for i in range(10):\n    print(i * 2)\n"]
-    return (lines + code) * 20
 
 
 @pytest.fixture(scope="session")
 def tiny_tokenizer():
     """A 512-token byte-level BPE tokenizer with distinct BOS/EOS/PAD and a chat template."""
-    return train_tokenizer(_tokenizer_corpus(), vocab_size=512, max_model_len=512)
+    return train_tokenizer(tokenizer_corpus(), vocab_size=512, max_model_len=512)
 
 
 @pytest.fixture(scope="session")
@@ -66,7 +48,40 @@ def tiny_base_dir(tmp_path_factory, tiny_tokenizer) -> Path:
     return path
 
 
-# Fixtures defined beside the tests that use them most, shared with the rest of the suite from here.
+@pytest.fixture()
+def workdir(tmp_path, monkeypatch, tiny_base_dir):
+    """A working directory holding train/valid data and a recipe on the tiny base; cwd is set to it."""
+    monkeypatch.chdir(tmp_path)
+    records = instruction_records(48)
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records[:40]))
+    (tmp_path / "valid.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records[40:]))
+    (tmp_path / "recipe.yaml").write_text(
+        f"""
+model:
+  base: {tiny_base_dir}
+lora:
+  r: 4
+  alpha: 8
+  dropout: 0.1
+data:
+  train: train.jsonl
+  validation: valid.jsonl
+  format: instruction
+  max_seq_len: 128
+train:
+  max_steps: 6
+  micro_batch_size: 4
+  grad_accum_steps: 2
+  lr: 0.005
+  warmup_steps: 1
+  log_every_steps: 2
+output:
+  name: crates
+"""
+    )
+    return tmp_path
+
+
+# Fixtures kept in their own modules (fixture modules, not test modules), shared with the suite from here.
 from adapter_fixtures import adapter_dirs  # noqa: F401
 from run_fixtures import trained_runs  # noqa: F401
-from test_train import workdir  # noqa: F401

@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 
 import pytest
-from test_train import _instruction_records
+from helpers import instruction_records
 
 from finetune.train import train
 
@@ -45,7 +45,7 @@ def tracker_environment(root: Path) -> dict[str, str]:
 @pytest.fixture(scope="session")
 def trained_runs(tmp_path_factory, tiny_base_dir) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("runs")
-    records = _instruction_records(48)
+    records = instruction_records(48)
     (root / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records[:40]))
     (root / "valid.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records[40:]))
     runs = (("a", 5e-3, True, ["tensorboard"], {}), ("b", 2e-2, False, TRACKERS_OF_B, tracker_environment(root)))

@@ -14,9 +14,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from adapter_fixtures import assert_tensors_equal
+from helpers import assert_tensors_equal, read_tensors
 from safetensors.torch import load_file, save_file
-from test_adapters_ondisk import read_tensors
 
 from finetune.adapters.lora import read_adapter, validate_adapter_name
 from finetune.adapters.model_dir import SLOW_HOOK_ENV
@@ -251,7 +250,7 @@ def test_unsupported_lora_variants_are_refused_with_the_reason(tmp_path, adapter
 
 
 def test_warnings_are_printed_as_one_line(tmp_path, tiny_base_dir, capsys):
-    from adapter_fixtures import make_adapter
+    from helpers import make_adapter
 
     plain = make_adapter(tiny_base_dir, tmp_path / "plain", seed=9, manifest=False)
     assert run("merge", "--base", tiny_base_dir, "--adapter", plain, "--out", tmp_path / "o") == 0

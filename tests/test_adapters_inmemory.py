@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from adapter_fixtures import assert_tensors_equal, base_tensors, make_adapter
+from helpers import assert_tensors_equal, base_tensors, make_adapter
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from peft import PeftModel
@@ -73,7 +73,6 @@ def test_swap_equals_a_fresh_merge_bit_for_bit(tiny_base_dir, adapter_dirs, dtyp
     assert_tensors_equal(base_tensors(fresh.model), base_tensors(m.model))
 
 
-_models: dict[str, tuple[LoadedModel, dict[str, torch.Tensor]]] = {}
 _operation = st.one_of(
     st.tuples(st.just("merge"), st.sampled_from(["legal", "med", "code"]), st.sampled_from([1.0, 0.5, -1.0, 2.0, 0.1])),
     st.tuples(st.just("subtract"), st.sampled_from(["legal", "med", "code"]), st.sampled_from([None, 0.5])),
@@ -85,10 +84,10 @@ _operation = st.one_of(
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(operations=st.lists(_operation, min_size=1, max_size=8))
 def test_invariant_holds_for_random_operation_sequences(tiny_base_dir, adapter_dirs, dtype, operations):
-    if dtype not in _models:
-        m = _load(tiny_base_dir, adapter_dirs, dtype)
-        _models[dtype] = (m, base_tensors(m.model))
-    m, base = _models[dtype]
+    # Every example loads its own model from the session's files (tens of milliseconds): no state
+    # carries over from one example to the next, so a failure shrinks to the sequence that causes it.
+    m = _load(tiny_base_dir, adapter_dirs, dtype)
+    base = base_tensors(m.model)
     for operation, name, argument in operations:
         try:
             if operation == "merge":

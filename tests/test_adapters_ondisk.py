@@ -1,6 +1,6 @@
 """On-disk adapter arithmetic: merges stream shard by shard and equal the in-memory result bit for bit,
-subtract/swap from the pristine base equal a fresh merge, the fallback reports a drift bound that holds,
-and combine's `cat` is the exact weighted sum."""
+subtract/swap from the pristine base equal a fresh merge, the fallback reports a drift bound that holds.
+`combine` is tested in tests/test_combine.py."""
 
 from __future__ import annotations
 
@@ -9,25 +9,14 @@ import shutil
 
 import pytest
 import torch
-from adapter_fixtures import assert_tensors_equal, make_adapter
-from peft import PeftModel
+from helpers import assert_tensors_equal, make_adapter, read_tensors
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
 import finetune
-from finetune.adapters.combine import combine_adapters
 from finetune.adapters.ledger import LEDGER_KEY
-from finetune.adapters.lora import read_adapter
 from finetune.adapters.ondisk import AdapterSpec, merge_checkpoint, subtract_checkpoint, swap_checkpoint
 from finetune.errors import AdapterError
-
-
-def read_tensors(model_dir) -> dict[str, torch.Tensor]:
-    tensors = {}
-    for path in sorted(model_dir.glob("*.safetensors")):
-        with safe_open(str(path), framework="pt") as handle:
-            tensors.update({name: handle.get_tensor(name) for name in handle.keys()})
-    return tensors
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
@@ -126,7 +115,7 @@ def test_refusals_name_what_and_write_nothing(tmp_path, tiny_base_dir, adapter_d
             tmp_path / "x",
         )
     other_base = tmp_path / "other_base"
-    from conftest import TEST_SHAPE
+    from helpers import TEST_SHAPE
 
     from finetune.embedded.tiny import build_tiny_llama
 
@@ -138,7 +127,7 @@ def test_refusals_name_what_and_write_nothing(tmp_path, tiny_base_dir, adapter_d
     assert report.exact
     bigger = tmp_path / "bigger"
     build_tiny_llama(tiny_tokenizer, seed=0, **{**TEST_SHAPE, "hidden_size": 128}).save_pretrained(bigger)
-    with pytest.raises(AdapterError, match="model.layers.0.self_attn.q_proj.weight is \\(128, 128\\).*\\(64, 64\\)"):
+    with pytest.raises(AdapterError, match="model.layers.0.self_attn.q_proj is \\(128, 128\\).*\\(64, 64\\)"):
         merge_checkpoint(str(bigger), [AdapterSpec(str(adapter_dirs["legal"]))], tmp_path / "y", force=True)
     assert not (tmp_path / "y").exists()
 
@@ -149,42 +138,6 @@ def test_overflow_is_refused_before_anything_appears_at_out(tmp_path, tiny_base_
         merge_checkpoint(str(tiny_base_dir), [AdapterSpec(str(huge))], tmp_path / "out", dtype="float16")
     assert not (tmp_path / "out").exists()
     assert not list(tmp_path.glob(".out.partial-*"))
-
-
-@pytest.mark.parametrize("weights", [[1.0, -0.5], [0.3, 2.0, -1.0]])
-def test_combine_cat_is_the_exact_weighted_sum(tmp_path, tiny_base_dir, adapter_dirs, weights):
-    names = ["legal", "med", "code"][: len(weights)]
-    report = combine_adapters([adapter_dirs[n] for n in names], tmp_path / "combined", weights=weights, method="cat")
-    assert report.relative_error < 1e-6
-    peft_model = PeftModel.from_pretrained(
-        AutoModelForCausalLM.from_pretrained(tiny_base_dir), str(tmp_path / "combined")
-    )
-    adapters = [read_adapter(adapter_dirs[n]) for n in names]
-    for module in sorted({m for a in adapters for m in a.modules}):
-        exact = sum(a.delta(module, w) for a, w in zip(adapters, weights) if module in a.modules)
-        delta = peft_model.base_model.model.get_submodule(module).get_delta_weight("default")
-        torch.testing.assert_close(delta, exact, rtol=1e-5, atol=1e-6)
-    # a normal adapter for load_model too: merging it matches merging its parts with their weights
-    m = finetune.load_model(
-        str(tiny_base_dir), {"combined": str(tmp_path / "combined"), **{n: str(adapter_dirs[n]) for n in names}}
-    )
-    m.merge("combined")
-    combined = {k: v.clone() for k, v in m.model.state_dict().items()}
-    m.subtract("combined")
-    for name, weight in zip(names, weights):
-        m.merge(name, weight)
-    for key, tensor in m.model.state_dict().items():
-        torch.testing.assert_close(combined[key], tensor, rtol=0, atol=1e-6)
-
-
-@pytest.mark.parametrize("method", ["svd", "ties", "dare"])
-def test_rank_reducing_combines_report_their_error(tmp_path, adapter_dirs, method):
-    paths = [adapter_dirs["legal"], adapter_dirs["med"]]
-    report = combine_adapters(paths, tmp_path / method, weights=[1.0, -0.5], method=method, rank=2)
-    assert 0.0 < report.relative_error < 1.5 and set(report.rank_by_module.values()) == {2}
-    assert "relative Frobenius error" in report.summary()
-    full = combine_adapters(paths, tmp_path / "full", weights=[1.0, -0.5], method="svd", rank=12)
-    assert full.relative_error < 1e-5  # svd at the combined rank is exact
 
 
 def test_merging_an_adapter_trained_on_a_quantized_base(tmp_path, tiny_base_dir):

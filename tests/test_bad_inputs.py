@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from adapter_fixtures import make_adapter
+from helpers import make_adapter
 
 from finetune.cli import main
 from finetune.embedded.tiny import build_tiny_llama
@@ -262,7 +262,7 @@ def _replace_base(work: Path) -> None:
 
     tokenizer = AutoTokenizer.from_pretrained(work / "base")
     shutil.rmtree(work / "base")
-    from conftest import TEST_SHAPE
+    from helpers import TEST_SHAPE
 
     build_tiny_llama(tokenizer, seed=7, **TEST_SHAPE).save_pretrained(work / "base")
     tokenizer.save_pretrained(work / "base")
@@ -295,9 +295,9 @@ def bad_input_workdir(workdir, tiny_base_dir, tiny_tokenizer):
     """`workdir` plus a copy of the tiny base at ./base, a good adapter for it, and a larger tokenizer."""
     shutil.copytree(tiny_base_dir, workdir / "base")
     make_adapter(tiny_base_dir, workdir / ADAPTER, seed=3)
-    from conftest import _tokenizer_corpus
+    from helpers import tokenizer_corpus
 
-    big = train_tokenizer(_tokenizer_corpus() + [f"word{i} token{i}" for i in range(400)], vocab_size=1024)
+    big = train_tokenizer(tokenizer_corpus() + [f"word{i} token{i}" for i in range(400)], vocab_size=1024)
     big.save_pretrained(workdir / "big-tokenizer")
     yield workdir
     for path in _immutable_dirs:

@@ -8,10 +8,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import ALL_LINEAR, REPO, greedy_text, make_adapter
 
 from finetune.cli import main
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 def run_cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -30,7 +29,7 @@ def assert_user_error(result: subprocess.CompletedProcess, *fragments: str) -> N
         assert fragment in errors[0]
 
 
-def test_train_eval_generate_as_subprocesses(workdir):
+def test_train_eval_generate_as_subprocesses(workdir, tiny_base_dir):
     trained = run_cli("train", "recipe.yaml", "train.max_steps=4")
     assert trained.returncode == 0, trained.stderr[-2000:]
     assert "adapter: adapters/crates" in trained.stdout
@@ -42,9 +41,26 @@ def test_train_eval_generate_as_subprocesses(workdir):
     assert base_line.startswith("base: perplexity ")
     assert tuned_line.startswith("base + adapter: perplexity ") and "% lower" in tuned_line
 
-    generated = run_cli("generate", "--adapter", "adapters/crates", "--max-new-tokens", "5", "What colour is crate 3?")
+    prompt = "What colour is crate 3?"
+    generated = run_cli("generate", "--adapter", "adapters/crates", "--max-new-tokens", "5", prompt)
     assert generated.returncode == 0, generated.stderr[-2000:]
-    assert generated.stdout.strip()
+    assert generated.stdout == greedy_text(tiny_base_dir, "adapters/crates", prompt, 5) + "\n"
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_generate_prints_the_greedy_tokens_of_base_and_adapter(tmp_path, tiny_base_dir, capsys, chat):
+    """An adapter on every linear layer with large weights: its tokens vary, depend on the whole prompt (BOS
+    included) and differ from the base's, so the reference tells a wrong prompt or a missing adapter apart."""
+    lively = make_adapter(tiny_base_dir, tmp_path / "lively", seed=11, targets=ALL_LINEAR, magnitude=0.3)
+    prompt, chat_flag = "def add(a, b):\n", ["--chat"] if chat else []
+    printed = {}
+    for adapter in (lively, None):
+        adapter_args = ["--adapter", str(adapter)] if adapter else []
+        argv = ["generate", "--base", str(tiny_base_dir), *adapter_args, *chat_flag, "--max-new-tokens", "8", prompt]
+        assert main(argv) == 0
+        printed[adapter] = capsys.readouterr().out
+        assert printed[adapter] == greedy_text(tiny_base_dir, adapter, prompt, 8, chat=chat) + "\n"
+    assert len(set(printed[lively])) > 3 and printed[lively] != printed[None]  # varied text, not the base's
 
 
 def test_validate_reports_ok_and_errors(workdir, capsys):

@@ -1,7 +1,8 @@
-"""The data pipeline: labels per format, every source type, validation, truncation, cache, fingerprint, errors.
+"""The data pipeline: labels per format, every source type, validation, overlength (split, truncate,
+error), collation packed and padded, cache, fingerprint, errors.
 
 Everything goes through the public `build_datasets` with a real tokenizer and real files in tmp_path;
-`packing=False` where a test looks at one document per row.
+each row of its result is one document (packing happens per micro-batch, in `collate_batch`).
 """
 
 from __future__ import annotations
@@ -149,7 +150,7 @@ def test_labels_cover_exactly_what_is_trained(tmp_path, tiny_tokenizer, config, 
     assert row["labels"][0] == IGNORE_INDEX, "a document's first token is never a target"
     assert tiny_tokenizer.eos_token_id in row["labels"], "EOS must stay a trained label"
     assert all(label in (IGNORE_INDEX, token) for label, token in zip(row["labels"], row["input_ids"]))
-    assert row["position_ids"] == list(range(len(row["input_ids"])))
+    assert set(row) == {"input_ids", "labels"}
 
 
 def test_chat_labels_agree_with_and_without_generation_markers(tmp_path, tiny_tokenizer):
@@ -264,7 +265,7 @@ def test_validation_sources_and_no_validation(tmp_path, tiny_tokenizer):
     held_out = write_records(tmp_path / "valid.jsonl", RECORDS)
     bundle = build(tmp_path, tiny_tokenizer, train=[train], validation=[held_out], validation_split=0.5)
     assert (bundle.stats["num_records"], bundle.stats["validation_num_records"]) == (20, 3)
-    assert bundle.validation.column_names == bundle.train.column_names == ["input_ids", "labels", "position_ids"]
+    assert bundle.validation.column_names == bundle.train.column_names == ["input_ids", "labels"]
     assert build(tmp_path, tiny_tokenizer, train=[train]).validation is None
 
 
@@ -275,14 +276,80 @@ def test_validation_sources_and_no_validation(tmp_path, tiny_tokenizer):
 LONG = [{"text": "short"}, {"text": " ".join(["the model reads a document"] * 10)}, {"text": "the model " * 20}]
 
 
+def _encoded_text(tokenizer, text: str) -> list[int]:
+    return [tokenizer.bos_token_id, *tokenizer(text, add_special_tokens=False)["input_ids"], tokenizer.eos_token_id]
+
+
+def _text_of_tokens(tokenizer, count: int) -> str:
+    """A text that encodes (with BOS and EOS) to exactly `count` tokens: one token per word here."""
+    text = " ".join(["the"] * (count - 2))
+    assert len(_encoded_text(tokenizer, text)) == count
+    return text
+
+
+def test_split_keeps_every_token_in_consecutive_pieces(tmp_path, tiny_tokenizer):
+    """A record of 3.5 x max_seq_len is 4 pieces; concatenated they are the record, EOS only at the end."""
+    max_seq_len = 16
+    text = _text_of_tokens(tiny_tokenizer, 56)
+    source = write_records(tmp_path / "long.jsonl", [{"text": "short"}, {"text": text}])
+    lines: list[str] = []
+    config = DataConfig(train=[source], max_seq_len=max_seq_len)
+    assert config.overlength == "split", "split is the default for text"
+    bundle = build_datasets(config, tiny_tokenizer, cache_dir=tmp_path, log=lines.append)
+    pieces = bundle.train[1:]
+    assert [len(ids) for ids in pieces["input_ids"]] == [16, 16, 16, 8]
+    original = _encoded_text(tiny_tokenizer, text)
+    assert [token for ids in pieces["input_ids"] for token in ids] == original
+    eos = tiny_tokenizer.eos_token_id
+    assert [ids.count(eos) for ids in pieces["input_ids"]] == [0, 0, 0, 1] and pieces["input_ids"][-1][-1] == eos
+    assert [ids[0] == tiny_tokenizer.bos_token_id for ids in pieces["input_ids"]] == [True, False, False, False]
+    for ids, labels in zip(pieces["input_ids"], pieces["labels"]):
+        assert labels == [IGNORE_INDEX, *ids[1:]], "each piece trains on all its tokens but the first"
+    stats = bundle.stats
+    assert (stats["num_records"], stats["num_rows"], stats["num_split"], stats["num_truncated"]) == (2, 5, 1, 0)
+    assert stats["num_tokens"] == len(original) + len(_encoded_text(tiny_tokenizer, "short"))
+    assert any(f"1 of 2 records longer than max_seq_len=16: split into 4 pieces, all {stats['num_tokens']} tokens kept"
+               in line for line in lines), lines  # fmt: skip
+
+
+def test_split_never_leaves_a_piece_of_one_token(tmp_path, tiny_tokenizer):
+    text = _text_of_tokens(tiny_tokenizer, 33)
+    source = write_records(tmp_path / "long.jsonl", [{"text": text}])
+    bundle = build(tmp_path, tiny_tokenizer, train=[source], max_seq_len=16)
+    assert [len(ids) for ids in bundle.train["input_ids"]] == [16, 15, 2]
+    assert bundle.train["labels"][-1] == [IGNORE_INDEX, tiny_tokenizer.eos_token_id], "EOS stays trained"
+
+
+def test_validation_split_keeps_the_pieces_of_a_record_together(tmp_path, tiny_tokenizer):
+    records = [{"text": _text_of_tokens(tiny_tokenizer, 40)} for _ in range(6)]
+    records = [{"text": f"{i} " + r["text"]} for i, r in enumerate(records)]
+    source = write_records(tmp_path / "long.jsonl", records)
+    bundle = build(tmp_path, tiny_tokenizer, train=[source], max_seq_len=16, validation_split=0.34)
+    first_tokens = lambda rows: {tuple(ids[:3]) for ids in rows["input_ids"] if ids[0] == tiny_tokenizer.bos_token_id}
+    assert bundle.stats["validation_num_records"] == 2 and bundle.stats["num_records"] == 4
+    assert bundle.stats["validation_num_rows"] + bundle.stats["num_rows"] == 6 * 3
+    assert len(first_tokens(bundle.validation)) == 2 and not first_tokens(bundle.validation) & first_tokens(
+        bundle.train
+    )
+
+
 def test_truncate_cuts_long_records_and_counts_them(tmp_path, tiny_tokenizer):
     source = write_records(tmp_path / "long.jsonl", LONG)
     lines: list[str] = []
     config = DataConfig(train=[source], max_seq_len=16, overlength="truncate")
     bundle = build_datasets(config, tiny_tokenizer, cache_dir=tmp_path, log=lines.append)
-    assert bundle.stats["num_truncated"] == 2
-    assert all(len(row["input_ids"]) <= 16 for row in bundle.train)
-    assert any("truncated 2 of 3 records to max_seq_len=16" in line for line in lines)
+    assert bundle.stats["num_truncated"] == 2 and bundle.stats["num_split"] == 0
+    lengths = [len(_encoded_text(tiny_tokenizer, record["text"])) for record in LONG]
+    assert [len(ids) for ids in bundle.train["input_ids"]] == [lengths[0], 16, 16] and min(lengths[1:]) > 16
+    kept, total = lengths[0] + 32, sum(lengths)
+    message = f"truncated 2 of 3 records to max_seq_len=16 tokens: kept {kept} of {total} tokens ({kept / total:.1%}"
+    assert any(message in line and "overlength=split would keep all" in line for line in lines), lines
+
+
+def test_split_is_refused_where_a_piece_is_no_example_of_the_task():
+    with pytest.raises(ValueError, match="data.overlength=split applies to format text only"):
+        DataConfig(train=["a.jsonl"], format="instruction", overlength="split")
+    assert DataConfig(train=["a.jsonl"], format="chat").overlength == "truncate"
 
 
 def test_truncation_that_leaves_no_response_drops_the_record(tmp_path, tiny_tokenizer):
@@ -297,31 +364,43 @@ def test_overlength_error_names_file_and_record(tmp_path, tiny_tokenizer):
     source = write_records(tmp_path / "long.jsonl", LONG)
     with pytest.raises(
         DataError, match=r"long\.jsonl line 2 \(record 2\): \d+ tokens, longer than data\.max_seq_len=16"
-    ):
+    ) as caught:
         build(tmp_path, tiny_tokenizer, train=[source], max_seq_len=16, overlength="error")
+    assert "\n" not in str(caught.value) and "split or truncate" in str(caught.value)
 
 
 # ---------------------------------------------------------------------------------------------------
 # Packing and collation
 
 
-def test_packed_rows_hold_whole_documents_with_restarting_positions(tmp_path, tiny_tokenizer):
-    source = write_records(tmp_path / "many.jsonl", MANY)
+def test_packing_lays_out_the_same_documents_in_fewer_rows(tmp_path, tiny_tokenizer):
+    """Rows are documents whatever `packing` says; a packed micro-batch holds exactly its documents, whole."""
+    varied = [{"text": " ".join(["the"] * n)} for n in (1, 20, 3, 7, 2, 15, 4, 9, 1, 12, 5, 2, 18, 6, 3, 10)]
+    source = write_records(tmp_path / "varied.jsonl", varied)
     packed = build(tmp_path, tiny_tokenizer, train=[source], packing=True, max_seq_len=32)
     single = build(tmp_path, tiny_tokenizer, train=[source], packing=False, max_seq_len=32)
-    assert packed.stats["num_rows"] < single.stats["num_rows"]
-    assert {key: packed.stats[key] for key in ("num_tokens", "num_label_tokens")} == {
-        key: single.stats[key] for key in ("num_tokens", "num_label_tokens")
-    }
-    documents = []
-    for row in packed.train:
-        assert len(row["input_ids"]) <= 32
-        for token, label, position in zip(row["input_ids"], row["labels"], row["position_ids"]):
-            if position == 0:
-                assert label == IGNORE_INDEX, "a packed document is predicted from the previous one"
-                documents.append([])
-            documents[-1].append(token)
-    assert sorted(documents) == sorted(row["input_ids"] for row in single.train)
+    assert packed.fingerprint == single.fingerprint and packed.train.to_dict() == single.train.to_dict()
+    documents = list(single.train)
+    for first in range(0, len(documents), 8):
+        micro_batch = documents[first : first + 8]
+        batch = collate_batch(micro_batch, pad_token_id=tiny_tokenizer.pad_token_id, packing=True)
+        longest = max(len(document["input_ids"]) for document in micro_batch)
+        assert batch["input_ids"].shape[0] < len(micro_batch) and batch["input_ids"].shape[1] == longest
+        found = []
+        for ids, labels, positions in zip(*(batch[key].tolist() for key in ("input_ids", "labels", "position_ids"))):
+            for token, label, position in zip(ids, labels, positions):
+                if position == 0:
+                    assert label == IGNORE_INDEX, "a packed document is predicted from the previous one"
+                    found.append(([], []))
+                found[-1][0].append(token)
+                found[-1][1].append(label)
+        real = [document for document in found if any(label != IGNORE_INDEX for label in document[1])]
+        padding = [document for document in found if all(label == IGNORE_INDEX for label in document[1])]
+        assert sorted(real) == sorted((d["input_ids"], d["labels"]) for d in micro_batch)
+        assert all(set(ids) == {tiny_tokenizer.pad_token_id} for ids, _ in padding)
+        unpacked = collate_batch(micro_batch, pad_token_id=tiny_tokenizer.pad_token_id, packing=False)
+        assert unpacked["input_ids"].shape[0] == len(micro_batch)
+        assert int((unpacked["labels"] != IGNORE_INDEX).sum()) == int((batch["labels"] != IGNORE_INDEX).sum())
 
 
 @settings(max_examples=200, deadline=None)
@@ -342,38 +421,33 @@ def test_pack_document_lengths_example():
 
 def test_collate_padding_free_and_padded(tiny_tokenizer):
     eos, pad = tiny_tokenizer.eos_token_id, tiny_tokenizer.pad_token_id
-    rows = [
-        {"input_ids": [0, 7, eos, 0, eos], "labels": [-100, 7, eos, -100, eos], "position_ids": [0, 1, 2, 0, 1]},
-        {"input_ids": [0, 9, eos], "labels": [-100, 9, eos], "position_ids": [0, 1, 2]},
+    documents = [
+        {"input_ids": [0, 7, eos], "labels": [-100, 7, eos]},
+        {"input_ids": [0, eos], "labels": [-100, eos]},
+        {"input_ids": [0, 9, eos], "labels": [-100, 9, eos]},
     ]
-    one_sequence = collate_batch(rows, pad_token_id=pad, packing=True, layout="one_sequence")
+    one_sequence = collate_batch(documents, pad_token_id=pad, packing=True, layout="one_sequence")
     assert {key: value.tolist() for key, value in one_sequence.items()} == {
         "input_ids": [[0, 7, eos, 0, eos, 0, 9, eos]],
         "labels": [[-100, 7, eos, -100, eos, -100, 9, eos]],
         "position_ids": [[0, 1, 2, 0, 1, 0, 1, 2]],
     }
-    packed_rows = collate_batch(rows, pad_token_id=pad, packing=True)  # the tail is a document of its own
+    packed_rows = collate_batch(documents, pad_token_id=pad, packing=True, row_len=5)  # a tail is a document
     assert {key: value.tolist() for key, value in packed_rows.items()} == {
         "input_ids": [[0, 7, eos, 0, eos], [0, 9, eos, pad, pad]],
         "labels": [[-100, 7, eos, -100, eos], [-100, 9, eos, -100, -100]],
         "position_ids": [[0, 1, 2, 0, 1], [0, 1, 2, 0, 1]],
     }
-    padded = collate_batch(
-        rows[1:] + [{"input_ids": [0, eos], "labels": [-100, eos], "position_ids": [0, 1]}],
-        pad_token_id=pad,
-        packing=False,
-    )
+    no_wider_than_padded = collate_batch(documents, pad_token_id=pad, packing=True)  # rows of the longest: 3
+    assert no_wider_than_padded["input_ids"].tolist() == [[0, 7, eos], [0, 9, eos], [0, eos, pad]]
+    padded = collate_batch(documents[2:] + documents[1:2], pad_token_id=pad, packing=False)
     assert {key: value.tolist() for key, value in padded.items()} == {
         "input_ids": [[0, 9, eos], [0, eos, pad]],
         "labels": [[-100, 9, eos], [-100, eos, -100]],
         "position_ids": [[0, 1, 2], [0, 1, 0]],
         "attention_mask": [[1, 1, 1], [1, 1, 0]],
     }
-    padded_with_eos = collate_batch(
-        [rows[1], {"input_ids": [0, eos], "labels": [-100, eos], "position_ids": [0, 1]}],
-        pad_token_id=eos,
-        packing=False,
-    )
+    padded_with_eos = collate_batch(documents[2:] + documents[1:2], pad_token_id=eos, packing=False)
     assert padded_with_eos["labels"].tolist() == [[-100, 9, eos], [-100, eos, -100]], "EOS must stay a label"
 
 
@@ -423,9 +497,9 @@ def test_damaged_cache_entry_is_rebuilt(tmp_path, tiny_tokenizer):
 
 @pytest.fixture(scope="module")
 def other_tokenizer():
-    from conftest import _tokenizer_corpus
+    from helpers import tokenizer_corpus
 
-    return train_tokenizer(_tokenizer_corpus(), vocab_size=400, max_model_len=512)
+    return train_tokenizer(tokenizer_corpus(), vocab_size=400, max_model_len=512)
 
 
 def _append_record(config, data_file: Path, tokenizer):
@@ -450,7 +524,7 @@ FINGERPRINT_CASES = [
     # (id, change to (config dict, data file, tokenizer), whether the fingerprint must change)
     ("file-content", _append_record, True),
     ("max_seq_len", lambda c, f, t: ({**c, "max_seq_len": 256}, t), True),
-    ("packing", lambda c, f, t: ({**c, "packing": False}, t), True),
+    ("packing-lays-out-batches-only", lambda c, f, t: ({**c, "packing": False}, t), False),
     ("overlength", lambda c, f, t: ({**c, "overlength": "error"}, t), True),
     ("text_field", lambda c, f, t: ({**c, "text_field": "body"}, t), True),
     ("max_records", lambda c, f, t: ({**c, "train": [{"path": str(f), "max_records": 1}]}, t), True),
@@ -678,3 +752,23 @@ def test_a_hub_dataset_in_the_local_cache_is_read_offline(tmp_path, tiny_tokeniz
     missing = DataConfig(train=["acme/absent"], format="text", max_seq_len=128)
     with pytest.raises(DataError, match=r"acme/absent.*offline.*hf download --repo-type dataset acme/absent"):
         build_datasets(missing, tiny_tokenizer, cache_dir=tmp_path / "cache")
+
+
+def test_data_preview_shows_the_pieces_training_uses(tmp_path, tiny_tokenizer, tiny_base_dir, capsys, monkeypatch):
+    from finetune.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    source = write_records(tmp_path / "long.jsonl", [{"text": "short"}, {"text": _text_of_tokens(tiny_tokenizer, 40)}])
+    recipe = f"model: {{base: {tiny_base_dir}}}\ndata: {{train: {source}, max_seq_len: 16}}\noutput: {{name: x}}\n"
+    (tmp_path / "recipe.yaml").write_text(recipe)
+    assert main(["data", "preview", "recipe.yaml", "--limit", "10", "--json"]) == 0
+    shown = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    trained = build(tmp_path, tiny_tokenizer, train=[source], max_seq_len=16).train
+    assert [(d["input_ids"], d["labels"]) for d in shown] == list(zip(trained["input_ids"], trained["labels"]))
+    assert [(d["record"], d["piece"], d["pieces"]) for d in shown] == [(1, 1, 1), (2, 1, 3), (2, 2, 3), (2, 3, 3)]
+    assert main(["data", "preview", "recipe.yaml", "--limit", "2"]) == 0
+    assert "--- document 2: 16 tokens, 15 trained, piece 1 of 3 of record 2" in capsys.readouterr().out
+
+    assert main(["data", "preview", "recipe.yaml", "data.format=instruction", "data.overlength=split"]) == 2
+    (error,) = capsys.readouterr().err.strip().splitlines()
+    assert "data.overlength=split applies to format text only" in error

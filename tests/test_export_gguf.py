@@ -18,7 +18,7 @@ import llama_cpp  # llama-cpp-python, in the test extra: CI builds llama.cpp fro
 import numpy as np
 import pytest
 import torch
-from adapter_fixtures import ALL_LINEAR, make_adapter
+from helpers import ALL_LINEAR, make_adapter
 
 from finetune.cli import main as cli_main
 from finetune.errors import ExportError

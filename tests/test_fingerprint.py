@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from conftest import TEST_SHAPE
+from helpers import TEST_SHAPE
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 

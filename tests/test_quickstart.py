@@ -1,5 +1,7 @@
 """The README's quickstart, run as users run it: trains on the shipped embedded base, cuts held-out perplexity
-by at least 30%, and the adapter's greedy bulletins follow their input (the promise of the front door)."""
+by at least 30% (the promise of the front door), to at most 1.9: within 95% of the eval-loss gain full
+fine-tuning reaches in the same steps (bench/learning_quality.py), and the adapter's greedy bulletins
+follow their input."""
 
 from __future__ import annotations
 
@@ -53,6 +55,7 @@ def test_quickstart_cuts_held_out_perplexity_by_30_percent(quickstart):
     assert match, result.stderr[-3000:]
     base_ppl, adapter_ppl, cut = map(float, match.groups())
     assert adapter_ppl <= 0.7 * base_ppl
+    assert adapter_ppl <= 1.9  # LoRA with the head trained (lora.train_lm_head); blocks alone reach about 9
     assert cut == pytest.approx(100 * (1 - adapter_ppl / base_ppl), abs=0.1)
     assert (adapter / "adapter_model.safetensors").is_file()
     assert f"adapter: {adapter}" in result.stdout

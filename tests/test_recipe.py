@@ -84,6 +84,15 @@ def test_overrides_apply_through_the_schema(tmp_path, override, check):
         (MINIMAL, ["train.lr.x=3"], ["train.lr: Input should be a valid number"]),
         (MINIMAL, ["lora.r=-1"], ["lora.r", "greater than or equal to 1"]),
         (MINIMAL, ["data.prompt_template=no placeholder"], ["must contain '{prompt}'"]),
+        # quantization as a mapping
+        (MINIMAL + "model:\n  quantization: {bits: 3}\n", [], ["model", "quantization.bits is 3; use 4 (QLoRA) or 8"]),
+        (MINIMAL + "model:\n  quantization: {bits: 4, kind: nf4}\n", [], ["unknown key(s) ['kind']"]),
+        (MINIMAL + "model:\n  quantization: {bits: 8, type: nf4}\n", [], ["apply to bits: 4 only"]),
+        (
+            MINIMAL + "model:\n  quantization: {bits: 4, type: int4}\n",
+            [],
+            ["model.bnb_4bit_quant_type", "'nf4' or 'fp4'"],
+        ),
     ],
 )
 def test_bad_recipes_fail_with_one_line_that_says_where(tmp_path, text, overrides, expected):
@@ -93,6 +102,26 @@ def test_bad_recipes_fail_with_one_line_that_says_where(tmp_path, text, override
     assert "\n" not in message
     for fragment in expected:
         assert fragment in message, message
+
+
+@pytest.mark.parametrize(
+    "quantization, expected",
+    [
+        ("4bit", ("4bit", "nf4", True, None)),
+        ("{bits: 4, type: fp4, double_quant: false, compute_dtype: bfloat16}", ("4bit", "fp4", False, "bfloat16")),
+        ("{bits: 4}", ("4bit", "nf4", True, None)),
+        ("{bits: 8}", ("8bit", "nf4", True, None)),
+    ],
+)
+def test_quantization_as_a_string_or_the_mapping_qlora_users_write(tmp_path, quantization, expected):
+    model = load_recipe(write(tmp_path, MINIMAL + f"model:\n  quantization: {quantization}\n")).model
+    found = (
+        model.quantization,
+        model.bnb_4bit_quant_type,
+        model.bnb_4bit_use_double_quant,
+        model.bnb_4bit_compute_dtype,
+    )
+    assert found == expected
 
 
 def test_missing_and_unreadable_recipes(tmp_path):

@@ -26,9 +26,7 @@ import httpx
 import openai
 import pytest
 import torch
-from adapter_fixtures import ALL_LINEAR, make_adapter
-from conftest import TEST_SHAPE
-from test_cli import REPO
+from helpers import ALL_LINEAR, REPO, TEST_SHAPE, greedy_ids, make_adapter
 
 import finetune
 from finetune.cli import main
@@ -150,6 +148,23 @@ def assert_still_serves(client: httpx.Client, reference) -> None:
 
 
 # ---- answers equal finetune generate ---------------------------------------------------------------
+def test_the_reference_is_greedy_decoding_by_hand(serve_base, serve_adapters, reference):
+    """What every answer is compared with is itself right: the tokens of greedy decoding by hand (a full
+    forward pass per token, argmax) on the base alone and on the base with an adapter loaded by plain peft."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    eos = reference.tokenizer.eos_token_id
+    for prompt, adapter in ((PROMPTS[0], "med"), (PROMPTS[2], None)):
+        ids = prompt_ids(reference.tokenizer, prompt)
+        model = AutoModelForCausalLM.from_pretrained(serve_base, dtype=torch.float32)
+        if adapter is not None:
+            model = PeftModel.from_pretrained(model, str(serve_adapters[adapter]))
+        expected = greedy_ids(model.eval(), ids, MAX_TOKENS, eos)
+        assert len(set(expected)) > 2, expected  # varied tokens: a wrong position or cache row would show
+        assert greedy(reference, adapter, ids) == expected
+
+
 def test_models_are_listed(client, serve_adapters):
     listed = client.get("/v1/models").json()
     assert listed["object"] == "list"

@@ -15,55 +15,6 @@ from finetune.recipe import LoraConfig
 from finetune.train import accumulate_gradients, train
 
 
-def _instruction_records(count: int) -> list[dict]:
-    colours = ["red", "green", "blue", "amber", "violet", "teal", "ochre"]
-    records = []
-    for i in range(count):
-        colour = colours[i % len(colours)]
-        records.append(
-            {
-                "instruction": f"What colour is crate {i}?",
-                "input": "" if i % 3 else f"warehouse {i % 5}",
-                "output": f"Crate {i} is {colour}, shelf {i % 4}.",
-            }
-        )
-    return records
-
-
-@pytest.fixture()
-def workdir(tmp_path, monkeypatch, tiny_base_dir):
-    """A working directory holding train/valid data and a recipe on the tiny base; cwd is set to it."""
-    monkeypatch.chdir(tmp_path)
-    records = _instruction_records(48)
-    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records[:40]))
-    (tmp_path / "valid.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records[40:]))
-    (tmp_path / "recipe.yaml").write_text(
-        f"""
-model:
-  base: {tiny_base_dir}
-lora:
-  r: 4
-  alpha: 8
-  dropout: 0.1
-data:
-  train: train.jsonl
-  validation: valid.jsonl
-  format: instruction
-  max_seq_len: 128
-train:
-  max_steps: 6
-  micro_batch_size: 4
-  grad_accum_steps: 2
-  lr: 0.005
-  warmup_steps: 1
-  log_every_steps: 2
-output:
-  name: crates
-"""
-    )
-    return tmp_path
-
-
 def _lora_model(base_dir: Path):
     from transformers import AutoModelForCausalLM
 

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from finetune.adapters.lora import CONFIG_NAME, PEFT_PREFIX, SAFETENSORS_NAME, Adapter, LoraWeights, read_adapter
+from finetune.adapters.lora import CONFIG_NAME, SAFETENSORS_NAME, Adapter, LoraWeights, read_adapter
 from finetune.adapters.model_dir import staging_dir
 from finetune.errors import AdapterError
 from finetune.manifest import Manifest, library_versions, now_iso, write_manifest
@@ -175,8 +175,8 @@ def combine_adapters(
         error_squared, norm_squared = error_squared + error**2, norm_squared + norm**2
         if norm > 0 and error / norm >= worst[1]:
             worst = (module, error / norm)
-        tensors[f"{PEFT_PREFIX}{module}.lora_A.weight"] = A.contiguous()
-        tensors[f"{PEFT_PREFIX}{module}.lora_B.weight"] = B.contiguous()
+        first = parts[0][0]
+        tensors.update(LoraWeights(A, B, 1.0, first.fan_in_fan_out, first.embedding).peft_tensors(module))
         rank_by_module[module] = A.shape[0]
 
     config = _combined_config(adapters[0].config, rank_by_module)

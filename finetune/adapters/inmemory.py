@@ -25,13 +25,14 @@ from __future__ import annotations
 
 import time
 import warnings
-from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, cast
 
 import torch
 
 from finetune.adapters import quantized
 from finetune.adapters.arithmetic import Term, changed_modules, merged_weight, module_terms
+from finetune.adapters.fit import check_fits
 from finetune.adapters.ledger import Ledger
 from finetune.adapters.lora import Adapter
 from finetune.adapters.model_dir import (
@@ -43,26 +44,15 @@ from finetune.adapters.model_dir import (
     write_shard,
 )
 from finetune.adapters.pristine import PristineWeights
+from finetune.adapters.report import ArithmeticReport
+from finetune.adapters.tied import TIE_KEY, tied_parameter_names
 from finetune.errors import AdapterError, AdapterWarning
 from finetune.fingerprint import base_state_items
 
-
-@dataclass
-class OperationReport:
-    """What one merge/subtract/swap did: for logs and benchmarks."""
-
-    operation: str
-    merged: dict[str, float]
-    tensors_rewritten: int
-    seconds: float
-    notes: list[str] = field(default_factory=list)
-
-    def summary(self) -> str:
-        merged = ", ".join(f"{n}:{w:g}" for n, w in self.merged.items()) or "nothing"
-        lines = [
-            f"{self.operation}: rewrote {self.tensors_rewritten} tensors in {self.seconds:.3f} s; merged now: {merged}"
-        ]
-        return "\n".join(lines + self.notes)
+if TYPE_CHECKING:
+    from peft import PeftModel
+    from peft.tuners.tuners_utils import BaseTuner
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 
 class LoadedModel:
@@ -79,8 +69,8 @@ class LoadedModel:
 
     def __init__(
         self,
-        model,
-        tokenizer,
+        model: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase,
         *,
         base_source: str,
         base_dir: Path | None,
@@ -101,10 +91,13 @@ class LoadedModel:
             base_path=str(base_dir or base_source), base_fingerprint=base_fingerprint, base_quantization=quantization
         )
         # A model loaded from a merged checkpoint already holds its ledger's merges: its tensors are not the base's.
-        self._pristine = PristineWeights(base_dir, verify=not self._ledger.entries)
+        self._tied = tied_parameter_names(model)
+        self._pristine = PristineWeights.of(base_dir, verify=not self._ledger.entries, aliases=self._tied)
+        self._untied: dict[str, torch.nn.Parameter] = {}  # module -> the shared weight it held before a merge
+        self._ties_on_load = bool(getattr(model.config, TIE_KEY, False))
         self._quantized_originals: dict[str, torch.nn.Module] = {}
         self._requantization_errors: dict[str, float] = {}
-        self._peft = None
+        self._peft: PeftModel | None = None
         self._active: str | None = None
         self._per_row = False  # use_per_row() is on: adapter layers enabled for calls with adapter_names
 
@@ -142,30 +135,23 @@ class LoadedModel:
         self.adapters[adapter.name] = adapter
 
     def _check_fits(self, adapter: Adapter) -> None:
-        tied = _tied_parameter_names(self.model)
-        for module, lora in sorted(adapter.modules.items()):
-            try:
-                layer = self._layer(module)[2]
-            except AttributeError:
-                raise AdapterError(
-                    f"adapter {adapter.name!r} ({adapter.path}) targets {module}, which the base {self.base_source} does "
-                    "not have: it was trained on another architecture"
-                ) from None
-            shape = _weight_shape(layer)
-            if shape is None:
-                raise AdapterError(
-                    f"adapter {adapter.name!r}: {module} is a {type(layer).__name__}, not a linear layer"
-                )
-            if shape != lora.weight_shape:
-                raise AdapterError(
-                    f"adapter {adapter.name!r} ({adapter.path}): {module} is {tuple(shape)} in the base but the update is "
-                    f"{lora.weight_shape}: the adapter was trained on another base size"
-                )
-            if module + ".weight" in tied:
-                raise AdapterError(
-                    f"adapter {adapter.name!r}: {module}.weight is tied to {tied[module + '.weight']}; merging into it "
-                    "would change both (untie the weights or drop this target)"
-                )
+        check_fits(adapter, self._weight_shape, base=self.base_source)
+        for module in sorted(adapter.base_copies):
+            adapter.check_base_copy(module, self._base_weight(module, self._layer(module)[2]))
+
+    def _weight_shape(self, module: str) -> tuple[int, ...] | str:
+        """The shape an update of `module` must have (see `fit.check_fits`)."""
+        try:
+            layer = self._layer(module)[2]
+        except AttributeError:
+            raise KeyError(module) from None
+        return _weight_shape(layer) or type(layer).__name__
+
+    def _base_weight(self, module: str, layer: torch.nn.Module) -> torch.Tensor:
+        """The base's value of `module`'s weight: pristine if something is merged into it, else the current one."""
+        if any(module in adapter.modules for adapter in (self.adapters[n] for n in self._ledger.entries)):
+            return self._pristine.get(module + ".weight", _weight(layer).dtype)
+        return _weight(layer).detach()
 
     def _adapter(self, name: str) -> Adapter:
         if name not in self.adapters:
@@ -176,12 +162,12 @@ class LoadedModel:
         return self.adapters[name]
 
     # ---- arithmetic --------------------------------------------------------------------------------
-    def merge(self, name: str, weight: float = 1.0) -> OperationReport:
+    def merge(self, name: str, weight: float = 1.0) -> ArithmeticReport:
         """Add `weight`·ΔW of adapter `name` into the weights (adds to its weight if already merged)."""
         self._adapter(name)
         return self._apply(self._ledger.plus(name, weight, self.adapters[name]), f"merge {name}:{weight:g}")
 
-    def subtract(self, name: str, weight: float | None = None, *, negate: bool = False) -> OperationReport:
+    def subtract(self, name: str, weight: float | None = None, *, negate: bool = False) -> ArithmeticReport:
         """Take `weight` of adapter `name` back out (default: all of it), exactly: tensors come from the base.
 
         Subtracting an adapter that is not merged (or more of it than is merged) is task negation: it
@@ -192,7 +178,7 @@ class LoadedModel:
         weight = self._ledger.weights.get(name, 0.0) - ledger.weights.get(name, 0.0)
         return self._apply(ledger, f"subtract {name}:{weight:g}")
 
-    def swap(self, old: str, new: str, weight: float = 1.0) -> OperationReport:
+    def swap(self, old: str, new: str, weight: float = 1.0) -> ArithmeticReport:
         """Take `old` out entirely and merge `new` with `weight`: equal to merging `new` into a fresh base."""
         self._adapter(old), self._adapter(new)
         if old not in self._ledger.entries:
@@ -200,7 +186,7 @@ class LoadedModel:
         ledger = self._ledger.minus(old, None, negate=False).plus(new, weight, self.adapters[new])
         return self._apply(ledger, f"swap {old} -> {new}:{weight:g}")
 
-    def _apply(self, ledger: Ledger, operation: str) -> OperationReport:
+    def _apply(self, ledger: Ledger, operation: str) -> ArithmeticReport:
         started = time.perf_counter()
         if self._active is not None and self._active in ledger.entries:
             raise AdapterError(f"adapter {self._active!r} is in use unmerged; call use(None) before merging it")
@@ -225,7 +211,7 @@ class LoadedModel:
         if self._requantization_errors and self.requantize:
             worst = max(self._requantization_errors.items(), key=lambda kv: kv[1])
             notes.append(f"requantized merged layers: largest relative error added {worst[1]:.3e} ({worst[0]})")
-        return OperationReport(operation, self.merged, len(rewritten), time.perf_counter() - started, notes)
+        return ArithmeticReport(operation, self.merged, len(rewritten), time.perf_counter() - started, notes)
 
     def _layer(self, module: str) -> tuple[torch.nn.Module, str, torch.nn.Module]:
         """(parent, attribute, layer) holding the base weight of `module`, looking through peft's LoRA wrapper."""
@@ -245,24 +231,46 @@ class LoadedModel:
         parent, attribute, layer = self._layer(module)
         if module not in self._quantized_originals and quantized.is_quantized_linear(layer):
             self._quantized_originals[module] = layer
+            self._pristine.remember_quantized(module + ".weight", layer)
         original = self._quantized_originals.get(module)
         if original is not None:
             self._write_quantized(module, parent, attribute, original, terms)
             return
-        parameter = layer.weight
         name = module + ".weight"
-        self._pristine.remember(name, parameter.data)
+        self._pristine.remember(name, _weight(layer).data)
+        if not terms and module in self._untied:  # pristine again: share the tied weight once more
+            layer.weight = self._untied.pop(module)
+            self._set_tie_flag()
+            return
+        if terms and name in self._tied and module not in self._untied:
+            self._untie(module, layer)
+        parameter = _weight(layer)
         new = merged_weight(self._pristine.get(name, parameter.dtype), terms, parameter.dtype, module=module)
         with torch.no_grad():
             parameter.data.copy_(new)
 
-    def _write_quantized(self, module: str, parent, attribute: str, original, terms: list[Term]) -> None:
+    def _untie(self, module: str, layer: torch.nn.Module) -> None:
+        """Give `module` a weight of its own (see `finetune.adapters.tied`); the shared one stays untouched."""
+        shared = _weight(layer)
+        self._untied[module] = shared
+        layer.weight = torch.nn.Parameter(shared.detach().clone(), requires_grad=shared.requires_grad)
+        self._set_tie_flag()
+
+    def _set_tie_flag(self) -> None:
+        """The config says tied only while every tied pair is: save_merged writes it, from_pretrained obeys it."""
+        if self._ties_on_load:
+            setattr(self.model.config, TIE_KEY, not self._untied)
+
+    def _write_quantized(
+        self, module: str, parent: torch.nn.Module, attribute: str, original: torch.nn.Module, terms: list[Term]
+    ) -> None:
         """Replace a quantized layer by round(deq(W_q) + Σ w·ΔW) (dense, or requantized), or restore it."""
         if not terms:
             setattr(parent, attribute, original)
             self._requantization_errors.pop(module, None)
             return
-        weight = merged_weight(quantized.dequantize(original), terms, self.dtype, module=module)
+        base = self._pristine.get(module + ".weight", self.dtype)
+        weight = merged_weight(base, terms, self.dtype, module=module)
         if self.requantize:
             layer, relative_error = quantized.requantize(original, weight)
             self._requantization_errors[module] = relative_error
@@ -276,12 +284,13 @@ class LoadedModel:
         self._per_row = False
         if name is None:
             if self._peft is not None:
-                self._peft.base_model.disable_adapter_layers()
+                _tuner(self._peft).disable_adapter_layers()
             self._active = None
             return
         self.attach(name)
+        assert self._peft is not None  # attach() made it
         self._peft.set_adapter(name)
-        self._peft.base_model.enable_adapter_layers()
+        _tuner(self._peft).enable_adapter_layers()
         self._active = name
 
     def attach(self, name: str) -> None:
@@ -301,7 +310,7 @@ class LoadedModel:
                 self._peft = PeftModel.from_pretrained(
                     self.model, str(adapter.path), adapter_name=name, is_trainable=False
                 )
-                self._peft.base_model.disable_adapter_layers()  # attached, not in use: forwards stay the base's
+                _tuner(self._peft).disable_adapter_layers()  # attached, not in use: forwards stay the base's
                 self._per_row = False
             elif name not in self._peft.peft_config:
                 self._peft.load_adapter(str(adapter.path), adapter_name=name, is_trainable=False)
@@ -323,7 +332,7 @@ class LoadedModel:
         if self._peft is None:
             raise AdapterError("no adapter is attached; call attach(name) first")
         if not self._per_row:  # switching costs a walk over every module: once, not per call
-            self._peft.base_model.enable_adapter_layers()
+            _tuner(self._peft).enable_adapter_layers()
             self._active, self._per_row = None, True
         return self._peft
 
@@ -398,23 +407,24 @@ class LoadedModel:
         return Path(out_dir)
 
 
+def _tuner(peft: PeftModel) -> BaseTuner:
+    """peft's LoRA tuner inside `peft`: peft types `PeftModel.base_model` as a plain Module."""
+    return cast("BaseTuner", peft.base_model)
+
+
+def _weight(layer: torch.nn.Module) -> torch.nn.Parameter:
+    """`layer.weight`, typed: torch types a module's attributes as `Tensor | Module`."""
+    return cast(torch.nn.Parameter, layer.weight)
+
+
 def _weight_shape(layer: torch.nn.Module) -> tuple[int, int] | None:
     if quantized.is_quantized_linear(layer):
         return (layer.out_features, layer.in_features)
     weight = getattr(layer, "weight", None)
-    # nn.Linear stores (out, in); transformers' Conv1D (GPT-2, fan_in_fan_out adapters) stores (in, out).
-    if isinstance(weight, torch.Tensor) and weight.dim() == 2 and type(layer).__name__ in ("Linear", "Conv1D"):
-        return tuple(weight.shape)
+    # nn.Linear stores (out, in); transformers' Conv1D (GPT-2, fan_in_fan_out adapters) stores (in, out);
+    # nn.Embedding (vocab, dim), the shape of an embedding LoRA's update.
+    known = isinstance(layer, (torch.nn.Linear, torch.nn.Embedding)) or type(layer).__name__ == "Conv1D"
+    if isinstance(weight, torch.Tensor) and weight.dim() == 2 and known:
+        rows, columns = weight.shape
+        return (rows, columns)
     return None
-
-
-def _tied_parameter_names(model: torch.nn.Module) -> dict[str, str]:
-    """parameter name -> another name sharing its storage, for every tied parameter."""
-    names_by_id: dict[int, list[str]] = {}
-    for name, parameter in model.named_parameters(remove_duplicate=False):
-        names_by_id.setdefault(id(parameter), []).append(name.replace(".base_layer", ""))
-    tied: dict[str, str] = {}
-    for names in names_by_id.values():
-        for name in names if len(names) > 1 else []:
-            tied[name] = next(other for other in names if other != name)
-    return tied

@@ -3,10 +3,14 @@
 This module owns what an adapter *is* for the arithmetic: for every targeted linear layer the update
 ΔW = scale · B · A (transposed for `fan_in_fan_out`), with scale = alpha / r, or alpha / sqrt(r) for
 rsLoRA, per-module r and alpha from `rank_pattern` / `alpha_pattern`: the semantics of peft's
-`LoraLayer.get_delta_weight`, computed in fp32. Everything that cannot be written as such a sum is
-refused with an `AdapterError` rather than merged approximately: DoRA (its update depends on the norm of
+`LoraLayer.get_delta_weight`, computed in fp32. LoRA on an embedding (peft's `lora_embedding_A` (r, vocab)
+and `lora_embedding_B` (dim, r), whose update is (B·A)ᵀ) is held in the same (A, B) form, transposed, with
+`embedding=True` so that writers give it peft's names back. Everything that cannot be written as such a sum
+is refused with an `AdapterError` rather than merged approximately: DoRA (its update depends on the norm of
 the weight it is merged into, so weighted sums and exact subtraction have no meaning), LoRA biases,
-embedding/conv LoRA, `modules_to_save` and trainable tokens (full replacement weights, not updates).
+conv LoRA, `modules_to_save` and trainable tokens (full replacement weights, not updates). Copies of the
+base's embedding weights that peft saves beside embedding/head LoRA (`save_embedding_layers`) are kept in
+`Adapter.base_copies`, so a base can be checked against them.
 
 It also owns the safety checks that need only the adapter: names (no path separators, nothing peft or
 torch reserve), pickle files (`adapter_model.bin` is refused unless `allow_pickle`, then read with
@@ -39,6 +43,8 @@ PEFT_PREFIX = "base_model.model."
 PEFT_LORA_PREFIX = "lora_"
 _NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_\-]{0,63}$")
 _LORA_KEY = re.compile(r"^(?P<module>.+)\.lora_(?P<which>A|B)\.weight$")
+_EMBEDDING_LORA_KEY = re.compile(r"^(?P<module>.+)\.lora_embedding_(?P<which>A|B)$")
+_BASE_COPY_KEY = re.compile(r"^(?P<module>.+)\.base_layer\.weight$")
 # Config switches whose adapters are not a plain sum of B·A updates; value = why we refuse.
 _UNSUPPORTED_CONFIG = {
     "use_dora": "DoRA's update depends on the norm of the weight it is merged into, so it has no exact weighted sum",
@@ -92,6 +98,8 @@ class LoraWeights:
     B: torch.Tensor
     scale: float
     fan_in_fan_out: bool = False
+    embedding: bool = False
+    """An embedding's LoRA: A here is peft's `lora_embedding_B`ᵀ (r, dim), B its `lora_embedding_A`ᵀ (vocab, r)."""
 
     @property
     def rank(self) -> int:
@@ -102,6 +110,16 @@ class LoraWeights:
         """Shape of the base weight this update is added to."""
         out_features, in_features = self.B.shape[0], self.A.shape[1]
         return (in_features, out_features) if self.fan_in_fan_out else (out_features, in_features)
+
+    def peft_tensors(self, module: str) -> dict[str, torch.Tensor]:
+        """This update under the names peft saves it with (`base_model.model.<module>.lora_A.weight`, ...)."""
+        prefix = PEFT_PREFIX + module
+        if self.embedding:
+            return {
+                f"{prefix}.lora_embedding_A": self.B.T.contiguous(),
+                f"{prefix}.lora_embedding_B": self.A.T.contiguous(),
+            }
+        return {f"{prefix}.lora_A.weight": self.A.contiguous(), f"{prefix}.lora_B.weight": self.B.contiguous()}
 
     def delta(self, weight: float = 1.0) -> torch.Tensor:
         """weight · scale · B·A in fp32, shaped like the base weight.
@@ -123,6 +141,8 @@ class Adapter:
     modules: dict[str, LoraWeights]
     manifest: Manifest | None
     file_sha256: str = field(default="")
+    base_copies: dict[str, torch.Tensor] = field(default_factory=dict)
+    """module -> the base weight peft saved beside that module's LoRA (embeddings and head only)."""
 
     @property
     def base_path(self) -> str | None:
@@ -147,6 +167,15 @@ class Adapter:
 
     def delta(self, module: str, weight: float = 1.0) -> torch.Tensor:
         return self.modules[module].delta(weight)
+
+    def check_base_copy(self, module: str, base_weight: torch.Tensor) -> None:
+        """Refuse a base whose `module` weight differs from the copy peft saved beside this adapter's LoRA."""
+        copy = self.base_copies.get(module)
+        if copy is not None and not torch.equal(copy.to(base_weight.dtype), base_weight.detach().cpu()):
+            raise AdapterError(
+                f"adapter {self.name!r} ({self.path}) carries its own copy of {module}.weight, which differs from the "
+                "base's (a resized vocabulary?); it cannot be applied to this base"
+            )
 
 
 def _pattern_key(pattern_keys, module: str) -> str:
@@ -231,31 +260,63 @@ def read_adapter(path: str | Path, name: str | None = None, *, allow_pickle: boo
     )
     tensors, file_sha256 = _read_tensors(path, allow_pickle)
 
-    pairs: dict[str, dict[str, torch.Tensor]] = {}
-    for key, tensor in tensors.items():
-        module_key = key.removeprefix(PEFT_PREFIX)
-        match = _LORA_KEY.match(module_key)
-        if match is None:
-            raise AdapterError(
-                f"{path}: tensor {key} is not a LoRA A/B weight of a linear layer (embedding/conv LoRA and saved "
-                "full modules are not supported by adapter arithmetic)"
-            )
-        pairs.setdefault(match["module"], {})[match["which"]] = tensor
-    if not pairs:
-        raise AdapterError(f"{path}: the adapter file holds no LoRA weights")
-
+    pairs, base_copies = _split_tensors(path, tensors)
     modules: dict[str, LoraWeights] = {}
     for module in sorted(pairs):
-        pair = pairs[module]
-        if set(pair) != {"A", "B"}:
-            raise AdapterError(f"{path}: module {module} has lora_{''.join(pair)} but not both lora_A and lora_B")
-        A, B = pair["A"].to(torch.float32), pair["B"].to(torch.float32)
-        if A.dim() != 2 or B.dim() != 2 or A.shape[0] != B.shape[1]:
-            raise AdapterError(
-                f"{path}: module {module} has A {tuple(A.shape)} and B {tuple(B.shape)}, not (r, in) and (out, r)"
-            )
+        A, B, embedding = _pair(path, module, pairs[module])
         for which, tensor in (("lora_A", A), ("lora_B", B)):
             if not torch.isfinite(tensor).all():
                 raise AdapterError(f"adapter {name!r} ({path}): module {module} {which} holds NaN or Inf; refusing it")
-        modules[module] = LoraWeights(A, B, _scale(config, module, A.shape[0]), bool(config.get("fan_in_fan_out")))
-    return Adapter(name=name, path=path, config=config, modules=modules, manifest=manifest, file_sha256=file_sha256)
+        fan_in_fan_out = bool(config.get("fan_in_fan_out")) and not embedding
+        modules[module] = LoraWeights(A, B, _scale(config, module, A.shape[0]), fan_in_fan_out, embedding)
+    stray = sorted(set(base_copies) - set(modules))
+    if stray:
+        raise AdapterError(f"{path}: tensor {stray[0]}.base_layer.weight belongs to no LoRA module of the adapter")
+    return Adapter(
+        name=name, path=path, config=config, modules=modules, manifest=manifest, file_sha256=file_sha256,
+        base_copies=base_copies,
+    )  # fmt: skip
+
+
+def _split_tensors(
+    path: Path, tensors: dict[str, torch.Tensor]
+) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, torch.Tensor]]:
+    """(module -> {"A"|"B"|"embedding_A"|"embedding_B": tensor}, module -> saved base weight)."""
+    pairs: dict[str, dict[str, torch.Tensor]] = {}
+    base_copies: dict[str, torch.Tensor] = {}
+    for key, tensor in tensors.items():
+        module_key = key.removeprefix(PEFT_PREFIX)
+        if match := _LORA_KEY.match(module_key):
+            pairs.setdefault(match["module"], {})[match["which"]] = tensor
+        elif match := _EMBEDDING_LORA_KEY.match(module_key):
+            pairs.setdefault(match["module"], {})["embedding_" + match["which"]] = tensor
+        elif match := _BASE_COPY_KEY.match(module_key):
+            base_copies[match["module"]] = tensor
+        else:
+            raise AdapterError(
+                f"{path}: tensor {key} is not a LoRA A/B weight of a linear or embedding layer (conv LoRA and saved "
+                "full modules are not supported by adapter arithmetic)"
+            )
+    if not pairs:
+        raise AdapterError(f"{path}: the adapter file holds no LoRA weights")
+    return pairs, base_copies
+
+
+def _pair(path: Path, module: str, pair: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """(A (r, in), B (out, r), is_embedding) in fp32 for one module, shapes checked."""
+    if set(pair) == {"embedding_A", "embedding_B"}:
+        embedding_A, embedding_B = pair["embedding_A"].to(torch.float32), pair["embedding_B"].to(torch.float32)
+        if embedding_A.dim() != 2 or embedding_B.dim() != 2 or embedding_A.shape[0] != embedding_B.shape[1]:
+            raise AdapterError(
+                f"{path}: module {module} has lora_embedding_A {tuple(embedding_A.shape)} and lora_embedding_B "
+                f"{tuple(embedding_B.shape)}, not (r, vocab) and (dim, r)"
+            )
+        return embedding_B.T.contiguous(), embedding_A.T.contiguous(), True
+    if set(pair) != {"A", "B"}:
+        raise AdapterError(f"{path}: module {module} has {', '.join(sorted(pair))} but not both LoRA A and B weights")
+    A, B = pair["A"].to(torch.float32), pair["B"].to(torch.float32)
+    if A.dim() != 2 or B.dim() != 2 or A.shape[0] != B.shape[1]:
+        raise AdapterError(
+            f"{path}: module {module} has A {tuple(A.shape)} and B {tuple(B.shape)}, not (r, in) and (out, r)"
+        )
+    return A, B, False

@@ -1,78 +1,103 @@
-"""Where the untouched base weights come from when a merged tensor is recomputed.
+"""The one provider of base weights W_base for every merge, subtract and swap, in memory and on disk.
 
-Preferred source: the base's safetensors files, memory-mapped with `safe_open`, so exact restoration
-costs no second copy of the model in memory (pages are read when a tensor is recomputed and can be
-dropped by the OS afterwards). A tensor is taken from the files only if, cast to the model's dtype, it
-equals the model's tensor at first touch (before anything is merged into it); otherwise (no files, a
-hub model not in the local cache, a checkpoint whose names `from_pretrained` converts) a copy of that
-tensor alone is kept in memory, and `copied_bytes` says how much that costs.
+`arithmetic.merged_weight` computes round(W_base + Σ wᵢ·ΔWᵢ); this module decides what W_base is, in
+the same way for both paths, from three sources:
+
+- **the base's files** (preferred): the tensor read from its safetensors file through the
+  `TensorIndex`, memory-mapped, so exact restoration costs no second copy of the model (pages are read
+  when a tensor is recomputed and can be dropped afterwards). Tied weights the files store once are read
+  under the stored name (`aliases`). For adapters trained on a quantized base, linear weights go through
+  the quantize → dequantize round trip (`roundtrip`), which equals what the quantized layer computes with;
+- **a quantized layer in memory**: its dequantized weight (`remember_quantized`);
+- **a kept copy**: in memory, when the files cannot give the tensor the model holds (no files, a hub
+  model not in the local cache, names `from_pretrained` converts), a copy of that tensor alone, taken
+  at first touch; `copied_bytes` says what that costs.
+
+In memory, `remember(name, tensor)` is called at a tensor's first touch and decides its source (file if
+equal to the model's tensor, else a copy); on disk there is nothing to remember: every tensor comes
+from the files.
 
 Example:
-    pristine = PristineWeights("models/tiny")
-    pristine.remember("model.layers.0.self_attn.q_proj.weight", current_tensor)   # at first touch
-    base = pristine.get("model.layers.0.self_attn.q_proj.weight")                 # bit-equal to that tensor
+    pristine = PristineWeights.of("models/tiny")
+    pristine.remember("model.layers.0.self_attn.q_proj.weight", current_tensor)   # in memory, at first touch
+    base = pristine.get("model.layers.0.self_attn.q_proj.weight", torch.float32)   # bit-equal to that tensor
 """
 
 from __future__ import annotations
 
-import json
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
+from finetune.adapters import quantized
+from finetune.adapters.tensor_index import TensorIndex
 from finetune.errors import AdapterWarning
-from finetune.fingerprint import weight_files
+
+Roundtrip = Callable[[str, torch.Tensor], torch.Tensor]
+"""(name, file tensor) -> the weight the quantized base computes with (identity for names it leaves dense)."""
 
 
 class PristineWeights:
-    """Base tensors by checkpoint name, from memory-mapped files where possible, else from kept copies."""
+    """Base tensors by checkpoint name, from files, dequantized layers or kept copies (see the module docstring)."""
 
-    def __init__(self, base_dir: str | Path | None, *, verify: bool = True):
+    def __init__(
+        self,
+        index: TensorIndex | None,
+        *,
+        verify: bool = True,
+        aliases: dict[str, str] | None = None,
+        roundtrip: Roundtrip | None = None,
+    ):
         """Args:
-        base_dir: the base model's directory, or None when it has no files.
-        verify: compare each file tensor with the model's at first touch; False when the model
-            already holds merges (loaded from a merged checkpoint whose ledger names this base).
+        index: the base's tensors, or None when it has no files here.
+        verify: in memory, take a file tensor only if it equals the model's at first touch; False when
+            the model already holds merges (loaded from a merged checkpoint whose ledger names this base).
+        aliases: name -> the name the files store its values under (tied weights: `lm_head.weight` ->
+            `model.embed_tokens.weight`).
+        roundtrip: applied to file tensors (adapters trained on a quantized base; see `quantization_roundtrip`).
         """
+        self._index = index
         self._verify = verify
-        self._file_of: dict[str, Path] = {}
-        self._handles: dict[Path, object] = {}
+        self._aliases = dict(aliases or {})
+        self._roundtrip = roundtrip
         self._copies: dict[str, torch.Tensor] = {}
+        self._quantized: dict[str, torch.nn.Module] = {}
         self._from_file: set[str] = set()
-        if base_dir is not None and Path(base_dir).is_dir():
-            self._index_files(Path(base_dir))
 
-    def _index_files(self, base_dir: Path) -> None:
-        index = base_dir / "model.safetensors.index.json"
-        if index.is_file():
-            weight_map = json.loads(index.read_text())["weight_map"]
-            self._file_of = {name: base_dir / file for name, file in weight_map.items()}
-            return
-        from safetensors import safe_open
-
-        for path in weight_files(base_dir):
-            with safe_open(str(path), framework="pt") as handle:
-                self._file_of.update({name: path for name in handle.keys()})
+    @classmethod
+    def of(cls, base_dir: str | Path | None, **options) -> PristineWeights:
+        """The provider for a base directory (None, or a directory without safetensors files: copies only)."""
+        index = TensorIndex.of(base_dir) if base_dir is not None and Path(base_dir).is_dir() else None
+        return cls(index, **options)
 
     @property
     def copied_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self._copies.values())
 
-    def _read(self, name: str, dtype: torch.dtype) -> torch.Tensor | None:
-        path = self._file_of.get(name)
-        if path is None:
+    def stored_name(self, name: str) -> str | None:
+        """The name the files hold `name`'s values under, or None when they do not hold it."""
+        if self._index is None:
             return None
-        if path not in self._handles:
-            from safetensors import safe_open
+        if name in self._index:
+            return name
+        alias = self._aliases.get(name)
+        return alias if alias in self._index else None
 
-            self._handles[path] = safe_open(str(path), framework="pt")
-        return self._handles[path].get_tensor(name).to(dtype)
+    def _from_files(self, name: str, dtype: torch.dtype) -> torch.Tensor | None:
+        stored = self.stored_name(name)
+        if stored is None:
+            return None
+        assert self._index is not None
+        tensor = self._index.read(stored).to(dtype)
+        return self._roundtrip(name, tensor) if self._roundtrip is not None else tensor
 
     def remember(self, name: str, current: torch.Tensor) -> None:
         """Record the pristine value of `name` at its first touch: `current` must not hold any merge yet."""
         if name in self._from_file or name in self._copies:
             return
-        from_file = self._read(name, current.dtype)
+        from_file = self._from_files(name, current.dtype)
         if (
             from_file is not None
             and from_file.shape == current.shape
@@ -89,11 +114,35 @@ class PristineWeights:
             stacklevel=4,
         )
 
+    def remember_quantized(self, name: str, layer: torch.nn.Module) -> None:
+        """Record a quantized layer (in memory) whose dequantized weight is `name`'s base value."""
+        self._quantized.setdefault(name, layer)
+
     def get(self, name: str, dtype: torch.dtype) -> torch.Tensor:
-        """The pristine tensor `name` (remembered before), in `dtype`."""
+        """The base value of `name`: a dequantized layer's weight, a kept copy, or the file's tensor in `dtype`."""
+        if name in self._quantized:
+            return quantized.dequantize(self._quantized[name])
         if name in self._copies:
             return self._copies[name]
-        assert name in self._from_file, f"{name} was never remembered"
-        tensor = self._read(name, dtype)
-        assert tensor is not None
+        tensor = self._from_files(name, dtype)
+        if tensor is None:
+            raise KeyError(f"{name}: not in the base's files and never remembered")
         return tensor
+
+
+def quantization_roundtrip(quantizable: set[str], quantization: str, options: dict) -> Roundtrip:
+    """The file-side twin of a quantized layer: W -> dequantize(quantize(W)) for the names bitsandbytes quantizes."""
+    bits = 4 if quantization == "4bit" else 8
+
+    def roundtrip(name: str, weight: torch.Tensor) -> torch.Tensor:
+        if name not in quantizable:
+            return weight
+        layer = quantized.quantized_linear(
+            weight,
+            bits,
+            quant_type=options.get("bnb_4bit_quant_type", "nf4"),
+            double_quant=options.get("bnb_4bit_use_double_quant", True),
+        )
+        return quantized.dequantize(layer)
+
+    return roundtrip

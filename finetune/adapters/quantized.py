@@ -18,6 +18,8 @@ Example:
 
 from __future__ import annotations
 
+from typing import Any, TypeGuard, cast
+
 import torch
 
 
@@ -29,7 +31,8 @@ def _bnb():
     return bnb
 
 
-def is_quantized_linear(module: torch.nn.Module) -> bool:
+def is_quantized_linear(module: torch.nn.Module) -> TypeGuard[torch.nn.Linear]:
+    """Whether `module` is a bitsandbytes 4-bit or 8-bit layer (both subclass `nn.Linear`)."""
     bnb = _bnb()
     return bnb is not None and isinstance(module, (bnb.nn.Linear4bit, bnb.nn.Linear8bitLt))
 
@@ -41,19 +44,20 @@ def dequantize(module: torch.nn.Module) -> torch.Tensor:
     bnb = _bnb()
     if isinstance(module, bnb.nn.Linear4bit):
         return F.dequantize_4bit(module.weight.data, module.weight.quant_state).to(torch.float32)
-    weight = module.weight
+    weight = cast(torch.Tensor, module.weight)  # torch types a module's attributes as Tensor | Module
     scales = getattr(weight, "SCB", None)
     if scales is None:
-        scales = module.state.SCB
+        scales = cast(Any, module.state).SCB  # Linear8bitLt's MatmulLtState, which torch types as Tensor | Module
     return F.int8_vectorwise_dequant(weight.data, scales).to(torch.float32)
 
 
 def dense_linear_like(module: torch.nn.Module, weight: torch.Tensor) -> torch.nn.Linear:
     """A plain `nn.Linear` holding `weight` (and the quantized layer's bias), in `weight`'s dtype."""
-    dense = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=module.bias is not None, device="meta")
+    bias = module.bias
+    dense = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
     dense.weight = torch.nn.Parameter(weight, requires_grad=False)
-    if module.bias is not None:
-        dense.bias = torch.nn.Parameter(module.bias.detach().to(weight.dtype).clone(), requires_grad=False)
+    if isinstance(bias, torch.Tensor):
+        dense.bias = torch.nn.Parameter(bias.detach().to(weight.dtype).clone(), requires_grad=False)
     return dense
 
 
@@ -115,9 +119,10 @@ def requantize(module: torch.nn.Module, weight: torch.Tensor) -> tuple[torch.nn.
             compute_dtype=module.compute_dtype,
         )
     else:
-        layer = quantized_linear(weight, 8, threshold=module.state.threshold)
-    if module.bias is not None:
-        layer.bias = torch.nn.Parameter(module.bias.detach().clone(), requires_grad=False)
+        layer = quantized_linear(weight, 8, threshold=cast(Any, module.state).threshold)  # see dequantize
+    bias = module.bias
+    if isinstance(bias, torch.Tensor):
+        layer.bias = torch.nn.Parameter(bias.detach().clone(), requires_grad=False)
     exact = weight.detach().to(torch.float32)
     relative_error = (dequantize(layer) - exact).norm() / exact.norm().clamp_min(1e-30)
     return layer, float(relative_error)

@@ -20,16 +20,15 @@ import torch
 
 from finetune.adapters.ledger import LEDGER_KEY
 from finetune.adapters.model_dir import copy_side_files, staging_dir
+from finetune.adapters.tensor_index import TensorIndex
 from finetune.errors import AdapterError
 
 
 def requantize_checkpoint(dense_dir: Path, out: Path, quantization: str, options: dict) -> dict[str, float]:
     """Write `dense_dir` quantized to `out`; returns module -> ‖deq(q(W)) − W‖_F / ‖W‖_F."""
-    from safetensors import safe_open
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
     from finetune.adapters.quantized import dequantize, is_quantized_linear
-    from finetune.fingerprint import weight_files
 
     if quantization == "8bit":
         config = BitsAndBytesConfig(load_in_8bit=True)
@@ -43,15 +42,11 @@ def requantize_checkpoint(dense_dir: Path, out: Path, quantization: str, options
     else:
         raise AdapterError("--requantize needs adapters trained on a 4bit or 8bit base (or --quantization 4bit|8bit)")
     model = AutoModelForCausalLM.from_pretrained(dense_dir, quantization_config=config, dtype=torch.float32)
-    dense_file = {}
-    for path in weight_files(dense_dir):
-        with safe_open(str(path), framework="pt") as handle:
-            dense_file.update({name: path for name in handle.keys()})
+    dense = TensorIndex.of(dense_dir)
     errors: dict[str, float] = {}
     for name, module in model.named_modules():
         if is_quantized_linear(module):
-            with safe_open(str(dense_file[name + ".weight"]), framework="pt") as handle:
-                exact = handle.get_tensor(name + ".weight").to(torch.float32)
+            exact = dense.read(name + ".weight").to(torch.float32)
             errors[name] = float((dequantize(module) - exact).norm() / exact.norm().clamp_min(1e-30))
     ledger = json.loads((dense_dir / "config.json").read_text())[LEDGER_KEY]
     model.config.update({LEDGER_KEY: ledger})

@@ -101,7 +101,7 @@ def list_store(store_dir: str | Path) -> list[AdapterSummary]:
     return [summarize(p) for p in sorted(store_dir.iterdir()) if (p / CONFIG_NAME).is_file()]
 
 
-def _size(size_bytes: int) -> str:
+def _size(size_bytes: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if size_bytes < 1024 or unit == "GiB":
             return f"{size_bytes:.0f} {unit}" if unit == "B" else f"{size_bytes:.1f} {unit}"

@@ -13,11 +13,30 @@ from __future__ import annotations
 
 import argparse
 import functools
+import math
 import sys
 import warnings
 from collections.abc import Callable
+from typing import Any
 
 from finetune.errors import AdapterWarning
+
+
+def parse_adapter_spec(spec: str):
+    """`adapters/legal:0.5` -> AdapterSpec('adapters/legal', 0.5); a suffix that is not a number is part of the path."""
+    from finetune.adapters.ondisk import AdapterSpec
+    from finetune.errors import AdapterError
+
+    ref, separator, tail = spec.rpartition(":")
+    if separator and ref:
+        try:
+            weight = float(tail)
+        except ValueError:
+            return AdapterSpec(spec)
+        if not math.isfinite(weight):
+            raise AdapterError(f"adapter {spec!r}: weight {tail!r} is not a finite number; write e.g. {ref}:0.5")
+        return AdapterSpec(ref, weight)
+    return AdapterSpec(spec)
 
 
 def _warnings_as_lines(handler: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
@@ -135,51 +154,35 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _merge(args: argparse.Namespace) -> int:
-    from finetune.adapters.ondisk import merge_checkpoint, parse_adapter_spec
+    from finetune.adapters.ondisk import merge_checkpoint
 
+    specs = [parse_adapter_spec(spec) for spec in args.adapter]
     report = merge_checkpoint(
-        args.base,
-        [parse_adapter_spec(spec) for spec in args.adapter],
-        args.out,
-        dtype=args.dtype,
-        quantization=args.quantization,
-        requantize=args.requantize,
-        force=args.force,
-        allow_pickle=args.allow_pickle,
-    )
+        args.base, specs, args.out, dtype=args.dtype, quantization=args.quantization, requantize=args.requantize,
+        **_trust(args),
+    )  # fmt: skip
     print(report.summary())
     return 0
 
 
-def _subtract(args: argparse.Namespace) -> int:
-    from finetune.adapters.ondisk import parse_adapter_spec, subtract_checkpoint
+def _trust(args: argparse.Namespace) -> dict[str, Any]:
+    """What the user vouches for: another base (--force), pickle files (--allow-pickle)."""
+    return dict(force=args.force, allow_pickle=args.allow_pickle)
 
-    report = subtract_checkpoint(
-        args.model,
-        parse_adapter_spec(args.adapter),
-        args.out,
-        base=args.base,
-        negate=args.negate,
-        force=args.force,
-        allow_pickle=args.allow_pickle,
-    )
-    print(report.summary())
+
+def _subtract(args: argparse.Namespace) -> int:
+    from finetune.adapters.ondisk import subtract_checkpoint
+
+    spec = parse_adapter_spec(args.adapter)
+    print(subtract_checkpoint(args.model, spec, args.out, base=args.base, negate=args.negate, **_trust(args)).summary())
     return 0
 
 
 def _swap(args: argparse.Namespace) -> int:
-    from finetune.adapters.ondisk import parse_adapter_spec, swap_checkpoint
+    from finetune.adapters.ondisk import swap_checkpoint
 
-    report = swap_checkpoint(
-        args.model,
-        parse_adapter_spec(args.remove),
-        parse_adapter_spec(args.add),
-        args.out,
-        base=args.base,
-        force=args.force,
-        allow_pickle=args.allow_pickle,
-    )
-    print(report.summary())
+    remove, add = parse_adapter_spec(args.remove), parse_adapter_spec(args.add)
+    print(swap_checkpoint(args.model, remove, add, args.out, base=args.base, **_trust(args)).summary())
     return 0
 
 

@@ -1,9 +1,11 @@
 """`finetune data preview RECIPE [key=value ...] [--limit N] [--json]`: see what training will train on.
 
-Tokenizes the first N records exactly as training does (template, truncation, label mask) with only the
+Tokenizes the first N documents exactly as training does (template, label mask, and a record longer than
+max_seq_len split into the pieces training uses, or truncated, per `data.overlength`) with only the
 tokenizer loaded, no model: the check to make before spending GPU hours. The human view marks trained
 tokens (green on a terminal, `[[...]]` otherwise); `--json` prints one object per document,
-`{"input_ids": [...], "labels": [...]}` with -100 where no loss is taken.
+`{"record": 1, "piece": 1, "pieces": 1, "input_ids": [...], "labels": [...]}` with -100 where no loss
+is taken.
 
 Example:
     finetune data preview llama-3.1-8b-instruct-chat data.train=chats.jsonl --limit 3
@@ -31,7 +33,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def _marked_text(tokenizer, input_ids: list[int], labels: list[int], colour: bool) -> str:
     """The document's text with each run of trained tokens marked."""
-    pieces, run, trained_run = [], [], False
+    pieces: list[str] = []
+    run: list[int] = []
+    trained_run = False
     for token, label in [*zip(input_ids, labels), (None, None)]:
         trained = label is not None and label != -100
         if token is None or trained != trained_run:
@@ -57,13 +61,17 @@ def run_preview(args: argparse.Namespace) -> int:
     tokenizer = load_tokenizer_for(recipe.model)
     documents = preview_documents(recipe.data, tokenizer, args.limit)
     if args.json:
-        for document in documents:
-            print(json.dumps({"input_ids": document.input_ids, "labels": document.labels}))
+        for d in documents:
+            print(json.dumps({"record": d.record, "piece": d.piece, "pieces": d.pieces, "input_ids": d.input_ids,
+                              "labels": d.labels}))  # fmt: skip
         return 0
     colour = sys.stdout.isatty()
     for number, document in enumerate(documents, start=1):
         trained = sum(label != -100 for label in document.labels)
-        print(f"--- document {number}: {len(document.input_ids)} tokens, {trained} trained "
+        piece = (
+            f", piece {document.piece} of {document.pieces} of record {document.record}" if document.pieces > 1 else ""
+        )
+        print(f"--- document {number}: {len(document.input_ids)} tokens, {trained} trained{piece} "
               f"({'green' if colour else '[[marked]]'})")  # fmt: skip
         print(_marked_text(tokenizer, document.input_ids, document.labels, colour))
     return 0

@@ -85,8 +85,10 @@ def run_eval(args: argparse.Namespace) -> int:
     if adapter is not None:
         loaded.use(adapter)
         tuned = perplexity()
-        cut = 100 * (1 - tuned["eval_ppl"] / base["eval_ppl"])
-        print(f"base + adapter: perplexity {tuned['eval_ppl']:.4f} (loss {tuned['eval_loss']:.4f}; {cut:.1f}% lower)")
+        from finetune.progress import perplexity_change
+
+        change = perplexity_change(base["eval_ppl"], tuned["eval_ppl"])
+        print(f"base + adapter: perplexity {tuned['eval_ppl']:.4f} (loss {tuned['eval_loss']:.4f}; {change})")
     return 0
 
 

@@ -8,7 +8,8 @@ sources on every run. Here the key is computed from what decides the result and 
 - the bytes of every source (in order; with split and max_records), not their paths, so moving data
   keeps the cache;
 - the data config fields the chosen format reads (e.g. `text_field` only for `text`), max_seq_len,
-  overlength, packing, and the validation split with its seed only when a split is taken;
+  overlength, and the validation split with its seed only when a split is taken (not `packing`: rows
+  are one document each, packed per micro-batch when collated);
 - the tokenizer's identity: its full serialisation (vocabulary, merges, normalisers), special tokens and
   chat template;
 - `PIPELINE_VERSION`, bumped whenever this package changes what it produces.
@@ -42,16 +43,22 @@ from transformers import PreTrainedTokenizerBase
 from finetune.data.sources import source_content_hash
 from finetune.recipe import DataConfig
 
-PIPELINE_VERSION = 1
+PIPELINE_VERSION = 2
 """Bump when the rows this package produces change for the same inputs; old cache entries are then unused."""
 
 _FORMAT_FIELDS = {
     "text": ("text_field",),
-    "instruction": ("prompt_field", "input_field", "response_field", "prompt_template",
-                    "prompt_with_input_template", "completion_only_loss"),
+    "instruction": (
+        "prompt_field",
+        "input_field",
+        "response_field",
+        "prompt_template",
+        "prompt_with_input_template",
+        "completion_only_loss",
+    ),
     "chat": ("messages_field", "chat_template", "completion_only_loss"),
 }
-_ROW_FIELDS = ("format", "max_seq_len", "overlength", "packing")
+_ROW_FIELDS = ("format", "max_seq_len", "overlength")
 
 
 def default_cache_root() -> Path:
@@ -140,8 +147,14 @@ def load_cached(cache_root: Path, fingerprint: str) -> CacheEntry | None:
     return CacheEntry(train, validation, meta["stats"], path)
 
 
-def store(cache_root: Path, fingerprint: str, train: datasets.Dataset, validation: datasets.Dataset | None,
-          stats: dict[str, Any], inputs: dict[str, Any]) -> Path:
+def store(
+    cache_root: Path,
+    fingerprint: str,
+    train: datasets.Dataset,
+    validation: datasets.Dataset | None,
+    stats: dict[str, Any],
+    inputs: dict[str, Any],
+) -> Path:
     """Write an entry atomically (temporary directory, then rename) and return its path."""
     path = _entry_dir(cache_root, fingerprint)
     cache_root.mkdir(parents=True, exist_ok=True)

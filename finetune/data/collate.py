@@ -1,16 +1,26 @@
-"""Micro-batches: rows (lists of ints) → the tensors a causal LM's forward takes, plus labels.
+"""Micro-batches: documents (lists of ints) → the tensors a causal LM's forward takes, plus labels.
 
-- Packing: rows keep their restarting `position_ids` and get no `attention_mask`; transformers finds
-  the document boundaries from the position restarts and masks attention to each document. This
-  isolates documents only with `use_cache=False` (measured on this stack: with the cache on, LoRA
-  gradients were off by a relative 2.2), so the forward must pass it. Two layouts:
-  - `rows` (default): (B, T), T the longest row. A shorter row's tail is padding laid out as one more
-    document (positions restart at 0, labels -100), so it attends only to itself. Best-fit packing
-    fills rows nearly full, so little is spent on the tail, and attention costs B·T² (sdpa, eager).
-  - `one_sequence`: every row concatenated into (1, total_len), no padding at all. This is the layout
-    for varlen kernels (flash_attention_2 reads document boundaries from the positions of a batch of
-    one); with sdpa/eager it computes a (B·T)² mask and was 1.4x slower per step (bench/).
-- No packing: rows padded on the right to the longest in the batch with `pad_token_id`, with an
+A micro-batch is a list of documents, the same ones whether packing is on or off; packing only decides
+how they are laid out, so it changes speed, never what a step learns.
+
+- Packing: the documents are packed best-fit decreasing into as few rows as fit, each no longer than
+  the micro-batch's longest document (`finetune.data.packing`), so a packed batch never has more rows,
+  columns or attention pairs than the padded one: on uniform lengths it is the padded one, on varied
+  lengths it drops the padding. (Measured on a 5M-parameter Llama, 1 thread: rows of max_seq_len=512
+  instead were no faster on varied lengths, and 1.5x slower than padding on 6 documents of 100-120
+  tokens, packed into 2 rows of 443: attention grows with the square of the row.)
+  Position ids restart at 0 at each document, and there is no
+  `attention_mask`: transformers finds the document boundaries from the position restarts and masks
+  attention to each document. This isolates documents only with `use_cache=False` (measured on this
+  stack: with the cache on, LoRA gradients were off by a relative 2.2), so the forward must pass it.
+  Two layouts:
+  - `rows` (default): (R, T), R the rows the documents fill and T the longest row. A shorter row's tail
+    is padding laid out as one more document (positions restart at 0, labels -100), so it attends only
+    to itself. Attention costs R·T² (sdpa, eager).
+  - `one_sequence`: every document concatenated into (1, total_len), no padding at all. This is the
+    layout for varlen kernels (flash_attention_2 reads document boundaries from the positions of a
+    batch of one); with sdpa/eager it computes a (total_len)² mask and is slower.
+- No packing: one row per document, padded on the right to the longest with `pad_token_id`, with an
   `attention_mask`, labels -100 on the padding and position ids 0..n-1. Padding is told apart by
   position, never by comparing ids with `pad_token_id`, so EOS stays a trained label even with a
   tokenizer that pads with EOS.
@@ -19,8 +29,8 @@ Every key except `labels` is a model input: `model(**{k: v for k, v in batch.ite
 use_cache=False)`.
 
 Example:
-    batch = collate_batch([row_a, row_b], pad_token_id=tokenizer.pad_token_id, packing=True)
-    batch["input_ids"].shape  # (2, max(len(row_a["input_ids"]), len(row_b["input_ids"])))
+    batch = collate_batch([doc_a, doc_b, doc_c], pad_token_id=tokenizer.pad_token_id, packing=True)
+    batch["input_ids"].shape  # (2, 10) for documents of 10, 6 and 4 tokens: [a], [b, c]
 """
 
 from __future__ import annotations
@@ -30,65 +40,106 @@ from typing import Literal
 
 import torch
 
+from finetune.data.packing import pack_document_lengths
 from finetune.loss import IGNORE_INDEX
+
+Document = Mapping[str, Sequence[int]]
 
 
 def collate_batch(
-    rows: Sequence[Mapping[str, Sequence[int]]],
+    documents: Sequence[Document],
     pad_token_id: int | None,
     packing: bool,
     layout: Literal["rows", "one_sequence"] = "rows",
+    row_len: int | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Stack rows into a micro-batch.
+    """Stack the documents of a micro-batch into tensors.
 
     Args:
-        rows: dicts with `input_ids`, `labels` and `position_ids` (as `build_datasets` makes them).
-        pad_token_id: token written into padding (unused when packing; needed otherwise).
-        packing: the rows hold packed documents, told apart by their position ids (no attention mask).
-        layout: with packing, `rows` (B, T) or `one_sequence` (1, total_len), see the module docstring.
+        documents: dicts with `input_ids` and `labels` (as `build_datasets` makes them, one per row).
+        pad_token_id: token written into padding (needed without packing; a packed row's tail uses it, or 0).
+        packing: pack the documents into rows, told apart by their position ids (no attention mask).
+        layout: with packing, `rows` (R, T) or `one_sequence` (1, total_len), see the module docstring.
+        row_len: with packing in `rows`, the most tokens a row holds; default (and at least) the longest
+            document, so the batch is never wider than the padded one.
 
     Returns:
-        `input_ids`, `labels`, `position_ids`, all (B, T) int64, and with packing=False also
-        `attention_mask`.
+        `input_ids`, `labels`, `position_ids`, all (R, T) int64, and with packing=False also
+        `attention_mask` (then R is the number of documents).
     """
-    assert rows, "a micro-batch needs at least one row"
+    assert documents, "a micro-batch needs at least one document"
     if packing and layout == "one_sequence":
-        return {
-            key: torch.tensor([[value for row in rows for value in row[key]]], dtype=torch.long)
-            for key in ("input_ids", "labels", "position_ids")
-        }
+        return _padded_rows([_concatenated(documents)], pad_token_id or 0, with_mask=False)
     if packing:
-        return _packed_rows(rows, pad_token_id)
+        lengths = [len(document["input_ids"]) for document in documents]
+        capacity = max(row_len or 0, *lengths)
+        rows = [_concatenated([documents[i] for i in group]) for group in pack_document_lengths(lengths, capacity)]
+        return _padded_rows(rows, pad_token_id or 0, with_mask=False)
     if pad_token_id is None:
         raise ValueError("collate_batch(packing=False) needs a pad_token_id; give the tokenizer a pad token")
-    max_len = max(len(row["input_ids"]) for row in rows)
-    batch = {
-        "input_ids": torch.full((len(rows), max_len), pad_token_id, dtype=torch.long),  # (B, T)
-        "labels": torch.full((len(rows), max_len), IGNORE_INDEX, dtype=torch.long),
-        "position_ids": torch.zeros((len(rows), max_len), dtype=torch.long),
-        "attention_mask": torch.zeros((len(rows), max_len), dtype=torch.long),
+    with_positions: list[Document] = [
+        {**document, "position_ids": range(len(document["input_ids"]))} for document in documents
+    ]
+    return _padded_rows(with_positions, pad_token_id, with_mask=True)
+
+
+def _concatenated(documents: Sequence[Document]) -> dict[str, list[int]]:
+    """One row holding `documents` back to back, position ids restarting at 0 at each."""
+    return {
+        "input_ids": [token for document in documents for token in document["input_ids"]],
+        "labels": [label for document in documents for label in document["labels"]],
+        "position_ids": [position for document in documents for position in range(len(document["input_ids"]))],
     }
-    for index, row in enumerate(rows):
-        length = len(row["input_ids"])
-        batch["input_ids"][index, :length] = torch.tensor(row["input_ids"], dtype=torch.long)
-        batch["labels"][index, :length] = torch.tensor(row["labels"], dtype=torch.long)
-        batch["position_ids"][index, :length] = torch.tensor(row["position_ids"], dtype=torch.long)
-        batch["attention_mask"][index, :length] = 1
-    return batch
 
 
-def _packed_rows(rows: Sequence[Mapping[str, Sequence[int]]], pad_token_id: int | None) -> dict[str, torch.Tensor]:
-    """(B, T) packed rows; each row's padded tail is a document of its own (positions 0.., labels -100)."""
+def _padded_rows(rows: Sequence[Document], pad_token_id: int, with_mask: bool) -> dict[str, torch.Tensor]:
+    """(R, T) tensors, T the longest row. A shorter row's tail is padding: with `with_mask`, masked out by
+    `attention_mask`; without, laid out as a document of its own (positions 0.., labels -100)."""
     max_len = max(len(row["input_ids"]) for row in rows)
     batch = {
-        "input_ids": torch.full((len(rows), max_len), pad_token_id or 0, dtype=torch.long),  # (B, T)
+        "input_ids": torch.full((len(rows), max_len), pad_token_id, dtype=torch.long),  # (R, T)
         "labels": torch.full((len(rows), max_len), IGNORE_INDEX, dtype=torch.long),
         "position_ids": torch.arange(max_len).repeat(len(rows), 1),  # overwritten but for the tails
     }
+    if with_mask:
+        batch["position_ids"].zero_()
+        batch["attention_mask"] = torch.zeros((len(rows), max_len), dtype=torch.long)
     for index, row in enumerate(rows):
         length = len(row["input_ids"])
         batch["input_ids"][index, :length] = torch.tensor(row["input_ids"], dtype=torch.long)
         batch["labels"][index, :length] = torch.tensor(row["labels"], dtype=torch.long)
         batch["position_ids"][index, :length] = torch.tensor(row["position_ids"], dtype=torch.long)
-        batch["position_ids"][index, length:] = torch.arange(max_len - length)
+        if with_mask:
+            batch["attention_mask"][index, :length] = 1
+        else:
+            batch["position_ids"][index, length:] = torch.arange(max_len - length)
     return batch
+
+
+def describe_layout(lengths: Sequence[int], stream, packing: bool, sample: int = 2000) -> str:
+    """One line on how micro-batches are laid out: rows per micro-batch, and the padding computed packed or not.
+
+    Args:
+        lengths: tokens of each training document (row of the data).
+        stream: the `MicroBatchStream` training draws from; its first `sample` micro-batches are measured.
+        packing: whether this run packs (the other layout's padding is given beside it).
+    """
+    num_rows = padded = packed = real = 0
+    count = min(stream.micro_batches_per_epoch, sample)
+    for position in range(count):
+        batch = [lengths[i] for i in stream.indices(position)]
+        groups = pack_document_lengths(batch, max(batch))
+        num_rows += len(groups)
+        real += sum(batch)
+        padded += len(batch) * max(batch)
+        packed += len(groups) * max(sum(batch[i] for i in group) for group in groups)
+    padding_packed, padding_padded = 1 - real / packed, 1 - real / padded
+    if packing:
+        return (
+            f"batches: {stream.micro_batch_size} documents per micro-batch, packed into {num_rows / count:.1f} "
+            f"rows on average; padding computed {padding_packed:.1%} (unpacked: {padding_padded:.1%})"
+        )
+    return (
+        f"batches: {stream.micro_batch_size} documents per micro-batch, one row each; padding computed "
+        f"{padding_padded:.1%} (packed: {padding_packed:.1%})"
+    )

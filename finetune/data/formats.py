@@ -30,7 +30,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, overload
 
 from transformers import PreTrainedTokenizerBase
 
@@ -81,6 +81,12 @@ def _bos(tokenizer: PreTrainedTokenizerBase) -> list[int]:
     return [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
 
 
+@overload
+def _string_field(record: dict[str, Any], name: str, config_key: str, where: str) -> str: ...
+@overload
+def _string_field(
+    record: dict[str, Any], name: str, config_key: str, where: str, required: Literal[False]
+) -> str | None: ...
 def _string_field(record: dict[str, Any], name: str, config_key: str, where: str, required: bool = True) -> str | None:
     """The string value of `record[name]`; a missing or null optional field is None."""
     value = record.get(name)

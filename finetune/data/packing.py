@@ -1,13 +1,16 @@
-"""Rows from documents: packed several to a row (best-fit decreasing), or one per row.
+"""Packing: which documents share a row (best-fit decreasing), and the one-document-per-row datasets.
 
-A row holds whole documents only, never a piece of one, and its `position_ids` restart at 0 at each
-document. That restart is what isolates documents: fed without an attention mask (and with the KV cache
-off), transformers reads the restarts as sequence boundaries (`find_packed_sequence_indices`) and
-attends only within each document, so a packed row trains exactly as its documents would one by one.
+The dataset training samples from holds one document per row (`document_rows`); the documents of a
+micro-batch are packed into rows when it is collated (`finetune.data.collate`), so the batch is the
+same documents whether packing is on or off. A packed row holds whole documents and its position ids
+restart at 0 at each one. That restart is what isolates documents: fed without an attention mask (and
+with the KV cache off), transformers reads the restarts as sequence boundaries
+(`find_packed_sequence_indices`) and attends only within each document, so a packed row trains exactly
+as its documents would one by one.
 
-Packing is best-fit decreasing: documents longest first (ties in record order), each into the fullest
-row it still fits, else a new row. It is deterministic, and within 22% of the fewest possible rows in the
-worst case (in practice a few percent), where simple greedy filling can waste half of every row.
+Packing is best-fit decreasing: documents longest first (ties in order), each into the fullest row it
+still fits, else a new row. It is deterministic, and within 22% of the fewest possible rows in the worst
+case (in practice a few percent), where simple greedy filling can waste half of every row.
 
 Example:
     pack_document_lengths([5, 3, 4, 2], max_seq_len=8)  # [[0, 1], [2, 3]]: rows of 8 and 6 tokens
@@ -20,7 +23,6 @@ import uuid
 from collections.abc import Sequence
 
 import datasets
-import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
@@ -28,12 +30,9 @@ ROW_FEATURES = datasets.Features(
     {
         "input_ids": datasets.Sequence(datasets.Value("int32")),
         "labels": datasets.Sequence(datasets.Value("int32")),
-        "position_ids": datasets.Sequence(datasets.Value("int32")),
     }
 )
-"""Columns of every training and validation row; int32 halves the cache against int64."""
-
-_ROWS_PER_CHUNK = 1000
+"""Columns of every training and validation row (one document each); int32 halves the cache against int64."""
 
 
 def pack_document_lengths(lengths: Sequence[int], max_seq_len: int) -> list[list[int]]:
@@ -74,44 +73,6 @@ def arrow_dataset(table: pa.Table) -> datasets.Dataset:
     return datasets.Dataset(datasets.table.InMemoryTable(table), fingerprint=uuid.uuid4().hex)
 
 
-def build_rows(documents: datasets.Dataset, max_seq_len: int, packing: bool) -> datasets.Dataset:
-    """Rows with input_ids, labels and position_ids from a Dataset of documents (input_ids, labels).
-
-    Each row's documents are taken in placement order and their token lists flattened, so a row is a
-    contiguous slice of the flattened values; nothing goes through Python lists token by token.
-
-    Args:
-        documents: one document per row (no indices mapping), each at most `max_seq_len` tokens.
-        max_seq_len: row capacity when packing.
-        packing: several documents per row when True, else one.
-    """
-    lengths = document_lengths(documents)
-    groups = pack_document_lengths(lengths, max_seq_len) if packing else [[index] for index in range(len(lengths))]
-    table = documents.data.table.select(["input_ids", "labels"])
-    chunks = [
-        _rows_table(table, groups[first : first + _ROWS_PER_CHUNK], lengths)
-        for first in range(0, len(groups), _ROWS_PER_CHUNK)
-    ]
-    if not chunks:
-        return arrow_dataset(ROW_FEATURES.arrow_schema.empty_table())
-    return arrow_dataset(pa.concat_tables(chunks))
-
-
-def _rows_table(table: pa.Table, groups: list[list[int]], lengths: list[int]) -> pa.Table:
-    """One Arrow table of rows, row i holding the documents `groups[i]` back to back."""
-    order = [index for group in groups for index in group]
-    taken = table.take(pa.array(order, type=pa.int64()))
-    doc_lengths = np.array([lengths[index] for index in order], dtype=np.int64)
-    row_lengths = np.array([sum(lengths[index] for index in group) for group in groups], dtype=np.int64)
-    row_offsets = pa.array(np.concatenate([[0], np.cumsum(row_lengths)]).astype(np.int32))
-    doc_starts = np.repeat(np.cumsum(doc_lengths) - doc_lengths, doc_lengths)  # (total_tokens,)
-    position_ids = (np.arange(int(doc_lengths.sum())) - doc_starts).astype(np.int32)  # restarts at 0 per document
-
-    def as_rows(values: pa.Array) -> pa.ListArray:
-        return pa.ListArray.from_arrays(row_offsets, values.cast(pa.int32()))
-
-    return pa.table({
-        "input_ids": as_rows(pc.list_flatten(taken.column("input_ids")).combine_chunks()),
-        "labels": as_rows(pc.list_flatten(taken.column("labels")).combine_chunks()),
-        "position_ids": as_rows(pa.array(position_ids)),
-    })
+def document_rows(documents: datasets.Dataset) -> datasets.Dataset:
+    """The rows training samples from: one document per row, `input_ids` and `labels` (int32)."""
+    return arrow_dataset(documents.data.table.select(["input_ids", "labels"]).cast(ROW_FEATURES.arrow_schema))

@@ -1,17 +1,20 @@
 """The data pipeline end to end: sources → documents → (validation split) → rows, cached on disk.
 
 Steps, each in its own module: `sources` reads records, `formats` turns each into token ids and labels,
-this module applies `data.overlength`, drops records with nothing to train on, holds out validation
-data, and `packing` builds the rows; `cache` keys the result by the data fingerprint so a second run
-with the same inputs loads it instead of tokenizing again.
+`overlength` splits or truncates records longer than max_seq_len, this module drops records with nothing
+to train on and holds out validation data; `cache` keys the result by the data fingerprint so a second
+run with the same inputs loads it instead of tokenizing again.
+
+A row of the result is one document (a record, or one piece of a split record). Rows are not packed
+here: packing groups the documents of each micro-batch when it is collated (`collate`), so a batch is
+the same documents packed or not and packing changes speed only.
 
 Validation data is `data.validation` when given, else a seeded `data.validation_split` fraction of the
-training documents (taken before packing, so no held-out document shares a row with a trained one), else
-none.
+training records (all pieces of a split record on the same side), else none.
 
 Example:
     bundle = build_datasets(recipe.data, tokenizer, seed=recipe.train.seed, log=print)
-    bundle.train[0].keys()   # input_ids, labels, position_ids
+    bundle.train[0].keys()   # input_ids, labels
     bundle.stats["num_label_tokens"]
 """
 
@@ -30,9 +33,10 @@ import pyarrow.compute as pc
 from transformers import PreTrainedTokenizerBase
 
 from finetune.data import cache
-from finetune.data.formats import Document, encode_records
-from finetune.data.packing import arrow_dataset, build_rows, document_lengths
-from finetune.data.sources import iter_records, load_source
+from finetune.data.formats import Document, Locate, encode_records
+from finetune.data.overlength import fit_to_length
+from finetune.data.packing import arrow_dataset, document_lengths, document_rows
+from finetune.data.sources import RawSource, iter_records, load_source
 from finetune.errors import DataError
 from finetune.loss import IGNORE_INDEX
 from finetune.recipe import DataConfig, SourceConfig
@@ -44,8 +48,11 @@ DOCUMENT_FEATURES = datasets.Features(
         "input_ids": datasets.Sequence(datasets.Value("int32")),
         "labels": datasets.Sequence(datasets.Value("int32")),
         "truncated": datasets.Value("bool"),
+        "record": datasets.Value("int64"),
     }
 )
+"""Documents before rows: `truncated` marks a cut record, `record` numbers records across the sources (the
+pieces of a split record share it)."""
 _RECORDS_PER_CHUNK = 1000
 
 
@@ -54,13 +61,14 @@ class DataBundle:
     """What the training loop gets from the data pipeline.
 
     Attributes:
-        train: rows with `input_ids`, `labels`, `position_ids` (lists of int).
+        train: one document per row: `input_ids`, `labels` (lists of int).
         validation: rows with the same columns, or None when there is no validation data.
         fingerprint: `sha256:...` over source bytes, the relevant data config and the tokenizer identity.
-        stats: counts (ints) for the training rows: num_records (documents kept), num_rows, num_tokens,
-            num_label_tokens, num_truncated (kept documents cut to max_seq_len), num_dropped (records with
-            nothing to train on, counted over all sources), and the same with a `validation_` prefix when
-            there is validation data.
+        stats: counts (ints) for the training rows: num_records (records kept), num_rows (documents: records
+            and pieces of split records), num_tokens, num_label_tokens, num_truncated (kept records cut to
+            max_seq_len), num_split (records split into pieces), num_dropped (records with nothing to train
+            on, counted over all sources), and the same with a `validation_` prefix when there is
+            validation data.
         cache_hit: True when the rows were loaded from the cache and nothing was tokenized.
         cache_path: the cache entry the rows are memory-mapped from; None with `use_cache=False`.
     """
@@ -128,26 +136,39 @@ def build_datasets(
     return DataBundle(entry.train, entry.validation, fingerprint, entry.stats, False, entry.path)
 
 
-def preview_documents(config: DataConfig, tokenizer: PreTrainedTokenizerBase, limit: int) -> list[Document]:
-    """The first `limit` training records of the first source as training sees them (template, length, mask).
+@dataclass(frozen=True)
+class PreviewDocument(Document):
+    """A document as training sees it, with its `record` (1-based) and, for a split record, `piece` of `pieces`."""
 
-    Records with nothing to train on are skipped (as training drops them); nothing is cached or packed.
+    record: int = 1
+    piece: int = 1
+    pieces: int = 1
+
+
+def preview_documents(config: DataConfig, tokenizer: PreTrainedTokenizerBase, limit: int) -> list[PreviewDocument]:
+    """The first `limit` training documents of the first source as training sees them (template, mask, pieces).
+
+    Records with nothing to train on are skipped (as training drops them); a record longer than max_seq_len
+    gives the pieces (or the truncation) `data.overlength` makes of it; nothing is cached or packed.
     """
     raw = load_source(config.train[0], config.text_field)
-    documents: list[Document] = []
+    documents: list[PreviewDocument] = []
     for first, records in iter_records(raw, max(limit, 1)):
-        encoded = encode_records(records, config, tokenizer, locate=lambda i, first=first: raw.where(first + i))
+        encoded = encode_records(records, config, tokenizer, locate=_locator(raw, first))
         for offset, document in enumerate(encoded):
-            fitted, _ = _fit_to_length(document, config, raw.where(first + offset))
-            if fitted is not None:
-                documents.append(fitted)
-            if len(documents) == limit:
-                return documents
+            pieces, _ = fit_to_length(document, config, raw.where(first + offset))
+            for number, piece in enumerate(pieces, start=1):
+                documents.append(
+                    PreviewDocument(piece.input_ids, piece.labels, first + offset + 1, number, len(pieces))
+                )
+                if len(documents) == limit:
+                    return documents
     return documents
 
 
-def _build(config: DataConfig, tokenizer: PreTrainedTokenizerBase, seed: int,
-                log: Log) -> tuple[datasets.Dataset, datasets.Dataset | None, dict[str, Any]]:
+def _build(
+    config: DataConfig, tokenizer: PreTrainedTokenizerBase, seed: int, log: Log
+) -> tuple[datasets.Dataset, datasets.Dataset | None, dict[str, Any]]:
     """Training rows, validation rows (or None) and their stats, built from the sources."""
     train_docs, num_dropped = _documents(config.train, config, tokenizer, log)
     if config.validation:
@@ -155,91 +176,134 @@ def _build(config: DataConfig, tokenizer: PreTrainedTokenizerBase, seed: int,
     elif config.validation_split > 0:
         train_docs, validation_docs = _split(train_docs, config.validation_split, seed)
         num_validation_dropped = 0
-        log(f"data: held out {len(validation_docs)} of {len(train_docs) + len(validation_docs)} training records "
-            f"for validation (validation_split={config.validation_split}, seed={seed})")
+        held_out, kept = (len(pc.unique(docs.data.column("record"))) for docs in (validation_docs, train_docs))
+        log(
+            f"data: held out {held_out} of {held_out + kept} training records for validation "
+            f"(validation_split={config.validation_split}, seed={seed})"
+        )
     else:
         validation_docs, num_validation_dropped = None, 0
 
-    train = build_rows(train_docs, config.max_seq_len, config.packing)
-    stats = {**_stats(train_docs, train), "num_dropped": num_dropped}
+    train = document_rows(train_docs)
+    stats = {**_stats(train_docs), "num_dropped": num_dropped}
     validation = None
     if validation_docs is not None:
-        validation = build_rows(validation_docs, config.max_seq_len, config.packing)
-        stats.update({f"validation_{key}": value for key, value in _stats(validation_docs, validation).items()})
+        validation = document_rows(validation_docs)
+        stats.update({f"validation_{key}": value for key, value in _stats(validation_docs).items()})
         stats["validation_num_dropped"] = num_validation_dropped
-    filled = stats["num_tokens"] / (stats["num_rows"] * config.max_seq_len)
-    layout = f"packed, {filled:.1%} of {config.max_seq_len} tokens filled" if config.packing else "one document each"
-    log(f"data: {stats['num_records']} documents, {stats['num_tokens']} tokens ({stats['num_label_tokens']} "
-        f"trained) in {stats['num_rows']} rows ({layout})")
+    log(
+        f"data: {stats['num_records']} records, {stats['num_rows']} documents, {stats['num_tokens']} tokens "
+        f"({stats['num_label_tokens']} trained)"
+    )
     return train, validation, stats
 
 
-def _documents(sources: list[SourceConfig], config: DataConfig, tokenizer: PreTrainedTokenizerBase,
-               log: Log) -> tuple[datasets.Dataset, int]:
-    """All documents of `sources`, in order, cut or refused by `overlength`; and how many were dropped."""
-    chunks, num_records, num_dropped, num_truncated = [], 0, 0, 0
+def _locator(raw: RawSource, first: int) -> Locate:
+    """Names record `i` of a chunk that starts at record `first` of `raw`, for error messages."""
+    return lambda i: raw.where(first + i)
+
+
+def _documents(
+    sources: list[SourceConfig], config: DataConfig, tokenizer: PreTrainedTokenizerBase, log: Log
+) -> tuple[datasets.Dataset, int]:
+    """All documents of `sources`, in order, split, cut or refused by `overlength`; and how many records were dropped."""
+    chunks, tally = [], _Tally()
     for source in sources:
         raw = load_source(source, config.text_field)
-        num_records += len(raw.records)
         for first, records in iter_records(raw, _RECORDS_PER_CHUNK):
-            encoded = encode_records(records, config, tokenizer, locate=lambda i, first=first: raw.where(first + i))
-            chunk: dict[str, list] = {"input_ids": [], "labels": [], "truncated": []}
+            encoded = encode_records(records, config, tokenizer, locate=_locator(raw, first))
+            chunk: dict[str, list] = {name: [] for name in DOCUMENT_FEATURES}
             for offset, document in enumerate(encoded):
-                document, truncated = _fit_to_length(document, config, raw.where(first + offset))
-                num_truncated += truncated
-                if document is None:
-                    num_dropped += 1
-                    continue
-                chunk["input_ids"].append(document.input_ids)
-                chunk["labels"].append(document.labels)
-                chunk["truncated"].append(truncated)
+                pieces, too_long = fit_to_length(document, config, raw.where(first + offset))
+                tally.count(document, pieces, too_long)
+                for piece in pieces:
+                    chunk["input_ids"].append(piece.input_ids)
+                    chunk["labels"].append(piece.labels)
+                    chunk["truncated"].append(too_long and config.overlength == "truncate")
+                    chunk["record"].append(tally.num_records - 1)
             chunks.append(pa.table(chunk, schema=DOCUMENT_FEATURES.arrow_schema))
         log(f"data: tokenized {len(raw.records)} records from {source.path}")
     where = ", ".join(source.path for source in sources)
-    if num_dropped:
-        log(f"data: dropped {num_dropped} of {num_records} records with nothing to train on "
-            f"(empty text, no assistant turn, or a prompt filling all of max_seq_len)")
-    if num_truncated:
-        log(f"data: truncated {num_truncated} of {num_records} records to max_seq_len={config.max_seq_len} tokens")
+    for line in tally.summary(config):
+        log(line)
+    num_records, num_dropped = tally.num_records, tally.num_dropped
     documents = arrow_dataset(pa.concat_tables(chunks))
     if len(documents) == 0:
-        raise DataError(f"no usable records in {where}: all {num_records} were dropped (empty text, or nothing to "
-                        f"train on, e.g. no assistant turn); check data.format and the field names")
+        raise DataError(
+            f"no usable records in {where}: all {num_records} were dropped (empty text, or nothing to "
+            f"train on, e.g. no assistant turn); check data.format and the field names"
+        )
     return documents, num_dropped
 
 
-def _fit_to_length(document: Document | None, config: DataConfig, where: str) -> tuple[Document | None, bool]:
-    """`data.overlength` applied: (the document, or None when no trained label is left; whether it was cut)."""
-    if document is None or len(document.input_ids) <= config.max_seq_len:
-        return document, False
-    if config.overlength == "error":
-        raise DataError(f"{where}: {len(document.input_ids)} tokens, longer than data.max_seq_len="
-                        f"{config.max_seq_len}; raise data.max_seq_len, shorten the record, or set "
-                        f"data.overlength=truncate")
-    labels = document.labels[: config.max_seq_len]
-    if all(label == IGNORE_INDEX for label in labels):
-        return None, True
-    return Document(document.input_ids[: config.max_seq_len], labels), True
+@dataclass
+class _Tally:
+    """Counts over the records of some sources, for the log lines on dropped, split and truncated records."""
+
+    num_records: int = 0
+    num_dropped: int = 0
+    num_too_long: int = 0
+    num_pieces: int = 0
+    tokens_in: int = 0
+    tokens_kept: int = 0
+
+    def count(self, document: Document | None, pieces: list[Document], too_long: bool) -> None:
+        self.num_records += 1
+        self.num_dropped += not pieces
+        self.num_too_long += too_long
+        self.num_pieces += len(pieces) if too_long else 0
+        self.tokens_in += len(document.input_ids) if document is not None else 0
+        self.tokens_kept += sum(len(piece.input_ids) for piece in pieces)
+
+    def summary(self, config: DataConfig) -> list[str]:
+        lines = []
+        if self.num_dropped:
+            lines.append(
+                f"data: dropped {self.num_dropped} of {self.num_records} records with nothing to train on "
+                f"(empty text, no assistant turn, or a prompt filling all of max_seq_len)"
+            )
+        if self.num_too_long and config.overlength == "split":
+            lines.append(
+                f"data: {self.num_too_long} of {self.num_records} records longer than max_seq_len="
+                f"{config.max_seq_len}: split into {self.num_pieces} pieces, all {self.tokens_kept:,} tokens "
+                f"kept (data.overlength=split)"
+            )
+        elif self.num_too_long:
+            share = self.tokens_kept / max(self.tokens_in, 1)
+            hint = "; data.overlength=split would keep all" if config.format == "text" else ""
+            lines.append(
+                f"data: truncated {self.num_too_long} of {self.num_records} records to max_seq_len="
+                f"{config.max_seq_len} tokens: kept {self.tokens_kept:,} of {self.tokens_in:,} tokens "
+                f"({share:.1%}{hint})"
+            )
+        return lines
 
 
 def _split(documents: datasets.Dataset, fraction: float, seed: int) -> tuple[datasets.Dataset, datasets.Dataset]:
-    """(train, validation): a seeded random `fraction` of the documents held out, both kept in record order."""
-    num_validation = max(1, round(fraction * len(documents)))
-    if num_validation >= len(documents):
-        raise DataError(f"data.validation_split={fraction} of {len(documents)} records leaves none for training; "
-                        f"lower it, add data, or give data.validation sources")
-    order = np.random.default_rng(seed).permutation(len(documents))
-    held_out, kept = np.sort(order[:num_validation]), np.sort(order[num_validation:])
+    """(train, validation): a seeded random `fraction` of the records held out (with every piece of a split
+    record), both kept in record order."""
     table = documents.data.table
-    return arrow_dataset(table.take(kept)), arrow_dataset(table.take(held_out))
+    records = pc.unique(table.column("record")).to_numpy()
+    num_validation = max(1, round(fraction * len(records)))
+    if num_validation >= len(records):
+        raise DataError(
+            f"data.validation_split={fraction} of {len(records)} records leaves none for training; "
+            f"lower it, add data, or give data.validation sources"
+        )
+    order = np.random.default_rng(seed).permutation(len(records))
+    held_out = pc.is_in(table.column("record"), value_set=pa.array(records[order[:num_validation]]))
+    return arrow_dataset(table.filter(pc.invert(held_out))), arrow_dataset(table.filter(held_out))
 
 
-def _stats(documents: datasets.Dataset, rows: datasets.Dataset) -> dict[str, int]:
-    labels = pc.list_flatten(documents.data.column("labels"))
+def _stats(documents: datasets.Dataset) -> dict[str, int]:
+    table = documents.data.table
+    labels = pc.list_flatten(table.column("labels"))
+    pieces_per_record = pc.value_counts(table.column("record")).field("counts")
     return {
-        "num_records": len(documents),
-        "num_rows": len(rows),
+        "num_records": len(pieces_per_record),
+        "num_rows": len(documents),
         "num_tokens": int(sum(document_lengths(documents))),
         "num_label_tokens": int(pc.sum(pc.not_equal(labels, IGNORE_INDEX)).as_py() or 0),
-        "num_truncated": int(pc.sum(documents.data.column("truncated")).as_py() or 0),
+        "num_truncated": int(pc.sum(table.column("truncated")).as_py() or 0),
+        "num_split": int(pc.sum(pc.greater(pieces_per_record, 1)).as_py() or 0),
     }

@@ -1,11 +1,15 @@
-"""Which rows form which micro-batch on which process: a deterministic, resumable stream.
+"""Which documents form which micro-batch on which process: a deterministic, resumable stream.
+
+A row of the training data is one document, so a micro-batch is `micro_batch_size` documents whether
+packing is on or off (packing lays them out in fewer rows when they are collated): the steps per epoch
+and the documents per step do not depend on packing.
 
 Training consumes one endless stream of micro-batches, epoch after epoch; optimizer step `s` takes
 micro-batches `s·G … s·G+G-1` (G = grad_accum_steps). Each epoch's order is a permutation seeded by
 (seed, epoch) alone, never by global RNG state, so the position in the data is just a count of
-micro-batches consumed: that count is all a checkpoint needs to resume at exactly the same row.
+micro-batches consumed: that count is all a checkpoint needs to resume at exactly the same document.
 
-With several processes, each global micro-batch of `micro_batch_size · num_processes` rows is cut
+With several processes, each global micro-batch of `micro_batch_size · num_processes` documents is cut
 into per-rank slices; an epoch whose size does not divide evenly wraps around to its start so every
 rank runs the same number of micro-batches (collective ops must stay in lockstep).
 
@@ -26,7 +30,7 @@ import torch
 
 @dataclass(frozen=True)
 class MicroBatchStream:
-    """The rows of micro-batch number `position` (0-based, counted across epochs) for one process."""
+    """The rows (documents) of micro-batch number `position` (0-based, counted across epochs) for one process."""
 
     num_rows: int
     micro_batch_size: int

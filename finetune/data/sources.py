@@ -27,9 +27,9 @@ from __future__ import annotations
 
 import csv
 import hashlib
-import os
 import io
 import json
+import os
 import uuid
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -71,11 +71,15 @@ class RawSource:
 
 def _check_exists(path: Path, raw_path: str) -> None:
     if not path.exists():
-        raise DataError(f"data file {raw_path} does not exist; check data.train/data.validation paths "
-                        f"(relative paths are taken from the current directory, {Path.cwd()})")
+        raise DataError(
+            f"data file {raw_path} does not exist; check data.train/data.validation paths "
+            f"(relative paths are taken from the current directory, {Path.cwd()})"
+        )
     if path.is_file() and path.suffix.lower() not in FILE_SUFFIXES:
-        raise DataError(f"data file {raw_path} has unsupported extension {path.suffix or '(none)'!r}; "
-                        f"use one of {', '.join(FILE_SUFFIXES)} or a directory written by datasets.save_to_disk")
+        raise DataError(
+            f"data file {raw_path} has unsupported extension {path.suffix or '(none)'!r}; "
+            f"use one of {', '.join(FILE_SUFFIXES)} or a directory written by datasets.save_to_disk"
+        )
 
 
 def _looks_like_hub_id(raw_path: str) -> bool:
@@ -106,9 +110,11 @@ def local_source_path(source: SourceConfig) -> Path:
         )
     try:
         return Path(snapshot_download(source.path, repo_type="dataset"))
-    except Exception as exc:  # noqa: BLE001 - network, auth and not-found errors alike
-        raise DataError(f"data source {source.path!r}: not a local file, and the hub dataset cannot be fetched "
-                        f"({type(exc).__name__}); check the id, or download it where there is network") from None
+    except Exception as exc:  # network, auth and not-found errors alike
+        raise DataError(
+            f"data source {source.path!r}: not a local file, and the hub dataset cannot be fetched "
+            f"({type(exc).__name__}); check the id, or download it where there is network"
+        ) from None
 
 
 def source_content_hash(source: SourceConfig) -> str:
@@ -152,8 +158,10 @@ def load_source(source: SourceConfig, text_field: str) -> RawSource:
         raw = _load_saved_dataset(path, source)
     else:
         if source.split is not None:
-            raise DataError(f"data source {source.path}: 'split' only applies to a directory written by "
-                            f"datasets.save_to_disk; remove split: {source.split!r}")
+            raise DataError(
+                f"data source {source.path}: 'split' only applies to a directory written by "
+                f"datasets.save_to_disk; remove split: {source.split!r}"
+            )
         raw = _load_file(path, source.path, text_field)
     if len(raw.records) == 0:
         raise DataError(f"data source {source.path} has no records; add data or remove it from the recipe")
@@ -169,10 +177,12 @@ def _load_hub_snapshot(path: Path, source: SourceConfig) -> RawSource:
     """A hub dataset's files (a snapshot directory) through `datasets.load_dataset`, split and subset applied."""
     try:
         loaded = datasets.load_dataset(str(path), name=source.subset, split=source.split or "train")
-    except Exception as exc:  # noqa: BLE001 - builder, split and file errors of datasets
+    except Exception as exc:  # builder, split and file errors of datasets
         first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise DataError(f"data source {source.path} cannot be loaded ({first}); check split/subset, or point at a "
-                        f"data file or a directory written by datasets.save_to_disk") from None
+        raise DataError(
+            f"data source {source.path} cannot be loaded ({first}); check split/subset, or point at a "
+            f"data file or a directory written by datasets.save_to_disk"
+        ) from None
     return RawSource(source.path, loaded)
 
 
@@ -180,17 +190,21 @@ def _load_saved_dataset(path: Path, source: SourceConfig) -> RawSource:
     try:
         loaded = datasets.load_from_disk(str(path), keep_in_memory=False)
     except FileNotFoundError:
-        raise DataError(f"data source {source.path} is a directory but not one written by datasets.save_to_disk "
-                        f"(no dataset_info.json or dataset_dict.json); point at a data file or a saved dataset"
-                        ) from None
-    except Exception as exc:  # noqa: BLE001 - arrow/json errors of a damaged directory
-        raise DataError(f"data source {source.path} cannot be read as a saved dataset ({type(exc).__name__}: "
-                        f"{str(exc).splitlines()[0] if str(exc) else ''}); re-save it with save_to_disk") from None
+        raise DataError(
+            f"data source {source.path} is a directory but not one written by datasets.save_to_disk "
+            f"(no dataset_info.json or dataset_dict.json); point at a data file or a saved dataset"
+        ) from None
+    except Exception as exc:  # arrow/json errors of a damaged directory
+        raise DataError(
+            f"data source {source.path} cannot be read as a saved dataset ({type(exc).__name__}: "
+            f"{str(exc).splitlines()[0] if str(exc) else ''}); re-save it with save_to_disk"
+        ) from None
     if isinstance(loaded, datasets.DatasetDict):
         split = source.split or "train"
         if split not in loaded:
-            raise DataError(f"data source {source.path} has no split {split!r}; set split to one of "
-                            f"{', '.join(sorted(loaded))}")
+            raise DataError(
+                f"data source {source.path} has no split {split!r}; set split to one of {', '.join(sorted(loaded))}"
+            )
         loaded = loaded[split]
     elif source.split is not None:
         raise DataError(f"data source {source.path} is a single Dataset without splits; remove split: {source.split!r}")
@@ -202,6 +216,7 @@ def _load_file(path: Path, raw_path: str, text_field: str) -> RawSource:
     if suffix == ".parquet":
         return RawSource(raw_path, _read_parquet(path, raw_path))
     text = _read_utf8(path, raw_path)
+    lines: list[int] | None
     if suffix == ".jsonl":
         records, lines = _parse_json_lines(text, raw_path)
     elif suffix == ".json":
@@ -222,20 +237,25 @@ def _read_utf8(path: Path, raw_path: str) -> str:
         return data.decode("utf-8-sig")  # tolerate a byte-order mark, as editors on Windows write one
     except UnicodeDecodeError as exc:
         line = data[: exc.start].count(b"\n") + 1
-        raise DataError(f"data file {raw_path} is not valid UTF-8: byte 0x{data[exc.start]:02x} at byte offset "
-                        f"{exc.start} (line {line}); re-encode the file as UTF-8 (e.g. iconv -t UTF-8)") from None
+        raise DataError(
+            f"data file {raw_path} is not valid UTF-8: byte 0x{data[exc.start]:02x} at byte offset "
+            f"{exc.start} (line {line}); re-encode the file as UTF-8 (e.g. iconv -t UTF-8)"
+        ) from None
 
 
 def _parse_json_lines(text: str, raw_path: str) -> tuple[list[dict[str, Any]], list[int]]:
-    records, lines = [], []
+    records: list[dict[str, Any]] = []
+    lines: list[int] = []
     for line_number, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
         try:
             record = json.loads(line)
         except json.JSONDecodeError as exc:
-            raise DataError(f"{raw_path} line {line_number}: invalid JSON ({exc.msg} at column {exc.colno}); "
-                            f"each line of a .jsonl file must be one JSON object") from None
+            raise DataError(
+                f"{raw_path} line {line_number}: invalid JSON ({exc.msg} at column {exc.colno}); "
+                f"each line of a .jsonl file must be one JSON object"
+            ) from None
         _check_object(record, f"{raw_path} line {line_number} (record {len(records) + 1})")
         records.append(record)
         lines.append(line_number)
@@ -249,14 +269,18 @@ def _parse_json(text: str, raw_path: str) -> tuple[list[dict[str, Any]], list[in
     except json.JSONDecodeError as exc:
         if exc.msg == "Extra data" and text.lstrip().startswith("{"):
             return _parse_json_lines(text, raw_path)
-        raise DataError(f"{raw_path} line {exc.lineno}: invalid JSON ({exc.msg} at column {exc.colno}); "
-                        f"fix the syntax, or use .jsonl with one object per line") from None
+        raise DataError(
+            f"{raw_path} line {exc.lineno}: invalid JSON ({exc.msg} at column {exc.colno}); "
+            f"fix the syntax, or use .jsonl with one object per line"
+        ) from None
     if isinstance(data, dict) and len(text.strip().splitlines()) == 1:
         return _parse_json_lines(text, raw_path)  # JSON Lines with a single record
     if not isinstance(data, list):
         got = "an object" if isinstance(data, dict) else type(data).__name__
-        raise DataError(f"{raw_path}: expected a JSON array of records, got {got}; "
-                        f"write [{{...}}, {{...}}] or use .jsonl with one object per line")
+        raise DataError(
+            f"{raw_path}: expected a JSON array of records, got {got}; "
+            f"write [{{...}}, {{...}}] or use .jsonl with one object per line"
+        )
     for index, record in enumerate(data):
         _check_object(record, f"{raw_path} record {index + 1}")
     return data, None
@@ -264,8 +288,10 @@ def _parse_json(text: str, raw_path: str) -> tuple[list[dict[str, Any]], list[in
 
 def _check_object(record: Any, where: str) -> None:
     if not isinstance(record, dict):
-        raise DataError(f"{where}: a record must be a JSON object with named fields, got "
-                        f"{type(record).__name__}; write e.g. {{\"text\": \"...\"}}")
+        raise DataError(
+            f"{where}: a record must be a JSON object with named fields, got "
+            f'{type(record).__name__}; write e.g. {{"text": "..."}}'
+        )
 
 
 def _parse_csv(text: str, raw_path: str) -> tuple[list[dict[str, Any]], list[int]]:
@@ -279,8 +305,10 @@ def _parse_csv(text: str, raw_path: str) -> tuple[list[dict[str, Any]], list[int
         for row in reader:
             if row:
                 if len(row) != len(header):
-                    raise DataError(f"{raw_path} line {start_line}: row has {len(row)} values but the header has "
-                                    f"{len(header)} ({', '.join(header)}); quote values that contain commas")
+                    raise DataError(
+                        f"{raw_path} line {start_line}: row has {len(row)} values but the header has "
+                        f"{len(header)} ({', '.join(header)}); quote values that contain commas"
+                    )
                 records.append(dict(zip(header, row)))
                 lines.append(start_line)
             start_line = reader.line_num + 1
@@ -307,8 +335,10 @@ def _read_parquet(path: Path, raw_path: str) -> datasets.Dataset:
     try:
         table = pq.read_table(path)
     except (OSError, ValueError) as exc:  # pyarrow's ArrowInvalid is a ValueError
-        raise DataError(f"data file {raw_path} cannot be read as Parquet ({str(exc).splitlines()[0]}); "
-                        f"check that it is a complete .parquet file") from None
+        raise DataError(
+            f"data file {raw_path} cannot be read as Parquet ({str(exc).splitlines()[0]}); "
+            f"check that it is a complete .parquet file"
+        ) from None
     return datasets.Dataset(datasets.table.InMemoryTable(table), fingerprint=uuid.uuid4().hex)  # skip hashing it
 
 

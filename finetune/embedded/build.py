@@ -146,7 +146,7 @@ def _available_cpu_count() -> int:
         return os.cpu_count() or 1
 
 
-def _save_quietly(model: torch.nn.Module, tokenizer, out_dir: Path) -> None:
+def _save_quietly(model: transformers.PreTrainedModel, tokenizer, out_dir: Path) -> None:
     """`save_pretrained` of model (safetensors, config.json, generation_config.json) and tokenizer."""
     progress_bar_was_enabled = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()  # a one-shard "Writing model shards" bar says nothing in our log

@@ -123,7 +123,7 @@ def generate_records(num_records: int, seed: int = 0) -> list[dict[str, str]]:
     assert num_records <= len(all_towns) * len(MONTHS) * 28, "more records than distinct town-days"
     rng = random.Random(seed)
     seen: set[tuple[str, int, str]] = set()
-    records = []
+    records: list[dict[str, str]] = []
     while len(records) < num_records:
         town, day, month_index = rng.choice(all_towns), rng.randint(1, 28), rng.randrange(len(MONTHS))
         if (town, day, MONTHS[month_index]) in seen:

@@ -11,6 +11,8 @@ Example:
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerBase
 
@@ -34,15 +36,14 @@ def tiny_llama_config(tokenizer: PreTrainedTokenizerBase, **shape: int | bool | 
         tokenizer: supplies vocab size and the BOS/EOS/PAD ids.
         **shape: overrides of `TINY_LLAMA_SHAPE` or any other `LlamaConfig` field.
     """
-    fields = {**TINY_LLAMA_SHAPE, **shape}
+    fields: dict[str, Any] = {**TINY_LLAMA_SHAPE, **shape}  # checked by LlamaConfig
     return LlamaConfig(
         vocab_size=len(tokenizer),
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
         rms_norm_eps=1e-5,
-        rope_theta=10000.0,
-        **fields,
+        **{"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}, **fields},
     )
 
 

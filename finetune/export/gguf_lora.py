@@ -28,6 +28,11 @@ def _lora_tensors(adapter, layout: LlamaLayout, alpha: float, dtype: str) -> lis
     for module, lora in sorted(adapter.modules.items()):
         if lora.fan_in_fan_out:
             raise ExportError(f"{adapter.path}: module {module} is fan_in_fan_out (Conv1D), not a Llama linear layer")
+        if lora.embedding:
+            raise ExportError(
+                f"{adapter.path}: the adapter updates the input embeddings ({module}), which a llama.cpp LoRA file "
+                "cannot carry here; merge the adapter (finetune adapters merge) and export the merged model instead"
+            )
         hf_name = module + ".weight"
         gguf_name = layout.gguf_name(hf_name)
         if gguf_name is None:
@@ -61,8 +66,8 @@ def export_lora_gguf(
     """
     import gguf
 
+    from finetune.adapters.disk_plan import resolve_model_dir
     from finetune.adapters.lora import read_adapter
-    from finetune.adapters.ondisk import resolve_model_dir
 
     check_dtype(dtype)
     adapter = read_adapter(adapter_dir)

@@ -72,9 +72,9 @@ def _loader(path: Path, hf_name: str, layout: LlamaLayout):
 
 def plan_model_tensors(model_dir: Path, layout: LlamaLayout, dtype: str) -> list[PlannedTensor]:
     """Every weight of `model_dir` (plus llama3 RoPE factors) as GGUF tensors, in block order."""
-    from finetune.adapters.ondisk import tensor_headers
+    from finetune.adapters.tensor_index import TensorIndex
 
-    headers = tensor_headers(model_dir)
+    headers = TensorIndex.of(model_dir)
     if not headers:
         raise ExportError(f"{model_dir} holds no *.safetensors weights; re-save it with save_pretrained")
     plan = []
@@ -102,7 +102,7 @@ def export_model_gguf(
     Raises:
         ExportError: unsupported architecture, tokenizer or dtype; quantized checkpoints; `out` exists.
     """
-    from finetune.adapters.ondisk import resolve_model_dir
+    from finetune.adapters.disk_plan import resolve_model_dir
 
     check_dtype(dtype)
     model_dir = resolve_model_dir(str(model))
@@ -129,6 +129,8 @@ def export_model_gguf(
 
     written = write_gguf(out, GGUF_ARCH, add_metadata, tensors)
     fallbacks = sorted({t.name for t in tensors if t.dtype != dtype and len(t.shape) > 1})
-    notes = (f"{len(fallbacks)} tensors with rows not a multiple of 32 written as f16",) if fallbacks else ()
+    notes: tuple[str, ...] = (
+        (f"{len(fallbacks)} tensors with rows not a multiple of 32 written as f16",) if fallbacks else ()
+    )
     notes += (f"tokenizer pre-tokenizer {tokenizer.pre_tokenizer}",)
     return ExportReport(written, "model", dtype, len(tensors), notes)

@@ -16,6 +16,7 @@ import statistics
 from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime, timezone
 
+from finetune.progress import perplexity_change
 from finetune.report.runs import RunHistory
 
 _MISSING = "—"
@@ -58,8 +59,8 @@ def _held_out(run: RunHistory, key: str, digits: int) -> str:
     if after is None:
         return _MISSING
     text = f"{base:.{digits}f} → {after:.{digits}f}" if base is not None else f"{after:.{digits}f}"
-    if key == "eval_ppl" and run.metrics.get("ppl_cut") is not None:
-        text += f" ({100 * run.metrics['ppl_cut']:.1f}% lower)"
+    if key == "eval_ppl" and base is not None:
+        text += f" ({perplexity_change(base, after)})"
     return text
 
 

@@ -244,7 +244,11 @@ def _event_stream(chunks: AsyncIterator[dict], sequences: list[Sequence]) -> Str
 
 def _threadsafe_put(loop: asyncio.AbstractEventLoop, queue: asyncio.Queue) -> Callable[[Event], None]:
     """An `emit` for the worker thread: hands the event to the request's event loop."""
-    return lambda event: loop.call_soon_threadsafe(queue.put_nowait, event)
+
+    def put(event: Event) -> None:
+        loop.call_soon_threadsafe(queue.put_nowait, event)
+
+    return put
 
 
 async def _read_body(request: Request) -> bytes:

@@ -89,6 +89,12 @@ class Sequence:
     text: TextStream | None = None
     generator: torch.Generator | None = None
 
+    @property
+    def decoded(self) -> TextStream:
+        """`text`, which the worker sets when it admits the sequence (before its prefill)."""
+        assert self.text is not None, "the sequence was not admitted"
+        return self.text
+
 
 @dataclass(eq=False)
 class _Control:
@@ -347,10 +353,10 @@ class Batcher:
             if token in self.engine.stop_token_ids:
                 self._finish(sequence, "stop")
                 continue
-            piece = sequence.text.push(token)
+            piece = sequence.decoded.push(token)
             if piece and sequence.stream:
                 self._emit(sequence, Piece(sequence.index, piece))
-            if sequence.text.stopped:
+            if sequence.decoded.stopped:
                 self._finish(sequence, "stop")
             elif len(sequence.generated) >= sequence.max_new_tokens:
                 self._finish(sequence, "length")
@@ -359,11 +365,13 @@ class Batcher:
         return keep
 
     def _finish(self, sequence: Sequence, reason: str) -> None:
-        rest = sequence.text.finish()
+        rest = sequence.decoded.finish()
         if rest and sequence.stream:
             self._emit(sequence, Piece(sequence.index, rest))
         self.stats.count(failed=False)
-        finished = Finished(sequence.index, sequence.text.text, reason, sequence.prompt_ids, list(sequence.generated))
+        finished = Finished(
+            sequence.index, sequence.decoded.text, reason, sequence.prompt_ids, list(sequence.generated)
+        )
         self._emit(sequence, finished)
 
     def _fail(self, sequence: Sequence, error: ServeError) -> None:

@@ -25,7 +25,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -75,14 +75,16 @@ class Engine:
         from finetune.adapters.lora import read_adapter
         from finetune.api import load_model
 
-        base, base_name = settings.base, settings.base_name or settings.base
+        base = settings.base
         if base is None:  # the first adapter's manifest names the base
             name, path = next(iter(settings.adapters.items()))
             lead = read_adapter(path, name)
             if lead.base_path is None:
                 raise ServeError(f"adapter {path} records no base (no manifest, no base_model_name_or_path); pass BASE")
             base = lead.base_path
-            base_name = base_name or (lead.manifest.base.id if lead.manifest is not None else base)
+            base_name = settings.base_name or (lead.manifest.base.id if lead.manifest is not None else base)
+        else:
+            base_name = settings.base_name or base
         loaded = load_model(base, settings.adapters, dtype=settings.dtype)
         return cls(loaded, base_name, settings.merge)
 
@@ -128,7 +130,8 @@ class Engine:
     def decode_text(self, token_ids: list[int]) -> str:
         """Text of generated tokens, as `finetune generate` prints it (special tokens skipped)."""
         with self._tokenizer_lock:
-            return self.loaded.tokenizer.decode(token_ids, skip_special_tokens=True)
+            text = self.loaded.tokenizer.decode(token_ids, skip_special_tokens=True)
+        return cast(str, text)  # transformers types decode as str | list[str]; one sequence gives a str
 
     def check_length(self, prompt_tokens: int, max_tokens: int | None, default: int | None, limit: int) -> int:
         """The number of tokens a request may generate; ServeError (400) when it cannot fit."""
@@ -162,6 +165,7 @@ class Engine:
     # ---- forwards (worker thread) ------------------------------------------------------------------
     def prefill(self, batch: KVBatch) -> torch.Tensor:
         """Run the prompts of a fresh batch; return the next-token logits (B, V) and advance the batch."""
+        assert batch.input_ids is not None, "prefill takes a fresh batch (KVBatch.from_prompts)"
         logits = self._forward(batch.input_ids, batch)
         batch.advance()
         return logits

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import CacheLayerMixin
 
 
 class KVBatch:
@@ -62,9 +63,11 @@ class KVBatch:
         """Append `other`'s rows (both advanced, i.e. waiting for their next token) to this batch."""
         self._pad_left(other.mask.shape[1] - self.mask.shape[1])
         other._pad_left(self.mask.shape[1] - other.mask.shape[1])
-        for mine, theirs in zip(self.cache.layers, other.cache.layers, strict=True):
-            mine.keys = torch.cat([mine.keys, theirs.keys])
-            mine.values = torch.cat([mine.values, theirs.values])
+        for (mine, keys, values), (_, their_keys, their_values) in zip(
+            _filled(self.cache), _filled(other.cache), strict=True
+        ):
+            mine.keys = torch.cat([keys, their_keys])
+            mine.values = torch.cat([values, their_values])
         self.mask = torch.cat([self.mask, other.mask])
         self.positions = torch.cat([self.positions, other.positions])
         self.models += other.models
@@ -78,16 +81,26 @@ class KVBatch:
         used = self.mask[:, :-1].any(dim=0).nonzero()  # the last column is the next token's: always kept
         unused = int(used[0]) if len(used) else self.mask.shape[1] - 1
         if unused:
-            for layer in self.cache.layers:
-                layer.keys, layer.values = layer.keys[:, :, unused:], layer.values[:, :, unused:]
+            for layer, keys, values in _filled(self.cache):
+                layer.keys, layer.values = keys[:, :, unused:], values[:, :, unused:]
             self.mask = self.mask[:, unused:]
 
     def _pad_left(self, columns: int) -> None:
         if columns <= 0:
             return
-        for layer in self.cache.layers:
-            layer.keys, layer.values = _pad_time(layer.keys, columns), _pad_time(layer.values, columns)
+        for layer, keys, values in _filled(self.cache):
+            layer.keys, layer.values = _pad_time(keys, columns), _pad_time(values, columns)
         self.mask = torch.cat([self.mask.new_zeros(len(self), columns), self.mask], dim=1)
+
+
+def _filled(cache: DynamicCache) -> list[tuple[CacheLayerMixin, torch.Tensor, torch.Tensor]]:
+    """(layer, keys, values) of each cache layer: full-attention layers that a forward has filled."""
+    filled = []
+    for layer in cache.layers:
+        if not isinstance(layer, CacheLayerMixin) or layer.keys is None or layer.values is None:
+            raise TypeError(f"a batch's cache needs filled full-attention layers, not {type(layer).__name__}")
+        filled.append((layer, layer.keys, layer.values))
+    return filled
 
 
 def _pad_time(states: torch.Tensor, columns: int) -> torch.Tensor:

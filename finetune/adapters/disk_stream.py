@@ -1,0 +1,200 @@
+"""Carrying out a `DiskPlan`: the target ledger's model written shard by shard into a staging directory.
+
+Exact (the plan has a pristine base): every tensor comes from `PristineWeights` over the base's files,
+and each touched one becomes round(W_base + Σ wᵢ·ΔWᵢ) over the target ledger, the formula in-memory
+merges use (`arithmetic.merged_weight`), so the files equal a fresh merge bit for bit.
+
+Inexact fallback (`inexact_weights`, no pristine base): each touched tensor becomes
+round(W_model + Σ (w_new − w_old)·ΔW) in fp32, and the report gives the largest drift this can cause
+against an exact merge (half an ulp of the stored value plus half an ulp of the result, per element).
+
+Peak memory is one shard of tensors plus the adapters (fp32) plus one fp32 accumulator. Adapters
+trained on a 4-bit/8-bit base are merged into the weights they were trained against: each linear weight
+bitsandbytes would quantize goes through the same quantize → dequantize round trip
+(`pristine.quantization_roundtrip`), and the model is written in 16/32-bit. With tied input and output
+embeddings, an update to either unties them (`finetune.adapters.tied`).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+from finetune.adapters.arithmetic import Term, half_ulp, merged_weight, module_terms
+from finetune.adapters.disk_plan import DiskPlan
+from finetune.adapters.fit import check_fits
+from finetune.adapters.ledger import Ledger
+from finetune.adapters.lora import Adapter
+from finetune.adapters.model_dir import (
+    INDEX_NAME,
+    after_shard_hook,
+    copy_side_files,
+    ensure_free,
+    staging_dir,
+    write_config,
+    write_index,
+    write_shard,
+)
+from finetune.adapters.pristine import PristineWeights, quantization_roundtrip
+from finetune.adapters.report import ArithmeticReport
+from finetune.adapters.tensor_index import TensorIndex
+from finetune.adapters.tied import TIE_KEY, stored_aliases
+
+
+def inexact_weights(source: Ledger, target: Ledger) -> dict[str, float]:
+    """The weights to add to a merged model's own tensors to reach `target`: w_new − w_old, zeros dropped."""
+    old, new = source.weights, target.weights
+    differences = {name: new.get(name, 0.0) - old.get(name, 0.0) for name in set(old) | set(new)}
+    return {name: weight for name, weight in differences.items() if weight != 0.0}
+
+
+class _ShardWriter:
+    """Computes the output tensors of one input file at a time (see the module docstring)."""
+
+    def __init__(self, plan: DiskPlan, read_index: TensorIndex, dtype: torch.dtype | None):
+        self.exact = plan.pristine_dir is not None
+        read_dir = plan.pristine_dir or plan.source_dir
+        weights = plan.target_ledger.weights if self.exact else inexact_weights(plan.source_ledger, plan.target_ledger)
+        self.terms = module_terms(weights, plan.adapters)
+        self.read_index = read_index
+        self.source_index = read_index if read_dir == plan.source_dir else TensorIndex.of(plan.source_dir)
+        architecture = _meta_model(read_dir)  # one per operation: tied names and quantizable weights
+        self.aliases = stored_aliases(architecture, read_index)
+        self.untied = _names_to_untie(self.aliases, self.terms)
+        quantized = self._quantization(plan) != "none"
+        self.quantized_weights = _quantizable_weights(architecture) if quantized else set()
+        roundtrip = quantization_roundtrip(
+            self.quantized_weights, self._quantization(plan), quantization_options(plan.adapters)
+        )
+        self.pristine = PristineWeights(
+            read_index, verify=False, aliases=self.aliases, roundtrip=roundtrip if self.quantized_weights else None
+        )
+        self.dtype = dtype
+        self.rewritten, self.max_drift_bound = 0, 0.0
+
+    def _quantization(self, plan: DiskPlan) -> str:
+        return plan.target_ledger.base_quantization if self.exact else "none"
+
+    def check(self, adapters: dict[str, Adapter], where: Path) -> None:
+        """Every adapter fits the weights read (shapes, tied names) and, exactly, the base copies peft saved."""
+        for adapter in adapters.values():
+            check_fits(adapter, self._stored_shape, base=str(where))
+            for module in sorted(adapter.base_copies) if self.exact else []:
+                stored = self.pristine.stored_name(module + ".weight")
+                if stored is not None:
+                    adapter.check_base_copy(module, self.read_index.read(stored))
+
+    def _stored_shape(self, module: str) -> tuple[int, ...]:
+        stored = self.pristine.stored_name(module + ".weight")
+        if stored is None:
+            raise KeyError(module)
+        return self.read_index[stored].shape
+
+    def tensors_of(self, file: Path) -> dict[str, torch.Tensor]:
+        tensors: dict[str, torch.Tensor] = {}
+        for name in self.read_index.names_in(file):
+            out_dtype = self._out_dtype(name)
+            tensors[name] = self._output(name, out_dtype)
+            for tied_name in self.untied.get(name, []):  # the tied partner gets a tensor of its own
+                tensors[tied_name] = self._output(tied_name, out_dtype)
+        return tensors
+
+    def _out_dtype(self, name: str) -> torch.dtype:
+        """The dtype written: as the source model stores it (or `--dtype`); non-float tensors unchanged."""
+        header = self.source_index.get(name) or self.read_index[name]
+        stored = header.torch_dtype or self.read_index[name].torch_dtype
+        assert stored is not None, f"{name}: unknown safetensors dtype {header.dtype}"
+        return (self.dtype or stored) if stored.is_floating_point else stored
+
+    def _output(self, name: str, out_dtype: torch.dtype) -> torch.Tensor:
+        base = self.pristine.get(name, out_dtype)
+        module = name.removesuffix(".weight")
+        terms: list[Term] = self.terms.get(module, []) if name.endswith(".weight") else []
+        if not terms:
+            return base.to(out_dtype)
+        result = merged_weight(base, terms, out_dtype, module=module)
+        self.rewritten += 1
+        if not self.exact:
+            stored = self.read_index.read(name)
+            self.max_drift_bound = max(self.max_drift_bound, (half_ulp(stored) + half_ulp(result)).max().item())
+        return result
+
+
+def write_target(plan: DiskPlan, out: str | Path, operation: str, *, dtype: str | None) -> ArithmeticReport:
+    """Write the target ledger's model into `out`, shard by shard; `dtype` overrides the stored float dtype."""
+    started = time.perf_counter()
+    out = ensure_free(out)
+    read_dir = plan.pristine_dir or plan.source_dir
+    read_index = TensorIndex.of(read_dir)
+    writer = _ShardWriter(plan, read_index, getattr(torch, dtype) if dtype else None)
+    writer.check(plan.adapters, read_dir)
+    with staging_dir(out) as tmp:
+        weight_map: dict[str, str] = {}
+        total_bytes = 0
+        for file in read_index.files:
+            tensors = writer.tensors_of(file)
+            total_bytes += sum(t.numel() * t.element_size() for t in tensors.values())
+            weight_map.update(write_shard(tmp, file.name, tensors, plan.target_ledger))
+            del tensors
+            after_shard_hook()
+        if len(read_index.files) > 1 or (read_dir / INDEX_NAME).is_file():
+            write_index(tmp, weight_map, total_bytes)
+        copy_side_files(plan.source_dir, tmp)
+        config = json.loads((plan.source_dir / "config.json").read_text())
+        if writer.aliases:  # the base ties weights: the output does too, unless an update touches one of them
+            config[TIE_KEY] = not writer.untied
+        write_config(tmp, config, plan.target_ledger, writer.dtype or writer.source_index.single_dtype())
+    notes = list(plan.notes)
+    if writer.quantized_weights:
+        notes.append(
+            f"dequantized the {plan.target_ledger.base_quantization} base ({len(writer.quantized_weights)} linear "
+            "weights) and wrote 16/32-bit weights"
+        )
+    return ArithmeticReport(
+        operation, plan.target_ledger.weights, writer.rewritten, time.perf_counter() - started, notes, out,
+        len(read_index.files), writer.exact, writer.max_drift_bound,
+    )  # fmt: skip
+
+
+def _names_to_untie(aliases: dict[str, str], terms: dict) -> dict[str, list[str]]:
+    """stored name -> tied names to write beside it: those whose pair (either side) holds an update."""
+    untie: dict[str, list[str]] = {}
+    for tied_name, stored in sorted(aliases.items()):
+        if {tied_name.removesuffix(".weight"), stored.removesuffix(".weight")} & set(terms):
+            untie.setdefault(stored, []).append(tied_name)
+    return untie
+
+
+def _meta_model(model_dir: Path) -> PreTrainedModel:
+    """The checkpoint's architecture on the meta device: its module tree, with no weights allocated."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_dir)
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config)
+
+
+def _quantizable_weights(architecture: PreTrainedModel) -> set[str]:
+    """Names of the weights bitsandbytes quantizes on load: every nn.Linear except the output embeddings."""
+    output = architecture.get_output_embeddings()
+    return {
+        f"{name}.weight"
+        for name, m in architecture.named_modules()
+        if isinstance(m, torch.nn.Linear) and m is not output
+    }
+
+
+def quantization_options(adapters: dict[str, Adapter]) -> dict:
+    """bitsandbytes 4-bit options from the adapters' recorded recipes (defaults: nf4, double quantization)."""
+    for adapter in adapters.values():
+        recipe = adapter.manifest.recipe if adapter.manifest is not None else None
+        if recipe and isinstance(recipe.get("model"), dict):
+            return {k: v for k, v in recipe["model"].items() if k.startswith("bnb_4bit_")}
+    return {}

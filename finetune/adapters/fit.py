@@ -1,0 +1,41 @@
+"""Does an adapter fit a base? The same check for a model in memory and a checkpoint on disk.
+
+Each targeted module must exist in the base, be a layer a LoRA update can be added to (linear or
+embedding), and have the shape the update has; the first module that does not is named, with what it
+most likely means (another architecture, another size).
+
+Example:
+    check_fits(adapter, lambda module: shapes[module + ".weight"], base="models/tiny")
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from finetune.adapters.lora import Adapter
+from finetune.errors import AdapterError
+
+ShapeOf = Callable[[str], "tuple[int, ...] | str"]
+"""module -> the shape of its weight, or a word for what it is when no update can be added (e.g. 'Conv2d');
+raises KeyError when the base has no such module."""
+
+
+def check_fits(adapter: Adapter, shape_of: ShapeOf, base: str) -> None:
+    """Raise `AdapterError` naming the first module of `adapter` that `base` does not have as it expects."""
+    for module, lora in sorted(adapter.modules.items()):
+        try:
+            shape = shape_of(module)
+        except KeyError:
+            raise AdapterError(
+                f"adapter {adapter.name!r} ({adapter.path}) targets {module}, which the base {base} does not have: it "
+                "was trained on another architecture"
+            ) from None
+        if isinstance(shape, str):
+            raise AdapterError(
+                f"adapter {adapter.name!r}: {module} is a {shape} in {base}, not a linear or embedding layer"
+            )
+        if tuple(shape) != tuple(lora.weight_shape):
+            raise AdapterError(
+                f"adapter {adapter.name!r} ({adapter.path}): {module} is {tuple(shape)} in {base} but the update is "
+                f"{lora.weight_shape}: the adapter was trained on another base size"
+            )

@@ -1,0 +1,153 @@
+"""The `accelerate launch` command line `finetune train --nproc/--nnodes/...` hands over to, without launching.
+
+Exact argv for several option sets; accelerate's own parser reads each as intended; the CLI builds it from
+its options (overrides and `--resume` passed through, a bad recipe refused before any launch); and
+`run_launched` passes `ACCELERATE_USE_CPU` and the exit status. `tests/test_distributed.py` (slow) launches
+two real ranks.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+
+import pytest
+
+from finetune import launch
+from finetune.cli import main
+from finetune.launch import launch_command, run_launched
+
+CPU_COUNT = 8
+LAUNCHER = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu"]
+
+
+@pytest.fixture()
+def eight_cpus(monkeypatch):
+    """Threads per process depend on the machine's CPU count: fix it."""
+    monkeypatch.setattr(os, "cpu_count", lambda: CPU_COUNT)
+
+
+CASES = [
+    pytest.param(
+        dict(train_args=["recipe.yaml"], nproc=2, main_port=29500, use_cpu=True),
+        [*LAUNCHER, "--num_processes", "2", "--num_machines", "1", "--machine_rank", "0",
+         "--main_process_port", "29500", "--num_cpu_threads_per_process", "4",
+         "-m", "finetune", "train", "recipe.yaml"],
+        id="two-cpu-ranks",
+    ),
+    pytest.param(
+        dict(train_args=["r.yaml"], nproc=3, main_port=1, use_cpu=True),
+        [*LAUNCHER, "--num_processes", "3", "--num_machines", "1", "--machine_rank", "0",
+         "--main_process_port", "1", "--num_cpu_threads_per_process", "2",
+         "-m", "finetune", "train", "r.yaml"],
+        id="threads-rounded-down",
+    ),
+    pytest.param(
+        dict(train_args=["r.yaml"], nproc=16, main_port=2, use_cpu=True),
+        [*LAUNCHER, "--num_processes", "16", "--num_machines", "1", "--machine_rank", "0",
+         "--main_process_port", "2", "--num_cpu_threads_per_process", "1",
+         "-m", "finetune", "train", "r.yaml"],
+        id="more-ranks-than-cpus-still-one-thread",
+    ),
+    pytest.param(
+        dict(train_args=["r.yaml", "train.lr=1e-4", "--resume"], nproc=4, nnodes=2, node_rank=1,
+             main_address="10.0.0.1", main_port=1234, use_cpu=False, verbose=True),
+        [*LAUNCHER, "--num_processes", "8", "--num_machines", "2", "--machine_rank", "1",
+         "--main_process_port", "1234", "--num_cpu_threads_per_process", "1", "--main_process_ip", "10.0.0.1",
+         "-m", "finetune", "--verbose", "train", "r.yaml", "train.lr=1e-4", "--resume"],
+        id="gpus-on-two-nodes-verbose-resume",
+    ),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("options", "expected"), CASES)
+def test_launch_command_is_exactly(eight_cpus, options, expected):
+    options = dict(options)
+    assert launch_command(options.pop("train_args"), **options) == expected
+
+
+@pytest.mark.parametrize(("options", "expected"), CASES)
+def test_accelerate_reads_the_command_as_meant(eight_cpus, options, expected):
+    """accelerate's own parser: total processes over all nodes, `-m finetune` run as a module with our args."""
+    from accelerate.commands.launch import launch_command_parser
+
+    options = dict(options)
+    train_args = options.pop("train_args")
+    parsed = launch_command_parser().parse_args(launch_command(train_args, **options)[3:])
+    nproc, nnodes = options["nproc"], options.get("nnodes", 1)
+    assert parsed.multi_gpu and parsed.module and parsed.training_script == "finetune"
+    assert (parsed.num_processes, parsed.num_machines, parsed.machine_rank) == (
+        nproc * nnodes,
+        nnodes,
+        options.get("node_rank", 0),
+    )
+    assert parsed.main_process_port == options["main_port"]
+    assert parsed.main_process_ip == options.get("main_address")
+    verbose = ["--verbose"] if options.get("verbose") else []
+    assert parsed.training_script_args == [*verbose, "train", *train_args]
+
+
+def test_without_a_port_a_free_one_is_chosen(eight_cpus):
+    command = launch_command(["r.yaml"], nproc=2, use_cpu=True)
+    port = int(command[command.index("--main_process_port") + 1])
+    assert 0 < port < 65536
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", port))  # free when chosen (raises if something holds it)
+
+
+def test_the_cli_hands_its_options_to_the_launcher(workdir, eight_cpus, monkeypatch):
+    launched = []
+    monkeypatch.setattr(launch, "run_launched", lambda command, *, use_cpu: launched.append((command, use_cpu)) or 7)
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    monkeypatch.delenv("RANK", raising=False)
+    argv = ["-v", "train", "recipe.yaml", "--nproc", "2", "--nnodes", "2", "--node-rank", "1", "train.lr=1e-4"]
+    argv += ["--main-address", "10.0.0.1", "--main-port", "29501", "--resume"]
+    assert main(argv) == 7  # the launcher's exit status is the command's
+    import torch
+
+    use_cpu = not torch.cuda.is_available()
+    threads = str(CPU_COUNT // 2) if use_cpu else "1"
+    assert launched == [
+        (
+            [*LAUNCHER, "--num_processes", "4", "--num_machines", "2", "--machine_rank", "1",
+             "--main_process_port", "29501", "--num_cpu_threads_per_process", threads,
+             "--main_process_ip", "10.0.0.1",
+             "-m", "finetune", "--verbose", "train", "recipe.yaml", "train.lr=1e-4", "--resume"],
+            use_cpu,
+        )
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("argv", "fragment"),
+    [
+        (["train", "recipe.yaml", "--nproc", "2", "train.lr=fast"], "train.lr"),
+        (["train", "recipe.yaml", "--nproc", "0"], "--nproc 0 --nnodes 1: both must be at least 1"),
+        (["train", "recipe.yaml", "--nnodes", "0"], "--nproc 1 --nnodes 0: both must be at least 1"),
+    ],
+)
+def test_bad_options_or_recipes_are_refused_before_any_launch(workdir, monkeypatch, capsys, argv, fragment):
+    launched = []
+    monkeypatch.setattr(launch, "run_launched", lambda command, *, use_cpu: launched.append(command) or 0)
+    assert main(argv) == 2
+    assert fragment in capsys.readouterr().err
+    assert launched == []
+
+
+def test_already_launched_reads_the_rank_variables_launchers_set(monkeypatch):
+    """`accelerate launch` re-runs `finetune train ... --nproc N` on every rank: there it must not launch again."""
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    assert launch.already_launched()
+    monkeypatch.delenv("LOCAL_RANK")
+    monkeypatch.setenv("RANK", "3")
+    assert launch.already_launched()
+    monkeypatch.delenv("RANK")
+    assert not launch.already_launched()
+
+
+@pytest.mark.parametrize(("use_cpu", "expected"), [(True, "true"), (False, "unset")])
+def test_run_launched_sets_accelerate_use_cpu_and_returns_the_exit_status(monkeypatch, use_cpu, expected):
+    monkeypatch.delenv("ACCELERATE_USE_CPU", raising=False)
+    script = "import os, sys; sys.exit({'true': 11, 'unset': 12}[os.environ.get('ACCELERATE_USE_CPU', 'unset')])"
+    assert run_launched([sys.executable, "-c", script], use_cpu=use_cpu) == {"true": 11, "unset": 12}[expected]
