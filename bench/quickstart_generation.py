@@ -34,7 +34,7 @@ def bulletin_prompt(record: dict[str, str]) -> str:
     )
 
 
-def generate_bulletins(adapter: Path, records: list[dict[str, str]], max_new_tokens: int = 80) -> list[str]:
+def generate_bulletins(adapter: Path, records: list[dict[str, str]], max_new_tokens: int = 160) -> list[str]:
     """Greedy continuations of each record's prompt by base + adapter, as `finetune generate` decodes them."""
     loaded = load_model(adapter)
     tokenizer = loaded.tokenizer

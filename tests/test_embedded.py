@@ -32,8 +32,9 @@ from finetune.embedded.build import (
 )
 from finetune.embedded.cache import file_sha256, shipped_base_dir
 from finetune.embedded.pretrain import PretrainSettings
-from finetune.embedded.quickstart_data import generate_records, write_dataset
+from finetune.embedded.quickstart_data import bulletin_fields, generate_records, write_dataset
 from finetune.errors import ModelError
+from finetune.recipe import DataConfig
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -262,7 +263,24 @@ def test_bulletin_style_rules():
     records = generate_records(400, seed=0)
     for record in records:
         fields = dict(line.split(": ", 1) for line in record["input"].splitlines())
-        low, rain = int(fields["low"]), int(fields["rain"].rstrip("%"))
+        low, rain = int(fields["Low"].replace("minus ", "-")), int(fields["Rain"].rstrip("%"))
         assert ("Frost is likely overnight." in record["output"]) == (low < 0)
         assert record["output"].endswith("Take an umbrella.") == (rain >= 70)
-        assert f"low of {'minus ' if low < 0 else ''}{abs(low)}." in record["output"]
+        assert f"Low: {fields['Low']} degrees." in record["output"]
+        assert f"Rain: {rain} percent." in record["output"]
+        assert None not in bulletin_fields(record["output"]).values(), record["output"]
+
+
+def test_bulletin_values_are_the_same_tokens_in_input_and_output():
+    """A value the bulletin repeats must be the same tokens in prompt and output, or no model can copy it."""
+    tokenizer = AutoTokenizer.from_pretrained(shipped_base_dir("tiny-llama"))
+    template = DataConfig.model_fields["prompt_with_input_template"].default
+    for record in generate_records(100, seed=0):
+        prompt = template.format(prompt=record["instruction"], input=record["input"])
+        sides = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in (prompt, record["output"])]
+        fields = bulletin_fields(record["output"])
+        wind_kmh = fields["wind"].split(" km/h")[0]
+        for value in (fields["city"], fields["day"], wind_kmh, *fields["figures"].split(" / ")):
+            value_ids = tokenizer(" " + value, add_special_tokens=False)["input_ids"]
+            for ids in sides:
+                assert any(ids[i : i + len(value_ids)] == value_ids for i in range(len(ids))), (value, record)

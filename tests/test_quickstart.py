@@ -55,28 +55,25 @@ def test_quickstart_cuts_held_out_perplexity_by_30_percent(quickstart):
     assert match, result.stderr[-3000:]
     base_ppl, adapter_ppl, cut = map(float, match.groups())
     assert adapter_ppl <= 0.7 * base_ppl
-    assert adapter_ppl <= 1.9  # LoRA with the head trained (lora.train_lm_head); blocks alone reach about 9
+    assert adapter_ppl <= 1.9  # about 1.01 on the copying base (bench/learning_quality.py)
     assert cut == pytest.approx(100 * (1 - adapter_ppl / base_ppl), abs=0.1)
     assert (adapter / "adapter_model.safetensors").is_file()
     assert f"adapter: {adapter}" in result.stdout
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 13 not met yet: on the copying base (copy score 0.93) the quickstart LoRA's greedy bulletins got "
-    "the figures right in 2 of 20 held-out ones; strict, so the test says when a base or recipe passes",
-)
-def test_quickstart_adapter_copies_the_figures_of_held_out_bulletins(quickstart, capsys):
-    """`finetune generate` (greedy) on held-out bulletins gets the high/low figures right in at least 4 of 5."""
+def test_quickstart_adapter_follows_the_input_of_held_out_bulletins(quickstart, capsys):
+    """`finetune generate` (greedy) on held-out bulletins gets the town, sky phrase, wind and high/low figures
+    right in at least 4 of 5: the adapter reads its input, it does not just write the house style."""
     _, adapter = quickstart
     template = DataConfig.model_fields["prompt_with_input_template"].default
     valid = (REPO / "data" / "quickstart" / "valid.jsonl").read_text().splitlines()
     records = [json.loads(line) for line in valid[:NUM_BULLETINS]]
-    right = []
+    right = dict.fromkeys(("city", "sky", "wind", "figures"), 0)
     for record in records:
         prompt = template.format(prompt=record["instruction"], input=record["input"])
-        assert main(["generate", "--adapter", str(adapter), "--max-new-tokens", "96", prompt]) == 0
-        generated = capsys.readouterr().out
-        right.append(bulletin_fields(generated)["figures"] == bulletin_fields(record["output"])["figures"])
-    assert sum(right) >= 4, right
+        assert main(["generate", "--adapter", str(adapter), "--max-new-tokens", "160", prompt]) == 0
+        generated, expected = bulletin_fields(capsys.readouterr().out), bulletin_fields(record["output"])
+        for name in right:
+            right[name] += generated[name] == expected[name]
+    assert min(right.values()) >= 4, right
