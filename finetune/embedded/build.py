@@ -131,7 +131,7 @@ def _pretrain_on_threads(
         torch.set_num_threads(threads_before)
 
 
-def _initial_model(tokenizer, settings: BuildSettings) -> torch.nn.Module:
+def _initial_model(tokenizer, settings: BuildSettings) -> transformers.PreTrainedModel:
     """The randomly initialised model, with its wired previous-token head if the settings ask for one."""
     model = build_tiny_llama(tokenizer, seed=settings.init_seed, **settings.shape)
     if settings.previous_token_head:

@@ -75,6 +75,7 @@ def synthetic_rows(
     assert sorted(tokenizer.all_special_ids) == list(range(num_special)), "special tokens come first"
     ordinary = range(num_special, len(tokenizer))
     colon, newline = tokenizer.convert_tokens_to_ids(":"), tokenizer.convert_tokens_to_ids("Ċ")  # byte-level "\n"
+    assert isinstance(colon, int) and isinstance(newline, int)
     ids = torch.empty((num_rows, seq_len), dtype=torch.long)
     labels = torch.empty((num_rows, seq_len), dtype=torch.long)
     for row in range(num_rows):
