@@ -4,8 +4,9 @@ Every arm runs the quickstart recipe through `finetune`'s own setup and loop (`r
 `train.run_steps`): the same base, documents, batches, schedule, steps and held-out evaluation.
 The arms differ only in what trains:
 
-- `lora-blocks`: LoRA on every linear layer of the blocks (the quickstart before `lora.train_lm_head`);
-- `lora+head`: the same plus LoRA on the output head (`lora.train_lm_head: true`, today's quickstart);
+- `lora-blocks`: LoRA on every linear layer of the blocks (the quickstart: on the copying base the head
+  adds nothing, see `recipes/quickstart.yaml`);
+- `lora+head`: the same plus LoRA on the output head (`lora.train_lm_head: true`);
 - `lora+head+embeddings`: plus LoRA on the input embeddings (`lora.train_embed_tokens: true`);
 - `full`: every weight of the base, LoRA frozen at B = 0 (so it adds exactly nothing), at each of
   `--full-lrs`; the best is the reference.

@@ -25,7 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from finetune.errors import RecipeError
 
 EMBEDDED_BASE = "embedded:tiny-llama"
-"""Model id of the embedded default base, built locally on first use (see `finetune.embedded`)."""
+"""Model id of the embedded default base, shipped prebuilt in the package (see `finetune.embedded`)."""
 
 _NAME_PATTERN = re.compile(r"^[A-Za-z0-9](?!.*\.\.)[A-Za-z0-9._-]{0,63}$")
 """An adapter's directory name under `adapters/`: no path separators, no `..`, no leading dot. Where the

@@ -1,12 +1,14 @@
-"""The embedded default base (cache, build, determinism) and the quickstart's generated domain data.
+"""The embedded default base (shipped weights, cache, build, determinism) and the quickstart's domain data.
 
-Bases here are built with `MINI` settings (a 30 KB corpus, 15 pretraining steps on one thread) into
-`tmp_path`, so the full pretraining of `embedded:tiny-llama` never runs in the test-suite.
+Bases here are built with `MINI` settings (a 30 KB corpus and as many synthetic rows, 4 + 15 pretraining
+steps on one thread) into `tmp_path`, so the full pretraining of `embedded:tiny-llama` never runs in the
+test-suite; the shipped one is checked against its build record.
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import threading
@@ -19,11 +21,20 @@ from helpers import TEST_SHAPE
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from finetune.embedded import embedded_base_dir, ensure_embedded_base, resolve_base_id
-from finetune.embedded.build import EMBEDDED_BASES, RECORD_FILE, BuildSettings
+from finetune.embedded import build, cache, embedded_base_dir, ensure_embedded_base, resolve_base_id
+from finetune.embedded.build import (
+    BUILD_FORMAT_VERSION,
+    EMBEDDED_BASES,
+    FINGERPRINTED_FILES,
+    RECORD_FILE,
+    BuildSettings,
+    settings_record,
+)
+from finetune.embedded.cache import file_sha256, shipped_base_dir
 from finetune.embedded.pretrain import PretrainSettings
-from finetune.embedded.quickstart_data import generate_records, write_dataset
+from finetune.embedded.quickstart_data import bulletin_fields, generate_records, write_dataset
 from finetune.errors import ModelError
+from finetune.recipe import DataConfig
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -33,7 +44,10 @@ MINI = BuildSettings(
     vocab_size=384,
     seq_len=64,
     pretraining=PretrainSettings(steps=15, micro_batch_size=8, lr=1e-2, warmup_steps=3, heldout_rows=4),
-    shape=dict(TEST_SHAPE, tie_word_embeddings=True),
+    shape=dict(TEST_SHAPE, tie_word_embeddings=True, num_key_value_heads=4),
+    synthetic_fraction=0.5,
+    copy_curriculum=PretrainSettings(steps=4, micro_batch_size=8, lr=1e-2, warmup_steps=2, heldout_rows=4),
+    previous_token_head=True,
     num_threads=1,
 )
 
@@ -83,6 +97,9 @@ def test_build_record_says_how_it_was_built(mini_base):
     assert record["corpus"]["source"].startswith("python-stdlib ")
     assert 0 < record["corpus"]["bytes"] <= 30_000 + 4_000
     assert record["seconds"] > 0
+    assert 0 < record["synthetic_tokens"] <= record["corpus"]["tokens"]
+    assert 0 <= record["copy_score"] <= 1
+    assert record["sha256"] == {name: file_sha256(mini_base / name) for name in FINGERPRINTED_FILES}
 
 
 def test_pretraining_lowers_the_loss(mini_base):
@@ -170,6 +187,49 @@ def test_default_shape_suits_bitsandbytes_4bit():
 
 
 # ---------------------------------------------------------------------------------------------------
+# The shipped base
+
+
+def test_shipped_base_is_the_registered_build_with_its_recorded_fingerprint():
+    shipped = shipped_base_dir("tiny-llama")
+    record = json.loads((shipped / RECORD_FILE).read_text())
+    assert record["format_version"] == BUILD_FORMAT_VERSION
+    assert record["settings"] == json.loads(json.dumps(settings_record(EMBEDDED_BASES["tiny-llama"])))
+    assert record["sha256"] == {name: file_sha256(shipped / name) for name in FINGERPRINTED_FILES}
+    assert sum(path.stat().st_size for path in shipped.iterdir()) < 40_000_000
+    assert resolve_base_id("embedded:tiny-llama") == str(shipped)
+    model = AutoModelForCausalLM.from_pretrained(shipped)
+    assert sum(p.numel() for p in model.parameters()) == record["parameters"]
+    assert model.dtype == torch.float32
+
+
+def test_a_damaged_shipped_base_is_refused(tmp_path, monkeypatch):
+    damaged = shutil.copytree(shipped_base_dir("tiny-llama"), tmp_path / "tiny-llama")
+    monkeypatch.setattr(cache, "SHIPPED_ROOT", tmp_path)
+    (damaged / "model.safetensors").write_bytes(b"version https://git-lfs.github.com/spec/v1\n")
+    with pytest.raises(ModelError, match="shipped embedded base .* is damaged: model.safetensors has sha256"):
+        resolve_base_id("embedded:tiny-llama")
+
+
+def test_build_script_rebuilds_a_shipped_base_bit_for_bit(tmp_path, monkeypatch, capsys):
+    """`python -m finetune.embedded.build` writes the shipped directory; `--check` rebuilds and compares."""
+    monkeypatch.setattr(cache, "SHIPPED_ROOT", tmp_path)
+    monkeypatch.setitem(build.EMBEDDED_BASES, "mini-llama", MINI)
+    assert build.main(["--name", "mini-llama"]) == 0
+    shipped = tmp_path / "mini-llama"
+    assert resolve_base_id("embedded:mini-llama") == str(shipped)
+    assert build.main(["--name", "mini-llama", "--check"]) == 0
+    assert "rebuild matches the shipped base" in capsys.readouterr().err
+    (shipped / "model.safetensors").write_bytes(b"other weights")
+    assert build.main(["--name", "mini-llama", "--check"]) == 1
+    assert "is damaged: model.safetensors has sha256" in capsys.readouterr().err
+    assert build.main(["--name", "mini-llama"]) == 0  # intact again
+    monkeypatch.setitem(build.EMBEDDED_BASES, "mini-llama", replace(MINI, init_seed=1))  # code that builds otherwise
+    assert build.main(["--name", "mini-llama", "--check"]) == 1
+    assert "DIFFERS FROM" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------------
 # Domain data
 
 
@@ -203,7 +263,24 @@ def test_bulletin_style_rules():
     records = generate_records(400, seed=0)
     for record in records:
         fields = dict(line.split(": ", 1) for line in record["input"].splitlines())
-        low, rain = int(fields["low"]), int(fields["rain"].rstrip("%"))
+        low, rain = int(fields["Low"].replace("minus ", "-")), int(fields["Rain"].rstrip("%"))
         assert ("Frost is likely overnight." in record["output"]) == (low < 0)
         assert record["output"].endswith("Take an umbrella.") == (rain >= 70)
-        assert f"low of {'minus ' if low < 0 else ''}{abs(low)}." in record["output"]
+        assert f"Low: {fields['Low']} degrees." in record["output"]
+        assert f"Rain: {rain} percent." in record["output"]
+        assert None not in bulletin_fields(record["output"]).values(), record["output"]
+
+
+def test_bulletin_values_are_the_same_tokens_in_input_and_output():
+    """A value the bulletin repeats must be the same tokens in prompt and output, or no model can copy it."""
+    tokenizer = AutoTokenizer.from_pretrained(shipped_base_dir("tiny-llama"))
+    template = DataConfig.model_fields["prompt_with_input_template"].default
+    for record in generate_records(100, seed=0):
+        prompt = template.format(prompt=record["instruction"], input=record["input"])
+        sides = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in (prompt, record["output"])]
+        fields = bulletin_fields(record["output"])
+        wind_kmh = fields["wind"].split(" km/h")[0]
+        for value in (fields["city"], fields["day"], wind_kmh, *fields["figures"].split(" / ")):
+            value_ids = tokenizer(" " + value, add_special_tokens=False)["input_ids"]
+            for ids in sides:
+                assert any(ids[i : i + len(value_ids)] == value_ids for i in range(len(ids))), (value, record)

@@ -1,12 +1,13 @@
-"""The embedded default base: a tiny Llama built locally (no download), and the quickstart's data.
+"""The embedded default base: a tiny Llama built by this package (shipped prebuilt), and the quickstart's data.
 
-One job per module: `cache` (where a base lives, building it once under a lock, `embedded:` ids),
-`build` (the build recipe: corpus, tokenizer, model, pretraining), `corpus`, `tokenizer`, `tiny`
-(the model config), `pretrain` (the pretraining loop), `quickstart_data` (the generated domain data).
+One job per module: `cache` (where a base lives: shipped, or built once under a lock; `embedded:` ids),
+`build` (the build recipe; `python -m finetune.embedded.build`), `corpus`, `synthetic` (copying rows),
+`tokenizer`, `tiny` (the model config, the wired previous-token head), `pretrain` (the pretraining loop),
+`quickstart_data` (the generated domain data).
 
 Example:
     from finetune.embedded import resolve_base_id
-    resolve_base_id("embedded:tiny-llama")   # the local model directory, built on first use
+    resolve_base_id("embedded:tiny-llama")   # the shipped model directory (finetune/embedded/base/tiny-llama)
 """
 
 from finetune.embedded.cache import EMBEDDED_PREFIX, embedded_base_dir, ensure_embedded_base, resolve_base_id

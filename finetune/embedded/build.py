@@ -25,15 +25,21 @@ import torch
 import transformers
 from transformers.utils import logging as hf_logging
 
+from finetune.embedded.cache import check_shipped_base, file_sha256, shipped_base_dir
 from finetune.embedded.corpus import stdlib_corpus
-from finetune.embedded.pretrain import PretrainSettings, pretrain, token_rows
-from finetune.embedded.tiny import TINY_LLAMA_SHAPE, build_tiny_llama
+from finetune.embedded.pretrain import PretrainResult, PretrainSettings, pretrain, token_rows
+from finetune.embedded.synthetic import copy_score, synthetic_rows
+from finetune.embedded.tiny import TINY_LLAMA_SHAPE, build_tiny_llama, wire_previous_token_head
 from finetune.embedded.tokenizer import train_tokenizer
+from finetune.errors import ModelError
 
-BUILD_FORMAT_VERSION = 1
-"""Bump when the build code changes what it produces, so cached bases are rebuilt (new directory name)."""
+BUILD_FORMAT_VERSION = 2
+"""Bump when the build code changes what it produces, so cached bases are rebuilt (new directory name).
+2: synthetic copying rows in the pretraining mix; sha256 of the weights and tokenizer in the record."""
 
 RECORD_FILE = "embedded.json"
+FINGERPRINTED_FILES = ("model.safetensors", "tokenizer.json")
+"""The files whose sha256 the build record carries: the weights and the tokenizer."""
 
 
 @dataclass(frozen=True)
@@ -50,6 +56,15 @@ class BuildSettings:
     pretraining: PretrainSettings
     shape: dict[str, int | bool] = field(default_factory=lambda: dict(TINY_LLAMA_SHAPE))
     """`LlamaConfig` fields; every linear out_features a multiple of 32 (bitsandbytes' CPU 4-bit)."""
+    synthetic_fraction: float = 0.0
+    """Share of the training rows that are synthetic copying rows (`finetune.embedded.synthetic`); the
+    rest are the corpus's. Without them a small model does not learn to copy from its context."""
+    copy_curriculum: PretrainSettings | None = None
+    """A first pretraining phase on `repeat` rows alone, before the mixed one: with corpus rows in every
+    batch from the start, copying had not formed after 1,500 steps; alone, it forms in a few hundred."""
+    previous_token_head: bool = False
+    """Start from a wired previous-token head (`tiny.wire_previous_token_head`), so that copying from
+    the context is learnt within the pretraining budget."""
     init_seed: int = 0
     num_threads: int | None = None
     """torch threads for pretraining; None uses every CPU this process may run on. Part of the settings
@@ -62,11 +77,17 @@ class BuildSettings:
 
 EMBEDDED_BASES: dict[str, BuildSettings] = {
     "tiny-llama": BuildSettings(
-        corpus_max_bytes=2_000_000,
-        corpus_file_max_bytes=8_000,
+        corpus_max_bytes=4_000_000,
+        corpus_file_max_bytes=16_000,
         vocab_size=2048,
-        seq_len=128,
-        pretraining=PretrainSettings(steps=500, micro_batch_size=8, lr=3e-3, warmup_steps=30),
+        seq_len=256,
+        pretraining=PretrainSettings(steps=1500, micro_batch_size=8, lr=3e-3, warmup_steps=50, heldout_rows=64),
+        shape=dict(TINY_LLAMA_SHAPE),
+        synthetic_fraction=0.5,
+        copy_curriculum=PretrainSettings(
+            steps=800, micro_batch_size=8, lr=3e-3, warmup_steps=30, min_lr_ratio=1.0, heldout_rows=64
+        ),
+        previous_token_head=True,
         num_threads=1,
     ),
 }
@@ -76,6 +97,46 @@ EMBEDDED_BASES: dict[str, BuildSettings] = {
 def settings_record(settings: BuildSettings) -> dict:
     """The settings as plain JSON-able data (also what the cache directory name is hashed from)."""
     return asdict(settings)
+
+
+def _synthetic_rows(tokenizer, settings: BuildSettings, num_corpus_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The synthetic rows mixed into pretraining: `synthetic_fraction` of all training rows."""
+    fraction = settings.synthetic_fraction
+    num_rows = round(num_corpus_rows * fraction / (1.0 - fraction))
+    return synthetic_rows(tokenizer, num_rows, settings.seq_len, seed=settings.init_seed)
+
+
+def _pretrain_on_threads(
+    model, tokenizer, rows, extra_rows, settings: BuildSettings, num_threads: int, progress: Callable[[str], None]
+) -> tuple[PretrainResult | None, PretrainResult, float]:
+    """Pretrain on `num_threads` torch threads (then restore the caller's).
+
+    Returns:
+        The copy curriculum's result (None without one), the main pretraining's, and the final copy score.
+    """
+    threads_before = torch.get_num_threads()
+    torch.set_num_threads(num_threads)
+    try:
+        probe = lambda: f", copy score {copy_score(model, tokenizer):.3f}"
+        curriculum, curriculum_result = settings.copy_curriculum, None
+        if curriculum is not None:
+            num_rows = curriculum.steps * curriculum.micro_batch_size
+            repeats = synthetic_rows(tokenizer, num_rows, settings.seq_len, seed=settings.init_seed + 1, recall=False)
+            progress(f"copy curriculum: {curriculum.steps} steps on repeated random segments alone")
+            curriculum_result = pretrain(model, rows, curriculum, progress, repeats, probe, train_on_rows=False)
+            model.train()
+        result = pretrain(model, rows, settings.pretraining, progress, extra_rows, probe)
+        return curriculum_result, result, copy_score(model, tokenizer)
+    finally:
+        torch.set_num_threads(threads_before)
+
+
+def _initial_model(tokenizer, settings: BuildSettings) -> transformers.PreTrainedModel:
+    """The randomly initialised model, with its wired previous-token head if the settings ask for one."""
+    model = build_tiny_llama(tokenizer, seed=settings.init_seed, **settings.shape)
+    if settings.previous_token_head:
+        wire_previous_token_head(model)
+    return model
 
 
 def _available_cpu_count() -> int:
@@ -117,19 +178,18 @@ def build_embedded_base(
         corpus.documents, vocab_size=settings.vocab_size, max_model_len=int(settings.shape["max_position_embeddings"])
     )
     rows = token_rows(tokenizer, corpus.documents, settings.seq_len)  # (num_rows, seq_len)
+    extra_rows = _synthetic_rows(tokenizer, settings, num_corpus_rows=len(rows) - settings.pretraining.heldout_rows)
     tokenizer_seconds = time.perf_counter() - start_seconds
-    progress(f"tokenizer: {len(tokenizer)} tokens; corpus is {rows.numel():,} tokens ({tokenizer_seconds:.0f} s)")
+    progress(
+        f"tokenizer: {len(tokenizer)} tokens; corpus is {rows.numel():,} tokens"
+        f" + {extra_rows[0].numel():,} synthetic ({tokenizer_seconds:.0f} s)"
+    )
 
-    model = build_tiny_llama(tokenizer, seed=settings.init_seed, **settings.shape)
+    model = _initial_model(tokenizer, settings)
     num_params = sum(p.numel() for p in model.parameters())
     progress(f"model: {num_params / 1e6:.2f}M parameters; pretraining for {settings.pretraining.steps} steps")
     num_threads = settings.num_threads or _available_cpu_count()
-    threads_before = torch.get_num_threads()
-    torch.set_num_threads(num_threads)
-    try:
-        result = pretrain(model, rows, settings.pretraining, progress)
-    finally:
-        torch.set_num_threads(threads_before)
+    curriculum, result, copy = _pretrain_on_threads(model, tokenizer, rows, extra_rows, settings, num_threads, progress)
 
     _save_quietly(model, tokenizer, out_dir)
     record = {
@@ -143,7 +203,10 @@ def build_embedded_base(
             "sha256": corpus.sha256,
         },
         "parameters": num_params,
+        "synthetic_tokens": extra_rows[0].numel(),
+        "copy_curriculum": None if curriculum is None else asdict(curriculum),
         "pretraining": asdict(result),
+        "copy_score": copy,
         "seconds": round(time.perf_counter() - start_seconds, 2),
         "threads": num_threads,
         "versions": {
@@ -152,5 +215,62 @@ def build_embedded_base(
             "transformers": transformers.__version__,
         },
     }
+    record["sha256"] = {name: file_sha256(out_dir / name) for name in FINGERPRINTED_FILES}
     (out_dir / RECORD_FILE).write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
     return record
+
+
+def _build_beside(target: Path, settings: BuildSettings, progress: Callable[[str], None]) -> dict:
+    """Build into a fresh directory beside `target`, then put it in `target`'s place (replacing it)."""
+    import shutil
+    import tempfile
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    work_dir = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    work_dir.chmod(0o755)
+    try:
+        record = build_embedded_base(work_dir, settings, progress)
+        if target.exists():
+            shutil.rmtree(target)
+        os.rename(work_dir, target)
+    except BaseException:
+        shutil.rmtree(work_dir, ignore_errors=True)
+        raise
+    return record
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m finetune.embedded.build`: (re)build a shipped base, or check that a rebuild matches it."""
+    import argparse
+    import sys
+    import tempfile
+
+    parser = argparse.ArgumentParser(description="Build an embedded base from its registered settings.")
+    parser.add_argument("--name", default="tiny-llama", choices=sorted(EMBEDDED_BASES))
+    parser.add_argument("--out", type=Path, help="where to write it (default: the package's shipped directory)")
+    parser.add_argument("--check", action="store_true", help="build into a scratch directory and compare its "
+                        "sha256 with the shipped base's record; exit 1 when they differ")  # fmt: skip
+    args = parser.parse_args(argv)
+    say = lambda message: print(f"[build {args.name}] {message}", file=sys.stderr, flush=True)
+    shipped = shipped_base_dir(args.name)
+    if not args.check:
+        record = _build_beside(args.out or shipped, EMBEDDED_BASES[args.name], say)
+        say(f"wrote {args.out or shipped} in {record['seconds']:.0f} s; sha256 {record['sha256']}")
+        return 0
+    try:
+        check_shipped_base(shipped)  # the shipped files are what their record says
+    except ModelError as error:
+        say(str(error))
+        return 1
+    recorded = json.loads((shipped / RECORD_FILE).read_text(encoding="utf-8"))
+    with tempfile.TemporaryDirectory() as scratch:
+        record = _build_beside(Path(scratch) / args.name, EMBEDDED_BASES[args.name], say)
+    same = record["sha256"] == recorded["sha256"]
+    say(f"rebuild {'matches' if same else 'DIFFERS FROM'} the shipped base: {record['sha256']} vs {recorded['sha256']}")
+    if not same and record["versions"] != recorded["versions"]:
+        say(f"(built with {record['versions']}; the shipped base with {recorded['versions']})")
+    return 0 if same else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

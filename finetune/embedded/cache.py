@@ -1,16 +1,20 @@
-"""Where embedded bases are cached, building one once on first use, and what `embedded:` ids resolve to.
+"""Where embedded bases live (shipped in the package, or built into a cache), and what `embedded:` ids resolve to.
 
-A recipe whose `model.base` is `embedded:tiny-llama` gets a normal Hugging Face model directory under
-`$FINETUNE_HOME/embedded/` (default `~/.cache/finetune/embedded/`), so everything downstream, the
-adapter's `base_model_name_or_path` included, is a plain local path that `from_pretrained` loads.
+A recipe whose `model.base` is `embedded:tiny-llama` gets a normal Hugging Face model directory, so
+everything downstream, the adapter's `base_model_name_or_path` included, is a plain local path that
+`from_pretrained` loads. A registered base is shipped with the package (`finetune/embedded/base/<name>/`,
+built once by `python -m finetune.embedded.build`): its weights are checked against the sha256 in its
+build record and used in place. A base that is not shipped (other build settings, as the tests use, or a
+source tree without the weights) is built on first use under `$FINETUNE_HOME/embedded/` (default
+`~/.cache/finetune/embedded/`).
 
-The directory name carries the build format version and a hash of the build settings and Python
+The cache directory name carries the build format version and a hash of the build settings and Python
 version, so a change of recipe builds a new base and never alters one an adapter was trained on. A base
 is built into a temporary directory beside its final place and renamed into place when complete, under
 a file lock: a reader never sees half a model, and two processes asking at once build it once.
 
 Example:
-    path = ensure_embedded_base("tiny-llama")      # builds on first use (about a minute), then cached
+    path = ensure_embedded_base("tiny-llama")      # the shipped directory (weights checked)
     resolve_base_id("embedded:tiny-llama")         # the same path, as a string
     resolve_base_id("meta-llama/Llama-3.2-1B")     # returned unchanged
 """
@@ -36,6 +40,40 @@ if TYPE_CHECKING:  # build.py imports torch; this module stays importable withou
     from finetune.embedded.build import BuildSettings
 
 EMBEDDED_PREFIX = "embedded:"
+SHIPPED_ROOT = Path(__file__).resolve().parent / "base"
+"""Where the package carries its prebuilt embedded bases, one directory per name."""
+
+
+def shipped_base_dir(name: str) -> Path:
+    """The package directory of shipped base `name` (it may be absent, e.g. in a trimmed source tree)."""
+    return SHIPPED_ROOT / name
+
+
+def file_sha256(path: Path) -> str:
+    """Hex sha256 of a file's bytes, read in 1 MiB blocks."""
+    digest = hashlib.sha256()
+    with path.open("rb") as file:
+        for block in iter(lambda: file.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def check_shipped_base(path: Path) -> None:
+    """Raise `ModelError` unless every file the build record fingerprints has that sha256.
+
+    Catches a damaged install and a clone whose weights are a Git LFS pointer or were cut short, before
+    `from_pretrained` fails with something less clear (or, worse, loads other weights).
+    """
+    from finetune.embedded.build import RECORD_FILE
+
+    recorded = json.loads((path / RECORD_FILE).read_text(encoding="utf-8")).get("sha256", {})
+    for file_name, expected in recorded.items():
+        actual = file_sha256(path / file_name) if (path / file_name).is_file() else "missing"
+        if actual != expected:
+            raise ModelError(
+                f"the shipped embedded base {path} is damaged: {file_name} has sha256 {actual[:16]}, its build "
+                f"record says {expected[:16]}; reinstall finetune, or rebuild it with python -m finetune.embedded.build"
+            )
 
 
 def _print_to_stderr(message: str) -> None:
@@ -68,17 +106,17 @@ def ensure_embedded_base(
     settings: BuildSettings | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> Path:
-    """The local model directory of embedded base `name`, building it first if it is not cached.
+    """The local model directory of embedded base `name`: the shipped one, else built first if not cached.
 
     Args:
-        name: a key of `finetune.embedded.build.EMBEDDED_BASES`.
+        name: a key of `finetune.embedded.build.EMBEDDED_BASES`; its shipped directory is used when present.
         root: cache root; default `finetune.paths.finetune_home()`.
         settings: build settings other than the registered ones (tests build small bases this way);
             they get a directory of their own.
         progress: receives one-line progress messages; default prints them to stderr.
 
     Raises:
-        ModelError: `name` is not an embedded base.
+        ModelError: `name` is not an embedded base, or its shipped weights are damaged.
     """
     from filelock import FileLock, Timeout
 
@@ -91,6 +129,10 @@ def ensure_embedded_base(
                 + ", ".join(EMBEDDED_PREFIX + known for known in sorted(EMBEDDED_BASES))
                 + "; or set model.base to a local model directory or hub id"
             )
+        shipped = shipped_base_dir(name)
+        if _is_built(shipped):
+            check_shipped_base(shipped)
+            return shipped
         settings = EMBEDDED_BASES[name]
     report = progress if progress is not None else _print_to_stderr
     final_dir = embedded_base_dir(name, settings, root)
@@ -120,7 +162,7 @@ def _build_into(final_dir: Path, name: str, settings: BuildSettings, report: Cal
         shutil.rmtree(stale, ignore_errors=True)
     if final_dir.exists():  # neither complete nor ours to trust
         shutil.rmtree(final_dir)
-    report(f"building embedded base {EMBEDDED_PREFIX}{name} into {final_dir} (first use only; about a minute)")
+    report(f"building embedded base {EMBEDDED_PREFIX}{name} into {final_dir} (first use only)")
     start_seconds = time.perf_counter()
     work_dir = Path(tempfile.mkdtemp(prefix=f".{final_dir.name}.tmp-", dir=final_dir.parent))
     work_dir.chmod(0o755)  # mkdtemp makes it private; a model directory is ordinary data
@@ -136,7 +178,7 @@ def _build_into(final_dir: Path, name: str, settings: BuildSettings, report: Cal
 def resolve_base_id(base: str, progress: Callable[[str], None] | None = None) -> str:
     """Turn a recipe's `model.base` into something `from_pretrained` loads.
 
-    `embedded:<name>` becomes the local directory of that embedded base (built on first use); any other
+    `embedded:<name>` becomes the local directory of that embedded base (shipped, or built on first use); any other
     string (a local path or a hub id) is returned unchanged.
 
     Raises:

@@ -101,22 +101,61 @@ def _make_optimizer(model: PreTrainedModel, settings: PretrainSettings) -> torch
     )
 
 
+def _step(
+    model: PreTrainedModel,
+    optimizer: torch.optim.Optimizer,
+    ids: torch.Tensor,
+    labels: torch.Tensor,
+    settings: PretrainSettings,
+) -> float:
+    """One optimizer step on a `(B, T)` batch; returns its loss."""
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=settings.bf16_autocast):
+        loss = model(input_ids=ids, labels=labels, use_cache=False).loss
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), settings.max_grad_norm)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss.item()
+
+
+def _split_rows(
+    rows: torch.Tensor,
+    settings: PretrainSettings,
+    extra_rows: tuple[torch.Tensor, torch.Tensor] | None,
+    train_on_rows: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(training ids, training labels, held-out rows): the held-out rows are the last of `rows`."""
+    assert len(rows) > settings.heldout_rows, "corpus too small for the held-out rows"
+    train_ids, heldout_rows = rows[: -settings.heldout_rows], rows[-settings.heldout_rows :]
+    if extra_rows is None:
+        return train_ids, train_ids, heldout_rows
+    if not train_on_rows:
+        return extra_rows[0], extra_rows[1], heldout_rows
+    return torch.cat([train_ids, extra_rows[0]]), torch.cat([train_ids, extra_rows[1]]), heldout_rows
+
+
 def pretrain(
     model: PreTrainedModel,
     rows: torch.Tensor,
     settings: PretrainSettings,
     progress: Callable[[str], None] = lambda message: None,
+    extra_rows: tuple[torch.Tensor, torch.Tensor] | None = None,
+    probe: Callable[[], str] = lambda: "",
+    train_on_rows: bool = True,
 ) -> PretrainResult:
-    """Train every parameter of `model` on `rows` for `settings.steps` steps, in place.
+    """Train every parameter of `model` on `rows` (and `extra_rows`) for `settings.steps` steps, in place.
 
     Args:
         model: a freshly initialised causal LM (float32 weights).
         rows: `(num_rows, seq_len)` token ids from `token_rows`; the last `settings.heldout_rows` are held out.
         settings: steps, batch size, learning rate and schedule.
         progress: called with a one-line message every tenth of the run.
+        extra_rows: `(ids, labels)` of further training rows of the same length (`synthetic_rows`), labels
+            -100 where no loss is taken; shuffled in with the others.
+        probe: called (model in eval mode) at each progress message; what it returns is appended.
+        train_on_rows: False trains on `extra_rows` alone (`rows` then only supply the held-out rows).
     """
-    assert len(rows) > settings.heldout_rows, "corpus too small for the held-out rows"
-    train_rows, heldout_rows = rows[: -settings.heldout_rows], rows[-settings.heldout_rows :]
+    train_ids, train_labels, heldout_rows = _split_rows(rows, settings, extra_rows, train_on_rows)
     generator = torch.Generator().manual_seed(settings.seed)
     optimizer = _make_optimizer(model, settings)
 
@@ -128,21 +167,17 @@ def pretrain(
     model.train()
     for step in range(settings.steps):
         if len(order) < settings.micro_batch_size:  # a new epoch: a fresh seeded permutation
-            order = torch.cat([order, torch.randperm(len(train_rows), generator=generator)])
-        batch = train_rows[order[: settings.micro_batch_size]]  # (B, T)
+            order = torch.cat([order, torch.randperm(len(train_ids), generator=generator)])
+        batch = order[: settings.micro_batch_size]
         order = order[settings.micro_batch_size :]
         for group in optimizer.param_groups:
             group["lr"] = _lr_at(step, settings)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=settings.bf16_autocast):
-            loss = model(input_ids=batch, labels=batch, use_cache=False).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), settings.max_grad_norm)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        losses.append(loss.item())
+        losses.append(_step(model, optimizer, train_ids[batch], train_labels[batch], settings))  # (B, T) rows
         if (step + 1) % report_every_steps == 0 or step + 1 == settings.steps:
+            model.eval()
             elapsed = time.perf_counter() - start_seconds
-            progress(f"pretraining step {step + 1}/{settings.steps}: loss {losses[-1]:.3f} ({elapsed:.0f} s)")
+            progress(f"pretraining step {step + 1}/{settings.steps}: loss {losses[-1]:.3f}{probe()} ({elapsed:.0f} s)")
+            model.train()
     model.eval()
     heldout_loss_after = _mean_loss(model, heldout_rows, settings)
 

@@ -1,15 +1,21 @@
 """The quickstart's domain data: weather bulletins for the fictional towns of the Vael coast.
 
 Each record asks for the bulletin of one town on one day of a fictional calendar, gives the forecast as
-`key: value` lines, and answers in a fixed house style with rules a fine-tune can learn: wind strength
-words from the speed, "minus" for negative temperatures, a frost line when the low is below zero, and
-advice from the chance of rain. No base model has seen this calendar, these towns or this style, so the
-held-out perplexity shows clearly what an adapter learnt. Pure Python and seeded: the same arguments
-always give the same bytes.
+`Key: value` lines, and answers in a fixed house style with rules a fine-tune can learn: a sky phrase
+for each kind of sky, wind strength words from the speed, a frost line when the low is below zero,
+"percent" for "%", and advice from the chance of rain. No base model has seen this calendar, these
+towns or this style, so the held-out perplexity shows clearly what an adapter learnt. Pure Python and
+seeded: the same arguments always give the same bytes.
+
+Every value the bulletin repeats from its input (town, day, sky word, wind speed and direction, high
+and low) is written so that it is the same tokens on both sides, and follows the same key tokens
+("Wind:", "High:", ...): a byte-level BPE splits " Velrith" and "Velrith" (line start, no space) into
+different tokens, and "-4" and " 4" too, so a model could not copy such a value from its context, only
+guess it (greedy bulletins then had the wrong town in 17 of 20 and the wrong figures in 17 of 20).
 
 Example:
     python -m finetune.embedded.quickstart_data --out data/quickstart
-    # {"instruction": "Write the weather bulletin for Harrowmere.", "input": "day: 12 Frostmonth\\n...", ...}
+    # {"instruction": "Write the weather bulletin for Harrowmere.", "input": "Day: 12 Frostmonth\\n...", ...}
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import re
 from pathlib import Path
 
 _TOWN_STARTS = ("Har", "Vel", "Ost", "Brin", "Cal", "Dun", "Elm", "Fen", "Gral", "Kes", "Lor", "Mav", "Quill", "Tarn")
@@ -26,12 +33,12 @@ MONTHS = (
     "Hightide", "Harvestmonth", "Mistmonth", "Leaffall", "Stormmonth", "Darkmonth",
 )  # fmt: skip
 _SKIES = {
-    "clear": "Clear skies all day",
-    "sunny spells": "Sunny spells between passing clouds",
-    "overcast": "A grey, overcast sky",
-    "fog": "Fog at first, lifting by noon",
-    "drizzle": "Low cloud with drizzle",
-    "thunder": "Heavy cloud with thunder later",
+    "clear": "clear skies all day",
+    "sunny spells": "sunny spells between passing clouds",
+    "overcast": "overcast and grey",
+    "fog": "fog at first, lifting by noon",
+    "drizzle": "drizzle from low cloud",
+    "thunder": "thunder later, under heavy cloud",
 }
 _WIND_DIRECTIONS = ("north", "north-east", "east", "south-east", "south", "south-west", "west", "north-west")
 
@@ -49,12 +56,12 @@ def _degrees(value: int) -> str:
 
 def _wind_strength(speed_kmh: int) -> str:
     if speed_kmh < 10:
-        return "a light"
+        return "a light breeze"
     if speed_kmh < 30:
-        return "a steady"
+        return "a steady breeze"
     if speed_kmh < 50:
-        return "a strong"
-    return "a gale-force"
+        return "a strong wind"
+    return "a gale"
 
 
 def _rain_advice(rain_percent: int) -> str:
@@ -70,18 +77,47 @@ def bulletin(
 ) -> dict[str, str]:
     """One instruction record: the forecast as input, the bulletin in house style as output."""
     forecast = (
-        f"day: {day} {month}\nsky: {sky}\nwind: {wind_kmh} km/h from the {wind_from}\n"
-        f"high: {high}\nlow: {low}\nrain: {rain_percent}%"
+        f"Day: {day} {month}\nSky: {sky}\nWind: {wind_kmh} km/h from the {wind_from}\n"
+        f"High: {_degrees(high)}\nLow: {_degrees(low)}\nRain: {rain_percent}%"
     )
     sentences = [
-        f"{town}, {day} {month}.",
-        f"{_SKIES[sky]}, with {_wind_strength(wind_kmh)} {wind_from} wind at {wind_kmh} km/h.",
-        f"High of {_degrees(high)} degrees, low of {_degrees(low)}.",
+        f"Weather bulletin for {town}. Day: {day} {month}.",
+        f"Sky: {_SKIES[sky]}.",
+        f"Wind: {wind_kmh} km/h, {_wind_strength(wind_kmh)} from the {wind_from}.",
+        f"High: {_degrees(high)} degrees. Low: {_degrees(low)} degrees.",
     ]
     if low < 0:
         sentences.append("Frost is likely overnight.")
-    sentences.append(f"Chance of rain {rain_percent} percent. {_rain_advice(rain_percent)}")
+    sentences.append(f"Rain: {rain_percent} percent. {_rain_advice(rain_percent)}")
     return {"instruction": INSTRUCTION.format(town=town), "input": forecast, "output": " ".join(sentences)}
+
+
+_BULLETIN_PATTERNS = {
+    "city": re.compile(r"bulletin for ([^,.\n]+)\. Day: "),
+    "day": re.compile(r"Day: (\d+ \w+)\."),
+    "sky": re.compile(r"Sky: ([^.\n]+)\. Wind: "),
+    "wind": re.compile(r"Wind: (\d+ km/h, [\w -]+? from the [\w-]+)\."),
+    "figures": re.compile(r"High: ((?:minus )?\d+) degrees\. Low: ((?:minus )?\d+) degrees\."),
+}
+BULLETIN_FIELDS = tuple(_BULLETIN_PATTERNS)
+"""What a bulletin says that depends on its input: the town, the date, the sky phrase, the wind (strength word,
+direction and speed) and the high/low figures."""
+
+
+def bulletin_fields(text: str) -> dict[str, str | None]:
+    """Each of `BULLETIN_FIELDS` as written in a bulletin (None where the text does not say it in house style).
+
+    Comparing the fields of a generated bulletin with those of the reference one tells whether a model
+    followed its input, field by field, whatever else it wrote.
+
+    Example:
+        bulletin_fields("Weather bulletin for Kesgate. Day: 3 Hightide. ...")["city"]   # "Kesgate"
+    """
+    fields = {}
+    for name, pattern in _BULLETIN_PATTERNS.items():
+        match = pattern.search(text)
+        fields[name] = None if match is None else " / ".join(match.groups())
+    return fields
 
 
 def generate_records(num_records: int, seed: int = 0) -> list[dict[str, str]]:
