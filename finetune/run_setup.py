@@ -286,7 +286,7 @@ def start_run(recipe: Recipe, *, resume: bool, say: Say) -> TrainingRun:
     if resume and recipe.distributed.strategy == "deepspeed":
         raise CheckpointError(
             "--resume: resuming a distributed.strategy deepspeed run is not supported yet (ZeRO partitions the "
-            "optimizer state in its own layout); resume it with strategy fsdp or ddp, or start fresh"
+            "optimizer state in its own layout); start fresh without --resume, or train with strategy fsdp"
         )
     if resume and resume_from is None:
         raise CheckpointError(
@@ -358,6 +358,11 @@ def _restore(run: TrainingRun, path: Path, say: Say) -> None:
         raise CheckpointError(
             f"{path} was written by a different recipe (model, lora, data or train settings differ); "
             "resume with the original recipe, or start fresh without --resume"
+        )
+    if trainable and not optimizer["param_groups"]:  # written by a DeepSpeed run (`DeepSpeedSharding.optimizer_state`)
+        raise CheckpointError(
+            f"{path} holds no optimizer state (a distributed.strategy deepspeed run wrote it), so resuming would "
+            "restart Adam's moments; start fresh without --resume"
         )
     rng_states = state["rng"]
     if len(rng_states) != run.accelerator.num_processes:

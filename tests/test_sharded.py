@@ -17,11 +17,14 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from helpers import REPO, instruction_records
 from safetensors.torch import load_file
 
+from finetune import checkpoint as ckpt
 from finetune.embedded.tiny import build_tiny_llama
-from finetune.train import SLOW_STEP_ENV
+from finetune.errors import CheckpointError
+from finetune.train import SLOW_STEP_ENV, train
 
 # 41.8M parameters, 14 decoder layers: large enough that sharding shows in what each rank holds.
 SHAPE_40M = dict(
@@ -180,3 +183,23 @@ def test_a_killed_rank_ends_the_launch(workdir, strategy):  # the tiny base: wha
     assert ended_after < 60, ended_after
     assert "rank: 1" in output or "rank 1" in output, output[-2000:]
     assert not Path("adapters/killed").exists()
+
+
+def test_a_checkpoint_without_optimizer_state_is_not_resumed(workdir):
+    # What a DeepSpeed run writes (ZeRO's partitioned Adam moments are not in it): resuming it under
+    # another strategy would silently restart the moments, so it is refused.
+    train("recipe.yaml", ["train.max_steps=1", "train.save_every_steps=1", "output.name=zero"])
+    path = ckpt.latest_checkpoint(Path("runs/zero"))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))]), lambda s: 1)
+    trainable, _, state = ckpt.load_checkpoint(path, scheduler=scheduler)
+    ckpt.save_checkpoint(
+        Path("runs/zero"),
+        step=state.pop("step"),
+        trainable=trainable,
+        optimizer_state={"state": {}, "param_groups": []},
+        scheduler=scheduler,
+        state=state,
+        keep=1,
+    )
+    with pytest.raises(CheckpointError, match="holds no optimizer state"):
+        train("recipe.yaml", ["train.max_steps=2", "train.save_every_steps=1", "output.name=zero"], resume=True)
