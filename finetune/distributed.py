@@ -32,6 +32,8 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from finetune.errors import ModelError
+from finetune.model import decoder_layers
 from finetune.recipe import DistributedConfig, Recipe
 
 
@@ -105,7 +107,7 @@ class FsdpSharding(Sharding):
             offload_policy=CPUOffloadPolicy() if self.config.cpu_offload else OffloadPolicy(),
         )
         causal_lm = model.get_base_model()
-        for layer in decoder_layers(causal_lm):
+        for layer in _decoder_layers(causal_lm):
             fully_shard(layer, **options)
         fully_shard(causal_lm, **options)  # the root unit: embeddings, final norm, head
 
@@ -134,13 +136,10 @@ def sharding_for(recipe: Recipe) -> Sharding:
     return Sharding()
 
 
-def decoder_layers(causal_lm: torch.nn.Module) -> list[torch.nn.Module]:
-    """The model's repeated blocks: modules whose class the model names in `_no_split_modules`."""
-    names = set(getattr(causal_lm, "_no_split_modules", None) or ())
-    layers = [module for module in causal_lm.modules() if type(module).__name__ in names]
+def _decoder_layers(causal_lm: torch.nn.Module) -> list[torch.nn.Module]:
+    """The shard units: the model's decoder layers (`finetune.model.decoder_layers`)."""
+    layers = decoder_layers(causal_lm)
     if not layers:
-        from finetune.errors import ModelError
-
         raise ModelError(
             f"distributed.strategy fsdp: {type(causal_lm).__name__} names no decoder layer class "
             "(_no_split_modules); use strategy ddp for this model"

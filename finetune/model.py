@@ -216,6 +216,14 @@ def embedding_module_names(model: PreTrainedModel) -> tuple[str, str]:
     return names[id(model.get_input_embeddings())], names[id(model.get_output_embeddings())]
 
 
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model's repeated blocks: modules whose class the model names in `_no_split_modules` (every
+    transformers causal LM declares it; [] for one that does not). FSDP shards by them, `finetune plan`
+    counts them."""
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    return [module for module in model.modules() if type(module).__name__ in names]
+
+
 def _lora_targets(config: LoraConfig, model: PreTrainedModel) -> str | list[str]:
     """peft's `target_modules`: the recipe's, plus the embeddings/head that `train_*` switches on."""
     embed_tokens, lm_head = embedding_module_names(model)

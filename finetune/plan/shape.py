@@ -43,12 +43,6 @@ class ModelShape:
         return self.quantizable_params + self.other_params
 
 
-def _decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
-    """The model's stack of decoder layers: the longest ModuleList (every causal LM family has one)."""
-    lists = [module for module in model.modules() if isinstance(module, torch.nn.ModuleList)]
-    return max(lists, key=len)
-
-
 def _unique_numel(parameters: Any) -> int:
     """Parameter count with tied tensors counted once."""
     return sum(p.numel() for p in {id(p): p for p in parameters}.values())
@@ -58,12 +52,17 @@ def model_shape(config: Any, lora: LoraConfig) -> ModelShape:
     """Build `config`'s model on the meta device, wrap it as training would, and count."""
     from transformers import AutoModelForCausalLM
 
-    from finetune.model import wrap_with_lora
+    from finetune.errors import ModelError
+    from finetune.model import decoder_layers, wrap_with_lora
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
-    layers = _decoder_layers(model)
-    quantizable = sum(module.weight.numel() for module in layers.modules() if isinstance(module, torch.nn.Linear))
+    layers = decoder_layers(model)
+    if not layers:
+        raise ModelError(f"{type(model).__name__} names no decoder layer class (_no_split_modules); cannot plan it")
+    quantizable = sum(
+        module.weight.numel() for layer in layers for module in layer.modules() if isinstance(module, torch.nn.Linear)
+    )
     total = _unique_numel(model.parameters())
     layer_params = max(_unique_numel(layer.parameters()) for layer in layers)
     peft_model = wrap_with_lora(model, lora)
