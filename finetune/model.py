@@ -130,8 +130,11 @@ def load_base(
     return load_base_from_config(config)
 
 
-def load_base_from_config(config: ModelConfig) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, str]:
-    """`load_base` for a recipe's `model` section."""
+def load_base_from_config(
+    config: ModelConfig, tokenizer: PreTrainedTokenizerBase | None = None
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, str]:
+    """`load_base` for a recipe's `model` section; `tokenizer`, when the caller already has it from
+    `load_tokenizer_for(config)`, is checked and returned instead of being loaded again."""
     source = _resolve(config.base)
     if config.trust_remote_code:
         print(f"warning: model.trust_remote_code is on: Python code shipped with {source} will run", file=sys.stderr)
@@ -153,7 +156,7 @@ def load_base_from_config(config: ModelConfig) -> tuple[PreTrainedModel, PreTrai
             f"cannot load base model {config.base!r}: {first}{_not_cached_hint(source, config.revision)}"
         ) from None
     model.config._name_or_path = source  # adapters record the hub id, not this machine's cache path
-    tokenizer = load_tokenizer_for(config)
+    tokenizer = tokenizer if tokenizer is not None else load_tokenizer_for(config)
     _check_vocabulary_fits(model, tokenizer, config.tokenizer or config.base)
     return model.eval(), tokenizer, source
 

@@ -296,9 +296,10 @@ def start_run(recipe: Recipe, *, resume: bool, say: Say) -> TrainingRun:
     if not accelerator.is_main_process:
         say = _silent
     with accelerator.main_process_first():  # the embedded base and the data cache are built once
-        data = build_datasets(recipe.data, load_tokenizer_for(recipe.model), seed=recipe.train.seed, log=say)
+        tokenizer = load_tokenizer_for(recipe.model)
+        data = build_datasets(recipe.data, tokenizer, seed=recipe.train.seed, log=say)
     # Every process at once: under ZeRO-3, transformers partitions the weights while loading (a collective).
-    model, tokenizer, base_source = load_base_from_config(recipe.model)
+    model, tokenizer, base_source = load_base_from_config(recipe.model, tokenizer)
     say(f"base {recipe.model.base} ({base_source}); data: {data.stats}")
     peft_model = _wrap_for_training(recipe, model, say)
     sharding = _shard(recipe, peft_model, accelerator)
