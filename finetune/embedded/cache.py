@@ -99,6 +99,18 @@ def _is_built(path: Path) -> bool:
     return (path / RECORD_FILE).is_file()
 
 
+def existing_embedded_base(name: str) -> Path | None:
+    """Registered base `name`'s directory if it is already there (shipped, else built in the cache); None
+    otherwise. Nothing is built or checked: for readers of its config such as `finetune plan`."""
+    from finetune.embedded.build import EMBEDDED_BASES
+
+    shipped = shipped_base_dir(name)
+    if _is_built(shipped):
+        return shipped
+    cached = embedded_base_dir(name, EMBEDDED_BASES[name])
+    return cached if _is_built(cached) else None
+
+
 def ensure_embedded_base(
     name: str = "tiny-llama",
     *,

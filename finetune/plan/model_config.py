@@ -1,7 +1,7 @@
 """Find a base model's `config.json` without loading weights or touching the network.
 
 Where it looks, in order: `--config PATH` (a config.json or a directory holding one); the embedded base
-(its built directory, else the config it is built from); a local model directory; the hub id's snapshot
+(its shipped or built directory, else the settings it is built from); a local model directory; the hub id's snapshot
 in the local hub cache; the architecture numbers shipped for the catalog's bases in
 `finetune/plan/configs/<hub id>.json` (hidden size, layers, heads, vocabulary: published facts).
 
@@ -38,22 +38,23 @@ def config_from_json(path: Path) -> Any:
         raise ModelError(f"--config {path}: {str(exc).splitlines()[0]}") from None
 
 
-def _embedded_config(base: str) -> Any:
-    """The embedded base's config: from its built directory if built, else from the settings it is built from."""
+def _embedded_config(base: str) -> tuple[Any, str]:
+    """The embedded base's config and where it was read: its directory (shipped, or built in the cache),
+    else the settings it would be built from."""
     from finetune.embedded.build import EMBEDDED_BASES
-    from finetune.embedded.cache import EMBEDDED_PREFIX, embedded_base_dir
+    from finetune.embedded.cache import EMBEDDED_PREFIX, existing_embedded_base
 
     name = base.removeprefix(EMBEDDED_PREFIX)
     if name not in EMBEDDED_BASES:
         raise ModelError(f"model.base {base!r}: unknown embedded base; known: " + ", ".join(sorted(EMBEDDED_BASES)))
-    settings = EMBEDDED_BASES[name]
-    built = embedded_base_dir(name, settings) / "config.json"
-    if built.is_file():
-        return config_from_json(built)
+    found = existing_embedded_base(name)
+    if found is not None:
+        return config_from_json(found / "config.json"), str(found / "config.json")
     from transformers import LlamaConfig
 
+    settings = EMBEDDED_BASES[name]
     fields: dict[str, Any] = dict(settings.shape)
-    return LlamaConfig(vocab_size=settings.vocab_size, **fields)
+    return LlamaConfig(vocab_size=settings.vocab_size, **fields), "the embedded base's build settings"
 
 
 def find_model_config(base: str, revision: str | None = None, config_path: str | None = None) -> tuple[Any, str]:
@@ -69,7 +70,7 @@ def find_model_config(base: str, revision: str | None = None, config_path: str |
             raise ModelError(f"--config {config_path}: no such file; give a config.json or a directory holding one")
         return config_from_json(path), str(path)
     if base.startswith("embedded:"):
-        return _embedded_config(base), "the embedded base's settings"
+        return _embedded_config(base)
     from finetune.paths import local_model_dir
 
     local = local_model_dir(base, revision) if Path(base).is_dir() or base.count("/") == 1 else None
