@@ -132,7 +132,7 @@ def sharding_for(recipe: Recipe) -> Sharding:
     if strategy == "deepspeed":
         from finetune.distributed_deepspeed import DeepSpeedSharding
 
-        return DeepSpeedSharding(recipe)
+        return DeepSpeedSharding()
     return Sharding()
 
 

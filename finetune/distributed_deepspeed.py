@@ -65,7 +65,7 @@ class DeepSpeedSharding(Sharding):
 
     name = "deepspeed"
 
-    def __init__(self, recipe: Recipe):
+    def __init__(self) -> None:
         self.engine: Any = None
 
     def prepare(self, accelerator: Any, model: Any, optimizer: torch.optim.Optimizer) -> tuple[Any, Any]:

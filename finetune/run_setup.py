@@ -360,7 +360,7 @@ def _restore(run: TrainingRun, path: Path, say: Say) -> None:
             f"{path} was written by a different recipe (model, lora, data or train settings differ); "
             "resume with the original recipe, or start fresh without --resume"
         )
-    if trainable and not optimizer["param_groups"]:  # written by a DeepSpeed run (`DeepSpeedSharding.optimizer_state`)
+    if not optimizer["param_groups"]:  # written by a DeepSpeed run (`DeepSpeedSharding.optimizer_state`)
         raise CheckpointError(
             f"{path} holds no optimizer state (a distributed.strategy deepspeed run wrote it), so resuming would "
             "restart Adam's moments; start fresh without --resume"

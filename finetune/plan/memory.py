@@ -219,9 +219,8 @@ def _state_parts(recipe: Recipe, shape: ModelShape, impl: Implementation, how: _
         return "host" if name in how.offload else "device"
 
     lora_share = how.state_share
-    grad_share = how.grad_share if how.grad_share is not None else how.state_share
-    optimizer_share = how.grad_share if how.grad_share is not None else how.state_share
-    optimizer = shape.lora_params * optimizer_bytes_per_param(recipe, impl) * optimizer_share
+    grad_share = how.grad_share if how.grad_share is not None else how.state_share  # optimizer state goes with it
+    optimizer = shape.lora_params * optimizer_bytes_per_param(recipe, impl) * grad_share
     method = {"none": recipe.model.dtype, "4bit": f"4-bit {recipe.model.bnb_4bit_quant_type}", "8bit": "8-bit"}
     parts = [
         Part("weights", int(weights * how.weights_share), where("weights"), f"{shape.base_params:,} frozen, "
