@@ -13,8 +13,10 @@ The training loop does not branch on the strategy; it asks a `Sharding` for what
 - `trainable_state`, `optimizer_state`: whole (gathered) tensors for adapters and checkpoints, written by
   the main process and identical in names and shapes to a single-process run's. Every rank must call
   them, in the same order: they are collectives.
+- `load_trainable_state`, `load_optimizer_state`: those whole tensors back into this run's parameters
+  and optimizer, split as the strategy splits them. So a checkpoint does not depend on the strategy that
+  wrote it (same world size: the data position and RNG states are per rank).
 
-Loading whole tensors back into sharded parameters is the same for both (plain functions below).
 DeepSpeed ZeRO, driven by its own engine, is `finetune.distributed_deepspeed.DeepSpeedSharding`.
 
 Example:
@@ -80,6 +82,25 @@ class Sharding:
             for index, slot in state["state"].items()
         }
         return {**state, "state": slots}
+
+    def load_trainable_state(self, model: Any, state: dict[str, torch.Tensor]) -> None:
+        """Copy whole tensors (as `trainable_state` gives them) into the parameters, sharded or not."""
+        for name, parameter in model.named_parameters():
+            if name in state:
+                with torch.no_grad():
+                    _local(parameter).copy_(_local(_shard_like(state[name], parameter)))
+
+    def load_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+        """Load a whole state dict (as `optimizer_state` gives it), sharding each tensor like its parameter."""
+        parameters = [p for group in optimizer.param_groups for p in group["params"]]
+        slots = {}
+        for index, slot in state["state"].items():
+            parameter = parameters[int(index)]
+            slots[int(index)] = {
+                key: _shard_like(value, parameter) if torch.is_tensor(value) and value.dim() > 0 else value
+                for key, value in slot.items()
+            }
+        optimizer.load_state_dict({**state, "state": slots})
 
     def held_numel(self, parameter: torch.nn.Parameter) -> tuple[int, int]:
         """(elements this rank stores, elements of the whole parameter)."""
@@ -164,27 +185,6 @@ def gathered(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
-def load_trainable_state(model: Any, state: dict[str, torch.Tensor]) -> None:
-    """Copy whole tensors (as `Sharding.trainable_state` gives them) into the parameters, sharded or not."""
-    for name, parameter in model.named_parameters():
-        if name in state:
-            with torch.no_grad():
-                _local(parameter).copy_(_local(_shard_like(state[name], parameter)))
-
-
-def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
-    """Load a whole state dict (as `Sharding.optimizer_state` gives it), sharding each tensor like its parameter."""
-    parameters = [p for group in optimizer.param_groups for p in group["params"]]
-    slots = {}
-    for index, slot in state["state"].items():
-        parameter = parameters[int(index)]
-        slots[int(index)] = {
-            key: _shard_like(value, parameter) if torch.is_tensor(value) and value.dim() > 0 else value
-            for key, value in slot.items()
-        }
-    optimizer.load_state_dict({**state, "state": slots})
-
-
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
@@ -212,13 +212,14 @@ def adapter_state(peft_model: Any, trainable: dict[str, torch.Tensor]) -> dict[s
     return get_peft_model_state_dict(peft_model, state_dict=trainable, save_embedding_layers=False)
 
 
-def load_adapter_state(peft_model: Any, state: dict[str, torch.Tensor]) -> None:
-    """Load weights named as in peft's adapter files (as `adapter_state` gives them), sharded or not."""
+def trainable_names(peft_model: Any, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Weights named as in peft's adapter files (as `adapter_state` gives them), renamed as in
+    `state_dict()` (as `Sharding.load_trainable_state` takes them). KeyError names weights not trained here."""
     names = _adapter_names(peft_model)
     unknown = sorted(set(state) - set(names))
     if unknown:
         raise KeyError(f"not trainable weights of this model: {unknown[:3]}")
-    load_trainable_state(peft_model, {names[key]: tensor for key, tensor in state.items()})
+    return {names[key]: tensor for key, tensor in state.items()}
 
 
 def _adapter_names(peft_model: Any) -> dict[str, str]:

@@ -11,8 +11,11 @@ optimizer shares.
 Runs on CPU too (DeepSpeed falls back to gloo without oneCCL), as long as `ACCELERATE_USE_CPU` is not
 set: accelerate then ignores the plugin and the run would quietly be DDP, which `make_accelerator` refuses.
 
-Not offered yet: resuming a DeepSpeed run (its optimizer state is partitioned in ZeRO's own layout),
-which is refused in one line; checkpoints still hold the whole trained weights.
+Checkpoints hold what a DDP or FSDP run's hold: every trainable weight and its Adam moments whole, as
+torch's optimizer names them. ZeRO keeps its fp32 master weights and the moments in flat partitions of
+its own layout (and DeepSpeed's own checkpoints are pickles); DeepSpeed's tensor-fragment API
+(`deepspeed.utils.safe_get_full_*` / `safe_set_full_*`) maps each parameter to its pieces, so saving
+gathers them whole and resuming scatters them back, under any strategy with the same number of processes.
 
 Example:
     plugin = deepspeed_plugin(recipe, world_size=8)
@@ -67,8 +70,14 @@ class DeepSpeedSharding(Sharding):
 
     def __init__(self) -> None:
         self.engine: Any = None
+        self.parameters: list[torch.nn.Parameter] = []
+        """The trainable parameters in the order of torch's optimizer state dict (ZeRO's optimizer holds flat
+        partitions instead)."""
+        self.group_sizes: list[int] = []
 
     def prepare(self, accelerator: Any, model: Any, optimizer: torch.optim.Optimizer) -> tuple[Any, Any]:
+        self.parameters = [p for group in optimizer.param_groups for p in group["params"]]
+        self.group_sizes = [len(group["params"]) for group in optimizer.param_groups]
         self.engine, optimizer = accelerator.prepare(model, optimizer)
         return self.engine, optimizer
 
@@ -92,11 +101,91 @@ class DeepSpeedSharding(Sharding):
         with deepspeed.zero.GatheredParameters(trainable):  # whole on every rank (stage 3); a no-op otherwise
             return super().trainable_state(model)
 
+    def load_trainable_state(self, model: Any, state: dict[str, torch.Tensor]) -> None:
+        """Into the weights the forward uses and into ZeRO's fp32 master copies, which the next step updates
+        (separate tensors even in fp32)."""
+        import deepspeed
+        from deepspeed.utils import safe_set_full_fp32_param
+
+        parameters = {name: p for name, p in model.named_parameters() if name in state}
+        # Stage 3: gathered whole, and partitioned again from rank 0's copy on exit; a no-op otherwise.
+        with deepspeed.zero.GatheredParameters(list(parameters.values()), modifier_rank=0), torch.no_grad():
+            for name, parameter in parameters.items():
+                parameter.copy_(state[name])
+        for name, parameter in parameters.items():
+            safe_set_full_fp32_param(parameter, state[name].to(parameter.device, torch.float32))
+
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        return {"state": {}, "param_groups": []}  # resuming a DeepSpeed run is refused (module docstring)
+        """torch's state dict of the recipe's optimizer, as if it had held the parameters themselves."""
+        from deepspeed.utils import safe_get_full_optimizer_state
+
+        base = self._base_optimizer()
+        flat_state: dict[str, Any] = next(
+            (base.state[flat] for flat in self._flat_partitions() if flat in base.state), {}
+        )
+        per_element = sorted(key for key, value in flat_state.items() if _per_element(value))
+        shared = {key: value for key, value in flat_state.items() if key not in per_element}  # Adam's `step`
+        slots = {}
+        for index, parameter in enumerate(self.parameters if flat_state else []):
+            shape = getattr(parameter, "ds_shape", parameter.shape)  # ZeRO-3 leaves an empty placeholder
+            slots[index] = {key: _copy(value) for key, value in shared.items()}
+            for key in per_element:  # a collective: every rank gathers every tensor, in the same order
+                slots[index][key] = safe_get_full_optimizer_state(parameter, key).reshape(shape).cpu()
+        first = 0
+        groups = []
+        for size, group in zip(self.group_sizes, base.param_groups):
+            groups.append(
+                {**{k: v for k, v in group.items() if k != "params"}, "params": list(range(first, first + size))}
+            )
+            first += size
+        return {"state": slots, "param_groups": groups}
+
+    def load_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+        from deepspeed.utils import safe_set_full_optimizer_state
+
+        base = self._base_optimizer()
+        for group, saved in zip(base.param_groups, state["param_groups"]):
+            group.update({k: v for k, v in saved.items() if k != "params"})  # learning rate, betas, ...
+        if not state["state"]:
+            return  # saved before the first step: nothing to restore
+        # The optimizer creates its state at its first step; a resumed run needs it now, shaped like ZeRO's
+        # flat partitions, to receive each parameter's piece.
+        template = next(iter(state["state"].values()))
+        for flat in self._flat_partitions():
+            base.state[flat] = {
+                key: torch.zeros_like(flat) if _per_element(value) else _copy(value) for key, value in template.items()
+            }
+        link = getattr(self.engine.optimizer, "_lazy_init_hp_params_optimizer_state", None)
+        if link is not None:  # stages 1-2 point each parameter at its piece of that state after the first step
+            link()
+        for index, slot in state["state"].items():
+            parameter = self.parameters[int(index)]
+            for key, value in slot.items():
+                if _per_element(value):
+                    safe_set_full_optimizer_state(parameter, value.to(parameter.device), key)
+
+    def _base_optimizer(self) -> torch.optim.Optimizer:
+        """The recipe's torch optimizer inside ZeRO's, stepping ZeRO's flat fp32 partitions."""
+        return self.engine.optimizer.optimizer
+
+    def _flat_partitions(self) -> list[torch.Tensor]:
+        """This rank's flat fp32 partitions, which the base optimizer's state is keyed by. Stage 3 puts them
+        in its param groups only while it steps."""
+        zero = self.engine.optimizer
+        flats = getattr(zero, "fp32_partitioned_groups_flat", None)  # stage 3
+        return list(flats if flats is not None else zero.single_partition_of_fp32_groups)  # stages 1-2
 
     def held_numel(self, parameter: torch.nn.Parameter) -> tuple[int, int]:
         partition = getattr(parameter, "ds_tensor", None)  # set by ZeRO-3: this rank's partition
         if partition is not None:
             return partition.numel(), int(parameter.ds_numel)  # type: ignore[attr-defined]  # set by ZeRO-3
         return parameter.numel(), parameter.numel()
+
+
+def _per_element(value: Any) -> bool:
+    """A state tensor with one entry per weight (Adam's moments), not one per tensor (its `step`)."""
+    return torch.is_tensor(value) and value.dim() > 0
+
+
+def _copy(value: Any) -> Any:
+    return value.detach().clone().cpu() if torch.is_tensor(value) else value

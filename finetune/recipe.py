@@ -405,6 +405,12 @@ class Recipe(_Section):
                 "train.nonfinite_skips cannot be used with distributed.strategy deepspeed: DeepSpeed takes its step "
                 "before the loop sees the gradient norm; set it to 0 or use fsdp"
             )
+        if self.distributed.strategy == "deepspeed" and self.train.optimizer != "adamw":
+            raise ValueError(
+                f"train.optimizer {self.train.optimizer} cannot be used with distributed.strategy deepspeed: ZeRO "
+                "already partitions the optimizer state over the ranks (and checkpoints map only per-weight state "
+                "back from its partitions); use optimizer adamw"
+            )
         return self
 
     @model_validator(mode="after")

@@ -39,10 +39,9 @@ from finetune.distributed import (
     DistributedInfo,
     Sharding,
     adapter_state,
-    load_adapter_state,
-    load_optimizer_state,
     rank_param_share,
     sharding_for,
+    trainable_names,
 )
 from finetune.errors import CheckpointError, RecipeError
 from finetune.evaluate import evaluate
@@ -283,11 +282,6 @@ def start_run(recipe: Recipe, *, resume: bool, say: Say) -> TrainingRun:
     if not resume:
         check_output_free(recipe)
     resume_from = ckpt.latest_checkpoint(recipe.output.run_path) if resume else None
-    if resume and recipe.distributed.strategy == "deepspeed":
-        raise CheckpointError(
-            "--resume: resuming a distributed.strategy deepspeed run is not supported yet (ZeRO partitions the "
-            "optimizer state in its own layout); start fresh without --resume, or train with strategy fsdp"
-        )
     if resume and resume_from is None:
         raise CheckpointError(
             f"--resume: no checkpoint in {recipe.output.run_path}; run without --resume to start fresh"
@@ -360,10 +354,10 @@ def _restore(run: TrainingRun, path: Path, say: Say) -> None:
             f"{path} was written by a different recipe (model, lora, data or train settings differ); "
             "resume with the original recipe, or start fresh without --resume"
         )
-    if not optimizer["param_groups"]:  # written by a DeepSpeed run (`DeepSpeedSharding.optimizer_state`)
+    if not optimizer["param_groups"]:  # a DeepSpeed run's, before finetune saved ZeRO's optimizer state
         raise CheckpointError(
-            f"{path} holds no optimizer state (a distributed.strategy deepspeed run wrote it), so resuming would "
-            "restart Adam's moments; start fresh without --resume"
+            f"{path} holds no optimizer state (a distributed.strategy deepspeed run of an earlier finetune wrote "
+            "it), so resuming would restart Adam's moments; start fresh without --resume"
         )
     rng_states = state["rng"]
     if len(rng_states) != run.accelerator.num_processes:
@@ -372,13 +366,14 @@ def _restore(run: TrainingRun, path: Path, say: Say) -> None:
             f"{run.accelerator.num_processes}; resume with --nproc {len(rng_states)}"
         )
     try:
-        load_adapter_state(run.peft_model, trainable)
+        trainable = trainable_names(run.peft_model, trainable)
     except KeyError as exc:
         raise CheckpointError(
             f"{path} holds weights this recipe does not train ({exc.args[0]}); resume with "
             "the original recipe, or start fresh without --resume"
         ) from None
-    load_optimizer_state(run.optimizer, optimizer)
+    run.sharding.load_trainable_state(run.peft_model, trainable)
+    run.sharding.load_optimizer_state(run.optimizer, optimizer)
     run.step, run.tokens_seen, run.position = state["step"], state["tokens_seen"], state["position"]
     run.base_eval = state.get("base_eval", {})
     run.resumed_from = path

@@ -109,6 +109,7 @@ def test_overrides_apply_through_the_schema(tmp_path, override, check):
             ["offload_params needs stage: 3"],
         ),
         (MINIMAL, ["distributed.strategy=deepspeed", "train.nonfinite_skips=2"], ["nonfinite_skips cannot be used"]),
+        (MINIMAL, ["distributed.strategy=deepspeed", "train.optimizer=adamw_8bit"], ["adamw_8bit cannot be used"]),
     ],
 )
 def test_bad_recipes_fail_with_one_line_that_says_where(tmp_path, text, overrides, expected):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -119,6 +120,21 @@ def test_fsdp_and_deepspeed_shard_resume_and_train_the_ddp_adapter(sharded_workd
     # is near zero, rounding in ZeRO's reduce-scatter becomes a visible difference (measured: 4 of 1.05M
     # weights off by more than 1e-4, at most 3.6e-4). Each tensor as a whole agrees to 3e-4 relative.
     _assert_same_adapter("adapters/ddp", "adapters/zero3", max_abs=1e-3, max_relative=1e-3)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_deepspeed_run_resumes_to_the_adapter_of_an_unbroken_run(workdir, stage):
+    # ZeRO keeps Adam's moments and fp32 master weights in flat partitions of its own; the checkpoint
+    # holds them whole, as torch names them, and resuming scatters them back (stages 2 and 3 differ).
+    zero = ("distributed.strategy=deepspeed", f"distributed.deepspeed.stage={stage}", "train.max_steps=3")
+    _train(*zero, "output.name=zero", "train.save_every_steps=2")
+    moments = load_file("runs/zero/checkpoint-000003/optimizer.safetensors")
+    assert any("exp_avg_sq" in name and tensor.abs().max() > 0 for name, tensor in moments.items()), sorted(moments)
+    shutil.rmtree("runs/zero/checkpoint-000003")
+    os.rename("adapters/zero", "unbroken")
+    assert "resumed from" in _train(*zero, "output.name=zero", "output.overwrite=true", "--resume")
+    _assert_same_adapter("unbroken", "adapters/zero", max_abs=1e-7, max_relative=1e-7)
 
 
 def _distributed(name: str) -> dict:
