@@ -17,8 +17,16 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from transformers import PreTrainedModel
 
 IGNORE_INDEX = -100
+
+
+def next_token_targets(labels: torch.Tensor) -> torch.Tensor:
+    """(B, T) labels -> (B, T) targets: position t predicts token t+1, IGNORE_INDEX where no loss is taken."""
+    # Shift the labels, not the logits: slicing logits[:, :-1] would copy the whole (B, T, V) tensor
+    # (and its gradient); a label of -100 at the last position drops the prediction past the end.
+    return F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
 
 
 def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -31,24 +39,45 @@ def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Te
     Returns:
         (loss_sum, num_label_tokens): a float32 scalar and an int64 scalar.
     """
-    # Shift the labels, not the logits: slicing logits[:, :-1] would copy the whole (B, T, V) tensor
-    # (and its gradient); a label of -100 at the last position drops the prediction past the end.
-    shift_labels = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)  # (B, T): position t predicts token t+1
+    targets = next_token_targets(labels)
     loss_sum = F.cross_entropy(
-        logits.float().reshape(-1, logits.size(-1)),
-        shift_labels.reshape(-1),
-        ignore_index=IGNORE_INDEX,
-        reduction="sum",
+        logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
     )
-    return loss_sum, (shift_labels != IGNORE_INDEX).sum()
+    return loss_sum, (targets != IGNORE_INDEX).sum()
 
 
 def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
     return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
 
 
-def forward_loss(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Summed next-token loss and label-token count of one collated batch (KV cache off: see packing)."""
+def forward_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed next-token loss and label-token count of one collated batch (KV cache off: see packing).
+
+    The output layer runs only at the positions that predict a label: with a prompt masked out (or
+    padding) most positions carry none, and for a large vocabulary the head and its softmax are most of
+    a small model's step. The loss is the same sum over the same tokens as `token_loss_sum` of all
+    logits. The selection happens in a hook on the head, inside the model's forward, so DDP, FSDP and
+    DeepSpeed wrappers see an ordinary forward.
+    """
     inputs = {k: v for k, v in batch.items() if k != "labels"}
-    logits = model(**inputs, use_cache=False).logits
-    return token_loss_sum(logits, batch["labels"])
+    targets = next_token_targets(batch["labels"])  # (B, T)
+    labelled = targets != IGNORE_INDEX
+    head = output_head(model)
+    if head is None or hasattr(model, "_orig_mod"):  # torch.compile: a shape that changes every batch recompiles
+        return token_loss_sum(model(**inputs, use_cache=False).logits, batch["labels"])
+    handle = head.register_forward_pre_hook(lambda module, args: (args[0][labelled], *args[1:]))
+    try:
+        logits = model(**inputs, use_cache=False).logits  # (N, V): the N labelled positions, in row order
+    finally:
+        handle.remove()
+    loss_sum = F.cross_entropy(logits.float(), targets[labelled], reduction="sum")
+    return loss_sum, labelled.sum()
+
+
+def output_head(model: torch.nn.Module) -> torch.nn.Module | None:
+    """The output layer (hidden states -> logits) of the causal LM inside `model`, under any wrapper
+    (peft, DDP, FSDP, DeepSpeed); None when there is no transformers model inside."""
+    for module in model.modules():
+        if isinstance(module, PreTrainedModel):
+            return module.get_output_embeddings()
+    return None

@@ -281,11 +281,43 @@ def wrap_with_lora(model: PreTrainedModel, config: LoraConfig):
     if getattr(model, "is_loaded_in_4bit", False) or getattr(model, "is_loaded_in_8bit", False):
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
     peft_model = get_peft_model(model, lora_config)
+    use_uniform_dropout(peft_model)
     # LoRA weights train in float32 even on a 16-bit base: Adam updates are too small for bf16.
     for parameter in peft_model.parameters():
         if parameter.requires_grad and parameter.dtype != torch.float32:
             parameter.data = parameter.data.float()
     return peft_model
+
+
+class UniformDropout(torch.nn.Dropout):
+    """Dropout whose mask comes from 16 random bits per element: keep with probability 1-p (p rounded to
+    a multiple of 1/65536), scale by 1/(1-p), as `nn.Dropout` does. About twice as fast on CPU.
+
+    peft draws a mask the size of each LoRA layer's input, 7 per decoder layer with all-linear targets;
+    torch's CPU dropout draws one float per element through `bernoulli_`, which was 11-13% of a training
+    step on an 8M-parameter Llama (torch.profiler, one thread). Drawing 64-bit integers and reading each
+    as four 16-bit ones needs a quarter of the generator calls. The random stream differs from
+    `nn.Dropout`'s: runs are reproducible with this class, not bit-identical to plain peft with dropout.
+    """
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if not self.training or self.p == 0.0:
+            return input
+        count = input.numel()
+        bits = torch.empty((count + 3) // 4, dtype=torch.int64, device=input.device).random_(-(2**63), 2**63 - 1)
+        uniform16 = bits.view(torch.int16)[:count].view(input.shape)  # each in [-32768, 32767], uniform
+        keep = uniform16 >= round(self.p * 65536) - 32768
+        return torch.where(keep, input * (1.0 / (1.0 - self.p)), 0.0)
+
+
+def use_uniform_dropout(peft_model: torch.nn.Module) -> None:
+    """Replace every LoRA layer's `nn.Dropout` by a `UniformDropout` of the same p, in place."""
+    for module in peft_model.modules():
+        dropouts = getattr(module, "lora_dropout", None)
+        if isinstance(dropouts, torch.nn.ModuleDict):
+            for name, dropout in dropouts.items():
+                if type(dropout) is torch.nn.Dropout:
+                    dropouts[name] = UniformDropout(dropout.p)
 
 
 def describe_trainable(model: torch.nn.Module) -> str:

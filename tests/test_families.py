@@ -150,3 +150,41 @@ def test_family_recipe_trains_and_masks_exactly_the_assistant_turns(family, tmp_
     train(recipe_path, train_overrides, log=lambda message: None, on_step=lambda s, m: losses.append(m["loss"]))
     assert len(losses) == 2 and all(loss == loss and loss < 1e4 for loss in losses)
     assert losses[1] < losses[0]
+
+
+@pytest.mark.parametrize("family", FAMILIES, ids=[f.name for f in FAMILIES])
+def test_the_head_on_labelled_positions_only_gives_the_full_logits_loss_and_gradients(family, tmp_path):
+    # forward_loss runs the output layer only where a label is (a hook on the head); Gemma's logit
+    # softcapping, a LoRA-wrapped head and packed rows must give the loss of all logits, and its gradients.
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    from finetune.data.collate import collate_batch
+    from finetune.loss import forward_loss, token_loss_sum
+
+    base = build_family(family, tmp_path / "base")
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "lm_head"], init_lora_weights=False)
+    model = get_peft_model(model, lora)
+    vocab = model.config.vocab_size
+    documents = []
+    for length in (9, 5, 4):  # the second half of each document is trained: its labels are its inputs
+        input_ids = [(7 * i + 3) % vocab for i in range(length)]
+        documents.append({"input_ids": input_ids, "labels": [-100] * (length // 2) + input_ids[length // 2 :]})
+    batch = collate_batch(documents, pad_token_id=0, packing=True)
+
+    def loss_and_grads(loss_fn):
+        model.zero_grad()
+        loss, tokens = loss_fn()
+        loss.backward()
+        return loss.detach(), int(tokens), [p.grad.clone() for p in model.parameters() if p.requires_grad]
+
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    full = loss_and_grads(lambda: token_loss_sum(model(**inputs, use_cache=False).logits, batch["labels"]))
+    selected = loss_and_grads(lambda: forward_loss(model, batch))
+    assert selected[1] == full[1] == 10  # 5 + 3 + 2 trained tokens
+    torch.testing.assert_close(selected[0], full[0], rtol=1e-5, atol=1e-5)
+    for got, expected in zip(selected[2], full[2]):
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-6)
+    assert model(**inputs, use_cache=False).logits.shape[:2] == batch["input_ids"].shape  # the hook is gone

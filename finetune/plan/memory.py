@@ -46,8 +46,9 @@ class Implementation:
     """With a quantized base, peft's `prepare_model_for_kbit_training` casts every weight bitsandbytes left
     unquantized (embeddings, output head, norms) to float32."""
     logits_bytes: float
-    """Bytes per logit (B·T·V) at the peak of the loss. finetune's loss (`finetune.loss.token_loss_sum`)
-    upcasts the whole (B, T, V) logits to float32 for cross-entropy, which keeps its float32 log-softmax
+    """Bytes per logit (B·T·V) at the peak of the loss. finetune's loss (`finetune.loss.forward_loss`)
+    computes logits only at labelled positions (all of them for `text` data, the plan's bound; a masked
+    prompt needs less), upcast to float32 for cross-entropy, which keeps its float32 log-softmax
     for backward; the backward of that holds the incoming gradient, the saved output and the outgoing
     gradient at once: 3 x 4 bytes. (Forward: 16-bit logits + float32 copy + log-softmax = 10 at most.)"""
 
