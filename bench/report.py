@@ -177,7 +177,10 @@ def merge_section(figures: dict[str, Any]) -> list[str]:
     ]
     lines += table(["process", "peak RSS GiB", "peak anonymous GiB", "wall s"], rows)
     lines.append(
-        f"\nPeak RSS ours / peft {ours['peak_rss'] / peft['peak_rss']:.2f}; ours loads with from_pretrained: "
+        f"\nAbove the floor, peak anonymous memory: ours {(ours['peak_anon'] - floor['peak_anon']) / gib:.2f} GiB, "
+        f"peft {(peft['peak_anon'] - floor['peak_anon']) / gib:.2f} GiB (RSS also counts memory-mapped file pages, "
+        "which the kernel can drop). "
+        f"Peak RSS ours / peft {ours['peak_rss'] / peft['peak_rss']:.2f}; ours loads with from_pretrained: "
         f"{figures['ours_loads']}; {comparison['elements_differing']} of {comparison['elements']} elements differ "
         f"from peft's merge (max abs diff {comparison['max_abs_diff']:.1e})."
     )
