@@ -19,7 +19,7 @@ Models are built under `--scratch` (reused on the next run). Timing figures depe
 the summary says so when the load average exceeded half the cores during a part.
 
 Example:
-    python -m bench                 # ~12 minutes on 2 quiet cores
+    python -m bench                 # sized for < 15 min on 2 quiet cores (16 min measured at load 2.4-5.2)
     python -m bench --quick --only swap --out /tmp/bench-smoke
 """
 

@@ -5,7 +5,7 @@ the model needs for the real tokens, not what a kernel happens to compute: paddi
 packed row's documents attend only within themselves, so attention is counted per document.
 
 Only matrix multiplications are counted (2 FLOPs per multiply-add); norms, RoPE, softmax, SiLU and the
-loss are elementwise and left out, as in PaLM's and torchtune's MFU. With a frozen base and LoRA on
+loss are elementwise and left out, as in PaLM's definition of MFU. With a frozen base and LoRA on
 projections of every decoder layer, per document of n tokens (d_attn = heads x head_dim, L layers):
 
     forward           2·N_matmul·n + 2·N_lora·n + 4·L·d_attn·n²
