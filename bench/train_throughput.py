@@ -31,16 +31,25 @@ the timed window are reported beside wall seconds. With `--threads 1` no thread 
 real tokens per CPU second measures the work alone, whatever else runs (with 2 threads on a loaded
 machine CPU seconds inflate too: a thread spins while its partner is descheduled).
 
+Utilisation: each micro-batch's model FLOPs are counted from the model config and the real length of
+each of its documents (`finetune.flops`: padding is not model work, packed documents attend within
+themselves), so every arm does the same model FLOPs per step. The machine's matmul peak
+(`bench/matmul_peak.py`, at the arms' thread count and precision) is measured in a fresh process before
+the first arm and after the last, and the better of the two taken; MFU is model FLOPs per second over
+it, by wall time and by CPU time.
+
 Example:
     python bench/train_throughput.py                # fp32, defaults: ~2 min on 2 idle cores, 8.5 at load 9
     python bench/train_throughput.py --threads 1 --precision bf16 --json /tmp/bf16.json   # shared machine
     python bench/train_throughput.py --threads 1 --repeats 3   # interleaved rounds, median ratios
     python bench/train_throughput.py --hidden 384 --layers 6 --seq-len 1024 --steps 30 --compile
+    python bench/train_throughput.py --vocab 32000 --untied --micro-batch-size 8 --grad-accum 1 --records 80 --one-epoch
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -48,6 +57,7 @@ import platform
 import random
 import resource
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -103,6 +113,25 @@ def tokenize_record(record: dict[str, str], tokenizer) -> dict[str, list[int]]:
         "attention_mask": [1] * len(input_ids),
         "labels": [-100] * len(prompt_ids) + response_ids,
     }
+
+
+@functools.cache
+def decoder_shape(base_dir: str):
+    from transformers import AutoConfig
+
+    from finetune.flops import DecoderShape
+
+    return DecoderShape.from_config(AutoConfig.from_pretrained(base_dir))
+
+
+def micro_batch_flops(base_dir: str, document_lengths: list[int]) -> int:
+    """Model FLOPs of one micro-batch's forward + backward (`finetune.flops`): real tokens, per document.
+
+    The same documents make the same figure in every arm, packed or padded: padding is not model work.
+    """
+    from finetune.flops import ALL_LINEAR, step_flops
+
+    return step_flops(decoder_shape(base_dir), document_lengths, lora_rank=int(LORA["r"]), lora_targets=ALL_LINEAR)
 
 
 def heldout_loss(model, documents: list[dict[str, list[int]]], pad_token_id: int, batch_size: int = 8) -> float:
@@ -164,6 +193,7 @@ def summarise(
     wall, cpu = window(marks, steps, warmup)
     timed = step_tokens[warmup:steps]
     real = sum(t["real"] for t in timed)
+    model_flops = sum(t["model_flops"] for t in timed)
     label = sum(t["label"] for t in timed)
     computed = sum(t["computed"] for t in timed)
     tail = [step_losses[s] for s in range(max(1, steps - spec["loss_tail_steps"] + 1), steps + 1) if s in step_losses]
@@ -187,6 +217,9 @@ def summarise(
         "tokens_per_cpu_s": real / cpu,
         "median_step_tokens_per_s": step_rates[len(step_rates) // 2],
         "label_tokens_per_s": label / wall,
+        "model_flops": model_flops,
+        "model_flops_per_s": model_flops / wall,
+        "model_flops_per_cpu_s": model_flops / cpu,
         "all_real_tokens": sum(t["real"] for t in step_tokens[:steps]),
         "final_train_loss": sum(tail) / len(tail),
         "step_losses": [step_losses.get(s) for s in range(1, steps + 1)],
@@ -227,7 +260,8 @@ def run_ours(spec: dict[str, Any], arm: str) -> dict[str, Any]:
             "lora": {**LORA, "target_modules": "all-linear"},
             "data": {
                 "train": [spec["train_path"]],
-                "validation": [spec["validation_path"]],
+                # Without validation data, ours skips its base and final evaluations (--no-own-eval).
+                "validation": [spec["validation_path"]] if spec["own_eval"] else [],
                 "format": "instruction",
                 "prompt_template": PROMPT_TEMPLATE,
                 "completion_only_loss": True,
@@ -280,14 +314,15 @@ def run_ours(spec: dict[str, Any], arm: str) -> dict[str, Any]:
     stream = MicroBatchStream(num_rows=len(data.train), micro_batch_size=micro_batch_size, seed=SEED)
     step_tokens = []
     for step in range(spec["steps"]):
-        real = label = computed = 0
+        real = label = computed = model_flops = 0
         for k in range(grad_accum_steps):
             documents = [data.train[i] for i in stream.indices(step * grad_accum_steps + k)]
             batch = collate_batch(documents, tokenizer.pad_token_id, packing=packing)
             real += sum(len(document["input_ids"]) for document in documents)
             label += int((batch["labels"] != -100).sum())
             computed += batch["input_ids"].numel()
-        step_tokens.append({"real": real, "label": label, "computed": computed})
+            model_flops += micro_batch_flops(spec["base_dir"], [len(d["input_ids"]) for d in documents])
+        step_tokens.append({"real": real, "label": label, "computed": computed, "model_flops": model_flops})
     step_losses = {}
     for line in (work / "run" / "metrics.jsonl").read_text().splitlines():
         record = json.loads(line)
@@ -309,7 +344,8 @@ def run_ours(spec: dict[str, Any], arm: str) -> dict[str, Any]:
         {
             "setup_seconds": marks[0][0] - start,
             "load_and_data_seconds": phases.get("loaded", start) - start,
-            "base_eval_seconds": phases.get("base_eval_done", start) - phases.get("loaded", start),
+            "base_eval_seconds": phases.get("base_eval_done", phases.get("loaded", start))
+            - phases.get("loaded", start),
             "after_seconds": end - marks[spec["steps"]][0],
             "heldout_loss": heldout_loss(tuned, validation, tokenizer.pad_token_id),
             "own_eval_loss": metrics.get("eval_loss"),
@@ -363,7 +399,7 @@ def run_hf_trainer(spec: dict[str, Any], arm: str) -> dict[str, Any]:
     tokenize_seconds = time.perf_counter() - start_tokenizing
 
     padder = DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=-100)
-    micro_batches: list[dict[str, int]] = []  # in the order the loop asks for them
+    micro_batches: list[dict[str, Any]] = []  # in the order the loop asks for them
 
     def collate(features):
         batch = padder(features)
@@ -372,6 +408,7 @@ def run_hf_trainer(spec: dict[str, Any], arm: str) -> dict[str, Any]:
                 "real": int(batch["attention_mask"].sum()),
                 "label": int((batch["labels"] != -100).sum()),
                 "computed": int(batch["input_ids"].numel()),
+                "lengths": [len(f["input_ids"]) for f in features],  # FLOPs counted after training
             }
         )
         return batch
@@ -417,16 +454,18 @@ def run_hf_trainer(spec: dict[str, Any], arm: str) -> dict[str, Any]:
     )
     trainer.train()
     end_train = time.perf_counter()
-    own_eval = trainer.evaluate()
+    own_eval = trainer.evaluate() if spec["own_eval"] else {}
     after_seconds = time.perf_counter() - marks[spec["steps"]][0]
     rss = peak_rss_mib()
 
+    for micro_batch in micro_batches:
+        micro_batch["model_flops"] = micro_batch_flops(spec["base_dir"], micro_batch.pop("lengths"))
     grad_accum = spec["grad_accum_steps"]
     assert len(micro_batches) >= spec["steps"] * grad_accum, "fewer micro-batches than steps x accumulation"
     step_tokens = [
         {
             key: sum(b[key] for b in micro_batches[s * grad_accum : (s + 1) * grad_accum])
-            for key in ("real", "label", "computed")
+            for key in ("real", "label", "computed", "model_flops")
         }
         for s in range(spec["steps"])
     ]
@@ -559,7 +598,7 @@ def prepare(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     # Enough records that every arm stays inside its first epoch (the Trainer's epochs end with a short
     # accumulation step that would blur the per-step token counts), with a margin for packing.
     rows_needed = args.steps * args.grad_accum * args.micro_batch_size
-    num_train = max(args.records, int(rows_needed * 1.25) + 64)
+    num_train = args.records if args.one_epoch else max(args.records, int(rows_needed * 1.25) + 64)
     num_validation = args.validation_records
     max_words = int(args.seq_len * 0.55)
     wanted = num_train + num_validation
@@ -595,8 +634,16 @@ def prepare(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         num_hidden_layers=args.layers,
         num_attention_heads=heads,
         num_key_value_heads=max(1, heads // 2),
+        tie_word_embeddings=not args.untied,
         max_position_embeddings=max(args.seq_len * args.micro_batch_size, 2048),
     )
+    if args.vocab > len(tokenizer):
+        # The tokenizer learnt fewer pieces than asked (the generated words run out): give the model the
+        # vocabulary asked for anyway, as a padded vocabulary, so embedding, lm_head and the softmax cost
+        # what they cost at that size. The extra rows are never a target.
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(SEED)
+            model.resize_token_embeddings(args.vocab, mean_resizing=False)
     base_dir = workdir / "base"
     model.save_pretrained(base_dir)
     tokenizer.save_pretrained(base_dir)
@@ -617,13 +664,16 @@ def prepare(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         "compile": args.compile,
         "threads": args.threads,
         "verbose": args.verbose,
+        "own_eval": not args.no_own_eval,
         "model": {
             "hidden": args.hidden,
             "layers": args.layers,
             "intermediate": intermediate,
             "heads": heads,
             "kv_heads": max(1, heads // 2),
-            "vocab": len(tokenizer),
+            "vocab": model.config.vocab_size,
+            "tied_embeddings": not args.untied,
+            "tokenizer_vocab": len(tokenizer),
             "parameters": sum(p.numel() for p in model.parameters()),
         },
         "data": {
@@ -669,6 +719,9 @@ def format_table(results: dict[str, dict[str, Any]]) -> str:
         ("real tokens/s, median step", "median_step_tokens_per_s", "{:.0f}"),
         ("real tokens per CPU s", "tokens_per_cpu_s", "{:.0f}"),
         ("label tokens/s", "label_tokens_per_s", "{:.0f}"),
+        ("model GFLOP/s", "model_flops_per_s", lambda flops: f"{flops / 1e9:.1f}"),
+        ("MFU (of the matmul peak)", "mfu", "{:.1%}"),
+        ("MFU per CPU s", "mfu_per_cpu_s", "{:.1%}"),
         ("real tokens (timed)", "real_tokens", "{:.0f}"),
         ("padding computed", "padding_fraction", "{:.1%}"),
         ("peak RSS MiB", "peak_rss_mib", "{:.0f}"),
@@ -690,7 +743,8 @@ def format_table(results: dict[str, dict[str, Any]]) -> str:
             cells = [f"{results[a]['load_average_before']:.1f}/{results[a]['load_average_after']:.1f}" for a in arms]
             lines.append([label, *cells] + ["" for a in arms if base and a != BASELINE])
             continue
-        cells = [fmt.format(results[a][key]) for a in arms]
+        show = fmt if callable(fmt) else fmt.format
+        cells = [show(results[a][key]) for a in arms]
         ratios = []
         if base:
             for a in arms:
@@ -732,6 +786,25 @@ def run_arm_process(arm: str, spec_path: Path, out_path: Path, env: dict[str, st
     return result
 
 
+def measure_peaks(precision: str, env: dict[str, str]) -> dict[str, dict[str, Any]]:
+    """The matmul peak (bench/matmul_peak.py) in a fresh process with the arms' environment (threads)."""
+    precisions = ["fp32"] + (["bf16"] if precision == "bf16" else [])
+    command = [sys.executable, str(Path(__file__).with_name("matmul_peak.py")), "--precisions", ",".join(precisions)]
+    completed = subprocess.run(command, env=env, capture_output=True, text=True, check=True)
+    return json.loads(completed.stdout.strip().splitlines()[-1])
+
+
+def best_peak(measurements: list[dict[str, dict[str, Any]]], precision: str) -> dict[str, float]:
+    """The best of the measurements taken before and after the arms: load only ever lowers a peak."""
+    return {key: max(m[precision][key] for m in measurements) for key in ("flops_per_s", "flops_per_cpu_s")}
+
+
+def add_utilisation(result: dict[str, Any], peak: dict[str, float]) -> None:
+    """MFU: model FLOPs per second over the peak, by wall time and by CPU time (see bench/matmul_peak.py)."""
+    result["mfu"] = result["model_flops_per_s"] / peak["flops_per_s"]
+    result["mfu_per_cpu_s"] = result["model_flops_per_cpu_s"] / peak["flops_per_cpu_s"]
+
+
 RATIO_KEYS = ("tokens_per_s", "tokens_per_cpu_s", "median_step_tokens_per_s")
 
 
@@ -740,9 +813,9 @@ def median_ratios(rounds: list[dict[str, dict[str, Any]]]) -> dict[str, dict[str
     medians: dict[str, dict[str, float]] = {}
     for key in RATIO_KEYS:
         for arm in {arm for results in rounds for arm in results} - {BASELINE}:
-            ratios = sorted(r[arm][key] / r[BASELINE][key] for r in rounds if arm in r and BASELINE in r)
-            if ratios:
-                medians.setdefault(key, {})[arm] = ratios[len(ratios) // 2]
+            ratios = [r[arm][key] / r[BASELINE][key] for r in rounds if arm in r and BASELINE in r]
+            if ratios:  # of an even count, the mean of the middle two (not the upper one)
+                medians.setdefault(key, {})[arm] = statistics.median(ratios)
     return medians
 
 
@@ -764,7 +837,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
     parser.add_argument("--hidden", type=int, default=256, help="hidden size (heads of 64; default 256)")
     parser.add_argument("--layers", type=int, default=4, help="decoder layers (default 4)")
-    parser.add_argument("--vocab", type=int, default=8192, help="tokenizer vocabulary (default 8192)")
+    parser.add_argument(
+        "--vocab",
+        type=int,
+        default=8192,
+        help="vocabulary: the tokenizer is trained to this size, the model gets it even where the tokenizer learns fewer (default 8192)",
+    )
+    parser.add_argument(
+        "--untied", action="store_true", help="an lm_head of its own instead of the input embedding's (same FLOPs)"
+    )
     parser.add_argument("--seq-len", type=int, default=512, help="max_seq_len: longest record")
     parser.add_argument("--micro-batch-size", type=int, default=4)
     parser.add_argument("--grad-accum", type=int, default=2)
@@ -778,7 +859,18 @@ def main(argv: list[str] | None = None) -> int:
         "'tokens per CPU s' a measure of the work alone, since no thread waits for another",
     )
     parser.add_argument("--records", type=int, default=800, help="training records (at least enough for the steps)")
+    parser.add_argument(
+        "--one-epoch",
+        action="store_true",
+        help="train on exactly --records documents once: --steps becomes records / (micro-batch x accumulation)",
+    )
     parser.add_argument("--validation-records", type=int, default=64)
+    parser.add_argument(
+        "--no-own-eval",
+        action="store_true",
+        help="skip each arm's own evaluations (ours' base and final eval, the Trainer's evaluate()), outside the "
+        "timed steps; the held-out loss this script computes for every arm is kept",
+    )
     parser.add_argument("--loss-tail-steps", type=int, default=3, help="final train loss = mean of the last N steps")
     parser.add_argument("--arms", default=",".join(DEFAULT_ARMS), help=f"comma-separated subset of {', '.join(ARMS)}")
     parser.add_argument(
@@ -791,6 +883,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--_spec", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--_out", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.one_epoch:
+        args.steps = args.records // (args.micro_batch_size * args.grad_accum)
+        args.records = args.steps * args.micro_batch_size * args.grad_accum
 
     if args._arm:
         run_arm(args._spec, args._arm, args._out)
@@ -838,6 +933,8 @@ def main(argv: list[str] | None = None) -> int:
             f"records (median {spec['data']['median_tokens']}, p90 {spec['data']['p90_tokens']}, max "
             f"{spec['data']['max_tokens']} tokens); prepared in {spec['prepare_seconds']:.1f} s"
         )
+        say(f"measuring the matmul peak ({args.precision})")
+        peaks = [measure_peaks(args.precision, env)]
         rounds: list[dict[str, dict[str, Any]]] = []
         for number in range(1, args.repeats + 1):
             rounds.append({})
@@ -847,6 +944,11 @@ def main(argv: list[str] | None = None) -> int:
                 result = run_arm_process(arm, spec_path, workdir / f"result-{arm}-{number}.json", env)
                 if result is not None:
                     rounds[-1][arm] = result
+        peaks.append(measure_peaks(args.precision, env))
+        peak = best_peak(peaks, args.precision)
+        for round_results in rounds:
+            for result in round_results.values():
+                add_utilisation(result, peak)
         results = median_round(rounds)
         if not results:
             return 1
@@ -856,6 +958,7 @@ def main(argv: list[str] | None = None) -> int:
             "versions": versions(),
             "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, torch threads {spec['torch_threads']}",
             "spec": spec,
+            "matmul_peak": {"best": peak, "precision": args.precision, "measurements": peaks},
             "results": results,
             "rounds": rounds,
             "median_ratios": median_ratios(rounds),
@@ -870,6 +973,10 @@ def main(argv: list[str] | None = None) -> int:
             f"{args.micro_batch_size} x accumulation {args.grad_accum}, lr {args.lr}, {args.precision}"
             f"{', compiled' if args.compile else ''}; max_seq_len {args.seq_len}; records median "
             f"{d['median_tokens']} / p90 {d['p90_tokens']} / max {d['max_tokens']} tokens"
+        )
+        print(
+            f"matmul peak ({args.precision}, {spec['torch_threads']} threads, best of before and after the arms): "
+            f"{peak['flops_per_s'] / 1e9:.1f} GFLOP/s, {peak['flops_per_cpu_s'] / 1e9:.1f} GFLOP per CPU s"
         )
         print(format_table(results))
         if args.repeats > 1:

@@ -1,0 +1,211 @@
+"""The Markdown summary of a `python -m bench` run (bench/results/latest.md), from its latest.json.
+
+Only formatting: every figure is read from the JSON the scripts wrote, so the summary and the JSON
+cannot disagree. A part that failed gets a line saying so instead of a table.
+
+Example:
+    markdown = format_markdown(json.loads(Path("bench/results/latest.json").read_text()))
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+ARM_LABELS = {
+    "ours-packed": "ours, packed",
+    "ours-padded": "ours, padded",
+    "hf-trainer": "HF Trainer + peft (padded to the longest)",
+}
+
+
+def table(header: list[str], rows: list[list[str]]) -> list[str]:
+    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)] + ["| " + " | ".join(r) + " |" for r in rows]
+
+
+def loads(values: list[float]) -> str:
+    return "/".join(f"{v:.1f}" for v in values)
+
+
+def machine_lines(report: dict[str, Any]) -> list[str]:
+    m = report["machine"]
+    versions = ", ".join(f"{k} {v}" for k, v in m["versions"].items())
+    minutes, seconds = divmod(round(report["wall_seconds"]), 60)
+    lines = [
+        f"{report['date_utc']}; {m['cpu']}, {m['cores']} cores, {m['memory_gib']} GiB RAM, "
+        f"{'a GPU present (unused)' if m['gpu'] else 'no GPU'}; {versions}.",
+        f"`{report['command']}`: {minutes} min {seconds} s. Load average (1/5/15 min) at the start "
+        f"{loads(report['load_average_start'])}, at the end {loads(report['load_average_end'])}.",
+    ]
+    peak_load = max(max(p["load_average_before"][0], p["load_average_after"][0]) for p in report["parts"].values())
+    if peak_load > m["cores"] / 2:
+        lines.append(
+            f"\n**Taken under load** (1-minute load average up to {peak_load:.1f} on {m['cores']} cores): "
+            "seconds and tokens per second are depressed and noisy; ratios come from interleaved runs; "
+            "exactness, drift, losses and memory do not depend on load. Re-run on a quiet machine before quoting speeds."
+        )
+    if report["quick"]:
+        lines.append("\n**`--quick`**: tiny models, a check that the command works; the figures mean little.")
+    return lines
+
+
+def train_section(figures: dict[str, Any]) -> list[str]:
+    spec, results, ratios = figures["spec"], figures["results"], figures["median_ratios"]
+    m, d = spec["model"], spec["data"]
+    peak = figures["matmul_peak"]
+    lines = [
+        f"One epoch of {d['train_records']} generated instruction records (median {d['median_tokens']}, p90 "
+        f"{d['p90_tokens']}, max {d['max_tokens']} tokens): {spec['steps']} optimizer steps of "
+        f"{spec['micro_batch_size'] * spec['grad_accum_steps']} documents (micro-batch {spec['micro_batch_size']} "
+        f"x accumulation {spec['grad_accum_steps']}), the last {spec['steps'] - spec['warmup_steps']} timed; "
+        f"Llama {m['parameters'] / 1e6:.1f}M parameters (hidden {m['hidden']}, {m['layers']} layers, vocabulary "
+        f"{m['vocab']}, {'tied' if m['tied_embeddings'] else 'untied'} embeddings), LoRA r=16 all-linear, "
+        f"{spec['precision']}, {spec['torch_threads']} torch threads; {len(figures['rounds'])} interleaved rounds.",
+        f"Matmul peak ({peak['precision']}, same threads, best of before and after the arms): "
+        f"{peak['best']['flops_per_s'] / 1e9:.1f} GFLOP/s, {peak['best']['flops_per_cpu_s'] / 1e9:.1f} GFLOP "
+        "per CPU s. MFU = model FLOPs per second (finetune/flops.py: real tokens, attention per document) "
+        "over that peak.",
+        "",
+    ]
+    rows = []
+    for arm, result in results.items():
+        vs = ratios.get("tokens_per_s", {}).get(arm)
+        vs_cpu = ratios.get("tokens_per_cpu_s", {}).get(arm)
+        rows.append(
+            [
+                ARM_LABELS.get(arm, arm),
+                f"{result['tokens_per_s']:.0f}",
+                f"{vs:.2f}x" if vs is not None else "1.00x",
+                f"{vs_cpu:.2f}x" if vs_cpu is not None else "1.00x",
+                f"{result['mfu']:.1%}",
+                f"{result['mfu_per_cpu_s']:.1%}",
+                f"{result['padding_fraction']:.1%}",
+                f"{result['peak_rss_mib']:.0f}",
+                f"{result['heldout_loss']:.4f}",
+            ]
+        )
+    lines += table(
+        [
+            "arm",
+            "real tokens/s",
+            "vs Trainer (median of rounds)",
+            "per CPU s vs Trainer",
+            "MFU",
+            "MFU per CPU s",
+            "padding computed",
+            "peak RSS MiB",
+            "held-out loss",
+        ],
+        rows,
+    )
+    lines.append(
+        "\nTokens/s, MFU and memory are each arm's median round; the ratios are medians over rounds of each "
+        "round's ratio. Every arm takes the same documents per step, so model FLOPs per step are equal."
+    )
+    lines += [f"\nWARNING: {w}" for w in figures.get("warnings", [])]
+    return lines
+
+
+def swap_section(figures: dict[str, Any]) -> list[str]:
+    lines: list[str] = []
+    if "swap" in figures:
+        first = figures["swap"][0]
+        repeats = len(first["all_seconds"]["ours"])
+        lines += [
+            f"Llama {figures['parameters'] / 1e6:.1f}M parameters, two LoRA adapters (r=16, all-linear, "
+            f"{first['targeted_weights']} weights); swap a -> b, median of {repeats} interleaved repetitions.",
+            "",
+        ]
+        rows = [
+            [
+                r["dtype"],
+                f"{r['ours_swap_s']:.2f}",
+                f"{r['reload_merge_s']:.2f} ({r['reload_merge_s'] / r['ours_swap_s']:.1f}x)",
+                f"{r['peft_inplace_s']:.2f} ({r['peft_inplace_s'] / r['ours_swap_s']:.1f}x)",
+                str(r["ours_equals_fresh_merge"]),
+                f"{r['ours_equals_peft_inplace']} (max abs diff {r['ours_vs_peft_inplace_max_abs']:.1e})",
+            ]
+            for r in figures["swap"]
+        ]
+        lines += table(
+            [
+                "dtype",
+                "ours: in-place swap s",
+                "reload base + merge b s",
+                "peft unmerge + merge s",
+                "ours = fresh merge of b",
+                "peft in place = ours",
+            ],
+            rows,
+        )
+    if "drift" in figures:
+        first = figures["drift"][0]
+        lines += [
+            "",
+            f"Drift: max |W - W0| over {first['targeted_weights']} weights after merge/unmerge cycles.",
+            "",
+        ]
+        rows = [
+            [
+                r["dtype"],
+                f"{r['ours_max_abs_after_n']:.1e}",
+                str(r["ours_bit_exact_after_n"]),
+                f"{r['peft_max_abs_after_1']:.1e}",
+                f"{r['peft_max_abs_after_n']:.1e}",
+            ]
+            for r in figures["drift"]
+        ]
+        cycles = first["cycles"]
+        lines += table(["dtype", f"ours after {cycles}", "ours == W0", "peft after 1", f"peft after {cycles}"], rows)
+    return lines
+
+
+def merge_section(figures: dict[str, Any]) -> list[str]:
+    ours, peft, floor, comparison = figures["ours"], figures["baseline"], figures["floor"], figures["comparison"]
+    gib = 2**30
+    lines = [
+        f"A {figures['checkpoint_bytes'] / 1e9:.2f} GB {figures['dtype']} checkpoint in {figures['shards']} shards "
+        f"(largest {figures['largest_shard_bytes'] / 2**20:.0f} MiB), one adapter; each run a subprocess.",
+        "",
+    ]
+    rows = [
+        [label, f"{r['peak_rss'] / gib:.2f}", f"{r['peak_anon'] / gib:.2f}", f"{r['seconds']:.1f}"]
+        for label, r in (
+            ("ours: `finetune adapters merge` (streaming)", ours),
+            ("peft: from_pretrained + merge_and_unload + save_pretrained", peft),
+            ("floor: python + imports", floor),
+        )
+    ]
+    lines += table(["process", "peak RSS GiB", "peak anonymous GiB", "wall s"], rows)
+    lines.append(
+        f"\nAbove the floor, peak anonymous memory: ours {(ours['peak_anon'] - floor['peak_anon']) / gib:.2f} GiB, "
+        f"peft {(peft['peak_anon'] - floor['peak_anon']) / gib:.2f} GiB (RSS also counts memory-mapped file pages, "
+        "which the kernel can drop). "
+        f"Peak RSS ours / peft {ours['peak_rss'] / peft['peak_rss']:.2f}; ours loads with from_pretrained: "
+        f"{figures['ours_loads']}; {comparison['elements_differing']} of {comparison['elements']} elements differ "
+        f"from peft's merge (max abs diff {comparison['max_abs_diff']:.1e})."
+    )
+    return lines
+
+
+SECTIONS = {
+    "train": ("Training throughput and utilisation (bench/train_throughput.py)", train_section),
+    "swap": ("Adapter swap and drift (bench/adapter_swap.py)", swap_section),
+    "merge": ("Streaming merge (bench/streaming_merge.py)", merge_section),
+}
+
+
+def format_markdown(report: dict[str, Any]) -> str:
+    lines = ["# `python -m bench`", "", *machine_lines(report)]
+    for name, part in report["parts"].items():
+        title, section = SECTIONS[name]
+        lines += ["", f"## {title}", "", f"`{part['command']}`", ""]
+        lines += section(part["figures"]) if "figures" in part else [f"**Failed**: {part['error']}"]
+    lines += ["", "## Parts", ""]
+    lines += table(
+        ["part", "wall s", "load average before", "after"],
+        [
+            [name, f"{p['wall_seconds']:.0f}", loads(p["load_average_before"]), loads(p["load_average_after"])]
+            for name, p in report["parts"].items()
+        ],
+    )
+    return "\n".join(lines) + "\n"
