@@ -124,14 +124,19 @@ def decoder_shape(base_dir: str):
     return DecoderShape.from_config(AutoConfig.from_pretrained(base_dir))
 
 
-def micro_batch_flops(base_dir: str, document_lengths: list[int]) -> int:
-    """Model FLOPs of one micro-batch's forward + backward (`finetune.flops`): real tokens, per document.
+def micro_batch_flops(base_dir: str, document_lengths: list[int], label_tokens: int) -> int:
+    """Model FLOPs of one micro-batch's forward + backward (`finetune.flops`): real tokens, per document,
+    and the head's logits only where the loss takes them (the label tokens).
 
-    The same documents make the same figure in every arm, packed or padded: padding is not model work.
+    The same documents make the same figure in every arm, packed or padded: padding, and logits of the
+    prompt, are not model work.
     """
     from finetune.flops import ALL_LINEAR, step_flops
 
-    return step_flops(decoder_shape(base_dir), document_lengths, lora_rank=int(LORA["r"]), lora_targets=ALL_LINEAR)
+    shape = decoder_shape(base_dir)
+    return step_flops(
+        shape, document_lengths, lora_rank=int(LORA["r"]), lora_targets=ALL_LINEAR, head_positions=label_tokens
+    )
 
 
 def heldout_loss(model, documents: list[dict[str, list[int]]], pad_token_id: int, batch_size: int = 8) -> float:
@@ -319,9 +324,10 @@ def run_ours(spec: dict[str, Any], arm: str) -> dict[str, Any]:
             documents = [data.train[i] for i in stream.indices(step * grad_accum_steps + k)]
             batch = collate_batch(documents, tokenizer.pad_token_id, packing=packing)
             real += sum(len(document["input_ids"]) for document in documents)
-            label += int((batch["labels"] != -100).sum())
+            labels = int((batch["labels"] != -100).sum())
+            label += labels
             computed += batch["input_ids"].numel()
-            model_flops += micro_batch_flops(spec["base_dir"], [len(d["input_ids"]) for d in documents])
+            model_flops += micro_batch_flops(spec["base_dir"], [len(d["input_ids"]) for d in documents], labels)
         step_tokens.append({"real": real, "label": label, "computed": computed, "model_flops": model_flops})
     step_losses = {}
     for line in (work / "run" / "metrics.jsonl").read_text().splitlines():
@@ -459,7 +465,9 @@ def run_hf_trainer(spec: dict[str, Any], arm: str) -> dict[str, Any]:
     rss = peak_rss_mib()
 
     for micro_batch in micro_batches:
-        micro_batch["model_flops"] = micro_batch_flops(spec["base_dir"], micro_batch.pop("lengths"))
+        micro_batch["model_flops"] = micro_batch_flops(
+            spec["base_dir"], micro_batch.pop("lengths"), micro_batch["label"]
+        )
     grad_accum = spec["grad_accum_steps"]
     assert len(micro_batches) >= spec["steps"] * grad_accum, "fewer micro-batches than steps x accumulation"
     step_tokens = [

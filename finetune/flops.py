@@ -22,7 +22,8 @@ the total is 4·N_matmul + 6·N_lora per token, not the 6·N of full fine-tuning
 The first layer gets less: the embedding is frozen, so nothing upstream of it needs a gradient, and
 the input gradients of its q, k and v projections (base and LoRA) are skipped, as autograd skips them.
 `step_flops` follows that through the layer (which outputs need a gradient at all), so a LoRA on only
-some projections is counted exactly too. Activation checkpointing recomputes the forward; that is
+some projections is counted exactly too. The head (`lm_head`) is counted at the positions whose logits
+the loss needs, `head_positions` (every token by default; only the response with a masked prompt). Activation checkpointing recomputes the forward; that is
 hardware work, not model FLOPs, and is not counted.
 
 Example:
@@ -94,10 +95,11 @@ class DecoderShape:
 
 @dataclass(frozen=True)
 class _Costs:
-    """FLOPs of one document: `per_token` x n + `per_token_pair` x n²."""
+    """FLOPs of one document of the decoder layers: `per_token` x n + `per_token_pair` x n² (the head apart)."""
 
     per_token: int
     per_token_pair: int
+    head_needs_input_grad: bool
 
 
 def _step_costs(shape: DecoderShape, lora_rank: int, lora_targets: Collection[str]) -> _Costs:
@@ -134,13 +136,15 @@ def _step_costs(shape: DecoderShape, lora_rank: int, lora_targets: Collection[st
         gate = linear("gate_proj", stream_needs_grad)
         up = linear("up_proj", stream_needs_grad)
         stream_needs_grad = linear("down_proj", gate or up) or stream_needs_grad
-    lm_head = shape.hidden_size * shape.vocab_size
-    per_token += 2 * lm_head + (2 * lm_head if stream_needs_grad else 0)
-    return _Costs(per_token=per_token, per_token_pair=per_token_pair)
+    return _Costs(per_token=per_token, per_token_pair=per_token_pair, head_needs_input_grad=stream_needs_grad)
 
 
 def step_flops(
-    shape: DecoderShape, document_lengths: Iterable[int], lora_rank: int, lora_targets: Collection[str] = ALL_LINEAR
+    shape: DecoderShape,
+    document_lengths: Iterable[int],
+    lora_rank: int,
+    lora_targets: Collection[str] = ALL_LINEAR,
+    head_positions: int | None = None,
 ) -> int:
     """Model FLOPs of one forward + backward over these documents (each its own attention span).
 
@@ -150,6 +154,13 @@ def step_flops(
             row contributes each of its documents.
         lora_rank: r of the LoRA on every decoder layer.
         lora_targets: which projections carry LoRA (`ALL_LINEAR` is peft's "all-linear" on a Llama).
+        head_positions: positions whose logits the loss needs (those that predict a label token); default
+            every token. With a masked prompt the loss needs far fewer: logits elsewhere are not model
+            work, however many an implementation computes.
     """
+    lengths = list(document_lengths)
     costs = _step_costs(shape, lora_rank, frozenset(lora_targets))
-    return sum(costs.per_token * n + costs.per_token_pair * n * n for n in document_lengths)
+    layers = sum(costs.per_token * n + costs.per_token_pair * n * n for n in lengths)
+    lm_head = shape.hidden_size * shape.vocab_size
+    head_per_position = 2 * lm_head + (2 * lm_head if costs.head_needs_input_grad else 0)
+    return layers + head_per_position * (sum(lengths) if head_positions is None else head_positions)

@@ -75,3 +75,10 @@ def test_frozen_base_costs_two_thirds_of_full_fine_tuning():
     )
     attention_of_one_token = 12 * shape.num_layers * shape.attention_width
     assert flops == 4 * n_matmul - 2 * first_layer_qkv + attention_of_one_token
+
+
+def test_the_head_is_counted_only_where_the_loss_needs_logits():
+    shape = DecoderShape.from_config(LlamaConfig(**CONFIG))
+    every = step_flops(shape, [30, 19], lora_rank=RANK)
+    responses = step_flops(shape, [30, 19], lora_rank=RANK, head_positions=20)
+    assert every - responses == 4 * shape.hidden_size * shape.vocab_size * (49 - 20)  # forward + input gradient
