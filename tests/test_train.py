@@ -186,3 +186,30 @@ def test_training_variants_learn(workdir, overrides):
     """Every precision, quantization and LoRA variant a recipe can ask for trains on CPU and lowers eval loss."""
     _, metrics = train("recipe.yaml", [*overrides, "train.max_steps=4"])
     assert metrics["eval_loss"] < metrics["base_eval_loss"] - 0.02
+
+
+@pytest.mark.parametrize("p", [0.05, 0.1, 0.3])
+def test_lora_dropout_keeps_1_minus_p_and_preserves_the_mean(p):
+    from finetune.model import UniformDropout
+
+    dropout = UniformDropout(p)
+    x = torch.ones(4_000_000)
+    torch.manual_seed(0)
+    y = dropout(x)
+    kept = (y != 0).float().mean().item()
+    assert abs(kept - (1 - p)) < 5 * (p * (1 - p) / x.numel()) ** 0.5 + 1 / 65536, kept  # 5 sigma, p to 1/65536
+    assert torch.all((y == 0) | torch.isclose(y, torch.tensor(1 / (1 - p))))
+    assert abs(y.mean().item() - 1.0) < 0.01  # E[dropout(x)] = x
+    torch.manual_seed(0)
+    assert torch.equal(dropout(x), y)  # drawn from torch's generator: seeded runs and resumes repeat
+    assert dropout.eval()(x) is x
+
+
+def test_wrapped_models_use_the_uniform_dropout(tiny_base_dir):
+    from transformers import AutoModelForCausalLM
+
+    from finetune.model import UniformDropout, wrap_with_lora
+
+    model = wrap_with_lora(AutoModelForCausalLM.from_pretrained(tiny_base_dir), LoraConfig(r=4, dropout=0.1))
+    dropouts = [m for m in model.modules() if isinstance(m, torch.nn.Dropout) and m.p == 0.1]
+    assert dropouts and all(type(m) is UniformDropout for m in dropouts)
