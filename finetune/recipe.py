@@ -184,6 +184,9 @@ class DataConfig(_Section):
     """Pack each micro-batch's documents into as few rows as fit (each no longer than its longest document;
     documents never attend to each other) instead of one padded row each. It changes speed only, not what
     is learned: a micro-batch is `train.micro_batch_size` documents either way."""
+    num_proc: int | None = Field(None, ge=1)
+    """Processes that tokenize the data (default: every core this process may use). The rows are the same
+    for any number, so it is not part of the data fingerprint; lower it to leave cores to other work."""
 
     @field_validator("train", "validation", mode="before")
     @classmethod

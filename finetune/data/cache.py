@@ -14,9 +14,11 @@ sources on every run. Here the key is computed from what decides the result and 
   chat template;
 - `PIPELINE_VERSION`, bumped whenever this package changes what it produces.
 
-A hit loads the rows memory-mapped with `load_from_disk` and tokenizes nothing. A miss builds the rows,
-writes them to a temporary directory beside the cache entry and renames it into place, so a crash never
-leaves a half-written entry and two processes racing to write the same entry both end up reading one
+An entry is a directory: `train/data.arrow` (and `validation/data.arrow`), Arrow stream files as
+`datasets` writes them, and `meta.json` (stats and fingerprint inputs). A hit memory-maps the rows with
+`datasets.Dataset.from_file` and tokenizes nothing. A miss builds the rows straight into a temporary
+directory beside the cache entry, batch by batch (see `finetune.data.rowfiles`), and renames it into
+place, so a crash never leaves a half-written entry and two processes racing to write the same entry both end up reading one
 complete copy. The cache lives in `$HF_DATASETS_CACHE/finetune` (next to `datasets`' own cache, moved
 by the same variables) unless a directory is passed in. Entries are never evicted: each distinct data
 fingerprint keeps one directory of Arrow files until the directory is deleted (always safe to do).
@@ -33,6 +35,7 @@ import json
 import os
 import shutil
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -43,7 +46,7 @@ from transformers import PreTrainedTokenizerBase
 from finetune.data.sources import source_content_hash
 from finetune.recipe import DataConfig
 
-PIPELINE_VERSION = 2
+PIPELINE_VERSION = 3
 """Bump when the rows this package produces change for the same inputs; old cache entries are then unused."""
 
 _FORMAT_FIELDS = {
@@ -132,6 +135,19 @@ def _entry_dir(cache_root: Path, fingerprint: str) -> Path:
     return cache_root / fingerprint.removeprefix("sha256:")
 
 
+ROWS_FILE = "data.arrow"
+
+
+def rows_file(entry: Path, split: str) -> Path:
+    """Where the rows of `split` (`train`, `validation`) are in an entry directory (or its staging copy)."""
+    return entry / split / ROWS_FILE
+
+
+def load_rows(entry: Path, split: str, in_memory: bool = False) -> datasets.Dataset:
+    """The rows of `split` in `entry`, memory-mapped (or read into memory with `in_memory`)."""
+    return datasets.Dataset.from_file(str(rows_file(entry, split)), in_memory=in_memory)
+
+
 def load_cached(cache_root: Path, fingerprint: str) -> CacheEntry | None:
     """The entry for `fingerprint`, memory-mapped, or None when there is none (or it is damaged)."""
     path = _entry_dir(cache_root, fingerprint)
@@ -140,30 +156,30 @@ def load_cached(cache_root: Path, fingerprint: str) -> CacheEntry | None:
         return None
     try:
         meta = json.loads(meta_path.read_text(encoding="utf-8"))
-        train = datasets.load_from_disk(str(path / "train"))
-        validation = datasets.load_from_disk(str(path / "validation")) if meta["has_validation"] else None
+        train = load_rows(path, "train")
+        validation = load_rows(path, "validation") if meta["has_validation"] else None
     except (OSError, ValueError, KeyError):
         return None  # damaged by hand: rebuilt and replaced by the caller
     return CacheEntry(train, validation, meta["stats"], path)
 
 
-def store(
-    cache_root: Path,
-    fingerprint: str,
-    train: datasets.Dataset,
-    validation: datasets.Dataset | None,
-    stats: dict[str, Any],
-    inputs: dict[str, Any],
-) -> Path:
-    """Write an entry atomically (temporary directory, then rename) and return its path."""
+Build = Callable[[Path], "tuple[dict[str, Any], bool]"]
+"""Writes the rows into a directory (`rows_file(directory, split)`); returns (stats, has_validation)."""
+
+
+def store(cache_root: Path, fingerprint: str, build: Build, inputs: dict[str, Any]) -> Path:
+    """Build an entry in a temporary directory, then rename it into place atomically; return its path.
+
+    `build` runs inside the staging directory, so rows stream to disk as they are made and are never
+    held in memory whole; if it raises, the staging directory is removed and nothing is cached.
+    """
     path = _entry_dir(cache_root, fingerprint)
     cache_root.mkdir(parents=True, exist_ok=True)
     staging = cache_root / f".tmp-{path.name[:16]}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     try:
-        train.save_to_disk(str(staging / "train"))
-        if validation is not None:
-            validation.save_to_disk(str(staging / "validation"))
-        meta = {"fingerprint": fingerprint, "has_validation": validation is not None, "stats": stats, "inputs": inputs}
+        staging.mkdir()
+        stats, has_validation = build(staging)
+        meta = {"fingerprint": fingerprint, "has_validation": has_validation, "stats": stats, "inputs": inputs}
         (staging / "meta.json").write_text(json.dumps(meta, indent=2, sort_keys=True), encoding="utf-8")
         if path.exists():
             if load_cached(cache_root, fingerprint) is not None:

@@ -9,6 +9,11 @@ A row of the result is one document (a record, or one piece of a split record). 
 here: packing groups the documents of each micro-batch when it is collated (`collate`), so a batch is
 the same documents packed or not and packing changes speed only.
 
+Nothing is held whole in memory: sources are read a chunk of records at a time, chunks are encoded by
+one worker process per core (`workers`), and each encoded chunk is appended to an Arrow file on disk
+(`rowfiles`), which the result memory-maps. Peak memory depends on the chunk size and the number of
+workers, not on the size of the corpus; the rows are the same whatever the number of workers.
+
 Validation data is `data.validation` when given, else a seeded `data.validation_split` fraction of the
 training records (all pieces of a split record on the same side), else none.
 
@@ -20,25 +25,25 @@ Example:
 
 from __future__ import annotations
 
+import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 from pathlib import Path
 from typing import Any
 
 import datasets
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 from transformers import PreTrainedTokenizerBase
 
 from finetune.data import cache
-from finetune.data.formats import Document, Locate, encode_records
+from finetune.data.formats import Document, encode_records
 from finetune.data.overlength import fit_to_length
-from finetune.data.packing import arrow_dataset, document_lengths, document_rows
-from finetune.data.sources import RawSource, iter_records, load_source
+from finetune.data.rowfiles import partition_rows, stream_writer
+from finetune.data.sources import RecordChunk, iter_records, load_source
+from finetune.data.workers import default_num_proc, ordered_map
 from finetune.errors import DataError
-from finetune.loss import IGNORE_INDEX
 from finetune.recipe import DataConfig, SourceConfig
 
 Log = Callable[[str], None]
@@ -54,6 +59,9 @@ DOCUMENT_FEATURES = datasets.Features(
 """Documents before rows: `truncated` marks a cut record, `record` numbers records across the sources (the
 pieces of a split record share it)."""
 _RECORDS_PER_CHUNK = 1000
+_CHARS_PER_CHUNK = 1 << 20
+"""A chunk, the unit of work of a worker, ends at 1000 records or about 1 MiB of text: a second or two of
+tokenizing, and some tens of MB of Python objects in a worker at most."""
 
 
 @dataclass(frozen=True)
@@ -105,7 +113,7 @@ def build_datasets(
     cache_dir: str | Path | None = None,
     use_cache: bool = True,
 ) -> DataBundle:
-    """Read, tokenize, split and pack the data of a recipe, or load the result of an earlier run.
+    """Read, tokenize and split the data of a recipe, or load the result of an earlier run.
 
     Args:
         config: the recipe's `data` section.
@@ -113,7 +121,8 @@ def build_datasets(
         seed: seeds the validation split (`train.seed`); unused without `validation_split`.
         log: receives one-line progress messages.
         cache_dir: where tokenized rows are cached; default `$HF_DATASETS_CACHE/finetune`.
-        use_cache: False builds in memory and writes nothing (for one-off inspection).
+        use_cache: False builds in a temporary directory, returns the rows in memory and leaves nothing
+            on disk (for one-off inspection of small data).
 
     Raises:
         DataError: a source is missing, unreadable or empty, or a record does not fit the format.
@@ -125,11 +134,17 @@ def build_datasets(
         log(f"data: {entry.stats['num_rows']} training rows loaded from cache {entry.path} (no tokenizing)")
         return DataBundle(entry.train, entry.validation, fingerprint, entry.stats, True, entry.path)
 
+    def build(directory: Path) -> tuple[dict[str, Any], bool]:
+        return _build(config, tokenizer, seed, log, directory)
+
     with _quiet_datasets():
-        train, validation, stats = _build(config, tokenizer, seed, log)
         if not use_cache:
+            with tempfile.TemporaryDirectory(prefix="finetune-data-") as scratch:
+                stats, has_validation = build(Path(scratch))
+                train = cache.load_rows(Path(scratch), "train", in_memory=True)
+                validation = cache.load_rows(Path(scratch), "validation", in_memory=True) if has_validation else None
             return DataBundle(train, validation, fingerprint, stats, False, None)
-        path = cache.store(cache_root, fingerprint, train, validation, stats, inputs)
+        path = cache.store(cache_root, fingerprint, build, inputs)
     entry = cache.load_cached(cache_root, fingerprint)
     assert entry is not None, f"cache entry {path} unreadable right after writing it"
     log(f"data: rows cached in {path}")
@@ -153,87 +168,141 @@ def preview_documents(config: DataConfig, tokenizer: PreTrainedTokenizerBase, li
     """
     raw = load_source(config.train[0], config.text_field)
     documents: list[PreviewDocument] = []
-    for first, records in iter_records(raw, max(limit, 1)):
-        encoded = encode_records(records, config, tokenizer, locate=_locator(raw, first))
+    for chunk in iter_records(raw, max(limit, 1)):
+        encoded = encode_records(chunk.records, config, tokenizer, locate=chunk.where)
         for offset, document in enumerate(encoded):
-            pieces, _ = fit_to_length(document, config, raw.where(first + offset))
+            pieces, _ = fit_to_length(document, config, chunk.where(offset))
             for number, piece in enumerate(pieces, start=1):
-                documents.append(
-                    PreviewDocument(piece.input_ids, piece.labels, first + offset + 1, number, len(pieces))
-                )
+                record = chunk.first + offset + 1
+                documents.append(PreviewDocument(piece.input_ids, piece.labels, record, number, len(pieces)))
                 if len(documents) == limit:
                     return documents
     return documents
 
 
 def _build(
-    config: DataConfig, tokenizer: PreTrainedTokenizerBase, seed: int, log: Log
-) -> tuple[datasets.Dataset, datasets.Dataset | None, dict[str, Any]]:
-    """Training rows, validation rows (or None) and their stats, built from the sources."""
-    train_docs, num_dropped = _documents(config.train, config, tokenizer, log)
+    config: DataConfig, tokenizer: PreTrainedTokenizerBase, seed: int, log: Log, directory: Path
+) -> tuple[dict[str, Any], bool]:
+    """Write the training (and validation) rows into `directory`; return their stats and whether there is
+    validation data."""
+    num_proc = config.num_proc or default_num_proc()
+    split_off = not config.validation and config.validation_split > 0
+    train_documents = directory / "documents-train.arrow"
+    num_dropped, kept = _write_documents(config.train, config, tokenizer, num_proc, train_documents, log, split_off)
+    validation_stats: dict[str, int] | None = None
+    num_validation_dropped, held_out = 0, None
     if config.validation:
-        validation_docs, num_validation_dropped = _documents(config.validation, config, tokenizer, log)
-    elif config.validation_split > 0:
-        train_docs, validation_docs = _split(train_docs, config.validation_split, seed)
-        num_validation_dropped = 0
-        held_out, kept = (len(pc.unique(docs.data.column("record"))) for docs in (validation_docs, train_docs))
+        validation_documents = directory / "documents-validation.arrow"
+        num_validation_dropped, _ = _write_documents(
+            config.validation, config, tokenizer, num_proc, validation_documents, log, False
+        )
+        validation_stats, _ = partition_rows(validation_documents, cache.rows_file(directory, "validation"))
+        validation_documents.unlink()
+    elif split_off:
+        held_out = _held_out_records(kept, config.validation_split, seed)
+        held = int(np.count_nonzero(held_out))
         log(
-            f"data: held out {held_out} of {held_out + kept} training records for validation "
+            f"data: held out {held} of {len(kept)} training records for validation "
             f"(validation_split={config.validation_split}, seed={seed})"
         )
-    else:
-        validation_docs, num_validation_dropped = None, 0
-
-    train = document_rows(train_docs)
-    stats = {**_stats(train_docs), "num_dropped": num_dropped}
-    validation = None
-    if validation_docs is not None:
-        validation = document_rows(validation_docs)
-        stats.update({f"validation_{key}": value for key, value in _stats(validation_docs).items()})
+    train_stats, split_stats = partition_rows(
+        train_documents,
+        cache.rows_file(directory, "train"),
+        cache.rows_file(directory, "validation") if held_out is not None else None,
+        held_out,
+    )
+    train_documents.unlink()
+    validation_stats = validation_stats or split_stats
+    stats: dict[str, Any] = {**train_stats, "num_dropped": num_dropped}
+    if validation_stats is not None:
+        stats.update({f"validation_{key}": value for key, value in validation_stats.items()})
         stats["validation_num_dropped"] = num_validation_dropped
     log(
         f"data: {stats['num_records']} records, {stats['num_rows']} documents, {stats['num_tokens']} tokens "
         f"({stats['num_label_tokens']} trained)"
     )
-    return train, validation, stats
+    return stats, validation_stats is not None
 
 
-def _locator(raw: RawSource, first: int) -> Locate:
-    """Names record `i` of a chunk that starts at record `first` of `raw`, for error messages."""
-    return lambda i: raw.where(first + i)
+@dataclass(frozen=True)
+class _Job:
+    """A chunk of records to encode; `first_record` numbers its first record across all the sources."""
+
+    chunk: RecordChunk
+    first_record: int
+    source_index: int
 
 
-def _documents(
-    sources: list[SourceConfig], config: DataConfig, tokenizer: PreTrainedTokenizerBase, log: Log
-) -> tuple[datasets.Dataset, int]:
-    """All documents of `sources`, in order, split, cut or refused by `overlength`; and how many records were dropped."""
-    chunks, tally = [], _Tally()
-    for source in sources:
+def _jobs(sources: list[SourceConfig], config: DataConfig) -> Iterator[_Job]:
+    """Chunks of every source in order; a source is opened (and checked) only when its turn comes."""
+    first_record = 0
+    for index, source in enumerate(sources):
         raw = load_source(source, config.text_field)
-        for first, records in iter_records(raw, _RECORDS_PER_CHUNK):
-            encoded = encode_records(records, config, tokenizer, locate=_locator(raw, first))
-            chunk: dict[str, list] = {name: [] for name in DOCUMENT_FEATURES}
-            for offset, document in enumerate(encoded):
-                pieces, too_long = fit_to_length(document, config, raw.where(first + offset))
-                tally.count(document, pieces, too_long)
-                for piece in pieces:
-                    chunk["input_ids"].append(piece.input_ids)
-                    chunk["labels"].append(piece.labels)
-                    chunk["truncated"].append(too_long and config.overlength == "truncate")
-                    chunk["record"].append(tally.num_records - 1)
-            chunks.append(pa.table(chunk, schema=DOCUMENT_FEATURES.arrow_schema))
-        log(f"data: tokenized {len(raw.records)} records from {source.path}")
-    where = ", ".join(source.path for source in sources)
+        for chunk in iter_records(raw, _RECORDS_PER_CHUNK, _CHARS_PER_CHUNK):
+            yield _Job(chunk, first_record, index)
+            first_record += len(chunk.records)
+
+
+def _encode_chunk(state: tuple[DataConfig, PreTrainedTokenizerBase], job: _Job) -> _Encoded:
+    """Encode a chunk and apply `overlength`: one row per document (a record, or a piece of one)."""
+    config, tokenizer = state
+    chunk = job.chunk
+    encoded = encode_records(chunk.records, config, tokenizer, locate=chunk.where)
+    columns: dict[str, list] = {name: [] for name in DOCUMENT_FEATURES}
+    tally = _Tally()
+    for offset, document in enumerate(encoded):
+        pieces, too_long = fit_to_length(document, config, chunk.where(offset))
+        tally.count(document, pieces, too_long)
+        for piece in pieces:
+            columns["input_ids"].append(piece.input_ids)
+            columns["labels"].append(piece.labels)
+            columns["truncated"].append(too_long and config.overlength == "truncate")
+            columns["record"].append(job.first_record + offset)
+    batch = pa.RecordBatch.from_pydict(columns, schema=DOCUMENT_FEATURES.arrow_schema)
+    return _Encoded(batch, tally, job.source_index)
+
+
+def _write_documents(
+    sources: list[SourceConfig],
+    config: DataConfig,
+    tokenizer: PreTrainedTokenizerBase,
+    num_proc: int,
+    path: Path,
+    log: Log,
+    keep_record_ids: bool,
+) -> tuple[int, np.ndarray]:
+    """Encode every record of `sources` into an Arrow stream of documents at `path`, in order.
+
+    Returns:
+        How many records were dropped (nothing to train on), and with `keep_record_ids` the ids of the
+        records that were kept, ascending (8 bytes a record, for the validation split); else none.
+    """
+    tally, kept, records_of_source = _Tally(), [], [0] * len(sources)
+    done = 0  # sources whose every record has been written
+
+    def log_done(until: int) -> int:
+        for index in range(done, until):
+            log(f"data: tokenized {records_of_source[index]} records from {sources[index].path}")
+        return until
+
+    with stream_writer(path, DOCUMENT_FEATURES.arrow_schema) as writer:
+        for encoded in ordered_map(_encode_chunk, _jobs(sources, config), (config, tokenizer), num_proc):
+            done = log_done(encoded.source_index)
+            writer.write_batch(encoded.documents)
+            tally.merge(encoded.tally)
+            records_of_source[encoded.source_index] += encoded.tally.num_records
+            if keep_record_ids:
+                kept.append(np.unique(encoded.documents.column("record").to_numpy()))
+    log_done(len(sources))
     for line in tally.summary(config):
         log(line)
-    num_records, num_dropped = tally.num_records, tally.num_dropped
-    documents = arrow_dataset(pa.concat_tables(chunks))
-    if len(documents) == 0:
+    if tally.num_records == tally.num_dropped:
+        where = ", ".join(source.path for source in sources)
         raise DataError(
-            f"no usable records in {where}: all {num_records} were dropped (empty text, or nothing to "
+            f"no usable records in {where}: all {tally.num_records} were dropped (empty text, or nothing to "
             f"train on, e.g. no assistant turn); check data.format and the field names"
         )
-    return documents, num_dropped
+    return tally.num_dropped, np.concatenate(kept) if kept else np.zeros(0, dtype=np.int64)
 
 
 @dataclass
@@ -254,6 +323,11 @@ class _Tally:
         self.num_pieces += len(pieces) if too_long else 0
         self.tokens_in += len(document.input_ids) if document is not None else 0
         self.tokens_kept += sum(len(piece.input_ids) for piece in pieces)
+
+    def merge(self, other: _Tally) -> None:
+        """Add the counts of `other` (records that follow these)."""
+        for name, value in zip(self.__dataclass_fields__, astuple(other)):
+            setattr(self, name, getattr(self, name) + value)
 
     def summary(self, config: DataConfig) -> list[str]:
         lines = []
@@ -279,31 +353,24 @@ class _Tally:
         return lines
 
 
-def _split(documents: datasets.Dataset, fraction: float, seed: int) -> tuple[datasets.Dataset, datasets.Dataset]:
-    """(train, validation): a seeded random `fraction` of the records held out (with every piece of a split
-    record), both kept in record order."""
-    table = documents.data.table
-    records = pc.unique(table.column("record")).to_numpy()
-    num_validation = max(1, round(fraction * len(records)))
-    if num_validation >= len(records):
+@dataclass(frozen=True)
+class _Encoded:
+    """The documents of one chunk (DOCUMENT_FEATURES columns) and the counts over its records."""
+
+    documents: pa.RecordBatch
+    tally: _Tally
+    source_index: int
+
+
+def _held_out_records(kept: np.ndarray, fraction: float, seed: int) -> np.ndarray:
+    """One flag per record id, True for a seeded random `fraction` of the `kept` records (ascending ids)."""
+    num_validation = max(1, round(fraction * len(kept)))
+    if num_validation >= len(kept):
         raise DataError(
-            f"data.validation_split={fraction} of {len(records)} records leaves none for training; "
+            f"data.validation_split={fraction} of {len(kept)} records leaves none for training; "
             f"lower it, add data, or give data.validation sources"
         )
-    order = np.random.default_rng(seed).permutation(len(records))
-    held_out = pc.is_in(table.column("record"), value_set=pa.array(records[order[:num_validation]]))
-    return arrow_dataset(table.filter(pc.invert(held_out))), arrow_dataset(table.filter(held_out))
-
-
-def _stats(documents: datasets.Dataset) -> dict[str, int]:
-    table = documents.data.table
-    labels = pc.list_flatten(table.column("labels"))
-    pieces_per_record = pc.value_counts(table.column("record")).field("counts")
-    return {
-        "num_records": len(pieces_per_record),
-        "num_rows": len(documents),
-        "num_tokens": int(sum(document_lengths(documents))),
-        "num_label_tokens": int(pc.sum(pc.not_equal(labels, IGNORE_INDEX)).as_py() or 0),
-        "num_truncated": int(pc.sum(table.column("truncated")).as_py() or 0),
-        "num_split": int(pc.sum(pc.greater(pieces_per_record, 1)).as_py() or 0),
-    }
+    order = np.random.default_rng(seed).permutation(len(kept))
+    held_out = np.zeros(int(kept[-1]) + 1, dtype=bool)
+    held_out[kept[order[:num_validation]]] = True
+    return held_out

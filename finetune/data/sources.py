@@ -5,8 +5,9 @@ written by `datasets.save_to_disk` (a `Dataset`, or a `DatasetDict` read at `spl
 Files are parsed here, in Python, rather than by `datasets.load_dataset`, for two reasons: an error can
 name the file, line and record (a JSON syntax error, a non-UTF-8 byte, a record that is not an object),
 and records whose fields have mixed types reach the format step intact, where the wrong-typed field is
-reported with its record number instead of failing inside Arrow. The price is that file sources are held
-in memory while they are tokenized; the tokenized result is Arrow on disk (see `finetune.data.cache`).
+reported with its record number instead of failing inside Arrow. Files are read a block at a time and
+handed on a chunk of records at a time (`iter_records`), so a corpus need not fit in memory; only a
+`.json` array is parsed whole.
 
 File rules:
 - `.jsonl`: one JSON object per line; blank lines are skipped.
@@ -18,9 +19,10 @@ File rules:
   by `data.text_field`).
 
 Example:
-    source = load_source(SourceConfig(path="data/train.jsonl", max_records=100), text_field="text")
-    source.records[0]     # {"instruction": "...", "output": "..."}
-    source.where(0)       # "data/train.jsonl line 1 (record 1)"
+    raw = load_source(SourceConfig(path="data/train.jsonl", max_records=100), text_field="text")
+    chunk = next(iter_records(raw, chunk_records=1000))
+    chunk.records[0]     # {"instruction": "...", "output": "..."}
+    chunk.where(0)       # "data/train.jsonl line 1 (record 1)"
 """
 
 from __future__ import annotations
@@ -30,9 +32,9 @@ import hashlib
 import io
 import json
 import os
-import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from itertools import chain, islice
 from pathlib import Path
 from typing import Any
 
@@ -50,23 +52,48 @@ _HASH_CHUNK_BYTES = 1 << 20
 
 @dataclass(frozen=True)
 class RawSource:
-    """The records of one source, and how to name a record in an error message.
+    """A source opened for reading: checked (exists, readable kind, split), its records not yet read.
+
+    File sources are read by `iter_records`, a bounded chunk at a time, so a corpus larger than memory can
+    be tokenized; a saved or hub dataset is already Arrow on disk, memory-mapped, and is sliced.
 
     Attributes:
         path: the source path as written in the recipe.
-        records: one dict per record, in file order, already cut to `max_records`.
+        file: the local file to parse, for file sources; None for datasets.
+        dataset: the memory-mapped records of a saved or hub dataset; None for files.
+        text_field: the field `.txt` documents are stored under (`data.text_field`).
+        max_records: read at most this many records (the source's `max_records`).
+    """
+
+    path: str
+    file: Path | None = None
+    dataset: datasets.Dataset | None = None
+    text_field: str = "text"
+    max_records: int | None = None
+
+
+@dataclass(frozen=True)
+class RecordChunk:
+    """Consecutive records of one source, and how to name each in an error message.
+
+    Attributes:
+        path: the source path as written in the recipe.
+        first: 0-based index of `records[0]` within its source.
+        records: one dict per record, in file order.
         line_numbers: 1-based line where each record starts, for line-based files; None otherwise.
     """
 
     path: str
-    records: list[dict[str, Any]] | datasets.Dataset
-    line_numbers: Sequence[int] | None = None
+    first: int
+    records: list[dict[str, Any]]
+    line_numbers: list[int] | None = None
 
     def where(self, index: int) -> str:
-        """Human location of record `index` (0-based), e.g. `train.jsonl line 7 (record 5)`."""
+        """Human location of `records[index]`, e.g. `train.jsonl line 7 (record 5)`."""
+        number = self.first + index + 1
         if self.line_numbers is not None:
-            return f"{self.path} line {self.line_numbers[index]} (record {index + 1})"
-        return f"{self.path} record {index + 1}"
+            return f"{self.path} line {self.line_numbers[index]} (record {number})"
+        return f"{self.path} record {number}"
 
 
 def _check_exists(path: Path, raw_path: str) -> None:
@@ -141,39 +168,37 @@ def source_content_hash(source: SourceConfig) -> str:
 
 
 def load_source(source: SourceConfig, text_field: str) -> RawSource:
-    """Read one source into records, cut to `source.max_records`.
+    """Open one source for `iter_records`: everything is checked that can be without reading every record.
 
     Args:
         source: the path, split and record limit from the recipe.
         text_field: the field `.txt` documents are stored under (`data.text_field`).
 
     Raises:
-        DataError: missing or unreadable file, unsupported extension, malformed content, no records.
+        DataError: missing file, unsupported extension, a split that does not apply or does not exist, an
+            empty dataset. Malformed content and empty files are found by `iter_records`.
     """
     path = local_source_path(source)
     _check_exists(path, source.path)
     if path != Path(source.path):  # a hub dataset's snapshot in the local cache
-        raw = _load_hub_snapshot(path, source)
+        raw = RawSource(source.path, dataset=_load_hub_snapshot(path, source), max_records=source.max_records)
     elif path.is_dir():
-        raw = _load_saved_dataset(path, source)
+        raw = RawSource(source.path, dataset=_load_saved_dataset(path, source), max_records=source.max_records)
     else:
         if source.split is not None:
             raise DataError(
                 f"data source {source.path}: 'split' only applies to a directory written by "
                 f"datasets.save_to_disk; remove split: {source.split!r}"
             )
-        raw = _load_file(path, source.path, text_field)
-    if len(raw.records) == 0:
-        raise DataError(f"data source {source.path} has no records; add data or remove it from the recipe")
-    if source.max_records is not None and source.max_records < len(raw.records):
-        keep = source.max_records
-        records = raw.records[:keep] if isinstance(raw.records, list) else raw.records.select(range(keep))
-        lines = raw.line_numbers[:keep] if raw.line_numbers is not None else None
-        raw = RawSource(raw.path, records, lines)
+        if path.suffix.lower() == ".parquet":
+            _open_parquet(path, source.path)  # a damaged file fails here, before anything is tokenized
+        return RawSource(source.path, file=path, text_field=text_field, max_records=source.max_records)
+    if raw.dataset is not None and len(raw.dataset) == 0:
+        raise _no_records(source.path)
     return raw
 
 
-def _load_hub_snapshot(path: Path, source: SourceConfig) -> RawSource:
+def _load_hub_snapshot(path: Path, source: SourceConfig) -> datasets.Dataset:
     """A hub dataset's files (a snapshot directory) through `datasets.load_dataset`, split and subset applied."""
     try:
         loaded = datasets.load_dataset(str(path), name=source.subset, split=source.split or "train")
@@ -183,10 +208,10 @@ def _load_hub_snapshot(path: Path, source: SourceConfig) -> RawSource:
             f"data source {source.path} cannot be loaded ({first}); check split/subset, or point at a "
             f"data file or a directory written by datasets.save_to_disk"
         ) from None
-    return RawSource(source.path, loaded)
+    return loaded
 
 
-def _load_saved_dataset(path: Path, source: SourceConfig) -> RawSource:
+def _load_saved_dataset(path: Path, source: SourceConfig) -> datasets.Dataset:
     try:
         loaded = datasets.load_from_disk(str(path), keep_in_memory=False)
     except FileNotFoundError:
@@ -208,45 +233,123 @@ def _load_saved_dataset(path: Path, source: SourceConfig) -> RawSource:
         loaded = loaded[split]
     elif source.split is not None:
         raise DataError(f"data source {source.path} is a single Dataset without splits; remove split: {source.split!r}")
-    return RawSource(source.path, loaded)
+    return loaded
 
 
-def _load_file(path: Path, raw_path: str, text_field: str) -> RawSource:
+def _no_records(raw_path: str) -> DataError:
+    return DataError(f"data source {raw_path} has no records; add data or remove it from the recipe")
+
+
+def iter_records(raw: RawSource, chunk_records: int, chunk_chars: int | None = None) -> Iterator[RecordChunk]:
+    """The records of `raw` in order, in chunks of at most `chunk_records` records (cut to `max_records`).
+
+    A file is parsed as the chunks are taken, so only a chunk (and a block of the file) is in memory at a
+    time; `.json` arrays are the exception (one JSON document, parsed whole).
+
+    Args:
+        raw: an opened source (`load_source`).
+        chunk_records: most records per chunk.
+        chunk_chars: also end a chunk once its records hold this many characters (file sources); bounds
+            memory when records are large. A single larger record still makes a chunk of its own.
+
+    Raises:
+        DataError: malformed content (naming file and line), a file without records.
+    """
+    limit = raw.max_records
+    if raw.dataset is not None:
+        stop = len(raw.dataset) if limit is None else min(limit, len(raw.dataset))
+        for start in range(0, stop, chunk_records):
+            columns = raw.dataset[start : min(start + chunk_records, stop)]  # one Arrow slice per chunk
+            yield RecordChunk(raw.path, start, [dict(zip(columns, values)) for values in zip(*columns.values())])
+        return
+    assert raw.file is not None
+    records: list[dict[str, Any]] = []
+    lines: list[int | None] = []
+    first, chars = 0, 0
+    for record, line, size in islice(_file_records(raw.file, raw.path, raw.text_field), limit):
+        records.append(record)
+        lines.append(line)
+        chars += size
+        if len(records) == chunk_records or (chunk_chars is not None and chars >= chunk_chars):
+            yield _chunk(raw.path, first, records, lines)
+            first, records, lines, chars = first + len(records), [], [], 0
+    if records:
+        yield _chunk(raw.path, first, records, lines)
+    elif first == 0:
+        raise _no_records(raw.path)
+
+
+def _chunk(path: str, first: int, records: list[dict[str, Any]], lines: list[int | None]) -> RecordChunk:
+    numbers = None if lines[0] is None else [line for line in lines if line is not None]
+    return RecordChunk(path, first, records, numbers)
+
+
+Parsed = Iterator[tuple[dict[str, Any], int | None, int]]
+"""(record, 1-based line where it starts or None, its size in characters) for each record of a file."""
+
+
+def _file_records(path: Path, raw_path: str, text_field: str) -> Parsed:
     suffix = path.suffix.lower()
     if suffix == ".parquet":
-        return RawSource(raw_path, _read_parquet(path, raw_path))
-    text = _read_utf8(path, raw_path)
-    lines: list[int] | None
+        return _parquet_records(path, raw_path)
+    if suffix == ".json":
+        return _parse_json("".join(_utf8_blocks(path, raw_path)), raw_path)
+    if suffix == ".csv":
+        return _parse_csv(_utf8_blocks(path, raw_path), raw_path)
+    lines = (line for block in _utf8_blocks(path, raw_path) for line in block.splitlines())
     if suffix == ".jsonl":
-        records, lines = _parse_json_lines(text, raw_path)
-    elif suffix == ".json":
-        records, lines = _parse_json(text, raw_path)
-    elif suffix == ".csv":
-        records, lines = _parse_csv(text, raw_path)
-    else:
-        records, lines = _split_paragraphs(text, text_field)
-    return RawSource(raw_path, records, lines)
+        return _parse_json_lines(lines, raw_path)
+    return _split_paragraphs(lines, text_field)
 
 
-def _read_utf8(path: Path, raw_path: str) -> str:
+_READ_BLOCK_BYTES = 1 << 20
+
+
+def _utf8_blocks(path: Path, raw_path: str) -> Iterator[str]:
+    """The file's text in blocks of about 1 MiB, each cut just after a newline byte.
+
+    A block never ends inside a line, a UTF-8 sequence or a CR LF pair, so splitting each block into
+    lines gives the lines of the whole text, and a decoding error can name its byte offset and line.
+    """
     try:
-        data = path.read_bytes()
+        handle = open(path, "rb")
     except OSError as exc:
         raise DataError(f"data file {raw_path} cannot be read ({exc.strerror or exc}); check its permissions") from None
-    try:
-        return data.decode("utf-8-sig")  # tolerate a byte-order mark, as editors on Windows write one
-    except UnicodeDecodeError as exc:
-        line = data[: exc.start].count(b"\n") + 1
-        raise DataError(
-            f"data file {raw_path} is not valid UTF-8: byte 0x{data[exc.start]:02x} at byte offset "
-            f"{exc.start} (line {line}); re-encode the file as UTF-8 (e.g. iconv -t UTF-8)"
-        ) from None
+    with handle:
+        offset, line, buffer = 0, 1, bytearray()
+        while True:
+            data = handle.read(_READ_BLOCK_BYTES)
+            at_end = not data
+            newline = data.rfind(b"\n")
+            if newline < 0 and not at_end:  # a line longer than a block: read on
+                buffer += data
+                continue
+            cut = len(buffer) + (len(data) if at_end else newline + 1)
+            buffer += data
+            if cut == 0:  # at the end, nothing left
+                return
+            block = bytes(buffer[:cut])
+            del buffer[:cut]
+            skip = 3 if offset == 0 and block.startswith(b"\xef\xbb\xbf") else 0  # an editor's byte-order mark
+            try:
+                text = block[skip:].decode("utf-8")
+            except UnicodeDecodeError as exc:
+                bad = skip + exc.start
+                bad_line = line + block[:bad].count(b"\n")
+                raise DataError(
+                    f"data file {raw_path} is not valid UTF-8: byte 0x{block[bad]:02x} at byte offset "
+                    f"{offset + bad} (line {bad_line}); re-encode the file as UTF-8 (e.g. iconv -t UTF-8)"
+                ) from None
+            if text:
+                yield text
+            offset, line = offset + cut, line + block.count(b"\n")
+            if at_end:
+                return
 
 
-def _parse_json_lines(text: str, raw_path: str) -> tuple[list[dict[str, Any]], list[int]]:
-    records: list[dict[str, Any]] = []
-    lines: list[int] = []
-    for line_number, line in enumerate(text.splitlines(), start=1):
+def _parse_json_lines(lines: Iterable[str], raw_path: str) -> Parsed:
+    number = 0
+    for line_number, line in enumerate(lines, start=1):
         if not line.strip():
             continue
         try:
@@ -256,25 +359,24 @@ def _parse_json_lines(text: str, raw_path: str) -> tuple[list[dict[str, Any]], l
                 f"{raw_path} line {line_number}: invalid JSON ({exc.msg} at column {exc.colno}); "
                 f"each line of a .jsonl file must be one JSON object"
             ) from None
-        _check_object(record, f"{raw_path} line {line_number} (record {len(records) + 1})")
-        records.append(record)
-        lines.append(line_number)
-    return records, lines
+        number += 1
+        _check_object(record, f"{raw_path} line {line_number} (record {number})")
+        yield record, line_number, len(line)
 
 
-def _parse_json(text: str, raw_path: str) -> tuple[list[dict[str, Any]], list[int] | None]:
+def _parse_json(text: str, raw_path: str) -> Parsed:
     """A JSON array of records; JSON Lines saved as `.json` (a common mix-up) is read as JSON Lines."""
     try:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
         if exc.msg == "Extra data" and text.lstrip().startswith("{"):
-            return _parse_json_lines(text, raw_path)
+            return _parse_json_lines(text.splitlines(), raw_path)
         raise DataError(
             f"{raw_path} line {exc.lineno}: invalid JSON ({exc.msg} at column {exc.colno}); "
             f"fix the syntax, or use .jsonl with one object per line"
         ) from None
     if isinstance(data, dict) and len(text.strip().splitlines()) == 1:
-        return _parse_json_lines(text, raw_path)  # JSON Lines with a single record
+        return _parse_json_lines(text.splitlines(), raw_path)  # JSON Lines with a single record
     if not isinstance(data, list):
         got = "an object" if isinstance(data, dict) else type(data).__name__
         raise DataError(
@@ -283,7 +385,7 @@ def _parse_json(text: str, raw_path: str) -> tuple[list[dict[str, Any]], list[in
         )
     for index, record in enumerate(data):
         _check_object(record, f"{raw_path} record {index + 1}")
-    return data, None
+    return ((record, None, 0) for record in data)
 
 
 def _check_object(record: Any, where: str) -> None:
@@ -294,13 +396,13 @@ def _check_object(record: Any, where: str) -> None:
         )
 
 
-def _parse_csv(text: str, raw_path: str) -> tuple[list[dict[str, Any]], list[int]]:
-    reader = csv.reader(io.StringIO(text, newline=""))
+def _parse_csv(blocks: Iterable[str], raw_path: str) -> Parsed:
+    # csv wants lines split at \r, \n and \r\n only, with their endings (quoted values span lines)
+    reader = csv.reader(line for block in blocks for line in io.StringIO(block, newline=""))
     try:
         header = next(reader, None)
         if header is None:
-            return [], []
-        records, lines = [], []
+            return
         start_line = reader.line_num + 1
         for row in reader:
             if row:
@@ -309,46 +411,52 @@ def _parse_csv(text: str, raw_path: str) -> tuple[list[dict[str, Any]], list[int
                         f"{raw_path} line {start_line}: row has {len(row)} values but the header has "
                         f"{len(header)} ({', '.join(header)}); quote values that contain commas"
                     )
-                records.append(dict(zip(header, row)))
-                lines.append(start_line)
+                yield dict(zip(header, row)), start_line, sum(map(len, row))
             start_line = reader.line_num + 1
     except csv.Error as exc:
         raise DataError(f"{raw_path} line {reader.line_num}: malformed CSV ({exc}); check the quoting") from None
-    return records, lines
 
 
-def _split_paragraphs(text: str, text_field: str) -> tuple[list[dict[str, Any]], list[int]]:
-    records, lines = [], []
+def _split_paragraphs(lines: Iterable[str], text_field: str) -> Parsed:
+    """Documents separated by blank lines; each record starts at its first non-blank line."""
     paragraph: list[str] = []
-    for line_number, line in enumerate([*text.splitlines(), ""], start=1):
+    start = 0
+    for line_number, line in enumerate(chain(lines, [""]), start=1):
         if line.strip():
             if not paragraph:
-                lines.append(line_number)
+                start = line_number
             paragraph.append(line)
         elif paragraph:
-            records.append({text_field: "\n".join(paragraph)})
+            text = "\n".join(paragraph)
+            yield {text_field: text}, start, len(text)
             paragraph = []
-    return records, lines
 
 
-def _read_parquet(path: Path, raw_path: str) -> datasets.Dataset:
+_PARQUET_BATCH_ROWS = 1000
+
+
+def _open_parquet(path: Path, raw_path: str) -> pq.ParquetFile:
     try:
-        table = pq.read_table(path)
+        return pq.ParquetFile(path)
     except (OSError, ValueError) as exc:  # pyarrow's ArrowInvalid is a ValueError
         raise DataError(
             f"data file {raw_path} cannot be read as Parquet ({str(exc).splitlines()[0]}); "
             f"check that it is a complete .parquet file"
         ) from None
-    return datasets.Dataset(datasets.table.InMemoryTable(table), fingerprint=uuid.uuid4().hex)  # skip hashing it
 
 
-def iter_records(raw: RawSource, chunk_records: int) -> Iterator[tuple[int, list[dict[str, Any]]]]:
-    """Yield (index of the first record, records) in chunks, so formats can tokenize in batches."""
-    records = raw.records
-    for start in range(0, len(records), chunk_records):
-        stop = min(start + chunk_records, len(records))
-        if isinstance(records, list):
-            yield start, records[start:stop]
-        else:  # a datasets.Dataset: one Arrow slice per chunk, turned into row dicts
-            columns = records[start:stop]
-            yield start, [dict(zip(columns, values)) for values in zip(*columns.values())]
+def _parquet_records(path: Path, raw_path: str) -> Parsed:
+    """Rows of a Parquet file, read a batch of rows at a time."""
+    batches = _open_parquet(path, raw_path).iter_batches(batch_size=_PARQUET_BATCH_ROWS)
+    while True:
+        try:
+            batch = next(batches, None)
+        except (OSError, ValueError) as exc:
+            raise DataError(
+                f"data file {raw_path} cannot be read as Parquet ({str(exc).splitlines()[0]}); "
+                f"check that it is a complete .parquet file"
+            ) from None
+        if batch is None:
+            return
+        for record in batch.to_pylist():
+            yield record, None, 0
