@@ -113,7 +113,7 @@ def test_fsdp_shards_resumes_and_trains_the_ddp_adapter(sharded_workdir):
 
 
 @pytest.mark.slow
-def test_deepspeed_shards_trains_the_ddp_adapter_and_resumes_in_either_stage(workdir):
+def test_deepspeed_shards_trains_the_ddp_adapter_and_resumes(workdir):
     # DeepSpeed runs on CPU ranks too (gloo), so ZeRO is tested here for real, not only its config; on the
     # tiny base, as each DeepSpeed launch costs ~19 s here. No dropout: the strategies draw no random numbers
     # differently then, and differ only in how gradients are reduced.
@@ -127,17 +127,19 @@ def test_deepspeed_shards_trains_the_ddp_adapter_and_resumes_in_either_stage(wor
     _assert_same_adapter("adapters/ddp", "adapters/zero", max_abs=1e-3, max_relative=1e-3)
 
     # ZeRO keeps Adam's moments and fp32 master weights in flat partitions of its own; the checkpoint holds
-    # them whole, as torch names them, and resuming scatters them back, in stage 3 and in stage 2 alike.
+    # them whole, as torch names them, and resuming scatters them back. Resumed in stage 2 from stage 3's
+    # checkpoint: the save of one stage and the load of the other (stage 2 links its state to each weight
+    # after its first step, which a resume must do itself). A stage-3 resume of the same checkpoint
+    # matched to 1e-7 when measured; it is left out of the suite for time (a DeepSpeed launch is ~19 s).
     moments = load_file("runs/zero/checkpoint-000003/optimizer.safetensors")
     assert any("exp_avg_sq" in name and tensor.abs().max() > 0 for name, tensor in moments.items()), sorted(moments)
     os.rename("adapters/zero", "unbroken")
-    for stage in (3, 2):
-        shutil.rmtree("runs/zero/checkpoint-000003")  # resume from step 2
-        resume = (f"distributed.deepspeed.stage={stage}", "output.name=zero", "output.overwrite=true", "--resume")
-        assert "resumed from" in _train(*zero3, *resume)
-        # Measured: stage 3 resumed equals the unbroken stage-3 run to 1e-7; stage 2 differs from it by
-        # rounding (2e-7). Skipping the scatter of Adam's moments on resume failed this check (tried).
-        _assert_same_adapter("unbroken", "adapters/zero", max_abs=1e-6, max_relative=1e-6)
+    shutil.rmtree("runs/zero/checkpoint-000003")  # resume from step 2
+    resume = ("distributed.deepspeed.stage=2", "output.name=zero", "output.overwrite=true", "--resume")
+    assert "resumed from" in _train(*zero3, *resume)
+    # Stage 2 differs from stage 3 by rounding (2e-7 measured). Skipping the scatter of Adam's moments on
+    # resume failed this check (tried).
+    _assert_same_adapter("unbroken", "adapters/zero", max_abs=1e-6, max_relative=1e-6)
 
 
 def _distributed(name: str) -> dict:
