@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.report import format_markdown
+from bench.train_throughput import versions
 
 BENCH_DIR = Path(__file__).resolve().parent
 REPO = BENCH_DIR.parent
@@ -67,7 +68,6 @@ PARTS: dict[str, dict[str, Any]] = {
 
 def machine() -> dict[str, Any]:
     """What the figures were taken on: CPU model, cores, memory, library versions."""
-    from importlib.metadata import version
 
     import torch
 
@@ -84,10 +84,7 @@ def machine() -> dict[str, Any]:
         "cores": os.cpu_count(),
         "memory_gib": round(mem_kib / 2**20, 1),
         "gpu": torch.cuda.is_available(),
-        "versions": {
-            "python": platform.python_version(),
-            **{name: version(name) for name in ("torch", "transformers", "peft", "accelerate", "datasets")},
-        },
+        "versions": versions(),
     }
 
 

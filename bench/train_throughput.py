@@ -702,20 +702,11 @@ def prepare(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
 
 
 def versions() -> dict[str, str]:
-    import accelerate
-    import datasets
-    import peft
-    import torch
-    import transformers
+    """Python's and the stack's versions, read from the installed packages' metadata (nothing imported)."""
+    from importlib.metadata import version
 
-    return {
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "peft": peft.__version__,
-        "accelerate": accelerate.__version__,
-        "datasets": datasets.__version__,
-    }
+    packages = ("torch", "transformers", "peft", "accelerate", "datasets")
+    return {"python": platform.python_version(), **{name: version(name) for name in packages}}
 
 
 def format_table(results: dict[str, dict[str, Any]]) -> str:
