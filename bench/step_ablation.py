@@ -70,21 +70,18 @@ def prepare(workdir: Path, micro_batch_size: int, micro_batches: int) -> tuple[d
 
 
 def make_model(base_dir: str, uniform_dropout: bool) -> torch.nn.Module:
+    """The LoRA model as `finetune` wraps it, or (without `uniform_dropout`) as peft alone builds it from
+    the same LoRA settings: the same weights either way, `nn.Dropout` in the latter."""
+    from peft import get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from finetune.model import wrap_with_lora
+    from finetune.model import peft_lora_config, wrap_with_lora
     from finetune.recipe import LoraConfig
 
     torch.manual_seed(0)
     base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32, attn_implementation="sdpa")
     lora = LoraConfig(r=16, alpha=32, dropout=0.05, target_modules="all-linear")
-    model = wrap_with_lora(base, lora)
-    if not uniform_dropout:  # back to what peft builds
-        for module in model.modules():
-            dropouts = getattr(module, "lora_dropout", None)
-            if isinstance(dropouts, torch.nn.ModuleDict):
-                for name, dropout in dropouts.items():
-                    dropouts[name] = torch.nn.Dropout(dropout.p)
+    model = wrap_with_lora(base, lora) if uniform_dropout else get_peft_model(base, peft_lora_config(lora, base))
     return model.train()
 
 
