@@ -1,6 +1,6 @@
 """How close LoRA comes to full fine-tuning on the quickstart: held-out perplexity after the same steps.
 
-Every arm runs the quickstart recipe through `finetune`'s own setup and loop (`run_setup.start_run`,
+Every arm runs the quickstart recipe through `finetune`'s own setup and loop (`training.run.start_run`,
 `train.run_steps`): the same base, documents, batches, schedule, steps and held-out evaluation.
 The arms differ only in what trains:
 
@@ -28,10 +28,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from finetune.interrupt import graceful_stop
 from finetune.recipe import load_recipe
-from finetune.run_setup import make_optimizer, make_scheduler, start_run
-from finetune.train import run_steps
+from finetune.training.interrupt import graceful_stop
+from finetune.training.loop import run_steps
+from finetune.training.run import make_optimizer, make_scheduler, start_run
 
 RESULTS = Path(__file__).parent / "results" / "learning_quality.json"
 LORA_ARMS = {

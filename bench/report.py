@@ -62,7 +62,7 @@ def train_section(figures: dict[str, Any]) -> list[str]:
         f"{spec['precision']}, {spec['torch_threads']} torch threads; {len(figures['rounds'])} interleaved rounds.",
         f"Matmul peak ({peak['precision']}, same threads, best of before and after the arms): "
         f"{peak['best']['flops_per_s'] / 1e9:.1f} GFLOP/s, {peak['best']['flops_per_cpu_s'] / 1e9:.1f} GFLOP "
-        "per CPU s. MFU = model FLOPs per second (finetune/flops.py: real tokens, attention per document) "
+        "per CPU s. MFU = model FLOPs per second (bench/flops.py: real tokens, attention per document) "
         "over that peak.",
         "",
     ]

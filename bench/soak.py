@@ -38,7 +38,7 @@ def main() -> None:
 
     from finetune.embedded.tiny import build_tiny_llama
     from finetune.embedded.tokenizer import train_tokenizer
-    from finetune.train import train
+    from finetune.training.loop import train
 
     work = Path(tempfile.mkdtemp(prefix="soak-"))
     os.environ["FINETUNE_HOME"] = str(work / "home")

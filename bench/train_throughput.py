@@ -1,4 +1,4 @@
-"""Training throughput: `finetune.train` (packing on and off) against HF `Trainer` + peft, side by side.
+"""Training throughput: `finetune.training.loop` (packing on and off) against HF `Trainer` + peft, side by side.
 
 Every arm trains the same model (a random-init Llama built from a config and saved with
 `save_pretrained`), with the same LoRA (r=16, alpha=32, dropout 0.05, all-linear), on the same
@@ -11,7 +11,7 @@ tokens; packing may only change how fast.
 Arms, each in its own fresh process (so peak RSS and allocator state are its own), run one after the
 other (with `--repeats N`, N rounds of all arms, interleaved, and the median ratio of each arm to the
 baseline over the rounds):
-- `ours-packed`:   `finetune.train(recipe)` with `data.packing=true` (each micro-batch's documents packed
+- `ours-packed`:   `finetune.training.loop(recipe)` with `data.packing=true` (each micro-batch's documents packed
                    into as few rows as fit, none longer than its longest document);
 - `ours-padded`:   the same with `data.packing=false` (one row per document, padded to the longest);
 - `hf-trainer`:    what a user would otherwise write: `get_peft_model`, `datasets` + `.map` tokenizing,
@@ -32,7 +32,7 @@ real tokens per CPU second measures the work alone, whatever else runs (with 2 t
 machine CPU seconds inflate too: a thread spins while its partner is descheduled).
 
 Utilisation: each micro-batch's model FLOPs are counted from the model config and the real length of
-each of its documents (`finetune.flops`: padding is not model work, packed documents attend within
+each of its documents (`bench.flops`: padding is not model work, packed documents attend within
 themselves), so every arm does the same model FLOPs per step. The machine's matmul peak
 (`bench/matmul_peak.py`, at the arms' thread count and precision) is measured in a fresh process before
 the first arm and after the last, and the better of the two taken; MFU is model FLOPs per second over
@@ -119,19 +119,19 @@ def tokenize_record(record: dict[str, str], tokenizer) -> dict[str, list[int]]:
 def decoder_shape(base_dir: str):
     from transformers import AutoConfig
 
-    from finetune.flops import DecoderShape
+    from bench.flops import DecoderShape
 
     return DecoderShape.from_config(AutoConfig.from_pretrained(base_dir))
 
 
 def micro_batch_flops(base_dir: str, document_lengths: list[int], label_tokens: int) -> int:
-    """Model FLOPs of one micro-batch's forward + backward (`finetune.flops`): real tokens, per document,
+    """Model FLOPs of one micro-batch's forward + backward (`bench.flops`): real tokens, per document,
     and the head's logits only where the loss takes them (the label tokens).
 
     The same documents make the same figure in every arm, packed or padded: padding, and logits of the
     prompt, are not model work.
     """
-    from finetune.flops import ALL_LINEAR, step_flops
+    from bench.flops import ALL_LINEAR, step_flops
 
     shape = decoder_shape(base_dir)
     return step_flops(
@@ -238,7 +238,7 @@ def summarise(
 
 
 def run_ours(spec: dict[str, Any], arm: str) -> dict[str, Any]:
-    """`finetune.train` as a user calls it; step ends are read off its log lines."""
+    """`finetune.training.loop` as a user calls it; step ends are read off its log lines."""
     # Import what `train` imports lazily before the clock starts, as the Trainer arm does: setup time is
     # then model load, data and the base evaluation, not Python imports.
     import accelerate  # noqa: F401
@@ -247,13 +247,11 @@ def run_ours(spec: dict[str, Any], arm: str) -> dict[str, Any]:
     import torch.utils.tensorboard  # noqa: F401
     import transformers.models.llama.modeling_llama  # noqa: F401
 
-    import finetune.checkpoint
-    import finetune.manifest  # noqa: F401
     from finetune import Recipe
     from finetune.data import build_datasets, collate_batch
     from finetune.data.sampler import MicroBatchStream
     from finetune.model import load_tokenizer
-    from finetune.train import train
+    from finetune.training.loop import train
 
     packing = arm == "ours-packed"
     micro_batch_size, grad_accum_steps = spec["micro_batch_size"], spec["grad_accum_steps"]

@@ -2,7 +2,7 @@
 
 Example:
     import finetune
-    from finetune.train import train
+    from finetune.training.loop import train
 
     adapter_dir, metrics = train("recipes/quickstart.yaml", ["train.max_steps=20"])
     model = finetune.load_model(adapter_dir)   # the base from the adapter's manifest, the adapter in use

@@ -5,38 +5,23 @@ The YAML files live in `finetune/recipes/` (package data, so they work from any 
 takes a recipe path it also takes a catalog name: `finetune train llama-3.1-8b-instruct-chat` reads
 `finetune/recipes/llama-3.1-8b-instruct-chat.yaml`. A path that exists always wins over a name.
 
+It knows file names only, not what a recipe holds, so `finetune.recipe` can resolve names through it;
+listing the catalog with each recipe's base and method is `finetune.commands.recipes`' job.
+
 Example:
-    [entry.name for entry in catalog_entries()][:2]   # ['gemma-2-2b-it-chat', 'gemma-2-9b-it-chat-qlora']
+    catalog_names()[:2]                                 # ['gemma-2-2b-it-chat', 'gemma-2-9b-it-chat-qlora']
     resolve_recipe_path("qwen2.5-7b-instruct-chat")     # .../finetune/recipes/qwen2.5-7b-instruct-chat.yaml
 """
 
 from __future__ import annotations
 
 import shutil
-from dataclasses import dataclass
 from pathlib import Path
 
 from finetune.errors import RecipeError
 
 CATALOG_DIR = Path(__file__).resolve().parent / "recipes"
 RECIPE_SUFFIX = ".yaml"
-
-
-@dataclass(frozen=True)
-class CatalogEntry:
-    """One catalog recipe as `finetune recipes list` shows it."""
-
-    name: str
-    base: str
-    method: str
-    """`lora`, or `qlora` on a 4-bit base, `lora-8bit` on an 8-bit one."""
-    gpus: int | None
-    memory: str | None
-    description: str
-    path: Path
-
-    def as_json(self) -> dict:
-        return {k: (str(v) if isinstance(v, Path) else v) for k, v in self.__dict__.items()}
 
 
 def catalog_names() -> list[str]:
@@ -58,32 +43,6 @@ def resolve_recipe_path(text: str) -> Path:
     raise RecipeError(
         f"recipe {text!r} is neither a file nor a catalog recipe; {hint}see `finetune recipes list`, or give a path"
     )
-
-
-def _method(quantization: str) -> str:
-    return {"4bit": "qlora", "8bit": "lora-8bit"}.get(quantization, "lora")
-
-
-def catalog_entries() -> list[CatalogEntry]:
-    """Every catalog recipe, validated, sorted by name."""
-    from finetune.recipe import load_recipe
-
-    entries = []
-    for name in catalog_names():
-        path = CATALOG_DIR / f"{name}{RECIPE_SUFFIX}"
-        recipe = load_recipe(path)
-        entries.append(
-            CatalogEntry(
-                name=name,
-                base=recipe.model.base,
-                method=_method(recipe.model.quantization),
-                gpus=recipe.catalog.gpus,
-                memory=recipe.catalog.memory,
-                description=recipe.description,
-                path=path,
-            )
-        )
-    return entries
 
 
 def copy_recipe(name: str, destination: Path) -> Path:

@@ -15,6 +15,7 @@ Example:
 from __future__ import annotations
 
 import difflib
+import importlib.util
 import re
 from pathlib import Path
 from typing import Any, Literal
@@ -22,6 +23,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from finetune.catalog import resolve_recipe_path
 from finetune.errors import RecipeError
 
 EMBEDDED_BASE = "embedded:tiny-llama"
@@ -213,6 +215,10 @@ class DataConfig(_Section):
         return self
 
 
+TRACKER_PACKAGES = {"tensorboard": "tensorboard", "mlflow": "mlflow", "wandb": "wandb", "trackio": "trackio"}
+"""`train.report_to` name -> the package that must be importable (and pip-installable under that name)."""
+
+
 class TrainConfig(_Section):
     """The optimisation: how long, how fast, how often to evaluate and save."""
 
@@ -263,16 +269,17 @@ class TrainConfig(_Section):
     report_to: list[Literal["tensorboard", "mlflow", "wandb", "trackio"]] = ["tensorboard"]
     """Experiment trackers that also receive the run's metrics (through accelerate); [] for none.
     mlflow, wandb and trackio need their package (`pip install 'finetune[wandb]'`); offline use:
-    `MLFLOW_TRACKING_URI` (a local store), `WANDB_MODE=offline`. See `finetune.tracking`."""
+    `MLFLOW_TRACKING_URI` (a local store), `WANDB_MODE=offline`. See `finetune.training.tracking`."""
     tracker_project: str = "finetune"
     """Project (wandb, trackio) or experiment (mlflow) the run is filed under; the run is `output.name`."""
 
     @field_validator("report_to")
     @classmethod
     def _trackers_installed(cls, value: list[str]) -> list[str]:
-        from finetune.tracking import check_installed
-
-        check_installed(value)
+        for name in value:
+            package = TRACKER_PACKAGES[name]
+            if importlib.util.find_spec(package) is None:
+                raise ValueError(f"{name} is not installed; pip install {package} (or pip install 'finetune[{name}]')")
         return value
 
 
@@ -584,8 +591,6 @@ def load_recipe(path: str | Path | Recipe, overrides: list[str] | tuple[str, ...
     if isinstance(path, Recipe):
         data, source = path.model_dump(), "recipe"
     else:
-        from finetune.catalog import resolve_recipe_path
-
         resolved = resolve_recipe_path(str(path))
         data, source = _read_yaml(resolved), str(path)
     return recipe_from_dict(apply_overrides(data, list(overrides)), source)

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from helpers import instruction_records
 
-from finetune.train import train
+from finetune.training.loop import train
 
 TRACKERS_OF_B = ["tensorboard", "mlflow", "wandb"]
 

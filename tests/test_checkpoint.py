@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from finetune.checkpoint import _join_tensors, _split_tensors, load_checkpoint, save_checkpoint
+from finetune.training.checkpoint import _join_tensors, _split_tensors, load_checkpoint, save_checkpoint
 
 
 def _round_trip(value, tmp_path):

@@ -20,10 +20,10 @@ from hypothesis import strategies as st
 
 import finetune.data.pipeline as pipeline
 from finetune.data import build_datasets, collate_batch, data_fingerprint
+from finetune.data.labels import IGNORE_INDEX
 from finetune.data.packing import pack_document_lengths
 from finetune.embedded.tokenizer import CHAT_TEMPLATE, train_tokenizer
 from finetune.errors import DataError
-from finetune.loss import IGNORE_INDEX
 from finetune.recipe import DataConfig
 
 CHAT = [

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from finetune.train import train
+from finetune.training.loop import train
 
 
 @pytest.mark.slow

@@ -168,8 +168,8 @@ output: {{name: heads, dir: {root}/adapters/heads, run_dir: {root}/runs/heads}}
 
 
 def test_a_trained_head_and_embedding_adapter_works_in_every_command(tmp_path, tiny_base_dir, capsys):
-    from finetune.run_setup import parameter_groups
-    from finetune.train import train
+    from finetune.training.loop import train
+    from finetune.training.run import parameter_groups
 
     recipe = _recipe(tmp_path, tiny_base_dir, embedding_lr=1e-3)
     adapter_dir, _ = train(recipe, log=lambda message: None, progress=False)

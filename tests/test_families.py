@@ -18,10 +18,11 @@ import transformers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from finetune.catalog import catalog_entries, resolve_recipe_path
+from finetune.catalog import resolve_recipe_path
+from finetune.commands.recipes import catalog_entries
 from finetune.data.pipeline import preview_documents
 from finetune.recipe import load_recipe
-from finetune.train import train
+from finetune.training.loop import train
 
 TEMPLATES = Path(__file__).parent / "chat_templates"
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
@@ -163,7 +164,7 @@ def test_the_head_on_labelled_positions_only_gives_the_full_logits_loss_and_grad
     from peft import LoraConfig, get_peft_model
 
     from finetune.data.collate import collate_batch
-    from finetune.loss import forward_loss, token_loss_sum
+    from finetune.training.loss import forward_loss, token_loss_sum
 
     base = build_family(family, tmp_path / "base")
     torch.manual_seed(0)

@@ -1,4 +1,4 @@
-"""finetune.flops against torch's own count of the matmuls a LoRA training step runs.
+"""bench.flops against torch's own count of the matmuls a LoRA training step runs.
 
 `torch.utils.flop_counter.FlopCounterMode` counts every mm/bmm autograd actually executes, forward and
 backward. Eager attention computes each row's full n x n scores with plain matmuls, so one document
@@ -14,7 +14,7 @@ from peft import LoraConfig, get_peft_model
 from torch.utils.flop_counter import FlopCounterMode
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from finetune.flops import ALL_LINEAR, DecoderShape, step_flops
+from bench.flops import ALL_LINEAR, DecoderShape, step_flops
 
 # Grouped-query attention and a head_dim that is not hidden / heads, so a formula that confuses
 # hidden_size with heads x head_dim, or K/V width with Q's, is off.

@@ -15,9 +15,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from finetune.checkpoint import list_checkpoints
 from finetune.tensorfile import safetensors_problem
-from finetune.train import SLOW_STEP_ENV, train
+from finetune.training.checkpoint import list_checkpoints
+from finetune.training.loop import SLOW_STEP_ENV, train
 
 REPO = Path(__file__).resolve().parents[1]
 LONG_RUN = ["train.max_steps=60", "train.log_every_steps=1", "output.name=long"]

@@ -14,9 +14,9 @@ import sys
 
 import pytest
 
-from finetune import launch
 from finetune.cli import main
-from finetune.launch import launch_command, run_launched
+from finetune.training import launch
+from finetune.training.launch import launch_command, run_launched
 
 CPU_COUNT = 8
 LAUNCHER = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu"]

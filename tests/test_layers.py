@@ -66,7 +66,7 @@ def test_no_module_below_the_top_layer_imports_it():
     lower = [p for p in _source_files() if not _is_top_layer(p)]
     # The layers the issue names must be among those checked.
     assert {"adapters", "data"} <= {_relative(p).split("/")[0] for p in lower}
-    assert {"train.py", "run_setup.py", "finish.py"} <= {_relative(p) for p in lower}
+    assert {"training/loop.py", "training/run.py", "training/finish.py"} <= {_relative(p) for p in lower}
     problems = [
         problem for path in lower for problem in _upward_imports(path.read_text(encoding="utf-8"), _relative(path))
     ]

@@ -18,8 +18,9 @@ from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 
 from finetune.data import build_datasets, collate_batch
-from finetune.loss import IGNORE_INDEX, token_loss_sum
+from finetune.data.labels import IGNORE_INDEX
 from finetune.recipe import DataConfig
+from finetune.training.loss import token_loss_sum
 
 WORDS = "the model reads a document and predicts the next token while the adapter learns".split()
 # Uneven on purpose: a 1-word document, long ones, short ones, so rows mix lengths and some rows
@@ -181,7 +182,7 @@ def test_packing_changes_speed_not_learning(workdir):
     and the same held-out loss. Dropout is off so the runs differ only by float rounding in attention
     layouts; tolerance 1e-4 on the loss (measured difference ~1e-6), where the old row-based batches (4-5
     documents per packed row) took a third of the steps and ended far apart."""
-    from finetune.train import train
+    from finetune.training.loop import train
 
     common = ["train.max_steps=null", "train.epochs=1", "lora.dropout=0", "data.max_seq_len=512"]
     losses, steps = {}, {}

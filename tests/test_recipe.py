@@ -189,7 +189,7 @@ def test_every_shipped_recipe_validates():
 def test_the_deepspeed_config_we_build_passes_deepspeeds_own_parser(tmp_path, options, zero):
     from deepspeed.runtime.config import DeepSpeedConfig
 
-    from finetune.distributed_deepspeed import deepspeed_config
+    from finetune.training.deepspeed import deepspeed_config
 
     overrides = ["distributed.strategy=deepspeed", "train.micro_batch_size=2", "train.grad_accum_steps=4", *options]
     recipe = load_recipe(write(tmp_path, MINIMAL), [*overrides, "train.precision=bf16", "train.max_grad_norm=0.5"])

@@ -24,7 +24,7 @@ from finetune.embedded import build
 from finetune.embedded.pretrain import PretrainSettings
 from finetune.errors import FinetuneError, TrainingError
 from finetune.recipe import apply_overrides, load_recipe, parse_override
-from finetune.train import train
+from finetune.training.loop import train
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -22,10 +22,10 @@ import torch
 from helpers import REPO, instruction_records
 from safetensors.torch import load_file
 
-from finetune import checkpoint as ckpt
 from finetune.embedded.tiny import build_tiny_llama
 from finetune.errors import CheckpointError
-from finetune.train import SLOW_STEP_ENV, train
+from finetune.training import checkpoint as ckpt
+from finetune.training.loop import SLOW_STEP_ENV, train
 
 # 41.8M parameters, 14 decoder layers: large enough that sharding shows in what each rank holds.
 SHAPE_40M = dict(

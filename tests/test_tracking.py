@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from finetune.cli import main as cli_main
-from finetune.tracking import flat_config
+from finetune.training.tracking import flat_config
 
 TRAIN_KEYS = ("loss", "lr", "tokens_per_s", "tokens_seen", "grad_norm", "epoch")
 EVAL_KEYS = ("eval_loss", "eval_ppl")

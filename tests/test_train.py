@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 
 from finetune.errors import CheckpointError, FinetuneError, ModelError, RecipeError
 from finetune.recipe import LoraConfig
-from finetune.train import accumulate_gradients, train
+from finetune.training.loop import accumulate_gradients, train
 
 
 def _lora_model(base_dir: Path):
@@ -87,8 +87,8 @@ def test_train_writes_a_complete_adapter_that_plain_peft_loads(workdir):
     from transformers import AutoTokenizer
 
     from finetune.data import build_datasets, collate_batch
-    from finetune.loss import token_loss_sum
     from finetune.recipe import load_recipe
+    from finetune.training.loss import token_loss_sum
 
     recipe = load_recipe("recipe.yaml")
     tokenizer = AutoTokenizer.from_pretrained(config["base_model_name_or_path"])

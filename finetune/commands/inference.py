@@ -63,8 +63,8 @@ def run_eval(args: argparse.Namespace) -> int:
     from accelerate import Accelerator
 
     from finetune.data import build_datasets, collate_batch
-    from finetune.evaluate import evaluate
     from finetune.recipe import DataConfig
+    from finetune.training.evaluate import evaluate
 
     loaded, adapter = _load(args)
     config = DataConfig(train=[args.data], format=args.format, max_seq_len=args.max_seq_len, packing=True)
@@ -85,7 +85,7 @@ def run_eval(args: argparse.Namespace) -> int:
     if adapter is not None:
         loaded.use(adapter)
         tuned = perplexity()
-        from finetune.progress import perplexity_change
+        from finetune.report.runs import perplexity_change
 
         change = perplexity_change(base["eval_ppl"], tuned["eval_ppl"])
         print(f"base + adapter: perplexity {tuned['eval_ppl']:.4f} (loss {tuned['eval_loss']:.4f}; {change})")

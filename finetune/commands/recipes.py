@@ -9,6 +9,52 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class CatalogEntry:
+    """One catalog recipe as `finetune recipes list` shows it."""
+
+    name: str
+    base: str
+    method: str
+    """`lora`, or `qlora` on a 4-bit base, `lora-8bit` on an 8-bit one."""
+    gpus: int | None
+    memory: str | None
+    description: str
+    path: Path
+
+    def as_json(self) -> dict:
+        return {k: (str(v) if isinstance(v, Path) else v) for k, v in self.__dict__.items()}
+
+
+def _method(quantization: str) -> str:
+    return {"4bit": "qlora", "8bit": "lora-8bit"}.get(quantization, "lora")
+
+
+def catalog_entries() -> list[CatalogEntry]:
+    """Every catalog recipe, validated, sorted by name."""
+    from finetune.catalog import CATALOG_DIR, RECIPE_SUFFIX, catalog_names
+    from finetune.recipe import load_recipe  # here, not at the top: `finetune --help` stays fast
+
+    entries = []
+    for name in catalog_names():
+        path = CATALOG_DIR / f"{name}{RECIPE_SUFFIX}"
+        recipe = load_recipe(path)
+        entries.append(
+            CatalogEntry(
+                name=name,
+                base=recipe.model.base,
+                method=_method(recipe.model.quantization),
+                gpus=recipe.catalog.gpus,
+                memory=recipe.catalog.memory,
+                description=recipe.description,
+                path=path,
+            )
+        )
+    return entries
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -27,8 +73,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run_list(args: argparse.Namespace) -> int:
-    from finetune.catalog import catalog_entries
-
     entries = catalog_entries()
     if args.json:
         print(json.dumps([entry.as_json() for entry in entries], indent=2))

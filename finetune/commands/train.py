@@ -31,7 +31,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run_train(args: argparse.Namespace) -> int:
-    from finetune.launch import already_launched, launch_command, run_launched
+    from finetune.training.launch import already_launched, launch_command, run_launched
 
     if args.nproc < 1 or args.nnodes < 1:
         raise FinetuneError(f"--nproc {args.nproc} --nnodes {args.nnodes}: both must be at least 1")
@@ -57,7 +57,7 @@ def run_train(args: argparse.Namespace) -> int:
 
     import os
 
-    from finetune.train import train
+    from finetune.training.loop import train
 
     adapter_dir, _ = train(args.recipe, args.overrides, resume=args.resume)
     if os.environ.get("RANK", "0") == "0":  # one line per run, not per process

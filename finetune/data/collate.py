@@ -40,8 +40,8 @@ from typing import Literal
 
 import torch
 
+from finetune.data.labels import IGNORE_INDEX
 from finetune.data.packing import pack_document_lengths
-from finetune.loss import IGNORE_INDEX
 
 Document = Mapping[str, Sequence[int]]
 

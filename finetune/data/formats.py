@@ -1,6 +1,6 @@
 """Record formats: one raw record → one document of token ids and labels (-100 where no loss).
 
-Labels are aligned with `input_ids` (the shift happens in `finetune.loss`). Every document's first
+Labels are aligned with `input_ids` (the shift happens in `finetune.training.loss`). Every document's first
 label is -100: nothing precedes it, and in a packed row it must not be predicted from the previous
 document. EOS always ends a document as a trained label, so the tuned model learns to stop.
 
@@ -34,8 +34,8 @@ from typing import Any, Literal, overload
 
 from transformers import PreTrainedTokenizerBase
 
+from finetune.data.labels import IGNORE_INDEX
 from finetune.errors import DataError
-from finetune.loss import IGNORE_INDEX
 from finetune.recipe import DataConfig
 
 _GENERATION_MARKER = re.compile(r"\{%-?\s*generation\s*-?%\}")

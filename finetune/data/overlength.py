@@ -18,8 +18,8 @@ Example:
 from __future__ import annotations
 
 from finetune.data.formats import Document
+from finetune.data.labels import IGNORE_INDEX
 from finetune.errors import DataError
-from finetune.loss import IGNORE_INDEX
 from finetune.recipe import DataConfig
 
 

@@ -27,8 +27,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from finetune.data.labels import IGNORE_INDEX
 from finetune.data.packing import ROW_FEATURES
-from finetune.loss import IGNORE_INDEX
 
 
 @contextmanager

@@ -16,8 +16,7 @@ import statistics
 from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime, timezone
 
-from finetune.progress import perplexity_change
-from finetune.report.runs import RunHistory
+from finetune.report.runs import RunHistory, perplexity_change
 
 _MISSING = "—"
 

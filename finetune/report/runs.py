@@ -113,3 +113,9 @@ def write_run_record(run_dir: Path, adapter_dir: Path, manifest: Manifest | None
     with atomic_file(path) as staging:
         staging.write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
     return path
+
+
+def perplexity_change(base_ppl: float, ppl: float) -> str:
+    """'97.3% lower' or '12.0% higher': how `ppl` compares with the base's, in words a log line can hold."""
+    change = 100 * (1 - ppl / base_ppl)
+    return f"{change:.1f}% lower" if change >= 0 else f"{-change:.1f}% higher"

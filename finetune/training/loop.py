@@ -1,8 +1,8 @@
 """The training loop: recipe in, adapter directory out. Explicit code on `accelerate`.
 
 The same loop runs on one CPU, one GPU, or many processes (`accelerate launch`; DDP or FSDP, see
-`finetune.distributed`). Setup
-lives in `finetune.run_setup` (the `TrainingRun` state), reporting in `finetune.progress` (one
+`finetune.training.distributed`). Setup
+lives in `finetune.training.run` (the `TrainingRun` state), reporting in `finetune.training.progress` (one
 `on_step` callback). What happens per optimizer step, in order:
 
 1. take the next `grad_accum_steps` micro-batches of the deterministic stream (`finetune.data.sampler`);
@@ -31,18 +31,18 @@ from typing import Any, NamedTuple
 
 import torch
 
-from finetune import checkpoint as ckpt
-from finetune.distributed import Sharding
 from finetune.errors import TrainingError
-from finetune.finish import finish_run
-from finetune.interrupt import StopRequest, TrainingInterrupted, graceful_stop
-from finetune.loss import forward_loss, to_device
 from finetune.manifest import read_manifest
-from finetune.progress import Say, StepCallback, TrainingLog, fan_out
 from finetune.recipe import Recipe, load_recipe
 from finetune.report import report_finished_run
-from finetune.run_setup import TrainingRun, start_run
-from finetune.tracking import Trackers
+from finetune.training import checkpoint as ckpt
+from finetune.training.distributed import Sharding
+from finetune.training.finish import finish_run
+from finetune.training.interrupt import StopRequest, TrainingInterrupted, graceful_stop
+from finetune.training.loss import forward_loss, to_device
+from finetune.training.progress import Say, StepCallback, TrainingLog, fan_out
+from finetune.training.run import TrainingRun, start_run
+from finetune.training.tracking import Trackers
 
 SLOW_STEP_ENV = "FINETUNE_TEST_SECONDS_PER_STEP"
 
@@ -73,7 +73,7 @@ def train(
         resume: continue from the newest checkpoint in the run directory (error if there is none).
         log: where progress lines go (stderr by default).
         progress: show a progress bar; default: when stderr is a terminal.
-        on_step: called after every optimizer step with its metrics (see `finetune.progress`).
+        on_step: called after every optimizer step with its metrics (see `finetune.training.progress`).
 
     Raises:
         TrainingError: a NaN/Inf loss or gradient (beyond `train.nonfinite_skips`); no adapter is written.

@@ -29,8 +29,8 @@ from typing import Any
 
 import torch
 
-from finetune.distributed import Sharding
 from finetune.recipe import Recipe
+from finetune.training.distributed import Sharding
 
 
 def deepspeed_config(recipe: Recipe, world_size: int) -> dict[str, Any]:
@@ -86,7 +86,7 @@ class DeepSpeedSharding(Sharding):
         return nullcontext()
 
     def backward(self, accelerator: Any, loss: torch.Tensor) -> None:
-        # The loss is already normalised over the whole step's tokens (see finetune.train).
+        # The loss is already normalised over the whole step's tokens (see finetune.training.loop).
         self.engine.backward(loss, scale_wrt_gas=False)
 
     def clip_grad_norm(self, accelerator: Any, parameters: list[torch.nn.Parameter], max_norm: float) -> float:

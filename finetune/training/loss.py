@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel
 
-IGNORE_INDEX = -100
+from finetune.data.labels import IGNORE_INDEX
 
 
 def next_token_targets(labels: torch.Tensor) -> torch.Tensor:

@@ -1,9 +1,9 @@
 """What a training run reports as it goes: one `on_step(step, metrics)` callback, and its standard consumer.
 
-The loop in `finetune.train` calls `on_step` once per optimizer step with that step's metrics (`loss`,
+The loop in `finetune.training.loop` calls `on_step` once per optimizer step with that step's metrics (`loss`,
 `lr`, `grad_norm`, `tokens_seen`, `epoch`, `elapsed_s`, and `eval_loss`/`eval_ppl` after an
 evaluation). Everything that reports progress consumes that one stream: `TrainingLog` (metrics.jsonl,
-the console line or progress bar, and the experiment trackers of `finetune.tracking`, TensorBoard among
+the console line or progress bar, and the experiment trackers of `finetune.training.tracking`, TensorBoard among
 them, which receive exactly the records metrics.jsonl gets), a benchmark timing the run, a user's own callback.
 
 Example:
@@ -109,9 +109,3 @@ class TrainingLog:
 
     def close(self) -> None:
         self._bar.close()
-
-
-def perplexity_change(base_ppl: float, ppl: float) -> str:
-    """'97.3% lower' or '12.0% higher': how `ppl` compares with the base's, in words a log line can hold."""
-    change = 100 * (1 - ppl / base_ppl)
-    return f"{change:.1f}% lower" if change >= 0 else f"{-change:.1f}% higher"

@@ -2,7 +2,7 @@
 
 `start_run` does the setup the loop needs, in order: an `Accelerator`, the base model and tokenizer,
 the data, LoRA, the deterministic micro-batch stream and the length of the run, the optimizer and
-schedule, and (with `resume`) the state of a checkpoint. The loop in `finetune.train` then only steps;
+schedule, and (with `resume`) the state of a checkpoint. The loop in `finetune.training.loop` then only steps;
 evaluation and checkpointing are methods here because they read and write this state.
 
 The seed is set after the base is loaded and the data is built, right before LoRA initialises its
@@ -29,22 +29,12 @@ from accelerate.state import AcceleratorState
 from accelerate.utils import DistributedType, InitProcessGroupKwargs, gather_object, set_seed
 from transformers import get_scheduler
 
-from finetune import checkpoint as ckpt
 from finetune.adapters.lora import PEFT_PREFIX
 from finetune.data import build_datasets, collate_batch
 from finetune.data.collate import describe_layout
 from finetune.data.packing import document_lengths
 from finetune.data.sampler import MicroBatchStream
-from finetune.distributed import (
-    DistributedInfo,
-    Sharding,
-    adapter_state,
-    rank_param_share,
-    sharding_for,
-    trainable_names,
-)
 from finetune.errors import CheckpointError, RecipeError
-from finetune.evaluate import evaluate
 from finetune.model import (
     describe_trainable,
     embedding_module_names,
@@ -53,7 +43,17 @@ from finetune.model import (
     wrap_with_lora,
 )
 from finetune.recipe import Recipe, recipe_to_dict
-from finetune.tracking import log_with
+from finetune.training import checkpoint as ckpt
+from finetune.training.distributed import (
+    DistributedInfo,
+    Sharding,
+    adapter_state,
+    rank_param_share,
+    sharding_for,
+    trainable_names,
+)
+from finetune.training.evaluate import evaluate
+from finetune.training.tracking import log_with
 
 Say = Callable[[str], None]
 
@@ -250,7 +250,7 @@ def _make_accelerator(recipe: Recipe) -> Any:
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if recipe.distributed.strategy != "deepspeed" or world_size == 1:
         return Accelerator(mixed_precision=precision, cpu=not torch.cuda.is_available(), log_with=log_with(recipe))
-    from finetune.distributed_deepspeed import deepspeed_plugin
+    from finetune.training.deepspeed import deepspeed_plugin
 
     plugin = deepspeed_plugin(recipe, world_size)
     # Without CUDA accelerate picks no backend and counts 1 process although DeepSpeed joined all of them.

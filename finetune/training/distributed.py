@@ -17,7 +17,7 @@ The training loop does not branch on the strategy; it asks a `Sharding` for what
   and optimizer, split as the strategy splits them. So a checkpoint does not depend on the strategy that
   wrote it (same world size: the data position and RNG states are per rank).
 
-DeepSpeed ZeRO, driven by its own engine, is `finetune.distributed_deepspeed.DeepSpeedSharding`.
+DeepSpeed ZeRO, driven by its own engine, is `finetune.training.deepspeed.DeepSpeedSharding`.
 
 Example:
     sharding = sharding_for(recipe)
@@ -151,7 +151,7 @@ def sharding_for(recipe: Recipe) -> Sharding:
     if strategy == "fsdp":
         return FsdpSharding(recipe.distributed, recipe.train.precision)
     if strategy == "deepspeed":
-        from finetune.distributed_deepspeed import DeepSpeedSharding
+        from finetune.training.deepspeed import DeepSpeedSharding
 
         return DeepSpeedSharding()
     return Sharding()

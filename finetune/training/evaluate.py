@@ -14,7 +14,7 @@ import math
 
 import torch
 
-from finetune.loss import forward_loss, to_device
+from finetune.training.loss import forward_loss, to_device
 
 
 @torch.no_grad()

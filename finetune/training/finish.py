@@ -24,9 +24,9 @@ from finetune.errors import OutputError
 from finetune.fingerprint import fingerprint_model_dir
 from finetune.manifest import build_manifest, write_manifest
 from finetune.paths import local_model_dir
-from finetune.progress import perplexity_change
 from finetune.recipe import recipe_to_dict
-from finetune.run_setup import TrainingRun
+from finetune.report.runs import perplexity_change
+from finetune.training.run import TrainingRun
 
 
 def summary_metrics(run: TrainingRun, last: dict[str, float], say: Callable[[str], None]) -> dict[str, Any]:

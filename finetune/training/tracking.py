@@ -13,33 +13,21 @@ of them from the main process. This module chooses and checks them, and feeds th
   keeps everything local (`wandb sync` uploads later).
 - trackio logs to its local database (`TRACKIO_DIR`, default under ~/.cache/huggingface/trackio).
 
-A tracker whose package is missing is a recipe error naming the package, before anything is loaded.
+A tracker whose package is missing is a recipe error naming the package, before anything is loaded
+(`finetune.recipe.TRACKER_PACKAGES`).
 
 Example:
-    check_installed(["mlflow", "wandb"])          # raises ValueError("wandb is not installed; ...")
     accelerator = Accelerator(log_with=log_with(recipe))
     trackers = Trackers.start(accelerator, recipe, base_eval={"eval_loss": 5.8, "eval_ppl": 345.5})
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from collections.abc import Mapping
 from typing import Any
 
 from finetune.recipe import Recipe, recipe_to_dict
-
-PACKAGES = {"tensorboard": "tensorboard", "mlflow": "mlflow", "wandb": "wandb", "trackio": "trackio"}
-"""`train.report_to` name -> the package that must be importable (and pip-installable under that name)."""
-
-
-def check_installed(names: list[str]) -> None:
-    """Raise ValueError naming the first tracker whose package is not installed, and how to install it."""
-    for name in names:
-        package = PACKAGES[name]
-        if importlib.util.find_spec(package) is None:
-            raise ValueError(f"{name} is not installed; pip install {package} (or pip install 'finetune[{name}]')")
 
 
 def log_with(recipe: Recipe) -> list[Any] | None:
