@@ -76,7 +76,7 @@ def test_no_module_below_the_top_layer_imports_it():
 def test_the_check_sees_imports_inside_functions_and_package_reexports():
     """The checker itself: an import hidden in a function, or a name taken from the package, is caught;
     a submodule imported from the package is not."""
-    source = "def f():\n    from finetune.api import load_model\nfrom finetune import __version__, checkpoint\n"
+    source = "def f():\n    from finetune.api import load_model\nfrom finetune import __version__, recipe\n"
     problems = _upward_imports(source, "adapters/x.py")
     assert problems == [
         "adapters/x.py:2 imports finetune.api",
