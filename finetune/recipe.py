@@ -25,6 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from finetune.catalog import resolve_recipe_path
 from finetune.errors import RecipeError
+from finetune.quantization import Method, Quantization, QuantType
 
 EMBEDDED_BASE = "embedded:tiny-llama"
 """Model id of the embedded default base, shipped prebuilt in the package (see `finetune.embedded`)."""
@@ -59,12 +60,12 @@ class ModelConfig(_Section):
     """Ask the hub for a newer revision of a hub model already in the local cache. Off by default: a cached
     model loads without touching the network (on a machine without internet the check costs minutes of
     retries). A model that is not cached is downloaded either way, unless `HF_HUB_OFFLINE=1`."""
-    quantization: Literal["none", "4bit", "8bit"] = "none"
+    quantization: Method = Quantization.method
     """Load the frozen base with bitsandbytes (QLoRA for `4bit`). Also written as a mapping, as QLoRA users
     expect: `{bits: 4, type: nf4 | fp4, double_quant: true, compute_dtype: bfloat16}` or `{bits: 8}`, which
-    sets the `bnb_4bit_*` fields below."""
-    bnb_4bit_quant_type: Literal["nf4", "fp4"] = "nf4"
-    bnb_4bit_use_double_quant: bool = True
+    sets the `bnb_4bit_*` fields below (`finetune.quantization` holds the defaults)."""
+    bnb_4bit_quant_type: QuantType = Quantization.quant_type
+    bnb_4bit_use_double_quant: bool = Quantization.double_quant
     bnb_4bit_compute_dtype: Literal["float32", "bfloat16", "float16"] | None = None
     """Dtype 4-bit layers compute in (dequantized per matmul); default: `dtype`."""
 
