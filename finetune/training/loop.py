@@ -31,6 +31,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from finetune.device import to_device
 from finetune.errors import TrainingError
 from finetune.manifest import read_manifest
 from finetune.recipe import Recipe, load_recipe
@@ -39,7 +40,7 @@ from finetune.training import checkpoint as ckpt
 from finetune.training.distributed import Sharding
 from finetune.training.finish import finish_run
 from finetune.training.interrupt import StopRequest, TrainingInterrupted, graceful_stop
-from finetune.training.loss import forward_loss, to_device
+from finetune.training.loss import forward_loss
 from finetune.training.progress import Say, StepCallback, TrainingLog, fan_out
 from finetune.training.run import TrainingRun, start_run
 from finetune.training.tracking import Trackers

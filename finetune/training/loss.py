@@ -46,10 +46,6 @@ def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Te
     return loss_sum, (targets != IGNORE_INDEX).sum()
 
 
-def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
-    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
-
-
 def forward_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """Summed next-token loss and label-token count of one collated batch (KV cache off: see packing).
 
