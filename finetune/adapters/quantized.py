@@ -22,6 +22,8 @@ from typing import Any, TypeGuard, cast
 
 import torch
 
+from finetune.quantization import Quantization
+
 
 def _bnb():
     try:
@@ -37,12 +39,31 @@ def is_quantized_linear(module: torch.nn.Module) -> TypeGuard[torch.nn.Linear]:
     return bnb is not None and isinstance(module, (bnb.nn.Linear4bit, bnb.nn.Linear8bitLt))
 
 
+def keep_float_kernels(model: torch.nn.Module) -> None:
+    """Stop bitsandbytes from repacking 4-bit layers for its bf16 CPU kernel (on AVX512-BF16 CPUs), in place.
+
+    bitsandbytes 0.50 repacks a 4-bit layer at its first eval-mode forward on such a CPU: the block scales
+    are rounded to bf16, the matmul runs in bf16, and later forwards, train-mode ones included, use the
+    repacked weights. A run would then compute with other weights after its first evaluation than before
+    it, a resumed run with other weights than an unbroken one, and `dequantize` would misread the packed
+    layout. Measured here (64 x 64 layer): the eval forward was off by 2e-3 from the matmul with the
+    dequantized weights (0 in train mode), and the dequantized weight read afterwards by 0.11. With the
+    float kernels every forward computes with exactly the weights the adapter trains against (and the
+    eval forward no longer needs out_features divisible by 32). GPUs are not affected.
+    """
+    for module in model.modules():
+        if hasattr(module, "support_avx512bf16_for_cpu"):
+            module.support_avx512bf16_for_cpu = False
+
+
 def dequantize(module: torch.nn.Module) -> torch.Tensor:
     """The weight a bitsandbytes linear layer computes with, in fp32, shaped (out, in)."""
     import bitsandbytes.functional as F
 
     bnb = _bnb()
     if isinstance(module, bnb.nn.Linear4bit):
+        state = module.weight.quant_state
+        assert not getattr(state, "packing_format_for_cpu", False), "repacked for bf16: see keep_float_kernels"
         return F.dequantize_4bit(module.weight.data, module.weight.quant_state).to(torch.float32)
     weight = cast(torch.Tensor, module.weight)  # torch types a module's attributes as Tensor | Module
     scales = getattr(weight, "SCB", None)
@@ -63,46 +84,47 @@ def dense_linear_like(module: torch.nn.Module, weight: torch.Tensor) -> torch.nn
 
 def quantized_linear(
     weight: torch.Tensor,
-    bits: int,
+    quantization: Quantization,
     *,
-    quant_type: str = "nf4",
-    double_quant: bool = True,
     blocksize: int = 64,
     compute_dtype: torch.dtype | None = None,
     threshold: float = 0.0,
 ) -> torch.nn.Module:
-    """A bitsandbytes layer holding `weight` quantized the way transformers' loader quantizes a checkpoint.
+    """A bitsandbytes layer holding `weight` quantized as transformers' loader quantizes a checkpoint, on
+    `weight`'s device (bitsandbytes quantizes when the parameter is moved to a device; CPU and CUDA kernels
+    are its own, so a base is reproduced on the device it was quantized on).
 
     4-bit: `Params4bit` quantizes the weight as given (its dtype is what dequantization returns);
     8-bit: `Int8Params` rounds to fp16 first, then row-wise absmax int8.
     """
     bnb = _bnb()
     out_features, in_features = weight.shape
-    if bits == 4:
+    if quantization.bits == 4:
         layer = bnb.nn.Linear4bit(
             in_features,
             out_features,
             bias=False,
             compute_dtype=compute_dtype or weight.dtype,
-            compress_statistics=double_quant,
-            quant_type=quant_type,
-            device="cpu",
+            compress_statistics=quantization.double_quant,
+            quant_type=quantization.quant_type,
+            device="meta",
         )
         layer.weight = bnb.nn.Params4bit(
             weight.detach().clone(),
             requires_grad=False,
-            compress_statistics=double_quant,
-            quant_type=quant_type,
+            compress_statistics=quantization.double_quant,
+            quant_type=quantization.quant_type,
             blocksize=blocksize,
         )
     else:
         layer = bnb.nn.Linear8bitLt(
-            in_features, out_features, bias=False, has_fp16_weights=False, threshold=threshold, device="cpu"
+            in_features, out_features, bias=False, has_fp16_weights=False, threshold=threshold, device="meta"
         )
         layer.weight = bnb.nn.Int8Params(
             weight.detach().to(torch.float16).clone(), requires_grad=False, has_fp16_weights=False
         )
-    return layer.to("cpu")  # bitsandbytes quantizes when the parameter is moved to a device
+    keep_float_kernels(layer)
+    return layer.to(weight.device)
 
 
 def requantize(module: torch.nn.Module, weight: torch.Tensor) -> tuple[torch.nn.Module, float]:
@@ -112,14 +134,13 @@ def requantize(module: torch.nn.Module, weight: torch.Tensor) -> tuple[torch.nn.
         state = module.weight.quant_state
         layer = quantized_linear(
             weight.to(state.dtype),
-            4,
-            quant_type=state.quant_type,
-            double_quant=state.nested,
+            Quantization("4bit", quant_type=state.quant_type, double_quant=state.nested),
             blocksize=state.blocksize,
             compute_dtype=module.compute_dtype,
         )
     else:
-        layer = quantized_linear(weight, 8, threshold=cast(Any, module.state).threshold)  # see dequantize
+        threshold = cast(Any, module.state).threshold  # see dequantize
+        layer = quantized_linear(weight, Quantization("8bit"), threshold=threshold)
     bias = module.bias
     if isinstance(bias, torch.Tensor):
         layer.bias = torch.nn.Parameter(bias.detach().clone(), requires_grad=False)
