@@ -1,8 +1,13 @@
 """`finetune.load_model`: a base model with named adapters, ready for exact merge/subtract/swap and `use`.
 
-It resolves the base (directly, from an adapter's manifest, or from the ledger of a merged checkpoint,
-whose merges it then continues exactly from the recorded base), checks every adapter against the base's
+It resolves the base (`finetune.adapters.resolved_base`: directly, from an adapter's manifest, or from
+the ledger of a merged checkpoint, whose merges it then continues exactly from the recorded base), loads
+it on the device asked for (a GPU when there is one), checks every adapter against the base's
 fingerprint, and hands over to `finetune.adapters.inmemory.LoadedModel`.
+
+This module is the Python API: `load_model` here, `train` (`finetune.training.loop.train`) beside it.
+`import finetune` stays instant: the package exposes both lazily (see `finetune/__init__.py`), so torch
+and transformers load with the first model, not with the package.
 
 Example:
     m = finetune.load_model("models/tiny", adapters={"legal": "adapters/legal", "med": "adapters/med"})
@@ -16,40 +21,34 @@ from __future__ import annotations
 import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NamedTuple
 
+import torch
+
+from finetune.adapters.inmemory import LoadedModel
+from finetune.adapters.lora import Adapter, read_adapter, recorded_quantization
+from finetune.adapters.resolved_base import ResolvedBase, resolve_base
 from finetune.errors import AdapterError, AdapterWarning
-from finetune.fingerprint import check_fingerprint, fingerprint_model, fingerprint_model_dir
-from finetune.paths import local_model_dir
+from finetune.fingerprint import check_fingerprint, fingerprint_model
+from finetune.model import load_base
+from finetune.quantization import Quantization
+from finetune.training.loop import train
 
-if TYPE_CHECKING:  # torch and transformers load when a model does, so `import finetune` stays instant
-    import torch
-    from transformers import PreTrainedModel, PreTrainedTokenizerBase
-
-    from finetune.adapters.inmemory import LoadedModel
-    from finetune.adapters.ledger import Ledger
-    from finetune.adapters.lora import Adapter
-
-__all__ = ["load_model"]
+__all__ = ["load_model", "train"]
 
 DTYPES = ("float32", "bfloat16", "float16")
 ADAPTER_CONFIG_NAME = "adapter_config.json"
 
 
-def _adoptable_ledger(model_dir: Path | None, adapters: list[Adapter], allow_pickle: bool) -> Ledger | None:
-    """The ledger of a merged checkpoint if its base and adapters are at hand (appending those adapters to
-    `adapters`), else None with a warning: the checkpoint then counts as a base of its own."""
-    from finetune.adapters.ledger import read_ledger
-    from finetune.adapters.lora import read_adapter
-
-    ledger = read_ledger(model_dir) if model_dir is not None else None
-    if ledger is None or not ledger.entries:
-        return None
+def _adopt_or_own(base: ResolvedBase, adapters: list[Adapter], allow_pickle: bool) -> ResolvedBase:
+    """A merged checkpoint continues from the base its ledger records when that base and its adapters are at
+    hand (appending those adapters to `adapters`); else it is a base of its own, with a warning."""
+    ledger = base.ledger
+    if not ledger.entries:
+        return base
     problem = None
-    base_dir = local_model_dir(ledger.base_path)
     if ledger.base_quantization != "none":
         problem = f"its adapters were merged into a dequantized {ledger.base_quantization} base"
-    elif base_dir is None or fingerprint_model_dir(base_dir) != ledger.base_fingerprint:
+    elif base.pristine_dir is None:
         problem = f"the base it records ({ledger.base_path}, {ledger.base_fingerprint}) is not available"
     found = []
     for name, entry in sorted(ledger.entries.items()):
@@ -65,15 +64,15 @@ def _adoptable_ledger(model_dir: Path | None, adapters: list[Adapter], allow_pic
         found.append(adapter)
     if problem is not None:
         warnings.warn(
-            f"{model_dir} holds merged adapters ({', '.join(ledger.weights)}) but {problem}; it is loaded as a base of "
-            "its own (use `finetune adapters subtract` for fp32 arithmetic on it)",
+            f"{base.weights_dir} holds merged adapters ({', '.join(ledger.weights)}) but {problem}; it is loaded as a "
+            "base of its own (use `finetune adapters subtract` for fp32 arithmetic on it)",
             AdapterWarning,
             stacklevel=4,  # the caller of `load_model`
         )
-        return None
+        return base.as_own_base()
     given = {a.name for a in adapters}
     adapters.extend(a for a in found if a.name not in given)
-    return ledger
+    return base
 
 
 def _named_paths(adapters: Mapping[str, str | Path] | Sequence[str | Path] | None) -> list[tuple[str | None, Path]]:
@@ -91,8 +90,6 @@ def _read_adapters(
 ) -> tuple[str | Path, list[Adapter], str | None]:
     """(the base to load, the adapters read, the adapter to `use` first). When `base` is an adapter
     directory, it is read first, named `use` first, and its recorded base is loaded."""
-    from finetune.adapters.lora import read_adapter  # imports torch: loaded with a model, not with `finetune`
-
     named = _named_paths(adapters)
     use_first = None
     if (Path(base) / ADAPTER_CONFIG_NAME).is_file():
@@ -106,49 +103,12 @@ def _read_adapters(
     return base, [read_adapter(path, name, allow_pickle=allow_pickle) for name, path in named], use_first
 
 
-def _base_fingerprint(model: PreTrainedModel, base_dir: Path | None, quantization: str) -> str | None:
-    """The base's fingerprint: of its files when at hand, else of the loaded (unquantized) weights, else None."""
-    if base_dir is not None and any(base_dir.glob("*.safetensors")):
-        return fingerprint_model_dir(base_dir)
-    if quantization == "none":
-        return fingerprint_model(model)
-    return None
-
-
-def _recorded_quantization(read: list[Adapter]) -> str:
-    recorded = {a.manifest.base.quantization for a in read if a.manifest is not None}
-    return recorded.pop() if len(recorded) == 1 else "none"
-
-
-class _Base(NamedTuple):
-    """A loaded base, and the base the adapter arithmetic starts from (`dir`, `fingerprint`, `ledger`)."""
-
-    model: PreTrainedModel
-    tokenizer: PreTrainedTokenizerBase
-    source: str
-    dir: Path | None
-    fingerprint: str | None
-    ledger: Ledger | None
-
-
-def _load_base(
-    base: str | Path,
-    read: list[Adapter],
-    allow_pickle: bool,
-    *,
-    quantization: str,
-    revision: str | None,
-    **options: Any,
-) -> _Base:
-    """Load `base`; a merged checkpoint whose ledger can be adopted continues from the base it records."""
-    from finetune.model import load_base  # imports transformers: with the model, not with `import finetune`
-
-    model, tokenizer, source = load_base(str(base), quantization=quantization, revision=revision, **options)
-    base_dir = local_model_dir(source, revision)
-    ledger = _adoptable_ledger(base_dir, read, allow_pickle)
-    if ledger is not None:
-        return _Base(model, tokenizer, source, Path(ledger.base_path), ledger.base_fingerprint, ledger)
-    return _Base(model, tokenizer, source, base_dir, _base_fingerprint(model, base_dir, quantization), None)
+def _quantization(given: str | None, adapters: list[Adapter]) -> Quantization:
+    """The base's quantization: as given, with the options the adapters recorded when they agree on it."""
+    recorded = recorded_quantization(adapters)
+    if given is None:
+        return recorded or Quantization()
+    return recorded if recorded is not None and recorded.method == given else Quantization(given)  # type: ignore[arg-type]
 
 
 def load_model(
@@ -163,6 +123,7 @@ def load_model(
     revision: str | None = None,
     attn_implementation: str = "sdpa",
     trust_remote_code: bool = False,
+    device: str | torch.device | None = "auto",
 ) -> LoadedModel:
     """Load a base and its adapters into a `LoadedModel`.
 
@@ -177,36 +138,36 @@ def load_model(
         requantize: requantize merged layers instead (their added error is in `requantization_errors`).
         force: apply adapters whose recorded base fingerprint differs from this base's.
         allow_pickle: accept `adapter_model.bin` files (read with `torch.load(weights_only=True)`).
+        device: where the model is loaded and every merge is computed: auto (CUDA when present, else the
+            CPU), cpu, cuda or cuda:N.
 
     Raises:
         AdapterError: unreadable/unsafe adapters, fingerprint or shape mismatch, no base to be found.
         ModelError: the base cannot be loaded.
     """
-    import torch  # with the model, not with `import finetune`
-
-    from finetune.adapters.inmemory import LoadedModel
-
     dtype = str(dtype).removeprefix("torch.")  # torch.bfloat16 -> "bfloat16"
     if dtype not in DTYPES:
         raise AdapterError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)} (names or torch dtypes)")
     base, read, use_first = _read_adapters(base, adapters, allow_pickle)
-    if quantization is None:  # what the adapters were trained on, when they agree
-        quantization = _recorded_quantization(read)
-    options = dict(dtype=dtype, attn_implementation=attn_implementation, trust_remote_code=trust_remote_code)
-    loaded_base = _load_base(base, read, allow_pickle, quantization=quantization, revision=revision, **options)
-    loaded = LoadedModel(
-        loaded_base.model,
-        loaded_base.tokenizer,
-        base_source=loaded_base.source,
-        base_dir=loaded_base.dir,
-        base_fingerprint=loaded_base.fingerprint or "",
-        dtype=getattr(torch, dtype),
-        requantize=requantize,
-        quantization=quantization,
-        ledger=loaded_base.ledger,
+    quantization_settings = _quantization(quantization, read)
+    resolved = resolve_base(
+        base, quantization=quantization_settings, dtype=getattr(torch, dtype), device=device, revision=revision
     )
+    resolved = _adopt_or_own(resolved, read, allow_pickle)
+    model, tokenizer, _ = load_base(
+        resolved.source,
+        dtype=dtype,
+        revision=revision,
+        attn_implementation=attn_implementation,
+        trust_remote_code=trust_remote_code,
+        quantization=quantization_settings,
+        device=resolved.device,
+    )
+    if resolved.fingerprint is None and quantization_settings.method == "none":
+        resolved = resolved.with_fingerprint(fingerprint_model(model))  # no files to take it from
+    loaded = LoadedModel(model, tokenizer, resolved, requantize=requantize)
     for adapter in read:
-        check_fingerprint(adapter, loaded_base.fingerprint, str(loaded_base.dir or loaded_base.source), force=force)
+        check_fingerprint(adapter, resolved.fingerprint, str(resolved.pristine_dir or resolved.source), force=force)
         loaded.add_adapter(adapter)
     if use_first is not None:
         loaded.use(use_first)

@@ -11,16 +11,19 @@ Example:
 
 from __future__ import annotations
 
+import importlib.util
 import re
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal, cast
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from finetune.adapters.quantized import keep_float_kernels
 from finetune.errors import ModelError
 from finetune.paths import local_model_dir
+from finetune.quantization import NO_QUANTIZATION, Quantization
 from finetune.recipe import LoraConfig, ModelConfig
 from finetune.tensorfile import check_safetensors
 
@@ -54,25 +57,13 @@ def _resolve(base: str, *, what: str = "model") -> str:
 
 
 def _quantization_config(config: ModelConfig, compute_dtype: torch.dtype):
-    if config.quantization == "none":
-        return None
-    try:
-        import bitsandbytes  # noqa: F401
-        from transformers import BitsAndBytesConfig
-    except ImportError:
+    """transformers' `BitsAndBytesConfig` for the recipe's quantization (None: not quantized)."""
+    quantization = Quantization.of(config)
+    if quantization.method != "none" and importlib.util.find_spec("bitsandbytes") is None:
         raise ModelError(
             f"model.quantization={config.quantization} needs bitsandbytes; pip install 'finetune[quantization]'"
-        ) from None
-    if config.quantization == "8bit":
-        return BitsAndBytesConfig(load_in_8bit=True)
-    return BitsAndBytesConfig(
-        load_in_4bit=True,
-        bnb_4bit_quant_type=config.bnb_4bit_quant_type,
-        bnb_4bit_use_double_quant=config.bnb_4bit_use_double_quant,
-        bnb_4bit_compute_dtype=DTYPES[config.bnb_4bit_compute_dtype]
-        if config.bnb_4bit_compute_dtype
-        else compute_dtype,
-    )
+        )
+    return quantization.bnb_config(compute_dtype)
 
 
 def load_tokenizer(
@@ -110,8 +101,9 @@ def load_base(
     revision: str | None = None,
     attn_implementation: str = "sdpa",
     trust_remote_code: bool = False,
-    quantization: str = "none",
+    quantization: Quantization = NO_QUANTIZATION,
     tokenizer: str | None = None,
+    device: torch.device | None = None,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, str]:
     """Load base model and tokenizer.
 
@@ -124,22 +116,29 @@ def load_base(
         revision=revision,
         attn_implementation=attn_implementation,
         trust_remote_code=trust_remote_code,
-        quantization=quantization,
+        quantization=quantization.method,
+        bnb_4bit_quant_type=quantization.quant_type,
+        bnb_4bit_use_double_quant=quantization.double_quant,
+        bnb_4bit_compute_dtype=quantization.compute_dtype,
         tokenizer=tokenizer,
     )
-    return load_base_from_config(config)
+    return load_base_from_config(config, device=device)
 
 
 def load_base_from_config(
-    config: ModelConfig, tokenizer: PreTrainedTokenizerBase | None = None
+    config: ModelConfig, tokenizer: PreTrainedTokenizerBase | None = None, *, device: torch.device | None = None
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, str]:
     """`load_base` for a recipe's `model` section; `tokenizer`, when the caller already has it from
-    `load_tokenizer_for(config)`, is checked and returned instead of being loaded again."""
+    `load_tokenizer_for(config)`, is checked and returned instead of being loaded again.
+
+    `device`: where the weights are loaded (a CUDA device: straight onto it, quantized there by
+    bitsandbytes, no host copy first); None or the CPU: host memory, as `from_pretrained` does by default.
+    """
     source = _resolve(config.base)
     if config.trust_remote_code:
         print(f"warning: model.trust_remote_code is on: Python code shipped with {source} will run", file=sys.stderr)
     dtype = DTYPES[config.dtype]
-    kwargs = dict(
+    kwargs: dict[str, Any] = dict(
         dtype=dtype,
         revision=config.revision,
         attn_implementation=config.attn_implementation,
@@ -148,6 +147,8 @@ def load_base_from_config(
     quantization = _quantization_config(config, dtype)
     if quantization is not None:
         kwargs["quantization_config"] = quantization
+    if device is not None and device.type != "cpu":
+        kwargs["device_map"] = {"": device}  # every module there: one GPU per process, never "auto" sharding
     try:
         model = AutoModelForCausalLM.from_pretrained(files_to_load(source, config), **kwargs)
     except (OSError, ValueError) as exc:
@@ -156,6 +157,7 @@ def load_base_from_config(
             f"cannot load base model {config.base!r}: {first}{_not_cached_hint(source, config.revision)}"
         ) from None
     model.config._name_or_path = source  # adapters record the hub id, not this machine's cache path
+    keep_float_kernels(model)  # a 4-bit base computes with the same weights in every mode (see there)
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer_for(config)
     _check_vocabulary_fits(model, tokenizer, config.tokenizer or config.base)
     return model.eval(), tokenizer, source

@@ -48,14 +48,17 @@ def changed_modules(old: Ledger, new: Ledger, adapters: Mapping[str, Adapter]) -
 
 
 def merged_weight(base: torch.Tensor, terms: list[Term], dtype: torch.dtype, *, module: str) -> torch.Tensor:
-    """round(base + Σ w·ΔW) in `dtype`, summed in fp32 in the order of `terms` (sorted by name).
+    """round(base + Σ w·ΔW) in `dtype`, summed in fp32 in the order of `terms` (sorted by name), on `base`'s device.
+
+    Every update is computed where the base tensor lives (a GPU's for a model loaded there), so the
+    result never mixes devices and the same inputs on the same device always give the same bits.
 
     Raises:
         AdapterError: the result holds NaN/Inf (an update that overflows `dtype`), naming module and adapters.
     """
     accumulator = base.to(torch.float32, copy=True)
     for _, weight, lora in terms:
-        accumulator.add_(lora.delta(weight))
+        accumulator.add_(lora.delta(weight, accumulator.device))
     result = accumulator.to(dtype)
     if terms and not _all_finite(result):
         names = ", ".join(name for name, _, _ in terms)

@@ -1,5 +1,6 @@
-"""Planning an on-disk merge, subtract or swap: the source model and its ledger, the target ledger, the
-pristine base (found and checked by fingerprint, or absent), and every adapter either ledger needs.
+"""Planning an on-disk merge, subtract or swap: the resolved source model (its ledger, the pristine base
+found and checked by fingerprint or absent, quantization, device), the target ledger, and every adapter
+either ledger needs.
 
 Nothing is written here; `disk_stream.write_target` carries a `DiskPlan` out. A plan is exact when the
 pristine base is at hand (the model itself when nothing is merged into it, else `--base` or the base
@@ -7,20 +8,24 @@ its ledger records) and every adapter the target ledger holds can be read back u
 `pristine_dir` is None and the writer falls back to arithmetic on the merged weights.
 
 Example:
-    source_dir, ledger = source("merged/legal")
-    plan = make_plan(source_dir, ledger, target, {"med": med}, base=None, force=False, allow_pickle=False)
+    base = source_base("merged/legal")
+    plan = make_plan(base, target, {"med": med}, allow_pickle=False)
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
-from finetune.adapters.ledger import Ledger, read_ledger
-from finetune.adapters.lora import Adapter, read_adapter
+import torch
+
+from finetune.adapters.ledger import Ledger
+from finetune.adapters.lora import Adapter, read_adapter, recorded_quantization
+from finetune.adapters.resolved_base import ResolvedBase, resolve_base, resolve_model_dir
 from finetune.errors import AdapterError
-from finetune.fingerprint import fingerprint_model_dir, weight_files
+from finetune.fingerprint import check_fingerprint
+from finetune.quantization import Quantization
 
 
 @dataclass(frozen=True)
@@ -33,40 +38,47 @@ class AdapterSpec:
 
 @dataclass
 class DiskPlan:
-    source_dir: Path
-    source_ledger: Ledger
+    base: ResolvedBase
+    """The source model: its directory and ledger, the pristine base, quantization, output dtype, device."""
     target_ledger: Ledger
-    pristine_dir: Path | None
-    """The pristine base's directory; None: no exact path, fall back to arithmetic on the merged weights."""
     adapters: dict[str, Adapter]
     notes: list[str]
+    pristine_dir: Path | None
+    """The pristine base's directory; None: no exact path, fall back to arithmetic on the merged weights."""
+
+    @property
+    def source_dir(self) -> Path:
+        assert self.base.weights_dir is not None, "on-disk arithmetic reads a local model directory"
+        return self.base.weights_dir
+
+    @property
+    def source_ledger(self) -> Ledger:
+        return self.base.ledger
+
+    @property
+    def quantization(self) -> Quantization:
+        """The base quantization the target's adapters were trained on (its weights are reproduced exactly)."""
+        return self.base.quantization if self.pristine_dir is not None else Quantization()
 
 
-def resolve_model_dir(ref: str) -> Path:
-    """A local model directory for `ref` (a path, `embedded:*`, or a hub id in the local cache)."""
-    from finetune.embedded import resolve_base_id
-    from finetune.paths import local_model_dir
-
-    directory = local_model_dir(resolve_base_id(ref))
-    if directory is None or not (directory / "config.json").is_file():
-        raise AdapterError(f"{ref} is not a model directory (no config.json) nor a cached hub model; give a local path")
-    if not weight_files(directory):
-        raise AdapterError(f"{directory} holds no *.safetensors weights; re-save it with save_pretrained (safetensors)")
-    return directory
-
-
-def source(model: str) -> tuple[Path, Ledger]:
-    """The model directory and its ledger (an empty one on top of itself when nothing is merged into it)."""
+def source_base(
+    model: str,
+    *,
+    pristine: str | None = None,
+    force: bool = False,
+    dtype: str | None = None,
+    device: str | torch.device | None = "auto",
+) -> ResolvedBase:
+    """The source model resolved for on-disk arithmetic: a local 16/32-bit checkpoint and its ledger."""
     source_dir = resolve_model_dir(model)
     if "quantization_config" in json.loads((source_dir / "config.json").read_text()):
         raise AdapterError(
             f"{source_dir} is a quantized checkpoint; adapter arithmetic on disk needs 16/32-bit weights: use the base "
             "it was quantized from (adapters trained on it are dequantized-merged) or a merge written without --requantize"
         )
-    ledger = read_ledger(source_dir)
-    if ledger is None:
-        ledger = Ledger(base_path=str(source_dir.resolve()), base_fingerprint=fingerprint_model_dir(source_dir))
-    return source_dir, ledger
+    return resolve_base(
+        source_dir, pristine=pristine, force=force, dtype=getattr(torch, dtype) if dtype else None, device=device
+    )
 
 
 def read_spec(spec: AdapterSpec, ledger: Ledger, allow_pickle: bool) -> Adapter:
@@ -79,55 +91,26 @@ def read_spec(spec: AdapterSpec, ledger: Ledger, allow_pickle: bool) -> Adapter:
     return read_adapter(spec.ref, allow_pickle=allow_pickle)
 
 
-def check_new(adapter: Adapter, ledger: Ledger, where: Path, force: bool) -> None:
+def check_new(adapter: Adapter, base: ResolvedBase, force: bool) -> None:
     """An adapter about to be merged was trained on the ledger's base (fingerprint), unless forced."""
-    from finetune.fingerprint import check_fingerprint
+    ledger = base.ledger
+    check_fingerprint(adapter, ledger.base_fingerprint or None, str(ledger.base_path or base.weights_dir), force=force)
 
-    check_fingerprint(adapter, ledger.base_fingerprint or None, str(ledger.base_path or where), force=force)
 
-
-def make_plan(
-    source_dir: Path,
-    source_ledger: Ledger,
-    target_ledger: Ledger,
-    given: dict[str, Adapter],
-    *,
-    base: str | None,
-    force: bool,
-    allow_pickle: bool,
-) -> DiskPlan:
-    """Find the pristine base and the adapters both ledgers need; exact or arithmetic follows from them."""
-    pristine_dir, notes = _find_pristine_base(source_dir, source_ledger, base, force)
-    plan = DiskPlan(source_dir, source_ledger, target_ledger, pristine_dir, dict(given), notes)
+def make_plan(base: ResolvedBase, target_ledger: Ledger, given: dict[str, Adapter], *, allow_pickle: bool) -> DiskPlan:
+    """Read the adapters both ledgers need and settle the quantization; exact or arithmetic follows from them."""
+    plan = DiskPlan(base, target_ledger, dict(given), list(base.notes), base.pristine_dir)
     _read_ledger_adapters(plan, allow_pickle)
+    plan.base = replace(base, quantization=_target_quantization(target_ledger, plan.adapters))
     return plan
 
 
-def _find_pristine_base(
-    source_dir: Path, ledger: Ledger, base: str | None, force: bool
-) -> tuple[Path | None, list[str]]:
-    """The base to recompute from (checked against the ledger's fingerprint), or None, and notes on why."""
-    if not ledger.entries and base is None:
-        return source_dir, []  # nothing merged: the model is its own pristine base
-    notes: list[str] = []
-    candidate = base or ledger.base_path
-    try:
-        pristine_dir = resolve_model_dir(candidate) if candidate else None
-    except AdapterError:
-        if base is not None:
-            raise
-        return None, [f"the recorded base {candidate} is not available"]
-    if pristine_dir is not None and ledger.base_fingerprint:
-        found = fingerprint_model_dir(pristine_dir)
-        if found != ledger.base_fingerprint:
-            message = (
-                f"{pristine_dir} ({found}) is not the base {source_dir} was merged from "
-                f"({ledger.base_path}, {ledger.base_fingerprint}); pass the right --base or --force"
-            )
-            if not force:
-                raise AdapterError(message)
-            notes.append("forced: " + message)
-    return pristine_dir, notes
+def _target_quantization(target: Ledger, adapters: dict[str, Adapter]) -> Quantization:
+    """The target ledger's base quantization, with the options its adapters recorded (nf4/fp4, double quant)."""
+    recorded = recorded_quantization(adapters.values())
+    if recorded is not None and recorded.method == target.base_quantization:
+        return recorded
+    return Quantization(target.base_quantization)  # type: ignore[arg-type]  # a ledger holds a valid method
 
 
 def _read_ledger_adapters(plan: DiskPlan, allow_pickle: bool) -> None:

@@ -11,7 +11,8 @@ against an exact merge (half an ulp of the stored value plus half an ulp of the 
 Peak memory is one shard of tensors plus the adapters (fp32) plus one fp32 accumulator. Adapters
 trained on a 4-bit/8-bit base are merged into the weights they were trained against: each linear weight
 bitsandbytes would quantize goes through the same quantize → dequantize round trip
-(`pristine.quantization_roundtrip`), and the model is written in 16/32-bit. With tied input and output
+(`pristine.quantization_roundtrip`, on the plan's device: bitsandbytes quantizes on CUDA where the base
+was quantized there), and the model is written in 16/32-bit. With tied input and output
 embeddings, an update to either unties them (`finetune.adapters.tied`).
 """
 
@@ -58,7 +59,7 @@ def inexact_weights(source: Ledger, target: Ledger) -> dict[str, float]:
 class _ShardWriter:
     """Computes the output tensors of one input file at a time (see the module docstring)."""
 
-    def __init__(self, plan: DiskPlan, read_index: TensorIndex, dtype: torch.dtype | None):
+    def __init__(self, plan: DiskPlan, read_index: TensorIndex):
         self.exact = plan.pristine_dir is not None
         read_dir = plan.pristine_dir or plan.source_dir
         weights = plan.target_ledger.weights if self.exact else inexact_weights(plan.source_ledger, plan.target_ledger)
@@ -68,19 +69,14 @@ class _ShardWriter:
         architecture = _meta_model(read_dir)  # one per operation: tied names and quantizable weights
         self.aliases = stored_aliases(architecture, read_index)
         self.untied = _names_to_untie(self.aliases, self.terms)
-        quantized = self._quantization(plan) != "none"
+        quantized = plan.quantization.method != "none"
         self.quantized_weights = _quantizable_weights(architecture) if quantized else set()
-        roundtrip = quantization_roundtrip(
-            self.quantized_weights, self._quantization(plan), quantization_options(plan.adapters)
-        )
+        roundtrip = quantization_roundtrip(self.quantized_weights, plan.quantization) if quantized else None
         self.pristine = PristineWeights(
-            read_index, verify=False, aliases=self.aliases, roundtrip=roundtrip if self.quantized_weights else None
+            read_index, device=plan.base.device, verify=False, aliases=self.aliases, roundtrip=roundtrip
         )
-        self.dtype = dtype
+        self.dtype = plan.base.dtype
         self.rewritten, self.max_drift_bound = 0, 0.0
-
-    def _quantization(self, plan: DiskPlan) -> str:
-        return plan.target_ledger.base_quantization if self.exact else "none"
 
     def check(self, adapters: dict[str, Adapter], where: Path) -> None:
         """Every adapter fits the weights read (shapes, tied names) and, exactly, the base copies peft saved."""
@@ -122,18 +118,18 @@ class _ShardWriter:
         result = merged_weight(base, terms, out_dtype, module=module)
         self.rewritten += 1
         if not self.exact:
-            stored = self.read_index.read(name)
+            stored = self.read_index.read(name).to(result.device)
             self.max_drift_bound = max(self.max_drift_bound, (half_ulp(stored) + half_ulp(result)).max().item())
         return result
 
 
-def write_target(plan: DiskPlan, out: str | Path, operation: str, *, dtype: str | None) -> ArithmeticReport:
-    """Write the target ledger's model into `out`, shard by shard; `dtype` overrides the stored float dtype."""
+def write_target(plan: DiskPlan, out: str | Path, operation: str) -> ArithmeticReport:
+    """Write the target ledger's model into `out`, shard by shard (floats in the plan's dtype, else as stored)."""
     started = time.perf_counter()
     out = ensure_free(out)
     read_dir = plan.pristine_dir or plan.source_dir
     read_index = TensorIndex.of(read_dir)
-    writer = _ShardWriter(plan, read_index, getattr(torch, dtype) if dtype else None)
+    writer = _ShardWriter(plan, read_index)
     writer.check(plan.adapters, read_dir)
     with staging_dir(out) as tmp:
         weight_map: dict[str, str] = {}
@@ -189,12 +185,3 @@ def _quantizable_weights(architecture: PreTrainedModel) -> set[str]:
         for name, m in architecture.named_modules()
         if isinstance(m, torch.nn.Linear) and m is not output
     }
-
-
-def quantization_options(adapters: dict[str, Adapter]) -> dict:
-    """bitsandbytes 4-bit options from the adapters' recorded recipes (defaults: nf4, double quantization)."""
-    for adapter in adapters.values():
-        recipe = adapter.manifest.recipe if adapter.manifest is not None else None
-        if recipe and isinstance(recipe.get("model"), dict):
-            return {k: v for k, v in recipe["model"].items() if k.startswith("bnb_4bit_")}
-    return {}

@@ -45,6 +45,7 @@ from finetune.adapters.model_dir import (
 )
 from finetune.adapters.pristine import PristineWeights
 from finetune.adapters.report import ArithmeticReport
+from finetune.adapters.resolved_base import ResolvedBase
 from finetune.adapters.tied import TIE_KEY, tied_parameter_names
 from finetune.errors import AdapterError, AdapterWarning
 from finetune.fingerprint import base_state_items
@@ -62,37 +63,29 @@ class LoadedModel:
         model: the transformers model (usable with `generate`); merges change its weights in place.
         tokenizer: the base's tokenizer.
         adapters: name -> `Adapter` (fp32 A/B per module).
-        base_source: the directory or hub id the model was loaded from.
-        base_dir: the pristine base's directory (for a merged checkpoint: the base its ledger records).
-        dtype: the dtype merged tensors are written in (the base's compute dtype for quantized layers).
+        base: the resolved base (`resolve_base`): its source, pristine directory, ledger, quantization,
+            dtype (that of merged tensors; the compute dtype for quantized layers) and device.
     """
 
     def __init__(
         self,
         model: PreTrainedModel,
         tokenizer: PreTrainedTokenizerBase,
+        base: ResolvedBase,
         *,
-        base_source: str,
-        base_dir: Path | None,
-        base_fingerprint: str,
-        dtype: torch.dtype,
         requantize: bool = False,
-        quantization: str = "none",
-        ledger: Ledger | None = None,
     ):
         self.model = model
         self.tokenizer = tokenizer
-        self.base_source = base_source
-        self.base_dir = base_dir
-        self.dtype = dtype
+        self.base = base
         self.requantize = requantize
         self.adapters: dict[str, Adapter] = {}
-        self._ledger = ledger or Ledger(
-            base_path=str(base_dir or base_source), base_fingerprint=base_fingerprint, base_quantization=quantization
-        )
+        self._ledger = base.ledger
         # A model loaded from a merged checkpoint already holds its ledger's merges: its tensors are not the base's.
         self._tied = tied_parameter_names(model)
-        self._pristine = PristineWeights.of(base_dir, verify=not self._ledger.entries, aliases=self._tied)
+        self._pristine = PristineWeights.of(
+            base.pristine_dir, base.device, verify=not self._ledger.entries, aliases=self._tied
+        )
         self._untied: dict[str, torch.nn.Parameter] = {}  # module -> the shared weight it held before a merge
         self._ties_on_load = bool(getattr(model.config, TIE_KEY, False))
         self._quantized_originals: dict[str, torch.nn.Module] = {}
@@ -100,6 +93,27 @@ class LoadedModel:
         self._peft: PeftModel | None = None
         self._active: str | None = None
         self._per_row = False  # use_per_row() is on: adapter layers enabled for calls with adapter_names
+
+    @property
+    def base_source(self) -> str:
+        """The directory or hub id the model was loaded from."""
+        return self.base.source
+
+    @property
+    def base_dir(self) -> Path | None:
+        """The pristine base's directory (for a merged checkpoint: the base its ledger records)."""
+        return self.base.pristine_dir
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype merged tensors are written in."""
+        assert self.base.dtype is not None, "a loaded model has a dtype"
+        return self.base.dtype
+
+    @property
+    def device(self) -> torch.device:
+        """Where the model's weights are, where inputs go, and where every merge is computed."""
+        return self.base.device
 
     # ---- state -------------------------------------------------------------------------------------
     @property

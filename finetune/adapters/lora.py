@@ -27,6 +27,8 @@ import hashlib
 import json
 import math
 import re
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -34,6 +36,7 @@ import torch
 
 from finetune.errors import AdapterError
 from finetune.manifest import Manifest, read_manifest
+from finetune.quantization import Quantization
 
 CONFIG_NAME = "adapter_config.json"
 SAFETENSORS_NAME = "adapter_model.safetensors"
@@ -90,6 +93,28 @@ def derived_adapter_name(raw: str) -> str:
     return f"{name}_adapter" if _is_reserved(name) else name
 
 
+@contextmanager
+def ieee_fp32_matmuls() -> Iterator[None]:
+    """fp32 matmuls in full IEEE fp32 on CUDA inside the block, whatever TF32 setting is in force.
+
+    Users (and libraries) switch TF32 on for speed; an update computed with a 10-bit mantissa would
+    break "computed in fp32" and the exactness that rests on it. CPU matmuls are fp32 already.
+    """
+    matmul = torch.backends.cuda.matmul
+    if hasattr(matmul, "fp32_precision"):  # torch >= 2.9
+        previous, matmul.fp32_precision = matmul.fp32_precision, "ieee"
+        try:
+            yield
+        finally:
+            matmul.fp32_precision = previous
+        return
+    previous_tf32, matmul.allow_tf32 = matmul.allow_tf32, False
+    try:
+        yield
+    finally:
+        matmul.allow_tf32 = previous_tf32
+
+
 @dataclass(frozen=True)
 class LoraWeights:
     """One targeted linear layer: A (r, in), B (out, r) in fp32 and the scale applied to B·A."""
@@ -121,13 +146,17 @@ class LoraWeights:
             }
         return {f"{prefix}.lora_A.weight": self.A.contiguous(), f"{prefix}.lora_B.weight": self.B.contiguous()}
 
-    def delta(self, weight: float = 1.0) -> torch.Tensor:
-        """weight · scale · B·A in fp32, shaped like the base weight.
+    def delta(self, weight: float = 1.0, device: torch.device | str | None = None) -> torch.Tensor:
+        """weight · scale · B·A in fp32 on `device` (default: where A and B are, the CPU), shaped like the base weight.
 
         The scalar is folded in first (one multiply per B element) so the same call always rounds the
-        same way: the arithmetic in `inmemory` and `ondisk` relies on identical results for identical inputs.
+        same way: the arithmetic in `inmemory` and `ondisk` relies on identical results for identical
+        inputs. The update is computed on the device of the weight it is added to, in full fp32 there
+        (no TF32, whatever the process chose): the same inputs on the same device give the same bits.
         """
-        update = (self.B * (weight * self.scale)) @ self.A  # (out, r) @ (r, in) -> (out, in)
+        A, B = self.A.to(device), self.B.to(device)
+        with ieee_fp32_matmuls():
+            update = (B * (weight * self.scale)) @ A  # (out, r) @ (r, in) -> (out, in)
         return update.T if self.fan_in_fan_out else update
 
 
@@ -162,11 +191,20 @@ class Adapter:
         return self.manifest.base.fingerprint if self.manifest is not None else None
 
     @property
+    def trained_quantization(self) -> Quantization | None:
+        """How the base was quantized when this adapter was trained (from its manifest; None without one)."""
+        if self.manifest is None:
+            return None
+        recipe_model = (self.manifest.recipe or {}).get("model")
+        fields = recipe_model if isinstance(recipe_model, dict) else {}
+        return Quantization.from_record({**fields, "quantization": self.manifest.base.quantization})
+
+    @property
     def ranks(self) -> set[int]:
         return {w.rank for w in self.modules.values()}
 
-    def delta(self, module: str, weight: float = 1.0) -> torch.Tensor:
-        return self.modules[module].delta(weight)
+    def delta(self, module: str, weight: float = 1.0, device: torch.device | str | None = None) -> torch.Tensor:
+        return self.modules[module].delta(weight, device)
 
     def check_base_copy(self, module: str, base_weight: torch.Tensor) -> None:
         """Refuse a base whose `module` weight differs from the copy peft saved beside this adapter's LoRA."""
@@ -320,3 +358,9 @@ def _pair(path: Path, module: str, pair: dict[str, torch.Tensor]) -> tuple[torch
             f"{path}: module {module} has A {tuple(A.shape)} and B {tuple(B.shape)}, not (r, in) and (out, r)"
         )
     return A, B, False
+
+
+def recorded_quantization(adapters: Iterable[Adapter]) -> Quantization | None:
+    """The quantization the adapters' manifests agree their base had; None when none records one or they differ."""
+    recorded = {q for q in (a.trained_quantization for a in adapters) if q is not None}
+    return recorded.pop() if len(recorded) == 1 else None

@@ -17,10 +17,12 @@ import contextlib
 import json
 import os
 import shutil
+import time
 from collections.abc import Mapping
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
 
 from finetune.adapters.ledger import LEDGER_KEY, Ledger
 from finetune.atomic import atomic_directory
@@ -50,16 +52,15 @@ def staging_dir(out: str | Path) -> contextlib.AbstractContextManager[Path]:
 def after_shard_hook() -> None:
     seconds = float(os.environ.get(SLOW_HOOK_ENV, "0") or 0)
     if seconds > 0:
-        import time
-
         time.sleep(seconds)
 
 
 def write_shard(out_dir: Path, file_name: str, tensors: Mapping[str, torch.Tensor], ledger: Ledger) -> dict[str, str]:
-    """Save one safetensors file with the ledger in its metadata; returns its part of the index's weight map."""
-    from safetensors.torch import save_file
+    """Save one safetensors file with the ledger in its metadata; returns its part of the index's weight map.
 
-    contiguous = {name: tensor.detach().contiguous() for name, tensor in tensors.items()}
+    Tensors may live on a GPU (a model merged where it runs): each is copied to host memory to be written.
+    """
+    contiguous = {name: tensor.detach().to("cpu").contiguous() for name, tensor in tensors.items()}
     save_file(contiguous, str(out_dir / file_name), metadata={"format": "pt", LEDGER_KEY: ledger.to_json()})
     return {name: file_name for name in tensors}
 

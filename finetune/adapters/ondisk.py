@@ -18,12 +18,16 @@ import shutil
 from dataclasses import replace
 from pathlib import Path
 
-from finetune.adapters.disk_plan import AdapterSpec, DiskPlan, check_new, make_plan, read_spec, source
-from finetune.adapters.disk_stream import quantization_options, write_target
+import torch
+
+from finetune.adapters.disk_plan import AdapterSpec, DiskPlan, check_new, make_plan, read_spec, source_base
+from finetune.adapters.disk_stream import write_target
 from finetune.adapters.ledger import Ledger
-from finetune.adapters.lora import Adapter
+from finetune.adapters.lora import Adapter, recorded_quantization
 from finetune.adapters.model_dir import ensure_free
 from finetune.adapters.report import ArithmeticReport
+from finetune.adapters.requantize import requantize_checkpoint
+from finetune.adapters.resolved_base import ResolvedBase
 from finetune.errors import AdapterError
 
 __all__ = ["AdapterSpec", "merge_checkpoint", "subtract_checkpoint", "swap_checkpoint"]
@@ -39,6 +43,7 @@ def merge_checkpoint(
     requantize: bool = False,
     force: bool = False,
     allow_pickle: bool = False,
+    device: str | torch.device | None = "auto",
 ) -> ArithmeticReport:
     """Merge adapters into a base (or into a model already holding merges) and write a full model directory.
 
@@ -50,55 +55,65 @@ def merge_checkpoint(
         quantization: "4bit"/"8bit" if the adapters were trained on a quantized base (default: their manifests).
         requantize: write the merged model quantized like the base instead of 16/32-bit; the report
             gives the relative error this adds (`requantize.requantize_checkpoint`).
+        device: where each tensor's update (and a quantized base's round trip) is computed; auto: CUDA
+            when present, as training and `load_model` do, so the result equals an in-memory merge there.
     """
     ensure_free(out)
-    source_dir, ledger = source(base)
+    source = source_base(base, force=force, dtype=dtype, device=device)
     adapters: dict[str, Adapter] = {}
-    target = ledger
+    target = source.ledger
     for spec in specs:
         adapter = read_spec(spec, Ledger(), allow_pickle)
-        check_new(adapter, ledger, source_dir, force)
+        check_new(adapter, source, force)
         adapters[adapter.name] = adapter
         target = target.plus(adapter.name, 1.0 if spec.weight is None else spec.weight, adapter)
-    quantization = _merge_quantization(quantization, adapters, ledger, source_dir)
-    target = replace(target, base_quantization=quantization)
-    if requantize and quantization == "none":
+    target = replace(target, base_quantization=_merge_quantization(quantization, adapters, source))
+    if requantize and target.base_quantization == "none":
         raise AdapterError("--requantize needs adapters trained on a 4bit or 8bit base (or --quantization 4bit|8bit)")
-    plan = make_plan(source_dir, ledger, target, adapters, base=None, force=force, allow_pickle=allow_pickle)
+    plan = make_plan(source, target, adapters, allow_pickle=allow_pickle)
     if not requantize:
-        return write_target(plan, out, "merge", dtype=dtype)
-    return _merge_requantized(plan, Path(out), quantization, dtype)
+        return write_target(plan, out, "merge")
+    return _merge_requantized(plan, Path(out))
 
 
-def _merge_quantization(quantization: str | None, adapters: dict[str, Adapter], ledger: Ledger, where: Path) -> str:
+def _merge_quantization(quantization: str | None, adapters: dict[str, Adapter], source: ResolvedBase) -> str:
     """The quantization the adapters were trained on: as given, else what their manifests agree on."""
+    ledger = source.ledger
     if quantization is None:
-        recorded = {a.manifest.base.quantization for a in adapters.values() if a.manifest is not None}
-        quantization = recorded.pop() if len(recorded) == 1 else ledger.base_quantization
+        recorded = recorded_quantization(adapters.values())
+        quantization = recorded.method if recorded is not None else ledger.base_quantization
     if ledger.entries and quantization != ledger.base_quantization:
-        raise AdapterError(f"{where} holds merges on a {ledger.base_quantization} base; cannot add {quantization} ones")
+        raise AdapterError(
+            f"{source.weights_dir} holds merges on a {ledger.base_quantization} base; cannot add {quantization} ones"
+        )
     return quantization
 
 
-def _merge_requantized(plan: DiskPlan, out: Path, quantization: str, dtype: str | None) -> ArithmeticReport:
+def _merge_requantized(plan: DiskPlan, out: Path) -> ArithmeticReport:
     """A dense exact merge in a scratch directory, then quantized like the base into `out`."""
-    from finetune.adapters.requantize import requantize_checkpoint
-
     dense_dir = out.parent / f".{out.name}.dense-{os.getpid()}"
     shutil.rmtree(dense_dir, ignore_errors=True)
     try:
-        report = write_target(plan, dense_dir, "merge", dtype=dtype)
-        errors = requantize_checkpoint(dense_dir, out, quantization, quantization_options(plan.adapters))
+        report = write_target(plan, dense_dir, "merge")
+        errors = requantize_checkpoint(dense_dir, out, plan.quantization, plan.base.device)
     finally:
         shutil.rmtree(dense_dir, ignore_errors=True)
     worst = max(errors, key=lambda module: errors[module])
     report.out = out
     report.notes = [n for n in report.notes if not n.startswith("dequantized the")]
     report.notes.append(
-        f"requantized to {quantization}: relative Frobenius error added {errors[worst]:.3e} at worst ({worst}), "
-        f"{sum(errors.values()) / len(errors):.3e} on average over {len(errors)} layers"
+        f"requantized to {plan.quantization.method}: relative Frobenius error added {errors[worst]:.3e} at worst "
+        f"({worst}), {sum(errors.values()) / len(errors):.3e} on average over {len(errors)} layers"
     )
     return report
+
+
+def _merged_source(
+    model: str, out: str | Path, *, base: str | None, force: bool, device: str | torch.device | None
+) -> ResolvedBase:
+    """The merged model a subtract or swap starts from, with `out` checked free first (nothing is read in vain)."""
+    ensure_free(out)
+    return source_base(model, pristine=base, force=force, device=device)
 
 
 def subtract_checkpoint(
@@ -110,20 +125,18 @@ def subtract_checkpoint(
     negate: bool = False,
     force: bool = False,
     allow_pickle: bool = False,
+    device: str | torch.device | None = "auto",
 ) -> ArithmeticReport:
     """Take an adapter out of a merged model: exact from the base when it is found, else fp32 arithmetic."""
-    ensure_free(out)
-    source_dir, ledger = source(model)
-    adapter = read_spec(spec, ledger, allow_pickle)
-    if adapter.name not in ledger.entries:
-        check_new(adapter, ledger, source_dir, force)
-    target = ledger.minus(adapter.name, spec.weight, adapter, negate=negate, where=str(source_dir))
-    plan = make_plan(
-        source_dir, ledger, target, {adapter.name: adapter}, base=base, force=force, allow_pickle=allow_pickle
-    )
-    if adapter.name not in ledger.entries:
-        plan.notes.append(f"task negation: {adapter.name!r} was never merged into {source_dir}")
-    return write_target(plan, out, "subtract", dtype=None)
+    source = _merged_source(model, out, base=base, force=force, device=device)
+    adapter = read_spec(spec, source.ledger, allow_pickle)
+    if adapter.name not in source.ledger.entries:
+        check_new(adapter, source, force)
+    target = source.ledger.minus(adapter.name, spec.weight, adapter, negate=negate, where=str(source.weights_dir))
+    plan = make_plan(source, target, {adapter.name: adapter}, allow_pickle=allow_pickle)
+    if adapter.name not in source.ledger.entries:
+        plan.notes.append(f"task negation: {adapter.name!r} was never merged into {source.weights_dir}")
+    return write_target(plan, out, "subtract")
 
 
 def swap_checkpoint(
@@ -135,23 +148,18 @@ def swap_checkpoint(
     base: str | None = None,
     force: bool = False,
     allow_pickle: bool = False,
+    device: str | torch.device | None = "auto",
 ) -> ArithmeticReport:
     """Replace merged adapter `remove` by `add`: with the base at hand, equal to a fresh merge of `add`."""
-    ensure_free(out)
-    source_dir, ledger = source(model)
-    old = read_spec(remove, ledger, allow_pickle)
+    source = _merged_source(model, out, base=base, force=force, device=device)
+    old = read_spec(remove, source.ledger, allow_pickle)
     new = read_spec(add, Ledger(), allow_pickle)
-    check_new(new, ledger, source_dir, force)
-    if old.name not in ledger.entries:
-        held = ", ".join(sorted(ledger.entries)) or "nothing"
-        raise AdapterError(f"cannot swap out {old.name!r}: {source_dir} holds {held}")
-    target = ledger.minus(old.name, None, old, negate=False).plus(
-        new.name, 1.0 if add.weight is None else add.weight, new
-    )
-    given = {old.name: old, new.name: new}
+    check_new(new, source, force)
+    if old.name not in source.ledger.entries:
+        held = ", ".join(sorted(source.ledger.entries)) or "nothing"
+        raise AdapterError(f"cannot swap out {old.name!r}: {source.weights_dir} holds {held}")
+    target = source.ledger.minus(old.name, None, old, negate=False)
+    target = target.plus(new.name, 1.0 if add.weight is None else add.weight, new)
     return write_target(
-        make_plan(source_dir, ledger, target, given, base=base, force=force, allow_pickle=allow_pickle),
-        out,
-        "swap",
-        dtype=None,
+        make_plan(source, target, {old.name: old, new.name: new}, allow_pickle=allow_pickle), out, "swap"
     )

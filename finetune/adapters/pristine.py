@@ -17,8 +17,12 @@ In memory, `remember(name, tensor)` is called at a tensor's first touch and deci
 equal to the model's tensor, else a copy); on disk there is nothing to remember: every tensor comes
 from the files.
 
+Every tensor it gives is on the base's device (`device`): file tensors are read memory-mapped and moved
+there, a quantized layer is dequantized where it lives, a kept copy stays where it was taken. So the
+update added to it (`arithmetic.merged_weight`) is computed there too.
+
 Example:
-    pristine = PristineWeights.of("models/tiny")
+    pristine = PristineWeights.of("models/tiny", torch.device("cuda"))
     pristine.remember("model.layers.0.self_attn.q_proj.weight", current_tensor)   # in memory, at first touch
     base = pristine.get("model.layers.0.self_attn.q_proj.weight", torch.float32)   # bit-equal to that tensor
 """
@@ -34,6 +38,7 @@ import torch
 from finetune.adapters import quantized
 from finetune.adapters.tensor_index import TensorIndex
 from finetune.errors import AdapterWarning
+from finetune.quantization import Quantization
 
 Roundtrip = Callable[[str, torch.Tensor], torch.Tensor]
 """(name, file tensor) -> the weight the quantized base computes with (identity for names it leaves dense)."""
@@ -46,12 +51,14 @@ class PristineWeights:
         self,
         index: TensorIndex | None,
         *,
+        device: torch.device,
         verify: bool = True,
         aliases: dict[str, str] | None = None,
         roundtrip: Roundtrip | None = None,
     ):
         """Args:
         index: the base's tensors, or None when it has no files here.
+        device: where file tensors are put (and their quantization round trip computed): the base's device.
         verify: in memory, take a file tensor only if it equals the model's at first touch; False when
             the model already holds merges (loaded from a merged checkpoint whose ledger names this base).
         aliases: name -> the name the files store its values under (tied weights: `lm_head.weight` ->
@@ -59,6 +66,7 @@ class PristineWeights:
         roundtrip: applied to file tensors (adapters trained on a quantized base; see `quantization_roundtrip`).
         """
         self._index = index
+        self._device = device
         self._verify = verify
         self._aliases = dict(aliases or {})
         self._roundtrip = roundtrip
@@ -67,10 +75,10 @@ class PristineWeights:
         self._from_file: set[str] = set()
 
     @classmethod
-    def of(cls, base_dir: str | Path | None, **options) -> PristineWeights:
+    def of(cls, base_dir: str | Path | None, device: torch.device, **options) -> PristineWeights:
         """The provider for a base directory (None, or a directory without safetensors files: copies only)."""
         index = TensorIndex.of(base_dir) if base_dir is not None and Path(base_dir).is_dir() else None
-        return cls(index, **options)
+        return cls(index, device=device, **options)
 
     @property
     def copied_bytes(self) -> int:
@@ -90,7 +98,7 @@ class PristineWeights:
         if stored is None:
             return None
         assert self._index is not None
-        tensor = self._index.read(stored).to(dtype)
+        tensor = self._index.read(stored).to(device=self._device, dtype=dtype)
         return self._roundtrip(name, tensor) if self._roundtrip is not None else tensor
 
     def remember(self, name: str, current: torch.Tensor) -> None:
@@ -101,7 +109,7 @@ class PristineWeights:
         if (
             from_file is not None
             and from_file.shape == current.shape
-            and (not self._verify or torch.equal(from_file, current.detach().cpu()))
+            and (not self._verify or torch.equal(from_file.to(current.device), current.detach()))
         ):
             self._from_file.add(name)
             return
@@ -119,7 +127,8 @@ class PristineWeights:
         self._quantized.setdefault(name, layer)
 
     def get(self, name: str, dtype: torch.dtype) -> torch.Tensor:
-        """The base value of `name`: a dequantized layer's weight, a kept copy, or the file's tensor in `dtype`."""
+        """The base value of `name`: a dequantized layer's weight (on its device), a kept copy (where it was
+        taken), or the file's tensor in `dtype` on the provider's device."""
         if name in self._quantized:
             return quantized.dequantize(self._quantized[name])
         if name in self._copies:
@@ -130,19 +139,14 @@ class PristineWeights:
         return tensor
 
 
-def quantization_roundtrip(quantizable: set[str], quantization: str, options: dict) -> Roundtrip:
-    """The file-side twin of a quantized layer: W -> dequantize(quantize(W)) for the names bitsandbytes quantizes."""
-    bits = 4 if quantization == "4bit" else 8
+def quantization_roundtrip(quantizable: set[str], quantization: Quantization) -> Roundtrip:
+    """The file-side twin of a quantized layer: W -> dequantize(quantize(W)) for the names bitsandbytes
+    quantizes, computed on the tensor's device (where the in-memory base would have been quantized)."""
 
     def roundtrip(name: str, weight: torch.Tensor) -> torch.Tensor:
         if name not in quantizable:
             return weight
-        layer = quantized.quantized_linear(
-            weight,
-            bits,
-            quant_type=options.get("bnb_4bit_quant_type", "nf4"),
-            double_quant=options.get("bnb_4bit_use_double_quant", True),
-        )
+        layer = quantized.quantized_linear(weight, quantization)
         return quantized.dequantize(layer)
 
     return roundtrip

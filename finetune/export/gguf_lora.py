@@ -66,8 +66,8 @@ def export_lora_gguf(
     """
     import gguf
 
-    from finetune.adapters.disk_plan import resolve_model_dir
     from finetune.adapters.lora import read_adapter
+    from finetune.adapters.resolved_base import resolve_model_dir
 
     check_dtype(dtype)
     adapter = read_adapter(adapter_dir)

@@ -102,7 +102,7 @@ def export_model_gguf(
     Raises:
         ExportError: unsupported architecture, tokenizer or dtype; quantized checkpoints; `out` exists.
     """
-    from finetune.adapters.disk_plan import resolve_model_dir
+    from finetune.adapters.resolved_base import resolve_model_dir
 
     check_dtype(dtype)
     model_dir = resolve_model_dir(str(model))

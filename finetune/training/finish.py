@@ -21,9 +21,7 @@ from accelerate.utils import gather_object
 
 from finetune.atomic import atomic_directory
 from finetune.errors import OutputError
-from finetune.fingerprint import fingerprint_model_dir
 from finetune.manifest import build_manifest, write_manifest
-from finetune.paths import local_model_dir
 from finetune.recipe import recipe_to_dict
 from finetune.report.runs import perplexity_change
 from finetune.training.run import TrainingRun
@@ -58,11 +56,10 @@ def write_adapter(run: TrainingRun, metrics: dict[str, Any], weights: dict[str, 
     """Write `adapters/<name>/` whole: peft's files (of `weights`, the whole trained tensors as
     `Sharding.trainable_state` gathers them), the resolved recipe and the manifest."""
     recipe = run.recipe
-    base_dir = local_model_dir(run.base_source, recipe.model.revision)  # a hub id: its local snapshot
     manifest = build_manifest(
         recipe,
-        base_source=run.base_source,
-        base_fingerprint=fingerprint_model_dir(base_dir) if base_dir is not None else "unknown",
+        base_source=run.base.source,
+        base_fingerprint=run.base.weights_fingerprint or "unknown",
         data=run.data,
         metrics=metrics,
         distributed=dataclasses.asdict(run.distributed),

@@ -30,18 +30,21 @@ from accelerate.utils import DistributedType, InitProcessGroupKwargs, gather_obj
 from transformers import get_scheduler
 
 from finetune.adapters.lora import PEFT_PREFIX
+from finetune.adapters.resolved_base import ResolvedBase, resolve_base
 from finetune.data import build_datasets, collate_batch
 from finetune.data.collate import describe_layout
 from finetune.data.packing import document_lengths
 from finetune.data.sampler import MicroBatchStream
 from finetune.errors import CheckpointError, RecipeError
 from finetune.model import (
+    DTYPES,
     describe_trainable,
     embedding_module_names,
     load_base_from_config,
     load_tokenizer_for,
     wrap_with_lora,
 )
+from finetune.quantization import Quantization
 from finetune.recipe import Recipe, recipe_to_dict
 from finetune.training import checkpoint as ckpt
 from finetune.training.distributed import (
@@ -152,7 +155,8 @@ class TrainingRun:
     model_for_step: Any
     """The same parameters as prepared for training (DDP-wrapped or sharded, maybe compiled): training uses it."""
     tokenizer: Any
-    base_source: str
+    base: ResolvedBase
+    """The base as resolved once at setup: what it is (source, fingerprint), how it is quantized, its device."""
     data: Any
     stream: MicroBatchStream
     plan: StepPlan
@@ -289,12 +293,13 @@ def start_run(recipe: Recipe, *, resume: bool, say: Say) -> TrainingRun:
     accelerator = _make_accelerator(recipe)
     if not accelerator.is_main_process:
         say = _silent
-    with accelerator.main_process_first():  # the embedded base and the data cache are built once
+    with accelerator.main_process_first():  # the embedded base, its fingerprint and the data cache: built once
+        base = _resolve_base(recipe, accelerator)
         tokenizer = load_tokenizer_for(recipe.model)
         data = build_datasets(recipe.data, tokenizer, seed=recipe.train.seed, log=say)
     # Every process at once: under ZeRO-3, transformers partitions the weights while loading (a collective).
-    model, tokenizer, base_source = load_base_from_config(recipe.model, tokenizer)
-    say(f"base {recipe.model.base} ({base_source}); data: {data.stats}")
+    model, tokenizer, _ = load_base_from_config(recipe.model, tokenizer, device=base.device)
+    say(f"base {recipe.model.base} ({base.source}, on {base.device}); data: {data.stats}")
     peft_model = _wrap_for_training(recipe, model, say)
     sharding = _shard(recipe, peft_model, accelerator)
 
@@ -316,7 +321,7 @@ def start_run(recipe: Recipe, *, resume: bool, say: Say) -> TrainingRun:
     if recipe.train.compile:
         model_for_step = torch.compile(model_for_step)
     run = TrainingRun(
-        recipe, accelerator, peft_model, model_for_step, tokenizer, base_source, data, stream, plan, optimizer,
+        recipe, accelerator, peft_model, model_for_step, tokenizer, base, data, stream, plan, optimizer,
         scheduler, trainable_parameters, sharding, distributed,
     )  # fmt: skip
     if resume_from is not None:
@@ -326,6 +331,21 @@ def start_run(recipe: Recipe, *, resume: bool, say: Say) -> TrainingRun:
             run.base_eval = run.evaluate()
         say(f"base model: eval loss {run.base_eval['eval_loss']:.4f}, perplexity {run.base_eval['eval_ppl']:.3f}")
     return run
+
+
+def _resolve_base(recipe: Recipe, accelerator: Any) -> ResolvedBase:
+    """The recipe's base, loaded straight onto this process's device when one process holds it whole (one
+    device, DDP); into host memory when FSDP or DeepSpeed shard it from there. A merged checkpoint is a
+    base of its own here: the adapter is trained on the weights it holds."""
+    shards = accelerator.num_processes > 1 and recipe.distributed.strategy != "ddp"
+    base = resolve_base(
+        recipe.model.base,
+        quantization=Quantization.of(recipe.model),
+        dtype=DTYPES[recipe.model.dtype],
+        device="cpu" if shards else accelerator.device,
+        revision=recipe.model.revision,
+    )
+    return base.as_own_base() if base.ledger.entries else base
 
 
 def _shard(recipe: Recipe, peft_model: Any, accelerator: Any) -> Sharding:
