@@ -60,10 +60,16 @@ def _warnings_as_lines(handler: Callable[[argparse.Namespace], int]) -> Callable
     return wrapped
 
 
-def _add_safety_flags(parser: argparse.ArgumentParser) -> None:
+def _add_arithmetic_flags(parser: argparse.ArgumentParser) -> None:
+    """What merge, subtract and swap share: what the user vouches for, and where the arithmetic runs."""
     parser.add_argument("--force", action="store_true", help="apply adapters even if the base fingerprint differs")
     parser.add_argument(
         "--allow-pickle", action="store_true", help="accept adapter_model.bin (pickle) files, loaded weights-only"
+    )
+    parser.add_argument(
+        "--device",
+        default="auto",
+        help="where updates (and a quantized base's round trip) are computed: auto (a GPU when there is one), cpu, cuda",
     )
 
 
@@ -93,7 +99,7 @@ def _register_merge(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help="write the merged model quantized like the base, printing the error added",
     )
-    _add_safety_flags(merge)
+    _add_arithmetic_flags(merge)
     merge.set_defaults(handler=_warnings_as_lines(_merge))
 
 
@@ -106,7 +112,7 @@ def _register_subtract_and_swap(sub: argparse._SubParsersAction) -> None:
     subtract.add_argument(
         "--negate", action="store_true", help="subtract an adapter that was never merged (task negation)"
     )
-    _add_safety_flags(subtract)
+    _add_arithmetic_flags(subtract)
     subtract.set_defaults(handler=_warnings_as_lines(_subtract))
 
     swap = sub.add_parser("swap", help="replace one merged adapter by another")
@@ -115,7 +121,7 @@ def _register_subtract_and_swap(sub: argparse._SubParsersAction) -> None:
     swap.add_argument("--add", required=True, metavar="PATH[:WEIGHT]")
     swap.add_argument("--out", required=True)
     swap.add_argument("--base", default=None, help="pristine base (default: the one the ledger records)")
-    _add_safety_flags(swap)
+    _add_arithmetic_flags(swap)
     swap.set_defaults(handler=_warnings_as_lines(_swap))
 
 
@@ -166,8 +172,8 @@ def _merge(args: argparse.Namespace) -> int:
 
 
 def _trust(args: argparse.Namespace) -> dict[str, Any]:
-    """What the user vouches for: another base (--force), pickle files (--allow-pickle)."""
-    return dict(force=args.force, allow_pickle=args.allow_pickle)
+    """What the user vouches for (another base: --force, pickle files: --allow-pickle), and the --device."""
+    return dict(force=args.force, allow_pickle=args.allow_pickle, device=args.device)
 
 
 def _subtract(args: argparse.Namespace) -> int:

@@ -22,6 +22,9 @@ def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--adapter", help="adapter directory, applied unmerged")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--force", action="store_true", help="apply an adapter trained on another base")
+    parser.add_argument(
+        "--device", default="auto", help="auto (a GPU when there is one, else the CPU), cpu, cuda or cuda:N"
+    )
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -49,19 +52,18 @@ def _load(args: argparse.Namespace):
 
     if args.base is None and args.adapter is None:
         raise FinetuneError("give --base, --adapter, or both")
+    options = dict(dtype=args.dtype, force=args.force, device=args.device)
     if args.base is None:
-        loaded = load_model(args.adapter, dtype=args.dtype, force=args.force)
+        loaded = load_model(args.adapter, **options)
         return loaded, loaded.active
     adapters = {ADAPTER_NAME: args.adapter} if args.adapter else None
-    loaded = load_model(args.base, adapters, dtype=args.dtype, force=args.force)
+    loaded = load_model(args.base, adapters, **options)
     if args.adapter:
         loaded.use(ADAPTER_NAME)
     return loaded, (ADAPTER_NAME if args.adapter else None)
 
 
 def run_eval(args: argparse.Namespace) -> int:
-    from accelerate import Accelerator
-
     from finetune.data import build_datasets, collate_batch
     from finetune.recipe import DataConfig
     from finetune.training.evaluate import evaluate
@@ -73,10 +75,8 @@ def run_eval(args: argparse.Namespace) -> int:
     def collate(batch_rows):
         return collate_batch(batch_rows, pad_token_id=loaded.tokenizer.pad_token_id, packing=True)
 
-    accelerator = Accelerator(cpu=True)
-
-    def perplexity() -> dict[str, float]:
-        return evaluate(loaded.model, rows, collate=collate, micro_batch_size=args.batch_size, accelerator=accelerator)
+    def perplexity() -> dict[str, float]:  # on the model's device
+        return evaluate(loaded.model, rows, collate=collate, micro_batch_size=args.batch_size)
 
     if adapter is not None:
         loaded.use(None)
@@ -103,7 +103,7 @@ def run_generate(args: argparse.Namespace) -> int:
         ids = chat_prompt_ids(tokenizer, [{"role": "user", "content": args.prompt}])
     else:
         ids = prompt_ids(tokenizer, args.prompt)
-    input_ids = torch.tensor([ids])
+    input_ids = torch.tensor([ids], device=loaded.device)
     torch.manual_seed(args.seed)
     sampling = dict(do_sample=True, temperature=args.temperature) if args.temperature > 0 else dict(do_sample=False)
     with torch.no_grad():

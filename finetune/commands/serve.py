@@ -61,6 +61,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--max-pending", type=int, default=64, help="most sequences queued or running; more get 429 (default 64)"
     )
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--device", default="auto", help="auto (a GPU when there is one, else the CPU), cpu, cuda:N")
     parser.add_argument(
         "--log-level",
         default="warning",
@@ -103,6 +104,7 @@ def run_serve(args: argparse.Namespace) -> int:
         max_tokens_limit=args.max_tokens_limit,
         max_pending=args.max_pending,
         dtype=args.dtype,
+        device=args.device,
         log_level=args.log_level,
     )
     serve_forever(settings)

@@ -16,6 +16,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     train.add_argument("recipe", help="YAML recipe, e.g. recipes/quickstart.yaml")
     train.add_argument("overrides", nargs="*", metavar="key=value", help="recipe overrides, e.g. train.lr=1e-4")
     train.add_argument("--resume", action="store_true", help="continue from the newest checkpoint of the run")
+    train.add_argument(
+        "--cpu", action="store_true", help="train on the CPU (CPU ranks over gloo with --nproc) even where GPUs are"
+    )
     scale = train.add_argument_group("several processes (handed to accelerate launch)")
     scale.add_argument("--nproc", type=int, default=1, help="processes per node (GPUs, or CPU ranks over gloo)")
     scale.add_argument("--nnodes", type=int, default=1, help="number of nodes")
@@ -31,17 +34,22 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run_train(args: argparse.Namespace) -> int:
-    from finetune.training.launch import already_launched, launch_command, run_launched
+    # Imported here, not at the top: `finetune --help` stays fast.
+    from finetune.training.launch import already_launched, check_gpu_count, hide_gpus, launch_command, run_launched
 
     if args.nproc < 1 or args.nnodes < 1:
         raise FinetuneError(f"--nproc {args.nproc} --nnodes {args.nnodes}: both must be at least 1")
+    if args.cpu:
+        hide_gpus()  # before CUDA starts: this process and the ranks it launches see none
     if (args.nproc > 1 or args.nnodes > 1) and not already_launched():
         import torch
 
         from finetune.recipe import load_recipe
 
         recipe = load_recipe(args.recipe, args.overrides)  # a bad recipe fails here, once, not on every rank
-        use_cpu = not torch.cuda.is_available()
+        use_cpu = args.cpu or not torch.cuda.is_available()
+        if not use_cpu:
+            check_gpu_count(args.nproc, torch.cuda.device_count())
         train_args = [args.recipe, *args.overrides, *(["--resume"] if args.resume else [])]
         command = launch_command(
             train_args,

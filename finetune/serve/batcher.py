@@ -291,7 +291,8 @@ class Batcher:
     def _prefill(self, sequences: list[Sequence]) -> None:
         """Run the prompts of newly admitted sequences in one forward; those that go on join the batch."""
         try:
-            batch = KVBatch.from_prompts([s.prompt_ids for s in sequences], [s.model for s in sequences], self._pad_id)
+            prompts, models = [s.prompt_ids for s in sequences], [s.model for s in sequences]
+            batch = KVBatch.from_prompts(prompts, models, self._pad_id, self.engine.device)
             for sequence in sequences:
                 sequence.text = TextStream(self.engine.decode_text, sequence.stop)
                 sequence.generator = make_generator(sequence.sampling)

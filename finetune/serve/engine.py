@@ -85,8 +85,13 @@ class Engine:
             base_name = settings.base_name or (lead.manifest.base.id if lead.manifest is not None else base)
         else:
             base_name = settings.base_name or base
-        loaded = load_model(base, settings.adapters, dtype=settings.dtype)
+        loaded = load_model(base, settings.adapters, dtype=settings.dtype, device=settings.device)
         return cls(loaded, base_name, settings.merge)
+
+    @property
+    def device(self) -> torch.device:
+        """Where the model runs: every input tensor is built there."""
+        return self.loaded.device
 
     # ---- what is served ----------------------------------------------------------------------------
     def models(self) -> list[ModelCard]:
@@ -172,7 +177,7 @@ class Engine:
 
     def step(self, batch: KVBatch, tokens: list[int]) -> torch.Tensor:
         """Feed one token per row; return the next-token logits (B, V) and advance the batch."""
-        logits = self._forward(torch.tensor(tokens, dtype=torch.long)[:, None], batch)
+        logits = self._forward(torch.tensor(tokens, dtype=torch.long, device=self.device)[:, None], batch)
         batch.advance()
         return logits
 

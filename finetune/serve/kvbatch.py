@@ -12,7 +12,7 @@ The cache is transformers' `DynamicCache` with plain full-attention layers, whos
 tensors are (B, heads, T, head_dim).
 
 Example:
-    batch = KVBatch.from_prompts([[1, 5, 6], [1, 7]], models=["legal", "base"], pad_token_id=0)
+    batch = KVBatch.from_prompts([[1, 5, 6], [1, 7]], models=["legal", "base"], pad_token_id=0, device=device)
     batch.input_ids        # (2, 3): [[1, 5, 6], [0, 1, 7]]
     out = model(input_ids=batch.input_ids, **batch.forward_kwargs())
     batch.advance(); ...   # then feed one (B, 1) token per row
@@ -36,11 +36,14 @@ class KVBatch:
         self.input_ids: torch.Tensor | None = None  # (B, q) set for a prefill; decode steps pass their own
 
     @classmethod
-    def from_prompts(cls, prompts: list[list[int]], models: list[str], pad_token_id: int) -> KVBatch:
-        """A batch ready for its prefill forward: prompts left-padded to the longest, empty cache."""
+    def from_prompts(
+        cls, prompts: list[list[int]], models: list[str], pad_token_id: int, device: torch.device
+    ) -> KVBatch:
+        """A batch ready for its prefill forward on `device` (the model's): prompts left-padded to the longest,
+        empty cache."""
         length = max(len(prompt) for prompt in prompts)
-        ids = torch.tensor([[pad_token_id] * (length - len(p)) + p for p in prompts], dtype=torch.long)
-        mask = torch.tensor([[0] * (length - len(p)) + [1] * len(p) for p in prompts], dtype=torch.long)
+        ids = torch.tensor([[pad_token_id] * (length - len(p)) + p for p in prompts], dtype=torch.long, device=device)
+        mask = torch.tensor([[0] * (length - len(p)) + [1] * len(p) for p in prompts], dtype=torch.long, device=device)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)  # (B, T): 0 at each row's first real token
         batch = cls(DynamicCache(), mask, positions, list(models))
         batch.input_ids = ids
@@ -74,7 +77,7 @@ class KVBatch:
 
     def select(self, rows: list[int]) -> None:
         """Keep only `rows` (indices, in order), then drop the leading columns no kept row uses."""
-        index = torch.tensor(rows, dtype=torch.long)
+        index = torch.tensor(rows, dtype=torch.long, device=self.mask.device)
         self.cache.batch_select_indices(index)
         self.mask, self.positions = self.mask[index], self.positions[index]
         self.models = [self.models[i] for i in rows]

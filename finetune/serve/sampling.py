@@ -46,7 +46,8 @@ def next_tokens(
     chosen = logits.argmax(dim=-1).tolist()  # greedy rows; ties go to the lowest id, as in transformers
     for row, (row_params, generator) in enumerate(zip(params, generators)):
         if not row_params.greedy:
-            chosen[row] = _sample(logits[row].float(), row_params, generator)
+            # On the host: a row's generator is a host one, so a seed gives one stream wherever the model runs.
+            chosen[row] = _sample(logits[row].float().cpu(), row_params, generator)
     return chosen
 
 

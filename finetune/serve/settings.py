@@ -32,6 +32,7 @@ class ServeSettings:
         max_tokens_limit: the largest `max_tokens` a request may ask for.
         max_pending: most sequences queued or running at once; more are refused with 429.
         dtype: float32 | bfloat16 | float16.
+        device: where the model runs: auto (a GPU when there is one), cpu, cuda or cuda:N.
         log_level: uvicorn's log level.
     """
 
@@ -47,6 +48,7 @@ class ServeSettings:
     max_tokens_limit: int = 1024
     max_pending: int = 64
     dtype: str = "float32"
+    device: str = "auto"
     log_level: str = "warning"
 
     def check(self) -> None:

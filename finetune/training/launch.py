@@ -18,6 +18,27 @@ import subprocess
 import sys
 from collections.abc import Sequence
 
+from finetune.errors import FinetuneError
+
+
+def hide_gpus() -> None:
+    """Make this process (and every rank it launches) see no GPU: `finetune train --cpu`.
+
+    Must run before CUDA is first used; torch reads `CUDA_VISIBLE_DEVICES` when it initialises CUDA.
+    DeepSpeed, which picks its accelerator by itself, is told to take the CPU's.
+    """
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    os.environ["DS_ACCELERATOR"] = "cpu"
+
+
+def check_gpu_count(nproc: int, visible: int) -> None:
+    """Refuse more processes per node than GPUs: two ranks on one GPU share it over NCCL and can hang."""
+    if nproc > visible:
+        raise FinetuneError(
+            f"--nproc {nproc} asks for {nproc} processes on this node but {visible} GPU(s) are visible; use "
+            f"--nproc {visible}, or add --cpu for CPU ranks over gloo"
+        )
+
 
 def already_launched() -> bool:
     """True inside a process started by a distributed launcher (accelerate, torchrun)."""
