@@ -82,6 +82,18 @@ output:
     return tmp_path
 
 
+def pytest_collection_modifyitems(config, items):
+    """`gpu`-marked tests skip where no CUDA device is visible, saying so (they run on GPU machines)."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device (none is visible here); bench/gpu_check.sh runs these on a GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
 # Fixtures kept in their own modules (fixture modules, not test modules), shared with the suite from here.
 from adapter_fixtures import adapter_dirs  # noqa: F401
 from run_fixtures import trained_runs  # noqa: F401

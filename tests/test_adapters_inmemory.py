@@ -14,34 +14,41 @@ from transformers import AutoModelForCausalLM
 import finetune
 from finetune.adapters.inmemory import LoadedModel
 from finetune.adapters.lora import read_adapter
+from finetune.adapters.resolved_base import ResolvedBase
+from finetune.device import model_device
 from finetune.errors import AdapterError, AdapterWarning
 
 DTYPES = ["float32", "bfloat16", "float16"]
+# The exactness guarantees hold wherever the model runs: on CUDA too (`gpu`: skipped without a CUDA device).
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
-def _load(tiny_base_dir, adapter_dirs, dtype="float32") -> LoadedModel:
+def _load(tiny_base_dir, adapter_dirs, dtype="float32", device="auto") -> LoadedModel:
     return finetune.load_model(
-        str(tiny_base_dir), {name: str(path) for name, path in adapter_dirs.items()}, dtype=dtype
+        str(tiny_base_dir), {name: str(path) for name, path in adapter_dirs.items()}, dtype=dtype, device=device
     )
 
 
 def _expected(base: dict[str, torch.Tensor], m: LoadedModel) -> dict[str, torch.Tensor]:
-    """The invariant, computed independently: round(W_base + Σ w·ΔW) in fp32, adapters in sorted-name order."""
+    """The invariant, computed independently: round(W_base + Σ w·ΔW) in fp32, adapters in sorted-name order,
+    each update computed where the weight lives (the model's device)."""
     expected = dict(base)
     accumulators: dict[str, torch.Tensor] = {}
     for name, weight in sorted(m.merged.items()):
         for module, lora in m.adapters[name].modules.items():
             key = module + ".weight"
             accumulators.setdefault(key, base[key].to(torch.float32).clone())
-            accumulators[key] += lora.delta(weight)
+            accumulators[key] += lora.delta(weight, base[key].device)
     for key, accumulator in accumulators.items():
         expected[key] = accumulator.to(base[key].dtype)
     return expected
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_subtracting_everything_gives_the_base_bit_for_bit(tiny_base_dir, adapter_dirs, dtype):
-    m = _load(tiny_base_dir, adapter_dirs, dtype)
+def test_subtracting_everything_gives_the_base_bit_for_bit(tiny_base_dir, adapter_dirs, dtype, device):
+    m = _load(tiny_base_dir, adapter_dirs, dtype, device)
+    assert m.model.model.layers[0].self_attn.q_proj.weight.device.type == device
     base = base_tensors(m.model)
     for _ in range(20):  # peft's merge/unmerge drifts in bf16 over cycles like these; ours must not
         m.merge("legal")
@@ -60,13 +67,14 @@ def test_subtracting_everything_gives_the_base_bit_for_bit(tiny_base_dir, adapte
     assert m.pristine_copy_bytes == 0  # the pristine source was the memory-mapped files
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_swap_equals_a_fresh_merge_bit_for_bit(tiny_base_dir, adapter_dirs, dtype):
-    m = _load(tiny_base_dir, adapter_dirs, dtype)
+def test_swap_equals_a_fresh_merge_bit_for_bit(tiny_base_dir, adapter_dirs, dtype, device):
+    m = _load(tiny_base_dir, adapter_dirs, dtype, device)
     m.merge("legal")
     m.merge("code", 0.5)
     m.swap("legal", "med")
-    fresh = _load(tiny_base_dir, adapter_dirs, dtype)
+    fresh = _load(tiny_base_dir, adapter_dirs, dtype, device)
     fresh.merge("med")
     fresh.merge("code", 0.5)
     assert m.merged == fresh.merged == {"code": 0.5, "med": 1.0}
@@ -80,13 +88,14 @@ _operation = st.one_of(
 )
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES)
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(operations=st.lists(_operation, min_size=1, max_size=8))
-def test_invariant_holds_for_random_operation_sequences(tiny_base_dir, adapter_dirs, dtype, operations):
+def test_invariant_holds_for_random_operation_sequences(tiny_base_dir, adapter_dirs, dtype, device, operations):
     # Every example loads its own model from the session's files (tens of milliseconds): no state
     # carries over from one example to the next, so a failure shrinks to the sequence that causes it.
-    m = _load(tiny_base_dir, adapter_dirs, dtype)
+    m = _load(tiny_base_dir, adapter_dirs, dtype, device)
     base = base_tensors(m.model)
     for operation, name, argument in operations:
         try:
@@ -124,8 +133,9 @@ def test_delta_matches_peft_get_delta_weight(tiny_base_dir, adapter_dirs, tmp_pa
 
 
 def _logits(model, input_ids) -> torch.Tensor:
+    """Logits for `input_ids` (built on the host), computed on the model's device, returned on the host."""
     with torch.no_grad():
-        return model(input_ids=input_ids).logits
+        return model(input_ids=input_ids.to(model_device(model))).logits.cpu()
 
 
 def test_merged_logits_match_unmerged_peft_logits(tiny_base_dir, adapter_dirs, tiny_tokenizer):
@@ -244,9 +254,7 @@ def test_overflow_is_refused_and_the_model_is_left_unchanged(tiny_base_dir, tmp_
 
 def test_base_built_in_memory_keeps_a_copy_of_targeted_tensors_only(tiny_base_dir, adapter_dirs, tiny_tokenizer):
     model = AutoModelForCausalLM.from_pretrained(tiny_base_dir, dtype=torch.bfloat16)
-    m = LoadedModel(
-        model, tiny_tokenizer, base_source="in memory", base_dir=None, base_fingerprint="", dtype=torch.bfloat16
-    )
+    m = LoadedModel(model, tiny_tokenizer, ResolvedBase.in_memory(model))
     m.add_adapter(read_adapter(adapter_dirs["legal"]))
     base = base_tensors(m.model)
     with pytest.warns(AdapterWarning, match="keeping an in-memory copy"):
@@ -257,29 +265,50 @@ def test_base_built_in_memory_keeps_a_copy_of_targeted_tensors_only(tiny_base_di
     assert_tensors_equal(base, base_tensors(m.model))
 
 
-@pytest.mark.parametrize("bits", ["4bit", "8bit"])
-def test_quantized_base_merges_dequantized_and_restores_the_quantized_layer(
-    tiny_base_dir, tmp_path, tiny_tokenizer, bits
-):
-    pytest.importorskip("bitsandbytes")
+def _dequantized_reference(m: LoadedModel, tiny_base_dir, updates: dict[str, torch.Tensor]) -> torch.nn.Module:
+    """A dense fp32 model holding what the quantized base computes with (every quantized layer dequantized),
+    plus `updates` (module -> ΔW): what a merge must equal."""
     from finetune.adapters.quantized import dequantize, is_quantized_linear
 
+    reference = AutoModelForCausalLM.from_pretrained(tiny_base_dir, dtype=torch.float32).to(m.device)
+    for name, layer in m.model.named_modules():
+        if is_quantized_linear(layer):
+            weight = dequantize(layer) + updates.get(name, 0.0)
+            reference.get_submodule(name).weight.data.copy_(weight)
+    return reference
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("bits", ["4bit", "8bit"])
+def test_quantized_base_merges_dequantized_and_restores_the_quantized_layer(
+    tiny_base_dir, tmp_path, tiny_tokenizer, bits, device
+):
+    pytest.importorskip("bitsandbytes")
+    from finetune.adapters.quantized import dequantize, is_quantized_linear, quantized_linear
+    from finetune.quantization import Quantization
+
     adapter = make_adapter(tiny_base_dir, tmp_path / "q", seed=6, targets=("q_proj", "up_proj"), quantization=bits)
-    m = finetune.load_model(str(tiny_base_dir), {"q": str(adapter)})
+    m = finetune.load_model(str(tiny_base_dir), {"q": str(adapter)}, device=device)
     original = m.model.model.layers[0].self_attn.q_proj
-    assert is_quantized_linear(original)
-    expected = (dequantize(original) + m.adapters["q"].delta("model.layers.0.self_attn.q_proj")).to(torch.float32)
+    assert is_quantized_linear(original) and original.weight.device.type == device
+    updates = {module: m.adapters["q"].delta(module, device=m.device) for module in m.adapters["q"].modules}
+    reference = _dequantized_reference(m, tiny_base_dir, updates)
     m.merge("q")
-    merged = m.model.model.layers[0].self_attn.q_proj
-    assert isinstance(merged, torch.nn.Linear) and torch.equal(merged.weight, expected)
-    input_ids = tiny_tokenizer(["the model reads"], return_tensors="pt").input_ids
-    assert torch.isfinite(_logits(m.model, input_ids)).all()
+    for module in updates:  # every merged layer: dense, exactly the dequantized weight plus the update
+        merged = m.model.get_submodule(module)
+        assert isinstance(merged, torch.nn.Linear) and not is_quantized_linear(merged)
+        assert torch.equal(merged.weight, reference.get_submodule(module).weight), module
+    input_ids = tiny_tokenizer(["the model reads a document and predicts"], return_tensors="pt").input_ids
+    if bits == "4bit":  # 4-bit layers dequantize and run a float matmul: the whole model equals the reference
+        torch.testing.assert_close(_logits(m.model, input_ids), _logits(reference, input_ids), rtol=1e-4, atol=1e-4)
     m.subtract("q")
     assert m.model.model.layers[0].self_attn.q_proj is original  # the quantized layer itself is back
-    requantizing = finetune.load_model(str(tiny_base_dir), {"q": str(adapter)}, requantize=True)
+    requantizing = finetune.load_model(str(tiny_base_dir), {"q": str(adapter)}, requantize=True, device=device)
     report = requantizing.merge("q")
-    assert is_quantized_linear(requantizing.model.model.layers[0].self_attn.q_proj)
+    for module in updates:  # requantized: the merged weight quantized as the base was, nothing else
+        layer = requantizing.model.get_submodule(module)
+        expected = quantized_linear(reference.get_submodule(module).weight.detach(), Quantization(bits))
+        assert is_quantized_linear(layer) and torch.equal(dequantize(layer), dequantize(expected)), module
     errors = requantizing.requantization_errors
     assert set(errors) == set(requantizing.adapters["q"].modules) and 0 < max(errors.values()) < 0.2
     assert "largest relative error added" in report.summary()
-    assert torch.isfinite(_logits(requantizing.model, input_ids)).all()

@@ -33,6 +33,7 @@ def test_two_gloo_ranks_match_one_process(workdir):
             "output.name=ranks",
             "--nproc",
             "2",
+            "--cpu",  # CPU ranks over gloo, also where GPUs are
         ],
         capture_output=True,
         text=True,

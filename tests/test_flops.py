@@ -35,15 +35,17 @@ def counted_flops(targets: tuple[str, ...], batches: list[tuple[int, int]]) -> i
     """FLOPs torch counts for forward + backward of a LoRA model on (rows, length) batches."""
     config = LlamaConfig(**CONFIG, attn_implementation="eager")
     torch.manual_seed(0)
-    model = get_peft_model(
-        LlamaForCausalLM(config), LoraConfig(r=RANK, lora_alpha=8, lora_dropout=0.1, target_modules=list(targets))
-    )
+    base = LlamaForCausalLM(config)
+    base.set_attn_implementation("eager")  # whatever a build prefers: SDPA's own FLOP formula counts otherwise
+    model = get_peft_model(base, LoraConfig(r=RANK, lora_alpha=8, lora_dropout=0.1, target_modules=list(targets)))
     model.train()
     counter = FlopCounterMode(display=False)
     with counter:
         for rows, length in batches:
             input_ids = torch.randint(0, CONFIG["vocab_size"], (rows, length))
             model(input_ids=input_ids, labels=input_ids, use_cache=False).loss.backward()
+    operators = {str(op) for op in counter.get_flop_counts()["Global"]}
+    assert operators <= {"aten.mm", "aten.bmm", "aten.addmm"}, f"not only plain matmuls ran: {sorted(operators)}"
     return counter.get_total_flops()
 
 

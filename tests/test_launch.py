@@ -15,6 +15,7 @@ import sys
 import pytest
 
 from finetune.cli import main
+from finetune.errors import FinetuneError
 from finetune.training import launch
 from finetune.training.launch import launch_command, run_launched
 
@@ -103,13 +104,13 @@ def test_the_cli_hands_its_options_to_the_launcher(workdir, eight_cpus, monkeypa
     )
     monkeypatch.delenv("LOCAL_RANK", raising=False)
     monkeypatch.delenv("RANK", raising=False)
+    for hidden_by_cpu in ("CUDA_VISIBLE_DEVICES", "DS_ACCELERATOR"):  # --cpu sets them; restored afterwards
+        monkeypatch.setenv(hidden_by_cpu, os.environ.get(hidden_by_cpu, ""))
     argv = ["-v", "train", "recipe.yaml", "--nproc", "2", "--nnodes", "2", "--node-rank", "1", "train.lr=1e-4"]
-    argv += ["--main-address", "10.0.0.1", "--main-port", "29501", "--resume"]
+    argv += ["--main-address", "10.0.0.1", "--main-port", "29501", "--resume", "--cpu"]
     assert main(argv) == 7  # the launcher's exit status is the command's
-    import torch
-
-    use_cpu = not torch.cuda.is_available()
-    threads = str(CPU_COUNT // 2) if use_cpu else "1"
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "" and os.environ["DS_ACCELERATOR"] == "cpu"  # what ranks inherit
+    use_cpu, threads = True, str(CPU_COUNT // 2)
     assert launched == [
         (
             [*LAUNCHER, "--num_processes", "4", "--num_machines", "2", "--machine_rank", "1",
@@ -153,3 +154,10 @@ def test_run_launched_sets_accelerate_use_cpu_and_returns_the_exit_status(monkey
     monkeypatch.delenv("ACCELERATE_USE_CPU", raising=False)
     script = "import os, sys; sys.exit({'true': 11, 'unset': 12}[os.environ.get('ACCELERATE_USE_CPU', 'unset')])"
     assert run_launched([sys.executable, "-c", script], use_cpu=use_cpu) == {"true": 11, "unset": 12}[expected]
+
+
+def test_more_processes_than_gpus_is_refused_saying_what_fits():
+    """Two ranks on one GPU share it over NCCL and hung past 150 s on an H100: refused before any launch."""
+    with pytest.raises(FinetuneError, match=r"--nproc 2 .* but 1 GPU\(s\) are visible; use --nproc 1, or add --cpu"):
+        launch.check_gpu_count(2, 1)
+    launch.check_gpu_count(2, 2)  # one rank per GPU: fine

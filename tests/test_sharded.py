@@ -85,7 +85,7 @@ def sharded_workdir(tmp_path, monkeypatch, base_40m) -> Path:
 
 
 def _launch(*args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
-    command = [sys.executable, "-m", "finetune", "train", "recipe.yaml", *args, "--nproc", "2"]
+    command = [sys.executable, "-m", "finetune", "train", "recipe.yaml", *args, "--nproc", "2", "--cpu"]
     environment = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
     log = open("launch.log", "w")  # a file, not a pipe: nothing blocks on a full pipe
     return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, text=True, env=environment)
