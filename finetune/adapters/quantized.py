@@ -53,7 +53,7 @@ def keep_float_kernels(model: torch.nn.Module) -> None:
     """
     for module in model.modules():
         if hasattr(module, "support_avx512bf16_for_cpu"):
-            module.support_avx512bf16_for_cpu = False
+            setattr(module, "support_avx512bf16_for_cpu", False)  # noqa: B010  # torch types module attributes as Tensor | Module
 
 
 def dequantize(module: torch.nn.Module) -> torch.Tensor:
