@@ -23,6 +23,7 @@ from finetune.adapters.combine import combine_adapters
 from finetune.adapters.lora import read_adapter
 from finetune.adapters.ondisk import AdapterSpec, merge_checkpoint, subtract_checkpoint
 from finetune.cli import main
+from finetune.device import model_device
 from finetune.errors import AdapterError
 from finetune.fingerprint import base_state_items
 
@@ -40,8 +41,9 @@ def head_adapters(tmp_path_factory, tiny_base_dir) -> dict[str, Path]:
 
 
 def _logits(model, input_ids) -> torch.Tensor:
+    """Logits for `input_ids` (built on the host), computed on the model's device, returned on the host."""
     with torch.no_grad():
-        return model(input_ids=input_ids).logits
+        return model(input_ids=input_ids.to(model_device(model))).logits.cpu()
 
 
 def _is_tied(model) -> bool:

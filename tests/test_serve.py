@@ -85,7 +85,7 @@ def reference(serve_base, serve_adapters):
 def greedy(loaded, model: str | None, ids: list[int], max_new_tokens: int = MAX_TOKENS) -> list[int]:
     """`finetune generate`'s computation: `use(adapter)` then greedy `generate` on one unpadded row."""
     loaded.use(model)
-    input_ids = torch.tensor([ids])
+    input_ids = torch.tensor([ids], device=loaded.device)
     with torch.no_grad():
         output = loaded.model.generate(
             input_ids,
@@ -187,6 +187,18 @@ def test_completions_per_model_equal_generate(client, reference):
             outputs[model, prompt] = tuple(expected)
     for prompt in PROMPTS[:2]:  # the adapters really change the answers
         assert len({outputs[model, prompt] for model in (BASE_NAME, "legal", "med")}) == 3
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_the_server_runs_there_and_equals_generate_there(client, reference):
+    """`auto` puts both on the GPU: every input the server builds must be there too (it built them on the CPU)."""
+    assert reference.device.type == "cuda" and all(p.is_cuda for p in reference.model.parameters())
+    assert client.get("/stats").status_code == 200
+    for model in (BASE_NAME, "med"):
+        ids = prompt_ids(reference.tokenizer, PROMPTS[0])
+        assert complete(client, model, PROMPTS[0], seed=1)["token_ids"] == greedy(reference, adapter_of(model), ids)
+        sampled = complete(client, model, PROMPTS[0], temperature=0.8, seed=3)["token_ids"]
+        assert sampled == complete(client, model, PROMPTS[0], temperature=0.8, seed=3)["token_ids"]
 
 
 def test_chat_completions_with_the_openai_client_equal_generate(server, reference):

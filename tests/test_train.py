@@ -30,7 +30,7 @@ def test_uneven_micro_batches_accumulate_to_the_one_batch_gradient(tiny_base_dir
     """Two micro-batches of 7 and 13 tokens give the gradients of one padded batch holding both."""
     from accelerate import Accelerator
 
-    accelerator = Accelerator(cpu=True)
+    accelerator = Accelerator()  # the machine's device, as training's own: CUDA where there is one
     generator = torch.Generator().manual_seed(0)
     lengths = (7, 13)
     rows = [torch.randint(10, 200, (n,), generator=generator) for n in lengths]
@@ -54,7 +54,7 @@ def test_uneven_micro_batches_accumulate_to_the_one_batch_gradient(tiny_base_dir
     gradients = []
     losses = []
     for micro_batches in ([single(0), single(1)], [padded]):
-        model = _lora_model(tiny_base_dir)
+        model = _lora_model(tiny_base_dir).to(accelerator.device)
         losses.append(accumulate_gradients(model, micro_batches, accelerator))
         gradients.append({n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad})
     assert losses[0] == pytest.approx(losses[1], abs=1e-6)

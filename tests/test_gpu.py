@@ -1,0 +1,122 @@
+"""Training, resuming and the command line on a CUDA device: what CPU runs cannot show.
+
+Every test here carries the `gpu` marker and is skipped, saying so, where no CUDA device is visible
+(`bench/gpu_check.sh` runs them on a GPU machine). The adapter arithmetic's exactness on CUDA is tested
+beside its CPU twin (`test_adapters_inmemory.py`, the `cuda` case of each device-parametrized test), and
+serving in `test_serve.py`.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import finetune
+from finetune.adapters.quantized import dequantize, is_quantized_linear
+from finetune.cli import main
+from finetune.manifest import read_manifest
+from finetune.prompting import prompt_ids
+from finetune.training.loop import SLOW_STEP_ENV, train
+
+pytestmark = pytest.mark.gpu
+REPO = Path(__file__).resolve().parents[1]
+# cuBLAS is deterministic run to run with a fixed workspace; eager attention has no atomics in its backward.
+DETERMINISTIC = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
+
+
+def _learned(adapter_dir: Path) -> dict:
+    """The manifest's metrics, after checking that held-out loss fell below the base's."""
+    metrics = read_manifest(adapter_dir).metrics
+    assert metrics["eval_loss"] < metrics["base_eval_loss"], metrics
+    return metrics
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["model.dtype=bfloat16", "train.precision=bf16"],
+        ["model.quantization=4bit", "model.dtype=bfloat16"],
+        ["model.quantization=8bit"],
+    ],
+    ids=["bf16-lora", "qlora-4bit", "lora-8bit"],
+)
+def test_training_on_the_gpu_learns_and_its_adapter_merges_there(workdir, overrides):
+    adapter_dir, _ = train("recipe.yaml", [*overrides, "train.max_steps=12", "output.name=gpu"], log=lambda m: None)
+    metrics = _learned(adapter_dir)
+    assert max(metrics["peak_memory_bytes_per_rank"]) > 0  # measured with torch.cuda.max_memory_allocated
+    m = finetune.load_model(adapter_dir)  # the base (quantized as trained) on the GPU, the adapter in use
+    assert m.device.type == "cuda" and m.model.model.layers[0].mlp.up_proj.base_layer.weight.is_cuda
+    m.use(None)
+    module = "model.layers.0.self_attn.q_proj"
+    layer = m.model.get_submodule(module).base_layer
+    expected = (dequantize(layer) if is_quantized_linear(layer) else layer.weight.float()) + m.adapters[
+        m.attached[0]
+    ].delta(module, device=m.device)
+    m.merge(m.attached[0])  # crashed on cuda:0 vs cpu before the base was one resolved value
+    merged = m.model.get_submodule(module)
+    merged = getattr(merged, "base_layer", merged)
+    assert torch.equal(merged.weight, expected.to(merged.weight.dtype))
+
+
+def test_resume_after_sigkill_on_the_gpu_is_bit_identical(workdir):
+    """Eager attention and a fixed cuBLAS workspace: every kernel of a step is deterministic, so bit for bit."""
+    args = [
+        "model.attn_implementation=eager",
+        "train.max_steps=30",
+        "train.save_every_steps=1",
+        "train.log_every_steps=1",
+    ]
+    env = {**os.environ, "PYTHONPATH": str(REPO), **DETERMINISTIC}
+    command = [sys.executable, "-m", "finetune", "train", "recipe.yaml", *args]
+    killed = [*command, "output.name=killed"]
+    process = subprocess.Popen(
+        killed, cwd=workdir, env={**env, SLOW_STEP_ENV: "0.2"}, stderr=subprocess.PIPE, text=True
+    )
+    assert process.stderr is not None
+    for line in process.stderr:  # kill it mid-run, at step 5
+        if line.startswith("step 5/"):
+            process.send_signal(signal.SIGKILL)
+            break
+    process.wait(timeout=120)
+    assert process.returncode == -signal.SIGKILL
+    for run in ([*killed, "--resume"], [*command, "output.name=reference"]):  # the reference: one unbroken run
+        finished = subprocess.run(run, cwd=workdir, env=env, capture_output=True, text=True)
+        assert finished.returncode == 0, finished.stderr[-3000:]
+    adapters = workdir / "adapters"
+    expected, actual = (load_file(adapters / name / "adapter_model.safetensors") for name in ("reference", "killed"))
+    assert expected.keys() == actual.keys()
+    assert all(torch.equal(expected[name], actual[name]) for name in expected)
+
+
+def test_eval_and_generate_run_on_the_gpu_and_agree_with_the_cpu(workdir, capsys):
+    adapter_dir, _ = train("recipe.yaml", ["train.max_steps=6", "output.name=small"], log=lambda m: None)
+    perplexities = {}
+    for device in ("cuda", "cpu"):
+        assert main(["eval", "--adapter", str(adapter_dir), "--data", "valid.jsonl", "--format", "instruction",
+                     "--device", device]) == 0  # fmt: skip
+        line = capsys.readouterr().out.splitlines()[-1]  # base + adapter: perplexity P (...)
+        perplexities[device] = float(line.split("perplexity ")[1].split()[0])
+    assert perplexities["cuda"] == pytest.approx(perplexities["cpu"], rel=1e-4)
+    m = finetune.load_model(adapter_dir, device="cuda")
+    prompt = "### Instruction:\nName a crate.\n\n### Response:\n"
+    ids = torch.tensor([prompt_ids(m.tokenizer, prompt)], device=m.device)  # `finetune generate`'s own rule
+    with torch.no_grad():
+        expected = m.model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False,
+            pad_token_id=m.tokenizer.pad_token_id, eos_token_id=m.tokenizer.eos_token_id,
+        )  # fmt: skip
+    assert main(["generate", "--adapter", str(adapter_dir), "--device", "cuda", "--max-new-tokens", "12", prompt]) == 0
+    text = m.tokenizer.decode(expected[0, ids.shape[1] :], skip_special_tokens=True)
+    assert capsys.readouterr().out == text + "\n"
+
+
+def test_more_processes_than_gpus_is_refused_before_any_launch(workdir, capsys):
+    assert main(["train", "recipe.yaml", "--nproc", str(torch.cuda.device_count() + 1)]) == 2
+    assert "GPU(s) are visible" in capsys.readouterr().err
