@@ -111,6 +111,24 @@ def _quantization(given: str | None, adapters: list[Adapter]) -> Quantization:
     return recorded if recorded is not None and recorded.method == given else Quantization(given)  # type: ignore[arg-type]
 
 
+def _load_resolved(
+    resolved: ResolvedBase, *, dtype: str, requantize: bool, attn_implementation: str, trust_remote_code: bool
+) -> LoadedModel:
+    """Load the resolved base on its device, quantized as it says, into a `LoadedModel` (no adapters yet)."""
+    model, tokenizer, _ = load_base(
+        resolved.source,
+        dtype=dtype,
+        revision=resolved.revision,
+        attn_implementation=attn_implementation,
+        trust_remote_code=trust_remote_code,
+        quantization=resolved.quantization,
+        device=resolved.device,
+    )
+    if resolved.fingerprint is None and resolved.quantization.method == "none":
+        resolved = resolved.with_fingerprint(fingerprint_model(model))  # no files to take it from
+    return LoadedModel(model, tokenizer, resolved, requantize=requantize)
+
+
 def load_model(
     base: str | Path,
     adapters: Mapping[str, str | Path] | Sequence[str | Path] | None = None,
@@ -154,20 +172,13 @@ def load_model(
         base, quantization=quantization_settings, dtype=getattr(torch, dtype), device=device, revision=revision
     )
     resolved = _adopt_or_own(resolved, read, allow_pickle)
-    model, tokenizer, _ = load_base(
-        resolved.source,
-        dtype=dtype,
-        revision=revision,
-        attn_implementation=attn_implementation,
+    loaded = _load_resolved(
+        resolved, dtype=dtype, requantize=requantize, attn_implementation=attn_implementation,
         trust_remote_code=trust_remote_code,
-        quantization=quantization_settings,
-        device=resolved.device,
-    )
-    if resolved.fingerprint is None and quantization_settings.method == "none":
-        resolved = resolved.with_fingerprint(fingerprint_model(model))  # no files to take it from
-    loaded = LoadedModel(model, tokenizer, resolved, requantize=requantize)
+    )  # fmt: skip
+    where = str(resolved.pristine_dir or resolved.source)
     for adapter in read:
-        check_fingerprint(adapter, resolved.fingerprint, str(resolved.pristine_dir or resolved.source), force=force)
+        check_fingerprint(adapter, loaded.base.fingerprint, where, force=force)  # maybe taken from the weights
         loaded.add_adapter(adapter)
     if use_first is not None:
         loaded.use(use_first)
