@@ -10,7 +10,7 @@
 #      memory, `finetune plan`'s estimate and their ratio, held-out loss; exits 1 if anything failed.
 #
 # Usage, from anywhere:  bench/gpu_check.sh            # the full presets
-#                        bench/gpu_check.sh --quick    # the presets shrunken: checks the script in a minute or two
+#                        bench/gpu_check.sh --quick    # the presets shrunken: checks the script, measures nothing
 # Logs and JSON go to $GPU_CHECK_OUT (default bench/results/gpu-check/). $PYTHON picks the interpreter.
 set -uo pipefail
 

@@ -31,8 +31,8 @@ import torch
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 DEFAULT_SIZES = {"cpu": (1024, 2048), "cuda": (8192,)}
 GPU_PRODUCTS_PER_CHECK = 8
-"""Products queued between clock readings on a GPU: 8192-square bf16 takes ~1 ms per product on a
-large GPU, so a synchronize every 8 costs nothing measurable and keeps a trial near `trial_seconds`."""
+"""Products queued between clock readings on a GPU: enough 2·8192³-FLOP products that one synchronize
+is small beside them, few enough that a trial ends close to `trial_seconds`."""
 
 
 def measure_peak(

@@ -4,8 +4,8 @@ A preset is a named set of train_throughput flags (its command line stays the on
 the shape of a catalog base read from the architecture numbers shipped in `finetune/plan/configs/` (no
 download: the weights are random, which changes neither speed nor memory), LoRA r=16 all-linear at
 2048-token rows, bf16. `--smoke` shrinks the shape (and the rows, steps and vocabulary) so that every
-code path of a preset, the 4-bit one included, runs on a CPU in a minute or two: a check that the
-command works, not a measurement.
+code path of a preset, the 4-bit one included, runs on a CPU (about a minute per preset on 2 cores):
+a check that the command works, not a measurement.
 
 The model's vocabulary is the base's (128,256 for Llama 3), whatever the tokenizer the bench trains
 knows (8,192 pieces): token ids only need to be below it. The head is computed over all 128,256 logits,
@@ -21,7 +21,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 SEQ_LEN = 2048
 
@@ -46,7 +46,7 @@ PRESETS: dict[str, Preset] = {
     "llama-3.2-1b-lora": Preset(
         base_config="meta-llama/Llama-3.2-1B",
         quantization="none",
-        micro_batch_size=4,  # finetune plan: 35.8 GiB on one GPU (logits 11.7, activations 21.1)
+        micro_batch_size=4,  # finetune plan estimates 35.8 GiB (logits 11.7, activations 21.1); not measured
         grad_accum=2,
         gradient_checkpointing=False,
         steps=12,
@@ -56,7 +56,7 @@ PRESETS: dict[str, Preset] = {
     "llama-3.1-8b-qlora": Preset(
         base_config="meta-llama/Llama-3.1-8B",
         quantization="4bit",
-        micro_batch_size=2,  # finetune plan: 16.25 GiB on one GPU
+        micro_batch_size=2,  # finetune plan estimates 16.25 GiB; not measured
         grad_accum=4,
         gradient_checkpointing=True,
         steps=10,
@@ -125,8 +125,8 @@ def base_config(hub_id: str, smoke: bool, tokenizer: Any, max_positions: int) ->
 
 
 def build_random_base(config: Any, out_dir: Path, *, device: str, dtype: str, seed: int) -> dict[str, Any]:
-    """A `*ForCausalLM` of `config` with random weights, built on `device` in `dtype` (an 8B model builds on
-    a GPU in about a second, where a CPU would take minutes), saved with `save_pretrained` and freed."""
+    """A `*ForCausalLM` of `config` with random weights, built on `device` in `dtype` (on a GPU its random
+    initialisation runs there, not on the host), saved with `save_pretrained` and freed."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -150,7 +150,7 @@ def build_random_base(config: Any, out_dir: Path, *, device: str, dtype: str, se
     return {"parameters": parameters, "build_seconds": built - started, "save_seconds": time.perf_counter() - built}
 
 
-def plan_figures(recipe: Any, device: str) -> dict[str, Any]:
+def plan_figures(recipe: Any, device: Literal["cpu", "cuda"]) -> dict[str, Any]:
     """`finetune plan`'s estimate for `recipe` (the very recipe ours trains with) on one `device`.
 
     `comparable_bytes` leaves out the plan's runtime part (on a GPU the CUDA context, which

@@ -249,7 +249,7 @@ def preset_section(figures: dict[str, Any]) -> list[str]:
     spec, m, plan = figures["spec"], figures["spec"]["model"], figures.get("plan") or {}
     rows_per_step = spec["micro_batch_size"] * spec["grad_accum_steps"]
     lines = [
-        f"{m.get('base_config', 'Llama')}: {m['parameters'] / 1e9:.2f}B parameters (random weights, vocabulary "
+        f"{m.get('base_config', 'Llama')}: {m['parameters']:,} parameters (random weights, vocabulary "
         f"{m['vocab']:,}), base {spec['model_dtype']}"
         + (", nf4 4-bit" if spec["quantization"] == "4bit" else "")
         + (", gradient checkpointing" if spec["gradient_checkpointing"] else "")

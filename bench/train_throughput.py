@@ -75,7 +75,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:  # run from a checkout: `python bench/train_throughput.py`
@@ -1082,13 +1082,13 @@ def print_report(report: dict[str, Any], args: argparse.Namespace) -> None:
         print(f"WARNING: {warning}")
 
 
-def resolve_device(requested: str, parser: argparse.ArgumentParser) -> str:
+def resolve_device(requested: str, parser: argparse.ArgumentParser) -> Literal["cpu", "cuda"]:
     """Where the arms train: `auto` is the GPU when torch sees one (as `finetune train` does), else the CPU."""
-    if requested == "auto":
-        return "cuda" if on_gpu() else "cpu"
+    if requested == "cpu":
+        return "cpu"
     if requested == "cuda" and not on_gpu():
         parser.error("--device cuda: torch sees no CUDA device")
-    return requested
+    return "cuda" if on_gpu() else "cpu"
 
 
 def add_gpu_arguments(parser: argparse.ArgumentParser) -> None:
