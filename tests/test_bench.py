@@ -174,3 +174,15 @@ def test_gpu_check_reports_no_collected_tests_without_failing_and_fails_a_failed
     assert not ok and [row[0] for row in rows] == ["`pytest -m gpu`", "a", "a", "b"]
     assert rows[-1][1] == "FAILED: exit code 1; see b.log"
     assert check_table.check_rows("3 passed", {"parts": {"a": {"figures": preset_figures(GiB)}}}, 0)[1]
+
+
+def test_on_a_gpu_step_ends_wait_for_the_gpu_and_memory_comes_from_the_allocator(monkeypatch):
+    """The GPU branches call torch's real CUDA API (monkeypatch refuses a name torch does not have)."""
+    calls = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *args: calls.append("synchronize"))
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *args: 5 * GiB)
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda *args: 6 * GiB)
+    wall, cpu = train_throughput.clock()
+    assert calls == ["synchronize"] and wall > 0 and cpu > 0
+    assert train_throughput.gpu_memory() == {"peak_gpu_bytes": 5 * GiB, "peak_gpu_reserved_bytes": 6 * GiB}
