@@ -18,9 +18,17 @@ Parts (`--only` picks some):
 Models are built under `--scratch` (reused on the next run). Timing figures depend on what else runs:
 the summary says so when the load average exceeded half the cores during a part.
 
+`--gpu` runs the GPU presets instead (bench/presets.py), each a part of its own through
+bench/train_throughput.py: a Llama-3.2-1B-shaped bf16 LoRA and a Llama-3.1-8B-shaped nf4 QLoRA at
+2048-token rows, ours against the HF Trainer + peft on the same GPU, with MFU against the GPU's matmul
+peak measured in the run and each arm's peak GPU memory beside `finetune plan`'s estimate. It refuses
+to start without a CUDA device; `--gpu --quick` runs the presets shrunken, on a CPU too.
+
 Example:
     python -m bench                 # sized for < 15 min on 2 quiet cores (16 min measured at load 2.4-5.2)
     python -m bench --quick --only swap --out /tmp/bench-smoke
+    python -m bench --gpu           # on a GPU machine (bench/gpu_check.sh runs it)
+    python -m bench --gpu --quick --out /tmp/bench-gpu-smoke
 """
 
 from __future__ import annotations
@@ -35,6 +43,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench.presets import PRESETS
 from bench.report import format_markdown
 from bench.train_throughput import versions
 
@@ -66,6 +75,13 @@ PARTS: dict[str, dict[str, Any]] = {
 }
 
 
+# The GPU presets (--gpu): one part each, the preset's own settings, shrunken with --quick.
+GPU_PARTS: dict[str, dict[str, Any]] = {
+    name: {"script": "train_throughput.py", "full": f"--preset {name}", "quick": f"--preset {name} --smoke"}
+    for name in PRESETS
+}
+
+
 def machine() -> dict[str, Any]:
     """What the figures were taken on: CPU model, cores, memory, library versions."""
 
@@ -84,18 +100,19 @@ def machine() -> dict[str, Any]:
         "cores": os.cpu_count(),
         "memory_gib": round(mem_kib / 2**20, 1),
         "gpu": torch.cuda.is_available(),
+        "gpu_name": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
         "versions": versions(),
     }
 
 
-def run_part(name: str, arguments: list[str], log_dir: Path) -> dict[str, Any]:
+def run_part(name: str, script: str, arguments: list[str], log_dir: Path) -> dict[str, Any]:
     """One script as a subprocess; its JSON figures, wall seconds and the load average around it."""
     json_path = log_dir / f"{name}.json"
     log_path = log_dir / f"{name}.log"
-    command = [sys.executable, str(BENCH_DIR / PARTS[name]["script"]), *arguments, "--json", str(json_path)]
+    command = [sys.executable, str(BENCH_DIR / script), *arguments, "--json", str(json_path)]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     env.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
-    part: dict[str, Any] = {"command": " ".join(["python", f"bench/{PARTS[name]['script']}", *arguments])}
+    part: dict[str, Any] = {"command": " ".join(["python", f"bench/{script}", *arguments])}
     part["load_average_before"] = os.getloadavg()
     print(f"[bench] {name}: {part['command']} (log: {log_path})", flush=True)
     started = time.perf_counter()
@@ -119,15 +136,29 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--quick", action="store_true", help="tiny models: checks the command works, figures mean little"
     )
-    parser.add_argument("--only", default=",".join(PARTS), help=f"comma-separated parts of {', '.join(PARTS)}")
-    parser.add_argument("--out", type=Path, default=BENCH_DIR / "results", help="where latest.json and latest.md go")
+    parser.add_argument(
+        "--gpu", action="store_true", help=f"the GPU presets instead: parts {', '.join(GPU_PARTS)} (needs CUDA)"
+    )
+    parser.add_argument("--only", help=f"comma-separated parts of {', '.join(PARTS)} (with --gpu: of the presets)")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        help="where latest.json and latest.md go (default bench/results, with --gpu bench/results/gpu)",
+    )
     parser.add_argument("--scratch", type=Path, default=Path("/tmp/bench-models"), help="where models are built")
     parser.add_argument("--threads", type=int, default=0, help="torch threads of the training arms (default: all)")
     args = parser.parse_args(argv)
-    parts = [p.strip() for p in args.only.split(",") if p.strip()]
-    unknown = sorted(set(parts) - set(PARTS))
+    available = GPU_PARTS if args.gpu else PARTS
+    args.out = args.out or BENCH_DIR / "results" / ("gpu" if args.gpu else "")
+    parts = [p.strip() for p in (args.only or ",".join(available)).split(",") if p.strip()]
+    unknown = sorted(set(parts) - set(available))
     if unknown:
-        parser.error(f"unknown part(s) {unknown}; choose from {', '.join(PARTS)}")
+        parser.error(f"unknown part(s) {unknown}; choose from {', '.join(available)}")
+    if args.gpu and not args.quick:
+        import torch
+
+        if not torch.cuda.is_available():
+            parser.error("--gpu: torch sees no CUDA device; `--gpu --quick` runs the presets shrunken on this CPU")
 
     args.out.mkdir(parents=True, exist_ok=True)
     log_dir = args.out / "logs"
@@ -143,12 +174,12 @@ def main(argv: list[str] | None = None) -> int:
     }
     started = time.perf_counter()
     for name in parts:
-        arguments = PARTS[name]["quick" if args.quick else "full"].split()
-        if name == "train":  # builds its model and data in a temporary directory of its own
+        arguments = available[name]["quick" if args.quick else "full"].split()
+        if available[name]["script"] == "train_throughput.py":  # builds model and data in a temporary directory
             arguments += ["--threads", str(args.threads)] if args.threads else []
         else:
             arguments += ["--scratch", str(scratch)]
-        report["parts"][name] = run_part(name, arguments, log_dir)
+        report["parts"][name] = run_part(name, available[name]["script"], arguments, log_dir)
     report["wall_seconds"] = time.perf_counter() - started
     report["load_average_end"] = os.getloadavg()
 

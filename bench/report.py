@@ -22,8 +22,20 @@ def table(header: list[str], rows: list[list[str]]) -> list[str]:
     return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)] + ["| " + " | ".join(r) + " |" for r in rows]
 
 
+def percent(value: float | None) -> str:
+    """A fraction as a percentage; "n/a" where it has no meaning (MFU per CPU second on a GPU)."""
+    return "n/a" if value is None else f"{value:.1%}"
+
+
 def loads(values: list[float]) -> str:
     return "/".join(f"{v:.1f}" for v in values)
+
+
+def gpu_words(machine: dict[str, Any]) -> str:
+    """Which GPU the run saw: train_throughput's arms train on it, the other parts stay on the CPU."""
+    if not machine["gpu"]:
+        return "no GPU"
+    return f"GPU {machine.get('gpu_name') or '(unnamed)'}: the training arms ran on it, swap and merge on the CPU"
 
 
 def machine_lines(report: dict[str, Any]) -> list[str]:
@@ -31,8 +43,7 @@ def machine_lines(report: dict[str, Any]) -> list[str]:
     versions = ", ".join(f"{k} {v}" for k, v in m["versions"].items())
     minutes, seconds = divmod(round(report["wall_seconds"]), 60)
     lines = [
-        f"{report['date_utc']}; {m['cpu']}, {m['cores']} cores, {m['memory_gib']} GiB RAM, "
-        f"{'a GPU present (unused)' if m['gpu'] else 'no GPU'}; {versions}.",
+        f"{report['date_utc']}; {m['cpu']}, {m['cores']} cores, {m['memory_gib']} GiB RAM, {gpu_words(m)}; {versions}.",
         f"`{report['command']}`: {minutes} min {seconds} s. Load average (1/5/15 min) at the start "
         f"{loads(report['load_average_start'])}, at the end {loads(report['load_average_end'])}.",
     ]
@@ -48,6 +59,14 @@ def machine_lines(report: dict[str, Any]) -> list[str]:
     return lines
 
 
+def peak_words(peak: dict[str, Any]) -> str:
+    """The matmul peak MFU is taken against: a CPU's per wall and per CPU second, a GPU's per wall second."""
+    best = peak["best"]
+    if "flops_per_cpu_s" not in best:
+        return f"{best['flops_per_s'] / 1e12:.1f} TFLOP/s on the GPU"
+    return f"{best['flops_per_s'] / 1e9:.1f} GFLOP/s, {best['flops_per_cpu_s'] / 1e9:.1f} GFLOP per CPU s"
+
+
 def train_section(figures: dict[str, Any]) -> list[str]:
     spec, results, ratios = figures["spec"], figures["results"], figures["median_ratios"]
     m, d = spec["model"], spec["data"]
@@ -60,10 +79,8 @@ def train_section(figures: dict[str, Any]) -> list[str]:
         f"Llama {m['parameters'] / 1e6:.1f}M parameters (hidden {m['hidden']}, {m['layers']} layers, vocabulary "
         f"{m['vocab']}, {'tied' if m['tied_embeddings'] else 'untied'} embeddings), LoRA r=16 all-linear, "
         f"{spec['precision']}, {spec['torch_threads']} torch threads; {len(figures['rounds'])} interleaved rounds.",
-        f"Matmul peak ({peak['precision']}, same threads, best of before and after the arms): "
-        f"{peak['best']['flops_per_s'] / 1e9:.1f} GFLOP/s, {peak['best']['flops_per_cpu_s'] / 1e9:.1f} GFLOP "
-        "per CPU s. MFU = model FLOPs per second (bench/flops.py: real tokens, attention per document) "
-        "over that peak.",
+        f"Matmul peak ({peak['precision']}, same threads, best of before and after the arms): {peak_words(peak)}. "
+        "MFU = model FLOPs per second (bench/flops.py: real tokens, attention per document) over that peak.",
         "",
     ]
     rows = []
@@ -77,7 +94,7 @@ def train_section(figures: dict[str, Any]) -> list[str]:
                 f"{vs:.2f}x" if vs is not None else "1.00x",
                 f"{vs_cpu:.2f}x" if vs_cpu is not None else "1.00x",
                 f"{result['mfu']:.1%}",
-                f"{result['mfu_per_cpu_s']:.1%}",
+                percent(result["mfu_per_cpu_s"]),
                 f"{result['padding_fraction']:.1%}",
                 f"{result['peak_rss_mib']:.0f}",
                 f"{result['heldout_loss']:.4f}",
@@ -187,6 +204,71 @@ def merge_section(figures: dict[str, Any]) -> list[str]:
     return lines
 
 
+GPU_HEADER = [
+    "arm",
+    "real tokens/s",
+    "vs Trainer (median of rounds)",
+    "MFU",
+    "peak GiB",
+    "plan GiB",
+    "plan / measured",
+    "held-out loss",
+]
+
+
+def gib(num_bytes: float | None) -> str:
+    return "n/a" if num_bytes is None else f"{num_bytes / 2**30:.2f}"
+
+
+def gpu_rows(figures: dict[str, Any]) -> list[list[str]]:
+    """One row per arm of a GPU preset's figures, in `GPU_HEADER`'s columns. Peak GiB is
+    `torch.cuda.max_memory_allocated` up to the arm's last step ("n/a" on a CPU); plan GiB is `finetune plan`'s
+    peak less its runtime part (the CUDA context, which that counter does not see)."""
+    ratios = figures["median_ratios"].get("tokens_per_s", {})
+    rows = []
+    for arm, result in figures["results"].items():
+        vs = ratios.get(arm, 1.0 if arm == "hf-trainer" else None)
+        over = result.get("plan_over_measured")
+        rows.append(
+            [
+                ARM_LABELS.get(arm, arm),
+                f"{result['tokens_per_s']:.0f}",
+                "n/a" if vs is None else f"{vs:.2f}x",
+                percent(result["mfu"]),
+                gib(result.get("peak_gpu_bytes")),
+                gib(result.get("plan_bytes")),
+                "n/a" if over is None else f"{over:.2f}",
+                f"{result['heldout_loss']:.4f}",
+            ]
+        )
+    return rows
+
+
+def preset_section(figures: dict[str, Any]) -> list[str]:
+    """A GPU preset (train_throughput.py --preset): what ran, on what, and its rows."""
+    spec, m, plan = figures["spec"], figures["spec"]["model"], figures.get("plan") or {}
+    rows_per_step = spec["micro_batch_size"] * spec["grad_accum_steps"]
+    lines = [
+        f"{m.get('base_config', 'Llama')}: {m['parameters']:,} parameters (random weights, vocabulary "
+        f"{m['vocab']:,}), base {spec['model_dtype']}"
+        + (", nf4 4-bit" if spec["quantization"] == "4bit" else "")
+        + (", gradient checkpointing" if spec["gradient_checkpointing"] else "")
+        + f"; LoRA r=16 all-linear, {spec['precision']}; {spec['steps']} steps of {rows_per_step} documents "
+        f"(micro-batch {spec['micro_batch_size']} x accumulation {spec['grad_accum_steps']}, up to "
+        f"{spec['seq_len']} tokens each, median {spec['data']['median_tokens']}), the last "
+        f"{spec['steps'] - spec['warmup_steps']} timed; on {spec['device']}"
+        + (f" ({figures['gpu']})" if figures.get("gpu") else "")
+        + f"; {len(figures['rounds'])} interleaved round(s).",
+        f"Matmul peak ({figures['matmul_peak']['precision']}, best of before and after the arms): "
+        f"{peak_words(figures['matmul_peak'])}. `finetune plan` for ours' recipe: {gib(plan.get('peak_bytes'))} "
+        f"GiB, {gib(plan.get('comparable_bytes'))} GiB without its runtime part.",
+        "",
+    ]
+    lines += table(GPU_HEADER, gpu_rows(figures))
+    lines += [f"\nWARNING: {w}" for w in figures.get("warnings", [])]
+    return lines
+
+
 SECTIONS = {
     "train": ("Training throughput and utilisation (bench/train_throughput.py)", train_section),
     "swap": ("Adapter swap and drift (bench/adapter_swap.py)", swap_section),
@@ -194,10 +276,15 @@ SECTIONS = {
 }
 
 
+def section_of(name: str) -> tuple[str, Any]:
+    """A part's title and formatter: the CPU parts by name, every other part is a GPU preset."""
+    return SECTIONS.get(name) or (f"GPU preset {name} (bench/train_throughput.py --preset {name})", preset_section)
+
+
 def format_markdown(report: dict[str, Any]) -> str:
     lines = ["# `python -m bench`", "", *machine_lines(report)]
     for name, part in report["parts"].items():
-        title, section = SECTIONS[name]
+        title, section = section_of(name)
         lines += ["", f"## {title}", "", f"`{part['command']}`", ""]
         lines += section(part["figures"]) if "figures" in part else [f"**Failed**: {part['error']}"]
     lines += ["", "## Parts", ""]

@@ -1,4 +1,4 @@
-"""Training throughput: `finetune.training.loop` (packing on and off) against HF `Trainer` + peft, side by side.
+"""Training throughput: `finetune.train` (packing on and off) against HF `Trainer` + peft, side by side.
 
 Every arm trains the same model (a random-init Llama built from a config and saved with
 `save_pretrained`), with the same LoRA (r=16, alpha=32, dropout 0.05, all-linear), on the same
@@ -11,11 +11,18 @@ tokens; packing may only change how fast.
 Arms, each in its own fresh process (so peak RSS and allocator state are its own), run one after the
 other (with `--repeats N`, N rounds of all arms, interleaved, and the median ratio of each arm to the
 baseline over the rounds):
-- `ours-packed`:   `finetune.training.loop(recipe)` with `data.packing=true` (each micro-batch's documents packed
+- `ours-packed`:   `finetune.train(recipe)` with `data.packing=true` (each micro-batch's documents packed
                    into as few rows as fit, none longer than its longest document);
 - `ours-padded`:   the same with `data.packing=false` (one row per document, padded to the longest);
 - `hf-trainer`:    what a user would otherwise write: `get_peft_model`, `datasets` + `.map` tokenizing,
-                   `DataCollatorForSeq2Seq` padding, `Trainer(processing_class=...)`, `use_cpu=True`.
+                   `DataCollatorForSeq2Seq` padding, `Trainer(processing_class=...)`; on a 4-bit base
+                   `BitsAndBytesConfig` nf4 + `prepare_model_for_kbit_training` first (QLoRA).
+
+Device: every arm runs on the GPU when torch sees one (the Trainer too), else on the CPU; `--device cpu`
+hides the GPU from the arms. On a GPU each step's end is read after `torch.cuda.synchronize()`, and each
+arm reports its peak GPU memory (`torch.cuda.max_memory_allocated`, from the arm's start to the end of
+its last step, so the held-out loss afterwards is not in it) beside `finetune plan`'s estimate for the
+recipe ours trains with (`bench/presets.py`).
 
 What is timed: the steps after `--warmup-steps`, from the end of the last warm-up step to the end of the
 last step (both loops report the end of each optimizer step: ours through its log line, the Trainer
@@ -32,11 +39,14 @@ real tokens per CPU second measures the work alone, whatever else runs (with 2 t
 machine CPU seconds inflate too: a thread spins while its partner is descheduled).
 
 Utilisation: each micro-batch's model FLOPs are counted from the model config and the real length of
-each of its documents (`bench.flops`: padding is not model work, packed documents attend within
+each of its documents (`bench/flops.py`: padding is not model work, packed documents attend within
 themselves), so every arm does the same model FLOPs per step. The machine's matmul peak
 (`bench/matmul_peak.py`, at the arms' thread count and precision) is measured in a fresh process before
 the first arm and after the last, and the better of the two taken; MFU is model FLOPs per second over
-it, by wall time and by CPU time.
+it, by wall time and by CPU time (on a GPU: the GPU's matmul peak, by wall time only).
+
+GPU presets (`--preset NAME`, see bench/presets.py): real-size Llama shapes from the catalog's shipped
+configs with random weights, rows of about 2048 tokens, bf16; `--smoke` runs one shrunken on a CPU.
 
 Example:
     python bench/train_throughput.py                # fp32, defaults: ~2 min on 2 idle cores, 8.5 at load 9
@@ -44,6 +54,8 @@ Example:
     python bench/train_throughput.py --threads 1 --repeats 3   # interleaved rounds, median ratios
     python bench/train_throughput.py --hidden 384 --layers 6 --seq-len 1024 --steps 30 --compile
     python bench/train_throughput.py --vocab 32000 --untied --micro-batch-size 8 --grad-accum 1 --records 80 --one-epoch
+    python bench/train_throughput.py --preset llama-3.1-8b-qlora --json /tmp/qlora.json   # on a GPU
+    python bench/train_throughput.py --preset llama-3.1-8b-qlora --smoke                  # shrunken, on CPU
 """
 
 from __future__ import annotations
@@ -63,7 +75,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:  # run from a checkout: `python bench/train_throughput.py`
@@ -98,6 +110,35 @@ def say(message: str) -> None:
     print(f"[bench] {message}", file=sys.stderr, flush=True)
 
 
+def on_gpu() -> bool:
+    """Whether torch sees a GPU: in an arm, whether it trains there (`--device cpu` hides it from the arms)."""
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def clock() -> tuple[float, float]:
+    """(wall, CPU) seconds now; on a GPU once its queued kernels are done, so a step's end is the end of its work."""
+    if on_gpu():
+        import torch
+
+        torch.cuda.synchronize()
+    return time.perf_counter(), cpu_seconds()
+
+
+def gpu_memory() -> dict[str, int]:
+    """Peak GPU memory since the arm started (`run_arm` resets it): bytes of live tensors (what `finetune
+    plan` estimates) and what the caching allocator reserved. Empty on CPU."""
+    if not on_gpu():
+        return {}
+    import torch
+
+    return {
+        "peak_gpu_bytes": torch.cuda.max_memory_allocated(),
+        "peak_gpu_reserved_bytes": torch.cuda.max_memory_reserved(),
+    }
+
+
 def tokenize_record(record: dict[str, str], tokenizer) -> dict[str, list[int]]:
     """User-style tokenizing of one instruction record: BOS + prompt, then response + EOS; loss on the response.
 
@@ -125,7 +166,7 @@ def decoder_shape(base_dir: str):
 
 
 def micro_batch_flops(base_dir: str, document_lengths: list[int], label_tokens: int) -> int:
-    """Model FLOPs of one micro-batch's forward + backward (`bench.flops`): real tokens, per document,
+    """Model FLOPs of one micro-batch's forward + backward (`bench/flops.py`): real tokens, per document,
     and the head's logits only where the loss takes them (the label tokens).
 
     The same documents make the same figure in every arm, packed or padded: padding, and logits of the
@@ -142,11 +183,14 @@ def micro_batch_flops(base_dir: str, document_lengths: list[int], label_tokens: 
 def heldout_loss(model, documents: list[dict[str, list[int]]], pad_token_id: int, batch_size: int = 8) -> float:
     """Mean next-token loss over every label token of `documents`, float32, no dropout.
 
-    The same function for every arm, so the figures compare the adapters, not the evaluation code.
+    The same function for every arm, so the figures compare the adapters, not the evaluation code. The
+    batch is built where the model's embedding lives (a GPU, or the CPU); the loss is taken in float32 from
+    the model's own logits, whatever its dtype.
     """
     import torch
     import torch.nn.functional as F
 
+    device = model.get_input_embeddings().weight.device
     was_training = model.training
     model.eval()
     loss_sum, num_label_tokens = 0.0, 0
@@ -162,6 +206,7 @@ def heldout_loss(model, documents: list[dict[str, list[int]]], pad_token_id: int
                 input_ids[row, :n] = torch.tensor(document["input_ids"])
                 labels[row, :n] = torch.tensor(document["labels"])
                 attention_mask[row, :n] = 1
+            input_ids, labels, attention_mask = (t.to(device) for t in (input_ids, labels, attention_mask))
             logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits.float()
             targets = labels[:, 1:]  # (B, T-1): position t predicts token t+1
             loss_sum += float(
@@ -237,29 +282,19 @@ def summarise(
 # Arms: each runs in its own process, reads spec.json, writes its result JSON.
 
 
-def run_ours(spec: dict[str, Any], arm: str) -> dict[str, Any]:
-    """`finetune.training.loop` as a user calls it; step ends are read off its log lines."""
-    # Import what `train` imports lazily before the clock starts, as the Trainer arm does: setup time is
-    # then model load, data and the base evaluation, not Python imports.
-    import accelerate  # noqa: F401
-    import peft  # noqa: F401
-    import torch
-    import torch.utils.tensorboard  # noqa: F401
-    import transformers.models.llama.modeling_llama  # noqa: F401
-
+def ours_recipe(spec: dict[str, Any], arm: str) -> Any:
+    """The recipe `finetune.train` runs for `arm`; the parent hands the same one to `finetune plan`'s estimate."""
     from finetune import Recipe
-    from finetune.data import build_datasets, collate_batch
-    from finetune.data.sampler import MicroBatchStream
-    from finetune.model import load_tokenizer
-    from finetune.training.loop import train
 
-    packing = arm == "ours-packed"
-    micro_batch_size, grad_accum_steps = spec["micro_batch_size"], spec["grad_accum_steps"]
     work = Path(spec["workdir"]) / arm
-    shutil.rmtree(work, ignore_errors=True)
-    recipe = Recipe.model_validate(
+    return Recipe.model_validate(
         {
-            "model": {"base": spec["base_dir"], "dtype": "float32", "attn_implementation": "sdpa"},
+            "model": {
+                "base": spec["base_dir"],
+                "dtype": spec["model_dtype"],
+                "attn_implementation": "sdpa",
+                "quantization": spec["quantization"],
+            },
             "lora": {**LORA, "target_modules": "all-linear"},
             "data": {
                 "train": [spec["train_path"]],
@@ -269,17 +304,18 @@ def run_ours(spec: dict[str, Any], arm: str) -> dict[str, Any]:
                 "prompt_template": PROMPT_TEMPLATE,
                 "completion_only_loss": True,
                 "max_seq_len": spec["seq_len"],
-                "packing": packing,
+                "packing": arm == "ours-packed",
             },
             "train": {
                 "max_steps": spec["steps"],
-                "micro_batch_size": micro_batch_size,
-                "grad_accum_steps": grad_accum_steps,
+                "micro_batch_size": spec["micro_batch_size"],
+                "grad_accum_steps": spec["grad_accum_steps"],
                 "lr": spec["lr"],
                 "schedule": "cosine",
                 "warmup_steps": 0,
                 "max_grad_norm": 1.0,
                 "precision": spec["precision"],
+                "gradient_checkpointing": spec["gradient_checkpointing"],
                 "compile": spec["compile"],
                 "seed": SEED,
                 "log_every_steps": 1,
@@ -288,14 +324,53 @@ def run_ours(spec: dict[str, Any], arm: str) -> dict[str, Any]:
         }
     )
 
+
+def ours_heldout_loss(recipe: Any, tokenizer, validation: list[dict[str, list[int]]], batch_size: int) -> float:
+    """`heldout_loss` of ours' saved adapter on the base loaded as training loaded it (dtype, 4-bit), on the
+    arm's device: a quantized base is placed by bitsandbytes' loader, any other is moved there."""
+    from peft import PeftModel
+
+    from finetune.model import load_base_from_config
+
+    base, _, _ = load_base_from_config(recipe.model, tokenizer)
+    if recipe.model.quantization == "none":
+        base.to("cuda" if on_gpu() else "cpu")
+    tuned = PeftModel.from_pretrained(base, str(recipe.output.adapter_dir))
+    return heldout_loss(tuned, validation, tokenizer.pad_token_id, batch_size)
+
+
+def run_ours(spec: dict[str, Any], arm: str) -> dict[str, Any]:
+    """`finetune.train` as a user calls it; step ends are read off its log lines."""
+    # Import what `train` imports lazily before the clock starts, as the Trainer arm does: setup time is
+    # then model load, data and the base evaluation, not Python imports.
+    import accelerate  # noqa: F401
+    import peft  # noqa: F401
+    import torch.utils.tensorboard  # noqa: F401
+    import transformers.models.llama.modeling_llama  # noqa: F401
+
+    from finetune.data import build_datasets, collate_batch
+    from finetune.data.sampler import MicroBatchStream
+    from finetune.model import load_tokenizer
+    from finetune.training.loop import train
+
+    packing = arm == "ours-packed"
+    micro_batch_size, grad_accum_steps = spec["micro_batch_size"], spec["grad_accum_steps"]
+    work = Path(spec["workdir"]) / arm
+    shutil.rmtree(work, ignore_errors=True)
+    recipe = ours_recipe(spec, arm)
+
     marks: dict[int, tuple[float, float]] = {}
     phases: dict[str, float] = {}
 
+    memory: dict[str, int] = {}
+
     def on_step(step: int, metrics: dict[str, float]) -> None:
-        marks[step] = (time.perf_counter(), cpu_seconds())
+        marks[step] = clock()
+        if step == spec["steps"]:
+            memory.update(gpu_memory())
 
     def log(message: str) -> None:  # setup phases only; steps come through on_step
-        now, cpu = time.perf_counter(), cpu_seconds()
+        now, cpu = clock()
         if message.startswith("training "):  # printed just before the first step
             marks[0] = (now, cpu)
         elif message.startswith("base model: eval loss"):  # the base evaluation is done
@@ -333,11 +408,6 @@ def run_ours(spec: dict[str, Any], arm: str) -> dict[str, Any]:
         if "loss" in record:
             step_losses[record["step"]] = record["loss"]
 
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
-    base = AutoModelForCausalLM.from_pretrained(spec["base_dir"], dtype="float32", attn_implementation="sdpa")
-    tuned = PeftModel.from_pretrained(base, str(work / "adapter"))
     validation = [tokenize_record(r, tokenizer) for r in read_jsonl(Path(spec["validation_path"]))]
     result = summarise(
         spec,
@@ -351,41 +421,41 @@ def run_ours(spec: dict[str, Any], arm: str) -> dict[str, Any]:
             "base_eval_seconds": phases.get("base_eval_done", phases.get("loaded", start))
             - phases.get("loaded", start),
             "after_seconds": end - marks[spec["steps"]][0],
-            "heldout_loss": heldout_loss(tuned, validation, tokenizer.pad_token_id),
+            "heldout_loss": ours_heldout_loss(recipe, tokenizer, validation, spec["heldout_batch_size"]),
             "own_eval_loss": metrics.get("eval_loss"),
             "base_heldout_loss": metrics.get("base_eval_loss"),
             "data_stats": dict(data.stats),
             "micro_batch_size": micro_batch_size,
             "grad_accum_steps": grad_accum_steps,
+            **memory,
         },
     )
     result["peak_rss_mib"] = rss
     return result
 
 
-def run_hf_trainer(spec: dict[str, Any], arm: str) -> dict[str, Any]:
-    """The baseline a user writes with transformers 5 + peft: Trainer, DataCollatorForSeq2Seq padding."""
-    import datasets
+def hf_peft_model(spec: dict[str, Any]):
+    """The user's model: `from_pretrained` in the base's dtype, for QLoRA with an nf4 `BitsAndBytesConfig`
+    (double quantization, bf16 compute: finetune's defaults) and `prepare_model_for_kbit_training` (which
+    also turns on gradient checkpointing when asked), then `get_peft_model`."""
     import torch
-    from peft import LoraConfig, get_peft_model
-    from transformers import (
-        AutoModelForCausalLM,
-        AutoTokenizer,
-        DataCollatorForSeq2Seq,
-        Trainer,
-        TrainerCallback,
-        TrainingArguments,
-        set_seed,
-    )
+    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig, set_seed
 
-    work = Path(spec["workdir"]) / arm
-    shutil.rmtree(work, ignore_errors=True)
-    start = time.perf_counter()
-    tokenizer = AutoTokenizer.from_pretrained(spec["base_dir"])
-    model = AutoModelForCausalLM.from_pretrained(spec["base_dir"], dtype=torch.float32, attn_implementation="sdpa")
+    dtype = getattr(torch, spec["model_dtype"])
+    quantization = {}
+    if spec["quantization"] == "4bit":
+        quantization["quantization_config"] = BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=dtype
+        )
+    model = AutoModelForCausalLM.from_pretrained(
+        spec["base_dir"], dtype=dtype, attn_implementation="sdpa", **quantization
+    )
     model.config.use_cache = False  # as ours: no KV cache while training
+    if quantization:
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=spec["gradient_checkpointing"])
     set_seed(SEED)
-    model = get_peft_model(
+    return get_peft_model(
         model,
         LoraConfig(
             r=LORA["r"],
@@ -395,6 +465,18 @@ def run_hf_trainer(spec: dict[str, Any], arm: str) -> dict[str, Any]:
             task_type="CAUSAL_LM",
         ),
     )
+
+
+def run_hf_trainer(spec: dict[str, Any], arm: str) -> dict[str, Any]:
+    """The baseline a user writes with transformers 5 + peft: Trainer, DataCollatorForSeq2Seq padding."""
+    import datasets
+    from transformers import AutoTokenizer, DataCollatorForSeq2Seq, Trainer, TrainerCallback, TrainingArguments
+
+    work = Path(spec["workdir"]) / arm
+    shutil.rmtree(work, ignore_errors=True)
+    start = time.perf_counter()
+    tokenizer = AutoTokenizer.from_pretrained(spec["base_dir"])
+    model = hf_peft_model(spec)
     load_seconds = time.perf_counter() - start
 
     start_tokenizing = time.perf_counter()
@@ -418,13 +500,16 @@ def run_hf_trainer(spec: dict[str, Any], arm: str) -> dict[str, Any]:
         return batch
 
     marks: dict[int, tuple[float, float]] = {}
+    memory: dict[str, int] = {}
 
     class StepClock(TrainerCallback):
         def on_train_begin(self, args, state, control, **kwargs):
-            marks[0] = (time.perf_counter(), cpu_seconds())
+            marks[0] = clock()
 
         def on_step_end(self, args, state, control, **kwargs):
-            marks[state.global_step] = (time.perf_counter(), cpu_seconds())
+            marks[state.global_step] = clock()
+            if state.global_step == spec["steps"]:
+                memory.update(gpu_memory())
 
     args = TrainingArguments(
         output_dir=str(work / "out"),
@@ -439,7 +524,8 @@ def run_hf_trainer(spec: dict[str, Any], arm: str) -> dict[str, Any]:
         max_grad_norm=1.0,
         bf16=spec["precision"] == "bf16",
         torch_compile=spec["compile"],
-        use_cpu=True,
+        gradient_checkpointing=spec["gradient_checkpointing"],
+        use_cpu=not on_gpu(),  # the model goes where ours goes: the GPU when there is one
         eval_strategy="no",
         save_strategy="no",
         logging_steps=1,
@@ -490,7 +576,7 @@ def run_hf_trainer(spec: dict[str, Any], arm: str) -> dict[str, Any]:
             "base_eval_seconds": 0.0,  # the Trainer does not evaluate the base before training
             "after_seconds": after_seconds,
             "end_train_seconds_after_last_step": end_train - marks[spec["steps"]][0],
-            "heldout_loss": heldout_loss(model, validation, tokenizer.pad_token_id),
+            "heldout_loss": heldout_loss(model, validation, tokenizer.pad_token_id, spec["heldout_batch_size"]),
             "own_eval_loss": own_eval.get("eval_loss"),
             "data_stats": {
                 "num_records": len(train_docs),
@@ -500,6 +586,7 @@ def run_hf_trainer(spec: dict[str, Any], arm: str) -> dict[str, Any]:
             "micro_batch_size": spec["micro_batch_size"],
             "grad_accum_steps": grad_accum,
             "optimizer": str(args.optim),
+            **memory,
         },
     )
     result["peak_rss_mib"] = rss
@@ -508,10 +595,12 @@ def run_hf_trainer(spec: dict[str, Any], arm: str) -> dict[str, Any]:
 
 def run_arm(spec_path: Path, arm: str, out_path: Path) -> None:
     spec = json.loads(spec_path.read_text())
-    if spec["threads"]:
-        import torch
+    import torch
 
+    if spec["threads"]:
         torch.set_num_threads(spec["threads"])
+    if on_gpu():  # the arm's own peak, from here (a fresh process: nothing allocated yet)
+        torch.cuda.reset_peak_memory_stats()
     load_before = load_average()
     result = run_hf_trainer(spec, arm) if arm == BASELINE else run_ours(spec, arm)
     result["load_average_before"], result["load_average_after"] = load_before, load_average()
@@ -561,11 +650,14 @@ def make_words(rng: random.Random, count: int) -> list[str]:
     return sorted(words)
 
 
-def make_records(rng: random.Random, words: list[str], count: int, max_words: int) -> list[dict[str, str]]:
+def make_records(
+    rng: random.Random, words: list[str], count: int, max_words: int, median_words: float = 45
+) -> list[dict[str, str]]:
     """Instruction records whose lengths spread like real instruction sets: mostly short, a long tail.
 
-    Response length in words is log-normal (median 45, sigma 0.9), cut at `max_words`; prompts 4-40 words.
-    Words are Zipf-distributed, responses repeat words of their prompt, so there is something to learn.
+    Response length in words is log-normal (median `median_words`, sigma 0.9), cut at `max_words`; prompts
+    4-40 words. Words are Zipf-distributed, responses repeat words of their prompt, so there is something
+    to learn. A huge median makes every response `max_words` long (`--long-records` then trims them).
     """
     weights = [1 / (rank + 1) for rank in range(len(words))]
     tasks = [
@@ -580,7 +672,7 @@ def make_records(rng: random.Random, words: list[str], count: int, max_words: in
     records = []
     for _ in range(count):
         topic = rng.choices(words, weights, k=rng.randint(4, 40))
-        n_response = max(3, min(max_words, int(rng.lognormvariate(math.log(45), 0.9))))
+        n_response = max(3, min(max_words, int(rng.lognormvariate(math.log(median_words), 0.9))))
         body = rng.choices(words + topic * 20, k=n_response)
         sentences, start = [], 0
         while start < len(body):
@@ -591,14 +683,27 @@ def make_records(rng: random.Random, words: list[str], count: int, max_words: in
     return records
 
 
-def prepare(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
-    """Write the base model, tokenizer and data under `workdir`; return the spec every arm reads."""
-    import torch
+def trim_to_tokens(record: dict[str, str], tokenizer, max_tokens: int) -> dict[str, str]:
+    """`record` with its response cut at a space to the longest prefix whose tokenized record has at most
+    `max_tokens` tokens (binary search: a word more never means fewer tokens)."""
+    output = record["output"]
+    cuts = [i for i, char in enumerate(output) if char == " "] + [len(output)]
 
-    from finetune.embedded.tiny import build_tiny_llama
+    def fits(index: int) -> bool:
+        trimmed = {**record, "output": output[: cuts[index]]}
+        return len(tokenize_record(trimmed, tokenizer)["input_ids"]) <= max_tokens
+
+    low, high = 0, len(cuts) - 1
+    while low < high:  # invariant: the answer is in [low, high]
+        middle = (low + high + 1) // 2
+        low, high = (middle, high) if fits(middle) else (low, middle - 1)
+    return {**record, "output": output[: cuts[low]]}
+
+
+def make_data(args: argparse.Namespace, data_dir: Path):
+    """Tokenizer (trained on the records) and the train and validation records, written as JSONL."""
     from finetune.embedded.tokenizer import train_tokenizer
 
-    start = time.perf_counter()
     rng = random.Random(SEED)
     words = make_words(rng, 3000)
     # Enough records that every arm stays inside its first epoch (the Trainer's epochs end with a short
@@ -608,12 +713,17 @@ def prepare(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     num_validation = args.validation_records
     max_words = int(args.seq_len * 0.55)
     wanted = num_train + num_validation
-    records = make_records(rng, words, wanted, max_words)
+    if args.long_records:  # at least one token a word: every response overfills a row until trimmed below
+        records = make_records(rng, words, wanted, args.seq_len, median_words=1e9)
+    else:
+        records = make_records(rng, words, wanted, max_words)
     tokenizer = train_tokenizer(
         (r["instruction"] + "\n" + r["output"] for r in records[:4000]),
         vocab_size=args.vocab,
         max_model_len=max(args.seq_len, 2048),
     )
+    if args.long_records:  # each document 95-100% of a row: the rows `finetune plan` estimates, nearly
+        records = [trim_to_tokens(r, tokenizer, rng.randint(int(0.95 * args.seq_len), args.seq_len)) for r in records]
     # Keep records that fit max_seq_len whole, so no arm truncates and all see exactly the same tokens.
     fits = [r for r in records if len(tokenize_record(r, tokenizer)["input_ids"]) <= args.seq_len]
     for _ in range(20):
@@ -625,10 +735,17 @@ def prepare(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         raise SystemExit(f"too few generated records fit --seq-len {args.seq_len}; raise it")
     records = fits
     train, validation = records[:num_train], records[num_train : num_train + num_validation]
-    data_dir = workdir / "data"
     data_dir.mkdir(parents=True, exist_ok=True)
     for name, rows in (("train", train), ("validation", validation)):
         (data_dir / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    return tokenizer, train, validation
+
+
+def build_tiny_base(args: argparse.Namespace, tokenizer, base_dir: Path) -> dict[str, Any]:
+    """The default base: a small random Llama of --hidden/--layers/--vocab, built on the CPU in float32."""
+    import torch
+
+    from finetune.embedded.tiny import build_tiny_llama
 
     heads = max(1, args.hidden // 64)
     intermediate = 32 * round(args.hidden * 8 / 3 / 32)
@@ -650,15 +767,44 @@ def prepare(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(SEED)
             model.resize_token_embeddings(args.vocab, mean_resizing=False)
-    base_dir = workdir / "base"
     model.save_pretrained(base_dir)
-    tokenizer.save_pretrained(base_dir)
-    lengths = sorted(len(tokenize_record(r, tokenizer)["input_ids"]) for r in train)
     return {
-        "workdir": str(workdir),
-        "base_dir": str(base_dir),
-        "train_path": str(data_dir / "train.jsonl"),
-        "validation_path": str(data_dir / "validation.jsonl"),
+        "hidden": args.hidden,
+        "layers": args.layers,
+        "intermediate": intermediate,
+        "heads": heads,
+        "kv_heads": max(1, heads // 2),
+        "vocab": model.config.vocab_size,
+        "tied_embeddings": not args.untied,
+        "tokenizer_vocab": len(tokenizer),
+        "parameters": sum(p.numel() for p in model.parameters()),
+    }
+
+
+def build_catalog_base(args: argparse.Namespace, tokenizer, base_dir: Path, device: str) -> dict[str, Any]:
+    """A base of a catalog model's shape (`--base-config`, shrunken with `--smoke`), random weights built on
+    the arms' device in `--model-dtype` (bench/presets.py)."""
+    from bench.presets import base_config, build_random_base
+
+    config = base_config(args.base_config, args.smoke, tokenizer, args.seq_len * args.micro_batch_size)
+    built = build_random_base(config, base_dir, device=device, dtype=args.model_dtype, seed=SEED)
+    return {
+        "base_config": args.base_config + (" (shrunken: --smoke)" if args.smoke else ""),
+        "hidden": config.hidden_size,
+        "layers": config.num_hidden_layers,
+        "intermediate": config.intermediate_size,
+        "heads": config.num_attention_heads,
+        "kv_heads": config.num_key_value_heads,
+        "vocab": config.vocab_size,
+        "tied_embeddings": config.tie_word_embeddings,
+        "tokenizer_vocab": len(tokenizer),
+        **built,
+    }
+
+
+def run_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The part of the spec the arms read straight from the command line."""
+    return {
         "steps": args.steps,
         "warmup_steps": args.warmup_steps,
         "loss_tail_steps": args.loss_tail_steps,
@@ -667,21 +813,41 @@ def prepare(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         "lr": args.lr,
         "seq_len": args.seq_len,
         "precision": args.precision,
+        "model_dtype": args.model_dtype,
+        "quantization": args.quantization,
+        "gradient_checkpointing": args.gradient_checkpointing,
         "compile": args.compile,
         "threads": args.threads,
         "verbose": args.verbose,
         "own_eval": not args.no_own_eval,
-        "model": {
-            "hidden": args.hidden,
-            "layers": args.layers,
-            "intermediate": intermediate,
-            "heads": heads,
-            "kv_heads": max(1, heads // 2),
-            "vocab": model.config.vocab_size,
-            "tied_embeddings": not args.untied,
-            "tokenizer_vocab": len(tokenizer),
-            "parameters": sum(p.numel() for p in model.parameters()),
-        },
+        "heldout_batch_size": args.heldout_batch_size,
+        "preset": args.preset,
+        "smoke": args.smoke,
+    }
+
+
+def prepare(args: argparse.Namespace, workdir: Path, device: str) -> dict[str, Any]:
+    """Write the base model, tokenizer and data under `workdir`; return the spec every arm reads."""
+    import torch
+
+    start = time.perf_counter()
+    data_dir = workdir / "data"
+    tokenizer, train, validation = make_data(args, data_dir)
+    base_dir = workdir / "base"
+    if args.base_config:
+        model = build_catalog_base(args, tokenizer, base_dir, device)
+    else:
+        model = build_tiny_base(args, tokenizer, base_dir)
+    tokenizer.save_pretrained(base_dir)
+    lengths = sorted(len(tokenize_record(r, tokenizer)["input_ids"]) for r in train)
+    return {
+        "workdir": str(workdir),
+        "base_dir": str(base_dir),
+        "train_path": str(data_dir / "train.jsonl"),
+        "validation_path": str(data_dir / "validation.jsonl"),
+        "device": device,
+        **run_settings(args),
+        "model": model,
         "data": {
             "train_records": len(train),
             "validation_records": len(validation),
@@ -707,6 +873,10 @@ def versions() -> dict[str, str]:
     return {"python": platform.python_version(), **{name: version(name) for name in packages}}
 
 
+def gib(num_bytes: float) -> str:
+    return f"{num_bytes / 2**30:.2f}"
+
+
 def format_table(results: dict[str, dict[str, Any]]) -> str:
     rows = [
         ("wall s (timed steps)", "train_seconds", "{:.1f}"),
@@ -722,6 +892,10 @@ def format_table(results: dict[str, dict[str, Any]]) -> str:
         ("real tokens (timed)", "real_tokens", "{:.0f}"),
         ("padding computed", "padding_fraction", "{:.1%}"),
         ("peak RSS MiB", "peak_rss_mib", "{:.0f}"),
+        ("peak GPU GiB (max allocated)", "peak_gpu_bytes", gib),
+        ("peak GPU GiB reserved", "peak_gpu_reserved_bytes", gib),
+        ("finetune plan GiB, less the runtime", "plan_bytes", gib),
+        ("plan / measured peak", "plan_over_measured", "{:.2f}"),
         ("final train loss", "final_train_loss", "{:.4f}"),
         ("held-out loss", "heldout_loss", "{:.4f}"),
         ("setup s", "setup_seconds", "{:.1f}"),
@@ -740,13 +914,17 @@ def format_table(results: dict[str, dict[str, Any]]) -> str:
             cells = [f"{results[a]['load_average_before']:.1f}/{results[a]['load_average_after']:.1f}" for a in arms]
             lines.append([label, *cells] + ["" for a in arms if base and a != BASELINE])
             continue
+        values = [results[a].get(key) for a in arms]
+        if all(value is None for value in values):  # a GPU figure on CPU, MFU per CPU s on a GPU
+            continue
         show = fmt if callable(fmt) else fmt.format
-        cells = [show(results[a][key]) for a in arms]
+        cells = [show(value) if value is not None else "" for value in values]
         ratios = []
         if base:
             for a in arms:
                 if a != BASELINE:
-                    ratios.append(f"{results[a][key] / base[key]:.2f}x" if base[key] else "")
+                    ours, theirs = results[a].get(key), base.get(key)
+                    ratios.append(f"{ours / theirs:.2f}x" if ours is not None and theirs else "")
         lines.append([label, *cells, *ratios])
     widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
     out = ["| " + " | ".join(cell.ljust(w) for cell, w in zip(line, widths)) + " |" for line in lines]
@@ -783,23 +961,49 @@ def run_arm_process(arm: str, spec_path: Path, out_path: Path, env: dict[str, st
     return result
 
 
-def measure_peaks(precision: str, env: dict[str, str]) -> dict[str, dict[str, Any]]:
-    """The matmul peak (bench/matmul_peak.py) in a fresh process with the arms' environment (threads)."""
+def measure_peaks(precision: str, env: dict[str, str], device: str = "cpu") -> dict[str, dict[str, Any]]:
+    """The matmul peak (bench/matmul_peak.py) in a fresh process with the arms' environment (threads, GPU)."""
     precisions = ["fp32"] + (["bf16"] if precision == "bf16" else [])
     command = [sys.executable, str(Path(__file__).with_name("matmul_peak.py")), "--precisions", ",".join(precisions)]
+    command += ["--device", device] if device != "cpu" else []
     completed = subprocess.run(command, env=env, capture_output=True, text=True, check=True)
     return json.loads(completed.stdout.strip().splitlines()[-1])
 
 
 def best_peak(measurements: list[dict[str, dict[str, Any]]], precision: str) -> dict[str, float]:
-    """The best of the measurements taken before and after the arms: load only ever lowers a peak."""
-    return {key: max(m[precision][key] for m in measurements) for key in ("flops_per_s", "flops_per_cpu_s")}
+    """The best of the measurements taken before and after the arms: load only ever lowers a peak.
+    A GPU's has no per-CPU-second figure."""
+    keys = [key for key in ("flops_per_s", "flops_per_cpu_s") if key in measurements[0][precision]]
+    return {key: max(m[precision][key] for m in measurements) for key in keys}
 
 
 def add_utilisation(result: dict[str, Any], peak: dict[str, float]) -> None:
-    """MFU: model FLOPs per second over the peak, by wall time and by CPU time (see bench/matmul_peak.py)."""
+    """MFU: model FLOPs per second over the peak, by wall time and by CPU time (see bench/matmul_peak.py);
+    on a GPU by wall time only (`mfu_per_cpu_s` None)."""
     result["mfu"] = result["model_flops_per_s"] / peak["flops_per_s"]
-    result["mfu_per_cpu_s"] = result["model_flops_per_cpu_s"] / peak["flops_per_cpu_s"]
+    per_cpu_s = peak.get("flops_per_cpu_s")
+    result["mfu_per_cpu_s"] = result["model_flops_per_cpu_s"] / per_cpu_s if per_cpu_s else None
+
+
+def add_plan(result: dict[str, Any], plan: dict[str, Any]) -> None:
+    """`finetune plan`'s estimate (less its runtime part) beside the arm's measured peak GPU memory."""
+    from bench.presets import plan_over_measured
+
+    result["plan_bytes"] = plan["comparable_bytes"]
+    result["plan_over_measured"] = plan_over_measured(plan["comparable_bytes"], result.get("peak_gpu_bytes"))
+
+
+def describe_peak(peak: dict[str, float], precision: str, spec: dict[str, Any]) -> str:
+    """One line for the printed report: the peak MFU is taken against."""
+    if "flops_per_cpu_s" not in peak:
+        return (
+            f"matmul peak ({precision}, {spec['device']}, best of before and after the arms): "
+            f"{peak['flops_per_s'] / 1e12:.1f} TFLOP/s"
+        )
+    return (
+        f"matmul peak ({precision}, {spec['torch_threads']} threads, best of before and after the arms): "
+        f"{peak['flops_per_s'] / 1e9:.1f} GFLOP/s, {peak['flops_per_cpu_s'] / 1e9:.1f} GFLOP per CPU s"
+    )
 
 
 RATIO_KEYS = ("tokens_per_s", "tokens_per_cpu_s", "median_step_tokens_per_s")
@@ -825,7 +1029,88 @@ def median_round(rounds: list[dict[str, dict[str, Any]]]) -> dict[str, dict[str,
     return results
 
 
-def main(argv: list[str] | None = None) -> int:
+def run_rounds(
+    arms: list[str], args: argparse.Namespace, spec_path: Path, env: dict[str, str]
+) -> list[dict[str, dict[str, Any]]]:
+    """`--repeats` rounds of every arm, each arm in a fresh process, each round starting with another arm."""
+    rounds: list[dict[str, dict[str, Any]]] = []
+    for number in range(1, args.repeats + 1):
+        rounds.append({})
+        first = (number - 1) % len(arms)
+        for arm in arms[first:] + arms[:first]:
+            say(f"round {number}/{args.repeats}: running {arm} ({args.steps} steps, {args.precision})")
+            result = run_arm_process(arm, spec_path, spec_path.parent / f"result-{arm}-{number}.json", env)
+            if result is not None:
+                rounds[-1][arm] = result
+    return rounds
+
+
+def print_report(report: dict[str, Any], args: argparse.Namespace) -> None:
+    spec, peak = report["spec"], report["matmul_peak"]["best"]
+    print(f"\n{report['date_utc']}  {report['command']}")
+    machine = report["machine"] + (f", {report['gpu']}" if report["gpu"] else "")
+    print(", ".join(f"{k} {v}" for k, v in report["versions"].items()) + f"; {machine}")
+    m, d = spec["model"], spec["data"]
+    base = m.get("base_config", "Llama")
+    print(
+        f"model: {base} {m['parameters'] / 1e6:.2f}M parameters (hidden {m['hidden']}, {m['layers']} layers, "
+        f"vocab {m['vocab']}); LoRA r=16 all-linear; {args.steps} steps ({args.warmup_steps} warm-up), micro-batch "
+        f"{args.micro_batch_size} x accumulation {args.grad_accum}, lr {args.lr}, {args.precision}"
+        f"{', compiled' if args.compile else ''}; max_seq_len {args.seq_len}; records median "
+        f"{d['median_tokens']} / p90 {d['p90_tokens']} / max {d['max_tokens']} tokens"
+        + (f"; base {spec['model_dtype']}" if spec["model_dtype"] != "float32" else "")
+        + (f", {spec['quantization']} nf4" if spec["quantization"] != "none" else "")
+        + (", gradient checkpointing" if spec["gradient_checkpointing"] else "")
+        + f"; on {spec['device']}"
+    )
+    print(describe_peak(peak, args.precision, spec))
+    if report["plan"]:
+        plan = report["plan"]
+        print(
+            f"finetune plan ({plan['device']}): peak {plan['peak_bytes'] / 2**30:.2f} GiB, of which runtime "
+            f"{plan['runtime_bytes'] / 2**30:.2f} GiB (not in torch.cuda.max_memory_allocated): "
+            f"{plan['comparable_bytes'] / 2**30:.2f} GiB to compare with each arm's peak"
+        )
+    print(format_table(report["results"]))
+    if args.repeats > 1:
+        print(f"median over {args.repeats} interleaved rounds of each round's ratio to {BASELINE}:")
+        for key, ratios in report["median_ratios"].items():
+            print(f"  {key}: " + ", ".join(f"{arm} {ratio:.2f}x" for arm, ratio in ratios.items()))
+    for warning in report["warnings"]:
+        print(f"WARNING: {warning}")
+
+
+def resolve_device(requested: str, parser: argparse.ArgumentParser) -> Literal["cpu", "cuda"]:
+    """Where the arms train: `auto` is the GPU when torch sees one (as `finetune train` does), else the CPU."""
+    if requested == "cpu":
+        return "cpu"
+    if requested == "cuda" and not on_gpu():
+        parser.error("--device cuda: torch sees no CUDA device")
+    return "cuda" if on_gpu() else "cpu"
+
+
+def add_gpu_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of the GPU presets (bench/presets.py); each also works alone."""
+    from bench.presets import PRESETS
+
+    group = parser.add_argument_group("GPU presets and real-size shapes")
+    group.add_argument("--preset", choices=sorted(PRESETS), help="a GPU preset: sets the flags below and others")
+    group.add_argument("--smoke", action="store_true", help="shrink the preset's model and rows: runs on a CPU")
+    group.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="where every arm trains")
+    group.add_argument(
+        "--base-config", help="hub id of a catalog base: its shape (finetune/plan/configs), random weights"
+    )
+    group.add_argument("--model-dtype", choices=("float32", "bfloat16"), default="float32", help="the base's dtype")
+    group.add_argument("--quantization", choices=("none", "4bit"), default="none", help="4bit: nf4 QLoRA in every arm")
+    group.add_argument("--gradient-checkpointing", action="store_true", help="in every arm")
+    group.add_argument(
+        "--long-records", action="store_true", help="every record 95-100%% of --seq-len tokens (full rows)"
+    )
+    group.add_argument("--heldout-batch-size", type=int, default=8, help="rows per batch of the held-out loss")
+
+
+def parse_arguments(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
+    """The command line, a `--preset`'s values as defaults (flags given explicitly still win)."""
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -876,13 +1161,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workdir", type=Path, help="where model, data and runs go (default: a temp dir, removed)")
     parser.add_argument("--json", type=Path, help="write every figure here")
     parser.add_argument("--verbose", action="store_true", help="show each arm's own log")
+    add_gpu_arguments(parser)
     parser.add_argument("--_arm", help=argparse.SUPPRESS)
     parser.add_argument("--_spec", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--_out", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.preset:
+        from bench.presets import PRESETS, flag_defaults
+
+        parser.set_defaults(**flag_defaults(PRESETS[args.preset], args.smoke))
+        args = parser.parse_args(argv)
     if args.one_epoch:
         args.steps = args.records // (args.micro_batch_size * args.grad_accum)
         args.records = args.steps * args.micro_batch_size * args.grad_accum
+    return parser, args
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser, args = parse_arguments(argv)
 
     if args._arm:
         run_arm(args._spec, args._arm, args._out)
@@ -894,6 +1190,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown arm(s) {unknown}; choose from {', '.join(ARMS)}")
     if not 0 < args.warmup_steps < args.steps:
         parser.error("--warmup-steps must be at least 1 and below --steps")
+    if args.smoke and not args.base_config:
+        parser.error("--smoke shrinks a --preset (or --base-config); give one")
+    device = resolve_device(args.device, parser)
+    if args.base_config and device == "cpu" and not args.smoke:
+        parser.error(f"--base-config {args.base_config} builds the full-size model: that needs a GPU; add --smoke")
 
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="finetune-bench-train-"))
     workdir.mkdir(parents=True, exist_ok=True)
@@ -907,6 +1208,7 @@ def main(argv: list[str] | None = None) -> int:
         "TOKENIZERS_PARALLELISM": "false",
         "HF_DATASETS_CACHE": str(workdir / "hf-datasets-cache"),
         "PYTHONWARNINGS": "ignore",
+        **({"CUDA_VISIBLE_DEVICES": ""} if device == "cpu" and on_gpu() else {}),
     }
     os.environ.update(
         {
@@ -922,7 +1224,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         say(f"preparing model and data in {workdir}")
-        spec = prepare(args, workdir)
+        spec = prepare(args, workdir, device)
         spec_path = workdir / "spec.json"
         spec_path.write_text(json.dumps(spec, indent=2))
         say(
@@ -930,22 +1232,21 @@ def main(argv: list[str] | None = None) -> int:
             f"records (median {spec['data']['median_tokens']}, p90 {spec['data']['p90_tokens']}, max "
             f"{spec['data']['max_tokens']} tokens); prepared in {spec['prepare_seconds']:.1f} s"
         )
-        say(f"measuring the matmul peak ({args.precision})")
-        peaks = [measure_peaks(args.precision, env)]
-        rounds: list[dict[str, dict[str, Any]]] = []
-        for number in range(1, args.repeats + 1):
-            rounds.append({})
-            first = (number - 1) % len(arms)  # each round starts with another arm
-            for arm in arms[first:] + arms[:first]:
-                say(f"round {number}/{args.repeats}: running {arm} ({args.steps} steps, {args.precision})")
-                result = run_arm_process(arm, spec_path, workdir / f"result-{arm}-{number}.json", env)
-                if result is not None:
-                    rounds[-1][arm] = result
-        peaks.append(measure_peaks(args.precision, env))
+        plan = None
+        if device == "cuda" or args.base_config:  # the memory figure a GPU run is judged by
+            from bench.presets import plan_figures
+
+            plan = plan_figures(ours_recipe(spec, "ours-packed"), device)
+        say(f"measuring the matmul peak ({args.precision}, {device})")
+        peaks = [measure_peaks(args.precision, env, device)]
+        rounds = run_rounds(arms, args, spec_path, env)
+        peaks.append(measure_peaks(args.precision, env, device))
         peak = best_peak(peaks, args.precision)
         for round_results in rounds:
             for result in round_results.values():
                 add_utilisation(result, peak)
+                if plan is not None:
+                    add_plan(result, plan)
         results = median_round(rounds)
         if not results:
             return 1
@@ -954,34 +1255,16 @@ def main(argv: list[str] | None = None) -> int:
             "command": " ".join(["python", "bench/train_throughput.py", *(argv if argv is not None else sys.argv[1:])]),
             "versions": versions(),
             "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, torch threads {spec['torch_threads']}",
+            "gpu": peaks[0][args.precision].get("gpu"),
             "spec": spec,
             "matmul_peak": {"best": peak, "precision": args.precision, "measurements": peaks},
+            "plan": plan,
             "results": results,
             "rounds": rounds,
             "median_ratios": median_ratios(rounds),
             "warnings": check_same_data(results),
         }
-        print(f"\n{report['date_utc']}  {report['command']}")
-        print(", ".join(f"{k} {v}" for k, v in report["versions"].items()) + f"; {report['machine']}")
-        m, d = spec["model"], spec["data"]
-        print(
-            f"model: Llama {m['parameters'] / 1e6:.2f}M parameters (hidden {m['hidden']}, {m['layers']} layers, "
-            f"vocab {m['vocab']}); LoRA r=16 all-linear; {args.steps} steps ({args.warmup_steps} warm-up), micro-batch "
-            f"{args.micro_batch_size} x accumulation {args.grad_accum}, lr {args.lr}, {args.precision}"
-            f"{', compiled' if args.compile else ''}; max_seq_len {args.seq_len}; records median "
-            f"{d['median_tokens']} / p90 {d['p90_tokens']} / max {d['max_tokens']} tokens"
-        )
-        print(
-            f"matmul peak ({args.precision}, {spec['torch_threads']} threads, best of before and after the arms): "
-            f"{peak['flops_per_s'] / 1e9:.1f} GFLOP/s, {peak['flops_per_cpu_s'] / 1e9:.1f} GFLOP per CPU s"
-        )
-        print(format_table(results))
-        if args.repeats > 1:
-            print(f"median over {args.repeats} interleaved rounds of each round's ratio to {BASELINE}:")
-            for key, ratios in report["median_ratios"].items():
-                print(f"  {key}: " + ", ".join(f"{arm} {ratio:.2f}x" for arm, ratio in ratios.items()))
-        for warning in report["warnings"]:
-            print(f"WARNING: {warning}")
+        print_report(report, args)
         if args.json:
             args.json.write_text(json.dumps(report, indent=2))
         return 0
