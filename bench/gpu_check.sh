@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One command that checks this project on a GPU machine, offline:
 #   1. refuses to go on (exit 1) unless torch sees a CUDA device;
-#   2. if a folder of wheels is there ($FINETUNE_WHEELS, default .whl/; see /work/shared/GPU.md for how to
-#      fetch it), installs them and this checkout with pip --no-index: nothing comes from the network;
+#   2. if a folder of wheels is there ($FINETUNE_WHEELS, default .whl/; bench/README.md, "On a GPU", says
+#      how to fetch it), installs them and this checkout with pip --no-index: nothing comes from the network;
 #   3. runs the gpu-marked tests (`pytest -m gpu`); "no tests collected" (exit 5) is reported, not failed;
 #   4. runs the GPU presets (`python -m bench --gpu`: bf16 LoRA on a Llama-3.2-1B shape, nf4 QLoRA on a
 #      Llama-3.1-8B shape, ours against the HF Trainer + peft);
@@ -49,7 +49,7 @@ if compgen -G "$WHEELS/*.whl" > /dev/null; then
   "$PYTHON" -m pip install -q --no-index --no-deps --no-build-isolation -e . || fail "pip install -e ."
 fi
 "$PYTHON" -c "import finetune, bitsandbytes, peft, datasets" \
-  || fail "finetune or a dependency does not import; bring wheels in $WHEELS (see GPU.md)"
+  || fail "finetune or a dependency does not import; bring wheels in $WHEELS (see bench/README.md, On a GPU)"
 
 mkdir -p "$OUT"
 echo "gpu_check: pytest -m gpu (log: $OUT/gpu-tests.log)"
