@@ -24,11 +24,12 @@ from pathlib import Path
 
 import torch
 
+from finetune.adapters.fit import check_fingerprint
 from finetune.adapters.inmemory import LoadedModel
 from finetune.adapters.lora import Adapter, read_adapter, recorded_quantization
 from finetune.adapters.resolved_base import ResolvedBase, resolve_base
 from finetune.errors import AdapterError, AdapterWarning
-from finetune.fingerprint import check_fingerprint, fingerprint_model
+from finetune.fingerprint import fingerprint_model
 from finetune.model import load_base
 from finetune.quantization import Quantization
 from finetune.training.loop import train

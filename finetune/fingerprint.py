@@ -1,7 +1,7 @@
 """Fingerprints of base-model weights: one `sha256:<hex>` string per set of tensors, whatever the layout.
 
 An adapter records the fingerprint of the base it was trained on; applying it to another base is refused
-unless forced (`check_fingerprint`). The fingerprint covers content only: for every tensor, sorted by name, its name, dtype,
+unless forced (`finetune.adapters.fit.check_fingerprint`). The fingerprint covers content only: for every tensor, sorted by name, its name, dtype,
 shape and the sha256 of its raw bytes. Sharding, file names, safetensors metadata and the order of
 tensors in a file do not change it, so a model and the directory it was loaded from agree:
 
@@ -28,17 +28,13 @@ import hashlib
 import json
 import os
 import re
-import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from finetune.errors import AdapterError, AdapterWarning
 from finetune.paths import finetune_home
 
 if TYPE_CHECKING:
     import torch
-
-    from finetune.adapters.lora import Adapter
 
 PREFIX = "sha256:"
 _BYTES_PER_READ = 64 << 20  # hash big tensors in slices of rows so no tensor is copied whole
@@ -181,27 +177,3 @@ def fingerprint_model(model) -> str:
             return fingerprint_model_dir(source)
         raise ValueError("a quantized model's bytes are not its base's: fingerprint the directory it was loaded from")
     return _combine({name: _entry(tensor) for name, tensor in base_state_items(model)})
-
-
-def check_fingerprint(adapter: Adapter, base_fingerprint: str | None, base_where: str, *, force: bool) -> None:
-    """Refuse an adapter trained on another base (unless `force`); warn when no check is possible."""
-    if adapter.base_fingerprint is None or not adapter.base_fingerprint.startswith("sha256:"):
-        why = "has no manifest.json" if adapter.base_fingerprint is None else "records no base fingerprint"
-        warnings.warn(
-            f"adapter {adapter.name!r} ({adapter.path}) {why}, so whether it was trained on {base_where} "
-            "cannot be checked",
-            AdapterWarning,
-            stacklevel=3,
-        )
-        return
-    if base_fingerprint is None or adapter.base_fingerprint == base_fingerprint:
-        return
-    assert adapter.manifest is not None  # it holds the base fingerprint
-    message = (
-        f"adapter {adapter.name!r} ({adapter.path}) was trained on base {adapter.manifest.base.path} "
-        f"({adapter.base_fingerprint}) but {base_where} is {base_fingerprint}; use the right base or pass --force "
-        "(force=True)"
-    )
-    if not force:
-        raise AdapterError(message)
-    warnings.warn("forced: " + message, AdapterWarning, stacklevel=3)

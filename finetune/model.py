@@ -21,6 +21,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from finetune.adapters.quantized import keep_float_kernels
+from finetune.embedded import resolve_base_id
 from finetune.errors import ModelError
 from finetune.paths import local_model_dir
 from finetune.quantization import NO_QUANTIZATION, Quantization
@@ -35,8 +36,6 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 def _resolve(base: str, *, what: str = "model") -> str:
     """Map `embedded:*` ids to their local directory; check that a local path holds a model (or a tokenizer)."""
-    from finetune.embedded import resolve_base_id
-
     resolved = resolve_base_id(base)
     path = Path(resolved).expanduser()
     looks_local = path.exists() or resolved.startswith((".", "/", "~")) or resolved.count("/") > 1

@@ -21,7 +21,7 @@ from helpers import TEST_SHAPE
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from finetune.embedded import build, cache, embedded_base_dir, ensure_embedded_base, resolve_base_id
+from finetune.embedded import build, embedded_base_dir, ensure_embedded_base, resolve_base_id, shipped
 from finetune.embedded.build import (
     BUILD_FORMAT_VERSION,
     EMBEDDED_BASES,
@@ -30,9 +30,9 @@ from finetune.embedded.build import (
     BuildSettings,
     settings_record,
 )
-from finetune.embedded.cache import file_sha256, shipped_base_dir
 from finetune.embedded.pretrain import PretrainSettings
 from finetune.embedded.quickstart_data import bulletin_fields, generate_records, write_dataset
+from finetune.embedded.shipped import file_sha256, shipped_base_dir
 from finetune.errors import ModelError
 from finetune.recipe import DataConfig
 
@@ -205,7 +205,7 @@ def test_shipped_base_is_the_registered_build_with_its_recorded_fingerprint():
 
 def test_a_damaged_shipped_base_is_refused(tmp_path, monkeypatch):
     damaged = shutil.copytree(shipped_base_dir("tiny-llama"), tmp_path / "tiny-llama")
-    monkeypatch.setattr(cache, "SHIPPED_ROOT", tmp_path)
+    monkeypatch.setattr(shipped, "SHIPPED_ROOT", tmp_path)
     (damaged / "model.safetensors").write_bytes(b"version https://git-lfs.github.com/spec/v1\n")
     with pytest.raises(ModelError, match="shipped embedded base .* is damaged: model.safetensors has sha256"):
         resolve_base_id("embedded:tiny-llama")
@@ -213,14 +213,14 @@ def test_a_damaged_shipped_base_is_refused(tmp_path, monkeypatch):
 
 def test_build_script_rebuilds_a_shipped_base_bit_for_bit(tmp_path, monkeypatch, capsys):
     """`python -m finetune.embedded.build` writes the shipped directory; `--check` rebuilds and compares."""
-    monkeypatch.setattr(cache, "SHIPPED_ROOT", tmp_path)
+    monkeypatch.setattr(shipped, "SHIPPED_ROOT", tmp_path)
     monkeypatch.setitem(build.EMBEDDED_BASES, "mini-llama", MINI)
     assert build.main(["--name", "mini-llama"]) == 0
-    shipped = tmp_path / "mini-llama"
-    assert resolve_base_id("embedded:mini-llama") == str(shipped)
+    shipped_dir = tmp_path / "mini-llama"
+    assert resolve_base_id("embedded:mini-llama") == str(shipped_dir)
     assert build.main(["--name", "mini-llama", "--check"]) == 0
     assert "rebuild matches the shipped base" in capsys.readouterr().err
-    (shipped / "model.safetensors").write_bytes(b"other weights")
+    (shipped_dir / "model.safetensors").write_bytes(b"other weights")
     assert build.main(["--name", "mini-llama", "--check"]) == 1
     assert "is damaged: model.safetensors has sha256" in capsys.readouterr().err
     assert build.main(["--name", "mini-llama"]) == 0  # intact again

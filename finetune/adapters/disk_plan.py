@@ -20,11 +20,11 @@ from pathlib import Path
 
 import torch
 
+from finetune.adapters.fit import check_fingerprint
 from finetune.adapters.ledger import Ledger
 from finetune.adapters.lora import Adapter, read_adapter, recorded_quantization
 from finetune.adapters.resolved_base import ResolvedBase, resolve_base, resolve_model_dir
 from finetune.errors import AdapterError
-from finetune.fingerprint import check_fingerprint
 from finetune.quantization import Quantization
 
 

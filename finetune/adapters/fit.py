@@ -1,6 +1,7 @@
-"""Does an adapter fit a base? The same check for a model in memory and a checkpoint on disk.
+"""Does an adapter fit a base? The same checks for a model in memory and a checkpoint on disk.
 
-Each targeted module must exist in the base, be a layer a LoRA update can be added to (linear or
+`check_fingerprint`: the adapter was trained on this base (its manifest's weight fingerprint), unless the
+user forces it. `check_fits`: each targeted module must exist in the base, be a layer a LoRA update can be added to (linear or
 embedding), and have the shape the update has; the first module that does not is named, with what it
 most likely means (another architecture, another size).
 
@@ -10,10 +11,11 @@ Example:
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 
 from finetune.adapters.lora import Adapter
-from finetune.errors import AdapterError
+from finetune.errors import AdapterError, AdapterWarning
 
 ShapeOf = Callable[[str], "tuple[int, ...] | str"]
 """module -> the shape of its weight, or a word for what it is when no update can be added (e.g. 'Conv2d');
@@ -39,3 +41,27 @@ def check_fits(adapter: Adapter, shape_of: ShapeOf, base: str) -> None:
                 f"adapter {adapter.name!r} ({adapter.path}): {module} is {tuple(shape)} in {base} but the update is "
                 f"{lora.weight_shape}: the adapter was trained on another base size"
             )
+
+
+def check_fingerprint(adapter: Adapter, base_fingerprint: str | None, base_where: str, *, force: bool) -> None:
+    """Refuse an adapter trained on another base (unless `force`); warn when no check is possible."""
+    if adapter.base_fingerprint is None or not adapter.base_fingerprint.startswith("sha256:"):
+        why = "has no manifest.json" if adapter.base_fingerprint is None else "records no base fingerprint"
+        warnings.warn(
+            f"adapter {adapter.name!r} ({adapter.path}) {why}, so whether it was trained on {base_where} "
+            "cannot be checked",
+            AdapterWarning,
+            stacklevel=3,
+        )
+        return
+    if base_fingerprint is None or adapter.base_fingerprint == base_fingerprint:
+        return
+    assert adapter.manifest is not None  # it holds the base fingerprint
+    message = (
+        f"adapter {adapter.name!r} ({adapter.path}) was trained on base {adapter.manifest.base.path} "
+        f"({adapter.base_fingerprint}) but {base_where} is {base_fingerprint}; use the right base or pass --force "
+        "(force=True)"
+    )
+    if not force:
+        raise AdapterError(message)
+    warnings.warn("forced: " + message, AdapterWarning, stacklevel=3)

@@ -25,9 +25,15 @@ import torch
 import transformers
 from transformers.utils import logging as hf_logging
 
-from finetune.embedded.cache import check_shipped_base, file_sha256, shipped_base_dir
 from finetune.embedded.corpus import stdlib_corpus
 from finetune.embedded.pretrain import PretrainResult, PretrainSettings, pretrain, token_rows
+from finetune.embedded.shipped import (
+    FINGERPRINTED_FILES,
+    RECORD_FILE,
+    check_shipped_base,
+    file_sha256,
+    shipped_base_dir,
+)
 from finetune.embedded.synthetic import copy_score, synthetic_rows
 from finetune.embedded.tiny import TINY_LLAMA_SHAPE, build_tiny_llama, wire_previous_token_head
 from finetune.embedded.tokenizer import train_tokenizer
@@ -36,10 +42,6 @@ from finetune.errors import ModelError
 BUILD_FORMAT_VERSION = 2
 """Bump when the build code changes what it produces, so cached bases are rebuilt (new directory name).
 2: synthetic copying rows in the pretraining mix; sha256 of the weights and tokenizer in the record."""
-
-RECORD_FILE = "embedded.json"
-FINGERPRINTED_FILES = ("model.safetensors", "tokenizer.json")
-"""The files whose sha256 the build record carries: the weights and the tokenizer."""
 
 
 @dataclass(frozen=True)

@@ -31,49 +31,19 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
 
+from finetune.embedded.build import (
+    BUILD_FORMAT_VERSION,
+    EMBEDDED_BASES,
+    BuildSettings,
+    build_embedded_base,
+    settings_record,
+)
+from finetune.embedded.shipped import RECORD_FILE, check_shipped_base, shipped_base_dir
 from finetune.errors import ModelError
 from finetune.paths import finetune_home
 
-if TYPE_CHECKING:  # build.py imports torch; this module stays importable without it
-    from finetune.embedded.build import BuildSettings
-
 EMBEDDED_PREFIX = "embedded:"
-SHIPPED_ROOT = Path(__file__).resolve().parent / "base"
-"""Where the package carries its prebuilt embedded bases, one directory per name."""
-
-
-def shipped_base_dir(name: str) -> Path:
-    """The package directory of shipped base `name` (it may be absent, e.g. in a trimmed source tree)."""
-    return SHIPPED_ROOT / name
-
-
-def file_sha256(path: Path) -> str:
-    """Hex sha256 of a file's bytes, read in 1 MiB blocks."""
-    digest = hashlib.sha256()
-    with path.open("rb") as file:
-        for block in iter(lambda: file.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def check_shipped_base(path: Path) -> None:
-    """Raise `ModelError` unless every file the build record fingerprints has that sha256.
-
-    Catches a damaged install and a clone whose weights are a Git LFS pointer or were cut short, before
-    `from_pretrained` fails with something less clear (or, worse, loads other weights).
-    """
-    from finetune.embedded.build import RECORD_FILE
-
-    recorded = json.loads((path / RECORD_FILE).read_text(encoding="utf-8")).get("sha256", {})
-    for file_name, expected in recorded.items():
-        actual = file_sha256(path / file_name) if (path / file_name).is_file() else "missing"
-        if actual != expected:
-            raise ModelError(
-                f"the shipped embedded base {path} is damaged: {file_name} has sha256 {actual[:16]}, its build "
-                f"record says {expected[:16]}; reinstall finetune, or rebuild it with python -m finetune.embedded.build"
-            )
 
 
 def _print_to_stderr(message: str) -> None:
@@ -82,8 +52,6 @@ def _print_to_stderr(message: str) -> None:
 
 def embedded_base_dir(name: str, settings: BuildSettings, root: str | Path | None = None) -> Path:
     """Where the base built from `settings` lives (whether or not it is built yet)."""
-    from finetune.embedded.build import BUILD_FORMAT_VERSION, settings_record
-
     key = json.dumps(
         {"name": name, "settings": settings_record(settings), "python": platform.python_version()}, sort_keys=True
     )
@@ -94,16 +62,12 @@ def embedded_base_dir(name: str, settings: BuildSettings, root: str | Path | Non
 
 
 def _is_built(path: Path) -> bool:
-    from finetune.embedded.build import RECORD_FILE
-
     return (path / RECORD_FILE).is_file()
 
 
 def existing_embedded_base(name: str) -> Path | None:
     """Registered base `name`'s directory if it is already there (shipped, else built in the cache); None
     otherwise. Nothing is built or checked: for readers of its config such as `finetune plan`."""
-    from finetune.embedded.build import EMBEDDED_BASES
-
     shipped = shipped_base_dir(name)
     if _is_built(shipped):
         return shipped
@@ -131,8 +95,6 @@ def ensure_embedded_base(
         ModelError: `name` is not an embedded base, or its shipped weights are damaged.
     """
     from filelock import FileLock, Timeout
-
-    from finetune.embedded.build import EMBEDDED_BASES
 
     if settings is None:
         if name not in EMBEDDED_BASES:
@@ -167,8 +129,6 @@ def ensure_embedded_base(
 
 def _build_into(final_dir: Path, name: str, settings: BuildSettings, report: Callable[[str], None]) -> None:
     """Build in a temporary directory beside `final_dir`, then rename it into place (the caller holds the lock)."""
-    from finetune.embedded.build import build_embedded_base  # imports torch and transformers
-
     # Leftovers of a build that was killed before it could clean up; nobody else holds the lock.
     for stale in final_dir.parent.glob(f".{final_dir.name}.tmp-*"):
         shutil.rmtree(stale, ignore_errors=True)

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from finetune.adapters.lora import read_adapter
+from finetune.adapters.resolved_base import resolve_model_dir
 from finetune.errors import ExportError
 from finetune.export.gguf_file import PlannedTensor, file_type, tensor_dtype, write_gguf
 from finetune.export.gguf_model import ExportReport, check_dtype
@@ -65,9 +67,6 @@ def export_lora_gguf(
             cannot apply a LoRA to. `AdapterError` for adapters `read_adapter` refuses (DoRA, saved modules).
     """
     import gguf
-
-    from finetune.adapters.lora import read_adapter
-    from finetune.adapters.resolved_base import resolve_model_dir
 
     check_dtype(dtype)
     adapter = read_adapter(adapter_dir)

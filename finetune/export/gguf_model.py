@@ -19,6 +19,8 @@ from pathlib import Path
 import numpy as np
 
 from finetune.adapters.ledger import LEDGER_KEY
+from finetune.adapters.resolved_base import resolve_model_dir
+from finetune.adapters.tensor_index import TensorIndex
 from finetune.errors import ExportError
 from finetune.export.gguf_file import DTYPES, PlannedTensor, file_type, tensor_dtype, write_gguf
 from finetune.export.gguf_tokenizer import read_tokenizer, write_tokenizer
@@ -72,8 +74,6 @@ def _loader(path: Path, hf_name: str, layout: LlamaLayout):
 
 def plan_model_tensors(model_dir: Path, layout: LlamaLayout, dtype: str) -> list[PlannedTensor]:
     """Every weight of `model_dir` (plus llama3 RoPE factors) as GGUF tensors, in block order."""
-    from finetune.adapters.tensor_index import TensorIndex
-
     headers = TensorIndex.of(model_dir)
     if not headers:
         raise ExportError(f"{model_dir} holds no *.safetensors weights; re-save it with save_pretrained")
@@ -102,8 +102,6 @@ def export_model_gguf(
     Raises:
         ExportError: unsupported architecture, tokenizer or dtype; quantized checkpoints; `out` exists.
     """
-    from finetune.adapters.resolved_base import resolve_model_dir
-
     check_dtype(dtype)
     model_dir = resolve_model_dir(str(model))
     layout = read_layout(model_dir)

@@ -16,7 +16,10 @@ import json
 from pathlib import Path
 from typing import Any
 
+from finetune.embedded.build import EMBEDDED_BASES
+from finetune.embedded.cache import EMBEDDED_PREFIX, existing_embedded_base
 from finetune.errors import ModelError
+from finetune.paths import local_model_dir
 
 SHIPPED_CONFIGS = Path(__file__).resolve().parent / "configs"
 
@@ -41,9 +44,6 @@ def config_from_json(path: Path) -> Any:
 def _embedded_config(base: str) -> tuple[Any, str]:
     """The embedded base's config and where it was read: its directory (shipped, or built in the cache),
     else the settings it would be built from."""
-    from finetune.embedded.build import EMBEDDED_BASES
-    from finetune.embedded.cache import EMBEDDED_PREFIX, existing_embedded_base
-
     name = base.removeprefix(EMBEDDED_PREFIX)
     if name not in EMBEDDED_BASES:
         raise ModelError(f"model.base {base!r}: unknown embedded base; known: " + ", ".join(sorted(EMBEDDED_BASES)))
@@ -71,8 +71,6 @@ def find_model_config(base: str, revision: str | None = None, config_path: str |
         return config_from_json(path), str(path)
     if base.startswith("embedded:"):
         return _embedded_config(base)
-    from finetune.paths import local_model_dir
-
     local = local_model_dir(base, revision) if Path(base).is_dir() or base.count("/") == 1 else None
     if local is not None and (local / "config.json").is_file():
         return config_from_json(local / "config.json"), str(local / "config.json")

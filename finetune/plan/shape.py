@@ -16,7 +16,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from transformers import AutoModelForCausalLM
 
+from finetune.errors import ModelError
+from finetune.model import decoder_layers, wrap_with_lora
 from finetune.recipe import LoraConfig
 
 
@@ -50,11 +53,6 @@ def _unique_numel(parameters: Any) -> int:
 
 def model_shape(config: Any, lora: LoraConfig) -> ModelShape:
     """Build `config`'s model on the meta device, wrap it as training would, and count."""
-    from transformers import AutoModelForCausalLM
-
-    from finetune.errors import ModelError
-    from finetune.model import decoder_layers, wrap_with_lora
-
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     layers = decoder_layers(model)

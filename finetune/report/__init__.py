@@ -18,7 +18,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from finetune.atomic import atomic_file
+from finetune.manifest import read_manifest
+from finetune.report.html import render_page
+from finetune.report.plots import make_figures, png_bytes
 from finetune.report.runs import RunHistory, read_run, write_run_record
+from finetune.version import __version__
 
 REPORT_NAME = "report.html"
 PLOTS_DIR = "plots"
@@ -43,10 +47,6 @@ def default_out_dir(run_dirs: Sequence[Path]) -> Path:
 
 def render_runs(runs: Sequence[RunHistory], out_dir: Path) -> ReportFiles:
     """Write the plots and the page of already-read runs into `out_dir`."""
-    from finetune.report.html import render_page
-    from finetune.report.plots import make_figures, png_bytes
-    from finetune.version import __version__
-
     out_dir = Path(out_dir)
     images = {name: png_bytes(figure) for name, figure in make_figures(runs).items()}
     plots = {}
@@ -78,8 +78,6 @@ def report_finished_run(
     The adapter is already written when this runs, so a report that cannot be written is a warning line,
     not a failed run.
     """
-    from finetune.manifest import read_manifest
-
     try:
         write_run_record(run_dir, adapter_dir, read_manifest(adapter_dir))
         files = write_report([run_dir]) if html else None

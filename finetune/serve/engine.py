@@ -25,18 +25,18 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, cast
 
 import torch
 
+from finetune.adapters.fit import check_fingerprint
+from finetune.adapters.inmemory import LoadedModel
+from finetune.adapters.lora import Adapter, read_adapter
+from finetune.api import load_model
 from finetune.errors import FinetuneError, ServeError
 from finetune.prompting import chat_prompt_ids, prompt_ids
 from finetune.serve.kvbatch import KVBatch
 from finetune.serve.settings import BASE_ROW, ServeSettings
-
-if TYPE_CHECKING:
-    from finetune.adapters.inmemory import LoadedModel
-    from finetune.adapters.lora import Adapter
 
 
 @dataclass(frozen=True)
@@ -72,9 +72,6 @@ class Engine:
     @classmethod
     def load(cls, settings: ServeSettings) -> Engine:
         """Load the base and adapters of `settings` (AdapterError/ModelError on a bad path or base)."""
-        from finetune.adapters.lora import read_adapter
-        from finetune.api import load_model
-
         base = settings.base
         if base is None:  # the first adapter's manifest names the base
             name, path = next(iter(settings.adapters.items()))
@@ -199,9 +196,6 @@ class Engine:
         Raises:
             ServeError: the name clashes. AdapterError: unreadable, not safetensors, or another base.
         """
-        from finetune.adapters.lora import read_adapter
-        from finetune.fingerprint import check_fingerprint
-
         self._check_name(name)
         known = self.loaded.adapters.get(name)
         if known is not None:
