@@ -61,7 +61,7 @@ class Manifest(BaseModel):
     data: DataInfo | None = None
     metrics: dict[str, Any] = {}
     distributed: dict[str, Any] | None = None
-    """How the run was distributed: `{strategy, world_size, max_rank_param_share}` (`finetune.training.distributed`)."""
+    """How the run was distributed: `{strategy, world_size, max_rank_param_share}` (`finetune.training.sharding`)."""
     versions: dict[str, str] = {}
     created: str = ""
 

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from finetune.recipe import Recipe
-from finetune.training.distributed import Sharding
+from finetune.training.sharding import GatheredState
 
 
 def deepspeed_config(recipe: Recipe, world_size: int) -> dict[str, Any]:
@@ -63,43 +63,55 @@ def deepspeed_plugin(recipe: Recipe, world_size: int) -> Any:
     return DeepSpeedPlugin(hf_ds_config=deepspeed_config(recipe, world_size))
 
 
-class DeepSpeedSharding(Sharding):
+class DeepSpeedSharding:
     """ZeRO: gradients and optimizer state (stage 2) and the parameters too (stage 3) partitioned over ranks."""
 
     name = "deepspeed"
 
     def __init__(self) -> None:
-        self.engine: Any = None
-        self.parameters: list[torch.nn.Parameter] = []
-        """The trainable parameters in the order of torch's optimizer state dict (ZeRO's optimizer holds flat
-        partitions instead)."""
-        self.group_sizes: list[int] = []
+        self.state = ZeroState()
+
+    def shard(self, model: Any, accelerator: Any) -> None:
+        """Nothing to do before `prepare`: ZeRO-3 partitioned the weights while they loaded, and the engine
+        `prepare` builds partitions the rest."""
 
     def prepare(self, accelerator: Any, model: Any, optimizer: torch.optim.Optimizer) -> tuple[Any, Any]:
-        self.parameters = [p for group in optimizer.param_groups for p in group["params"]]
-        self.group_sizes = [len(group["params"]) for group in optimizer.param_groups]
-        self.engine, optimizer = accelerator.prepare(model, optimizer)
-        return self.engine, optimizer
+        self.state.parameters = [p for group in optimizer.param_groups for p in group["params"]]
+        self.state.group_sizes = [len(group["params"]) for group in optimizer.param_groups]
+        self.state.engine, optimizer = accelerator.prepare(model, optimizer)
+        return self.state.engine, optimizer
 
     def gradient_sync(self, accelerator: Any, model: Any, sync: bool) -> AbstractContextManager[Any]:
-        self.engine.set_gradient_accumulation_boundary(sync)
+        self.state.engine.set_gradient_accumulation_boundary(sync)
         return nullcontext()
 
     def backward(self, accelerator: Any, loss: torch.Tensor) -> None:
         # The loss is already normalised over the whole step's tokens (see finetune.training.loop).
-        self.engine.backward(loss, scale_wrt_gas=False)
+        self.state.engine.backward(loss, scale_wrt_gas=False)
 
     def clip_grad_norm(self, accelerator: Any, parameters: list[torch.nn.Parameter], max_norm: float) -> float:
-        self.engine.step()  # clips to `gradient_clipping`, steps, zeroes the gradients
-        norm = self.engine.get_global_grad_norm()
+        self.state.engine.step()  # clips to `gradient_clipping`, steps, zeroes the gradients
+        norm = self.state.engine.get_global_grad_norm()
         return float(norm) if norm is not None else float("nan")
+
+
+class ZeroState:
+    """`StateIO` for ZeRO: whole tensors gathered from (and scattered back into) DeepSpeed's partitions."""
+
+    def __init__(self) -> None:
+        self.engine: Any = None
+        """Set by `DeepSpeedSharding.prepare`: the engine whose optimizer holds the partitions."""
+        self.parameters: list[torch.nn.Parameter] = []
+        """The trainable parameters in the order of torch's optimizer state dict (ZeRO's optimizer holds flat
+        partitions instead)."""
+        self.group_sizes: list[int] = []
 
     def trainable_state(self, model: Any) -> dict[str, torch.Tensor]:
         import deepspeed
 
         trainable = [p for p in model.parameters() if p.requires_grad]
         with deepspeed.zero.GatheredParameters(trainable):  # whole on every rank (stage 3); a no-op otherwise
-            return super().trainable_state(model)
+            return GatheredState().trainable_state(model)
 
     def load_trainable_state(self, model: Any, state: dict[str, torch.Tensor]) -> None:
         """Into the weights the forward uses and into ZeRO's fp32 master copies, which the next step updates

@@ -54,7 +54,7 @@ def peak_memory_bytes() -> int:
 
 def write_adapter(run: TrainingRun, metrics: dict[str, Any], weights: dict[str, torch.Tensor]) -> Path:
     """Write `adapters/<name>/` whole: peft's files (of `weights`, the whole trained tensors as
-    `Sharding.trainable_state` gathers them), the resolved recipe and the manifest."""
+    `StateIO.trainable_state` gathers them), the resolved recipe and the manifest."""
     recipe = run.recipe
     manifest = build_manifest(
         recipe,
@@ -79,7 +79,9 @@ def finish_run(run: TrainingRun, last: dict[str, float], say: Callable[[str], No
     """Summarise, write the adapter (main process), wait for every process; return (adapter dir, metrics)."""
     metrics = summary_metrics(run, last, say)
     metrics["peak_memory_bytes_per_rank"] = gather_object([peak_memory_bytes()])  # every process: a collective
-    weights = run.sharding.trainable_state(run.peft_model)  # every process: gathering sharded weights is a collective
+    weights = run.sharding.state.trainable_state(
+        run.peft_model
+    )  # every process: gathering sharded weights is a collective
     if run.is_main:
         write_adapter(run, metrics, weights)
         say(f"adapter written to {run.recipe.output.adapter_dir}")

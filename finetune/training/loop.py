@@ -1,7 +1,7 @@
 """The training loop: recipe in, adapter directory out. Explicit code on `accelerate`.
 
 The same loop runs on one CPU, one GPU, or many processes (`accelerate launch`; DDP or FSDP, see
-`finetune.training.distributed`). Setup
+`finetune.training.sharding`). Setup
 lives in `finetune.training.run` (the `TrainingRun` state), reporting in `finetune.training.progress` (one
 `on_step` callback). What happens per optimizer step, in order:
 
@@ -37,12 +37,12 @@ from finetune.manifest import read_manifest
 from finetune.recipe import Recipe, load_recipe
 from finetune.report import report_finished_run
 from finetune.training import checkpoint as ckpt
-from finetune.training.distributed import Sharding
 from finetune.training.finish import finish_run
 from finetune.training.interrupt import StopRequest, TrainingInterrupted, graceful_stop
 from finetune.training.loss import forward_loss
 from finetune.training.progress import Say, StepCallback, TrainingLog, fan_out
 from finetune.training.run import TrainingRun, start_run
+from finetune.training.sharding import DdpSharding, Sharding
 from finetune.training.tracking import Trackers
 
 SLOW_STEP_ENV = "FINETUNE_TEST_SECONDS_PER_STEP"
@@ -194,7 +194,7 @@ def accumulate_gradients(
     processes, and multiplied by the process count (DDP and FSDP average gradients over processes): the
     gradients are those of one batch holding every token, however the tokens were split up.
     """
-    sharding = sharding or Sharding()
+    sharding = sharding or DdpSharding()
     local_tokens = sum(int((b["labels"][:, 1:] != -100).sum()) for b in micro_batches)
     global_tokens = int(accelerator.reduce(torch.tensor(local_tokens, device=accelerator.device), reduction="sum"))
     loss_sum = 0.0

@@ -47,15 +47,17 @@ from finetune.model import (
 from finetune.quantization import Quantization
 from finetune.recipe import Recipe, recipe_to_dict
 from finetune.training import checkpoint as ckpt
-from finetune.training.distributed import (
+from finetune.training.deepspeed import DeepSpeedSharding, deepspeed_plugin
+from finetune.training.evaluate import evaluate
+from finetune.training.fsdp import FsdpSharding
+from finetune.training.sharding import (
+    DdpSharding,
     DistributedInfo,
     Sharding,
     adapter_state,
     rank_param_share,
-    sharding_for,
     trainable_names,
 )
-from finetune.training.evaluate import evaluate
 from finetune.training.tracking import log_with
 
 Say = Callable[[str], None]
@@ -222,8 +224,8 @@ class TrainingRun:
         """Write a resumable checkpoint of this step (every process takes part: RNG states and sharded
         weights and optimizer state are gathered, and the main process writes them whole)."""
         rng_states = gather_object([ckpt.capture_rng_state()])
-        trainable = adapter_state(self.peft_model, self.sharding.trainable_state(self.peft_model))
-        optimizer = self.sharding.optimizer_state(self.optimizer)
+        trainable = adapter_state(self.peft_model, self.sharding.state.trainable_state(self.peft_model))
+        optimizer = self.sharding.state.optimizer_state(self.optimizer)
         path = ckpt.checkpoint_path(self.run_dir, self.step)
         if self.is_main:
             ckpt.save_checkpoint(
@@ -254,8 +256,6 @@ def _make_accelerator(recipe: Recipe) -> Any:
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if recipe.distributed.strategy != "deepspeed" or world_size == 1:
         return Accelerator(mixed_precision=precision, cpu=not torch.cuda.is_available(), log_with=log_with(recipe))
-    from finetune.training.deepspeed import deepspeed_plugin
-
     plugin = deepspeed_plugin(recipe, world_size)
     # Without CUDA accelerate picks no backend and counts 1 process although DeepSpeed joined all of them.
     handlers = [] if torch.cuda.is_available() else [InitProcessGroupKwargs(backend="gloo")]
@@ -348,11 +348,21 @@ def _resolve_base(recipe: Recipe, accelerator: Any) -> ResolvedBase:
     return base.as_own_base() if base.ledger.entries else base
 
 
+def sharding_for(recipe: Recipe) -> Sharding:
+    """The `Sharding` of the recipe's `distributed.strategy` (DeepSpeed runs through accelerate's plugin)."""
+    strategy = recipe.distributed.strategy
+    if strategy == "fsdp":
+        return FsdpSharding(recipe.distributed, recipe.train.precision)
+    if strategy == "deepspeed":
+        return DeepSpeedSharding()
+    return DdpSharding()
+
+
 def _shard(recipe: Recipe, peft_model: Any, accelerator: Any) -> Sharding:
     """Shard the model over the processes as the recipe says, before the optimizer is built (it must
     hold the sharded parameters). One process has nothing to share."""
     if accelerator.num_processes == 1:
-        return Sharding()
+        return DdpSharding()
     sharding = sharding_for(recipe)
     sharding.shard(peft_model, accelerator)
     return sharding
@@ -392,8 +402,8 @@ def _restore(run: TrainingRun, path: Path, say: Say) -> None:
             f"{path} holds weights this recipe does not train ({exc.args[0]}); resume with "
             "the original recipe, or start fresh without --resume"
         ) from None
-    run.sharding.load_trainable_state(run.peft_model, trainable)
-    run.sharding.load_optimizer_state(run.optimizer, optimizer)
+    run.sharding.state.load_trainable_state(run.peft_model, trainable)
+    run.sharding.state.load_optimizer_state(run.optimizer, optimizer)
     run.step, run.tokens_seen, run.position = state["step"], state["tokens_seen"], state["position"]
     run.base_eval = state.get("base_eval", {})
     run.resumed_from = path

@@ -1,26 +1,25 @@
-"""How the processes of a run share the model: DDP (accelerate's wrapper) or FSDP2 (torch's `fully_shard`).
+"""How the processes of a run share the model: the `Sharding` interface, DDP, and what every strategy shares.
 
-The training loop does not branch on the strategy; it asks a `Sharding` for what differs:
+The training loop does not branch on the strategy; it asks its `Sharding` for what differs:
 
-- `prepare`: DDP hands model and optimizer to `accelerator.prepare` (a `DistributedDataParallel`
-  wrapper on several processes). FSDP shards each decoder layer and then the whole model with
-  `fully_shard` *before* the optimizer is built (the optimizer must hold the sharded parameters) and
-  prepares only the optimizer: accelerate's own FSDP plugin is silently ignored on CPU, where the run
-  would quietly become DDP, and one code path for CPU and GPU is one that is tested here.
+- `shard`: split the model over the ranks, before the optimizer is built (it must hold the sharded
+  parameters); `prepare`: hand model and optimizer to accelerate (or DeepSpeed's engine).
 - `gradient_sync`: skip the gradient all-reduce / reduce-scatter on all but a step's last micro-batch.
 - `backward`, `clip_grad_norm`: the global norm, also when gradients are sharded `DTensor`s.
-
-- `trainable_state`, `optimizer_state`: whole (gathered) tensors for adapters and checkpoints, written by
+- `state.trainable_state`, `state.optimizer_state`: whole (gathered) tensors for adapters and checkpoints, written by
   the main process and identical in names and shapes to a single-process run's. Every rank must call
   them, in the same order: they are collectives.
-- `load_trainable_state`, `load_optimizer_state`: those whole tensors back into this run's parameters
+- `state.load_trainable_state`, `state.load_optimizer_state`: those whole tensors back into this run's parameters
   and optimizer, split as the strategy splits them. So a checkpoint does not depend on the strategy that
   wrote it (same world size: the data position and RNG states are per rank).
 
-DeepSpeed ZeRO, driven by its own engine, is `finetune.training.deepspeed.DeepSpeedSharding`.
+Three strategies implement it side by side, without implementation inheritance: `DdpSharding` here
+(every rank holds the whole model; accelerate's DDP wrapper averages gradients), `FsdpSharding` in
+`finetune.training.fsdp` (torch's FSDP2) and `DeepSpeedSharding` in `finetune.training.deepspeed`
+(ZeRO). The checkpoint side of each (`StateIO`) is a part it holds: DDP and FSDP hold the same `GatheredState`.
 
 Example:
-    sharding = sharding_for(recipe)
+    sharding = DdpSharding()
     sharding.shard(peft_model, accelerator)            # before building the optimizer
     model_for_step, optimizer = sharding.prepare(accelerator, peft_model, optimizer)
 """
@@ -29,14 +28,11 @@ from __future__ import annotations
 
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
+from peft import get_peft_model_state_dict
 from torch.distributed.tensor import DTensor, distribute_tensor
-
-from finetune.errors import ModelError
-from finetune.model import decoder_layers
-from finetune.recipe import DistributedConfig, Recipe
 
 
 @dataclass(frozen=True)
@@ -50,13 +46,52 @@ class DistributedInfo:
     when sharded, 1.0 under DDP. Measured from the tensors each rank actually stores."""
 
 
-class Sharding:
-    """DDP: every rank holds the whole model; gradients are averaged by accelerate's DDP wrapper."""
+class StateIO(Protocol):
+    """Reads and writes a run's trainable weights and optimizer state as whole tensors (see the module docstring)."""
+
+    def trainable_state(self, model: Any) -> dict[str, torch.Tensor]: ...
+
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]: ...
+
+    def load_trainable_state(self, model: Any, state: dict[str, torch.Tensor]) -> None: ...
+
+    def load_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None: ...
+
+    def held_numel(self, parameter: torch.nn.Parameter) -> tuple[int, int]:
+        """(elements this rank stores, elements of the whole parameter)."""
+        ...
+
+
+class Sharding(Protocol):
+    """What the training loop asks of a strategy (see the module docstring); `state` is its `StateIO`."""
+
+    name: str
+
+    @property
+    def state(self) -> StateIO: ...
+
+    def shard(self, model: Any, accelerator: Any) -> None: ...
+
+    def prepare(self, accelerator: Any, model: Any, optimizer: torch.optim.Optimizer) -> tuple[Any, Any]: ...
+
+    def gradient_sync(self, accelerator: Any, model: Any, sync: bool) -> AbstractContextManager[Any]: ...
+
+    def backward(self, accelerator: Any, loss: torch.Tensor) -> None: ...
+
+    def clip_grad_norm(self, accelerator: Any, parameters: list[torch.nn.Parameter], max_norm: float) -> float: ...
+
+
+class DdpSharding:
+    """DDP: every rank holds the whole model; gradients are averaged by accelerate's DDP wrapper. One
+    process is the same with nothing to average."""
 
     name = "ddp"
 
+    def __init__(self) -> None:
+        self.state: StateIO = GatheredState()
+
     def shard(self, model: Any, accelerator: Any) -> None:
-        """Split the model over the ranks, in place (nothing to do under DDP)."""
+        """Nothing to split: every rank holds the whole model."""
 
     def prepare(self, accelerator: Any, model: Any, optimizer: torch.optim.Optimizer) -> tuple[Any, Any]:
         return accelerator.prepare(model, optimizer)
@@ -69,6 +104,11 @@ class Sharding:
 
     def clip_grad_norm(self, accelerator: Any, parameters: list[torch.nn.Parameter], max_norm: float) -> float:
         return float(accelerator.clip_grad_norm_(parameters, max_norm))
+
+
+class GatheredState:
+    """`StateIO` for DDP and FSDP: parameters are plain tensors or `DTensor` shards, gathered whole on the way
+    out and split like each parameter on the way in, so a checkpoint does not depend on the strategy."""
 
     def trainable_state(self, model: Any) -> dict[str, torch.Tensor]:
         """Every trainable parameter, whole, by its name in `model.state_dict()` (a collective when sharded)."""
@@ -103,81 +143,8 @@ class Sharding:
         optimizer.load_state_dict({**state, "state": slots})
 
     def held_numel(self, parameter: torch.nn.Parameter) -> tuple[int, int]:
-        """(elements this rank stores, elements of the whole parameter)."""
+        """(elements this rank stores: a `DTensor`'s local shard, elements of the whole parameter)."""
         return _local(parameter).numel(), parameter.numel()
-
-
-class FsdpSharding(Sharding):
-    """FSDP2: parameters, gradients and optimizer state are sharded (dim 0) over the ranks."""
-
-    name = "fsdp"
-
-    def __init__(self, config: DistributedConfig, precision: str):
-        self.config = config.fsdp
-        self.precision = precision
-
-    def shard(self, model: Any, accelerator: Any) -> None:
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
-
-        mesh = init_device_mesh(accelerator.device.type, (accelerator.num_processes,))
-        options: dict[str, Any] = dict(
-            mesh=mesh,
-            reshard_after_forward=self.config.sharding == "full",
-            mp_policy=_mixed_precision_policy(model, self.precision),
-            offload_policy=CPUOffloadPolicy() if self.config.cpu_offload else OffloadPolicy(),
-        )
-        causal_lm = model.get_base_model()
-        for layer in _decoder_layers(causal_lm):
-            fully_shard(layer, **options)
-        fully_shard(causal_lm, **options)  # the root unit: embeddings, final norm, head
-
-    def prepare(self, accelerator: Any, model: Any, optimizer: torch.optim.Optimizer) -> tuple[Any, Any]:
-        return model, accelerator.prepare(optimizer)
-
-    def gradient_sync(self, accelerator: Any, model: Any, sync: bool) -> AbstractContextManager[Any]:
-        model.get_base_model().set_requires_gradient_sync(sync)
-        return nullcontext()
-
-    def clip_grad_norm(self, accelerator: Any, parameters: list[torch.nn.Parameter], max_norm: float) -> float:
-        accelerator.unscale_gradients()
-        norm = torch.nn.utils.clip_grad_norm_(parameters, max_norm)
-        return float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
-
-
-def sharding_for(recipe: Recipe) -> Sharding:
-    """The `Sharding` of the recipe's `distributed.strategy` (DeepSpeed runs through accelerate's plugin)."""
-    strategy = recipe.distributed.strategy
-    if strategy == "fsdp":
-        return FsdpSharding(recipe.distributed, recipe.train.precision)
-    if strategy == "deepspeed":
-        from finetune.training.deepspeed import DeepSpeedSharding
-
-        return DeepSpeedSharding()
-    return Sharding()
-
-
-def _decoder_layers(causal_lm: torch.nn.Module) -> list[torch.nn.Module]:
-    """The shard units: the model's decoder layers (`finetune.model.decoder_layers`)."""
-    layers = decoder_layers(causal_lm)
-    if not layers:
-        raise ModelError(
-            f"distributed.strategy fsdp: {type(causal_lm).__name__} names no decoder layer class "
-            "(_no_split_modules); use strategy ddp for this model"
-        )
-    return layers
-
-
-def _mixed_precision_policy(model: torch.nn.Module, precision: str) -> Any:
-    """Compute in the autocast dtype and reduce gradients in float32; a base in 16 bits with float32
-    LoRA weights (mixed dtypes in one shard unit, which FSDP2 refuses otherwise) computes in the base's dtype."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy
-
-    compute = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
-    dtypes = {parameter.dtype for parameter in model.parameters()}
-    if compute is None and len(dtypes) > 1:
-        compute = next(dtype for dtype in dtypes if dtype != torch.float32)
-    return MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32 if compute else None)
 
 
 def gathered(tensor: torch.Tensor) -> torch.Tensor:
@@ -198,7 +165,7 @@ def _shard_like(whole: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 def rank_param_share(sharding: Sharding, model: torch.nn.Module, accelerator: Any) -> float:
     """The largest share of the model's parameters held by one rank (all ranks must call it)."""
-    held, total = (sum(counts) for counts in zip(*(sharding.held_numel(p) for p in model.parameters())))
+    held, total = (sum(counts) for counts in zip(*(sharding.state.held_numel(p) for p in model.parameters())))
     share = torch.tensor(held / max(total, 1), dtype=torch.float64, device=accelerator.device)
     if accelerator.num_processes > 1:
         torch.distributed.all_reduce(share, op=torch.distributed.ReduceOp.MAX)
@@ -206,15 +173,13 @@ def rank_param_share(sharding: Sharding, model: torch.nn.Module, accelerator: An
 
 
 def adapter_state(peft_model: Any, trainable: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """`trainable` (as `Sharding.trainable_state` gives it) named as in peft's adapter files."""
-    from peft import get_peft_model_state_dict
-
+    """`trainable` (as `StateIO.trainable_state` gives it) named as in peft's adapter files."""
     return get_peft_model_state_dict(peft_model, state_dict=trainable, save_embedding_layers=False)
 
 
 def trainable_names(peft_model: Any, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Weights named as in peft's adapter files (as `adapter_state` gives them), renamed as in
-    `state_dict()` (as `Sharding.load_trainable_state` takes them). KeyError names weights not trained here."""
+    `state_dict()` (as `StateIO.load_trainable_state` takes them). KeyError names weights not trained here."""
     names = _adapter_names(peft_model)
     unknown = sorted(set(state) - set(names))
     if unknown:
@@ -225,8 +190,6 @@ def trainable_names(peft_model: Any, state: dict[str, torch.Tensor]) -> dict[str
 def _adapter_names(peft_model: Any) -> dict[str, str]:
     """peft's adapter-file name -> `state_dict()` name, for every trainable weight. peft's own renaming is
     applied to index tensors and read back, so this follows peft exactly rather than imitating it."""
-    from peft import get_peft_model_state_dict
-
     model_names = [name for name, p in peft_model.named_parameters() if p.requires_grad]
     markers = {name: torch.tensor(index) for index, name in enumerate(model_names)}
     renamed = get_peft_model_state_dict(peft_model, state_dict=markers, save_embedding_layers=False)
