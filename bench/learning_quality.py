@@ -79,7 +79,7 @@ def _switch_to_full_fine_tuning(run, lr: float) -> None:
     assert all(p.abs().max() == 0 for n, p in run.peft_model.named_parameters() if ".lora_B" in n)
     run.trainable_parameters = base_parameters
     run.optimizer = make_optimizer(run.recipe, [{"params": base_parameters, "lr": lr}])
-    run.scheduler = make_scheduler(run.recipe, run.optimizer, run.plan)
+    run.scheduler = make_scheduler(run.recipe, run.optimizer, run.length)
 
 
 def main() -> None:

@@ -1,6 +1,6 @@
-"""Carrying out a `DiskPlan`: the target ledger's model written shard by shard into a staging directory.
+"""Carrying out a `DiskOperation`: the target ledger's model written shard by shard into a staging directory.
 
-Exact (the plan has a pristine base): every tensor comes from `PristineWeights` over the base's files,
+Exact (the operation has a pristine base): every tensor comes from `PristineWeights` over the base's files,
 and each touched one becomes round(W_base + Σ wᵢ·ΔWᵢ) over the target ledger, the formula in-memory
 merges use (`arithmetic.merged_weight`), so the files equal a fresh merge bit for bit.
 
@@ -11,7 +11,7 @@ against an exact merge (half an ulp of the stored value plus half an ulp of the 
 Peak memory is one shard of tensors plus the adapters (fp32) plus one fp32 accumulator. Adapters
 trained on a 4-bit/8-bit base are merged into the weights they were trained against: each linear weight
 bitsandbytes would quantize goes through the same quantize → dequantize round trip
-(`pristine.quantization_roundtrip`, on the plan's device: bitsandbytes quantizes on CUDA where the base
+(`pristine.quantization_roundtrip`, on the operation's device: bitsandbytes quantizes on CUDA where the base
 was quantized there), and the model is written in 16/32-bit. With tied input and output
 embeddings, an update to either unties them (`finetune.adapters.tied`).
 """
@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
 from finetune.adapters.arithmetic import Term, half_ulp, merged_weight, module_terms
-from finetune.adapters.disk_plan import DiskPlan
+from finetune.adapters.disk_operation import DiskOperation
 from finetune.adapters.fit import check_fits
 from finetune.adapters.ledger import Ledger
 from finetune.adapters.lora import Adapter
@@ -44,7 +44,7 @@ from finetune.adapters.model_dir import (
     write_shard,
 )
 from finetune.adapters.pristine import PristineWeights, quantization_roundtrip
-from finetune.adapters.report import ArithmeticReport
+from finetune.adapters.result import ArithmeticResult
 from finetune.adapters.tensor_index import TensorIndex
 from finetune.adapters.tied import TIE_KEY, stored_aliases
 
@@ -59,23 +59,27 @@ def inexact_weights(source: Ledger, target: Ledger) -> dict[str, float]:
 class _ShardWriter:
     """Computes the output tensors of one input file at a time (see the module docstring)."""
 
-    def __init__(self, plan: DiskPlan, read_index: TensorIndex):
-        self.exact = plan.pristine_dir is not None
-        read_dir = plan.pristine_dir or plan.source_dir
-        weights = plan.target_ledger.weights if self.exact else inexact_weights(plan.source_ledger, plan.target_ledger)
-        self.terms = module_terms(weights, plan.adapters)
+    def __init__(self, operation: DiskOperation, read_index: TensorIndex):
+        self.exact = operation.pristine_dir is not None
+        read_dir = operation.pristine_dir or operation.source_dir
+        weights = (
+            operation.target_ledger.weights
+            if self.exact
+            else inexact_weights(operation.source_ledger, operation.target_ledger)
+        )
+        self.terms = module_terms(weights, operation.adapters)
         self.read_index = read_index
-        self.source_index = read_index if read_dir == plan.source_dir else TensorIndex.of(plan.source_dir)
+        self.source_index = read_index if read_dir == operation.source_dir else TensorIndex.of(operation.source_dir)
         architecture = _meta_model(read_dir)  # one per operation: tied names and quantizable weights
         self.aliases = stored_aliases(architecture, read_index)
         self.untied = _names_to_untie(self.aliases, self.terms)
-        quantized = plan.quantization.method != "none"
+        quantized = operation.quantization.method != "none"
         self.quantized_weights = _quantizable_weights(architecture) if quantized else set()
-        roundtrip = quantization_roundtrip(self.quantized_weights, plan.quantization) if quantized else None
+        roundtrip = quantization_roundtrip(self.quantized_weights, operation.quantization) if quantized else None
         self.pristine = PristineWeights(
-            read_index, device=plan.base.device, verify=False, aliases=self.aliases, roundtrip=roundtrip
+            read_index, device=operation.base.device, verify=False, aliases=self.aliases, roundtrip=roundtrip
         )
-        self.dtype = plan.base.dtype
+        self.dtype = operation.base.dtype
         self.rewritten, self.max_drift_bound = 0, 0.0
 
     def check(self, adapters: dict[str, Adapter], where: Path) -> None:
@@ -123,38 +127,38 @@ class _ShardWriter:
         return result
 
 
-def write_target(plan: DiskPlan, out: str | Path, operation: str) -> ArithmeticReport:
-    """Write the target ledger's model into `out`, shard by shard (floats in the plan's dtype, else as stored)."""
+def write_target(operation: DiskOperation, out: str | Path, kind: str) -> ArithmeticResult:
+    """Write the target ledger's model into `out`, shard by shard (floats in the operation's dtype, else as stored)."""
     started = time.perf_counter()
     out = ensure_free(out)
-    read_dir = plan.pristine_dir or plan.source_dir
+    read_dir = operation.pristine_dir or operation.source_dir
     read_index = TensorIndex.of(read_dir)
-    writer = _ShardWriter(plan, read_index)
-    writer.check(plan.adapters, read_dir)
+    writer = _ShardWriter(operation, read_index)
+    writer.check(operation.adapters, read_dir)
     with staging_dir(out) as tmp:
         weight_map: dict[str, str] = {}
         total_bytes = 0
         for file in read_index.files:
             tensors = writer.tensors_of(file)
             total_bytes += sum(t.numel() * t.element_size() for t in tensors.values())
-            weight_map.update(write_shard(tmp, file.name, tensors, plan.target_ledger))
+            weight_map.update(write_shard(tmp, file.name, tensors, operation.target_ledger))
             del tensors
             after_shard_hook()
         if len(read_index.files) > 1 or (read_dir / INDEX_NAME).is_file():
             write_index(tmp, weight_map, total_bytes)
-        copy_side_files(plan.source_dir, tmp)
-        config = json.loads((plan.source_dir / "config.json").read_text())
+        copy_side_files(operation.source_dir, tmp)
+        config = json.loads((operation.source_dir / "config.json").read_text())
         if writer.aliases:  # the base ties weights: the output does too, unless an update touches one of them
             config[TIE_KEY] = not writer.untied
-        write_config(tmp, config, plan.target_ledger, writer.dtype or writer.source_index.single_dtype())
-    notes = list(plan.notes)
+        write_config(tmp, config, operation.target_ledger, writer.dtype or writer.source_index.single_dtype())
+    notes = list(operation.notes)
     if writer.quantized_weights:
         notes.append(
-            f"dequantized the {plan.target_ledger.base_quantization} base ({len(writer.quantized_weights)} linear "
+            f"dequantized the {operation.target_ledger.base_quantization} base ({len(writer.quantized_weights)} linear "
             "weights) and wrote 16/32-bit weights"
         )
-    return ArithmeticReport(
-        operation, plan.target_ledger.weights, writer.rewritten, time.perf_counter() - started, notes, out,
+    return ArithmeticResult(
+        kind, operation.target_ledger.weights, writer.rewritten, time.perf_counter() - started, notes, out,
         len(read_index.files), writer.exact, writer.max_drift_bound,
     )  # fmt: skip
 

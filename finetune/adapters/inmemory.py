@@ -44,8 +44,8 @@ from finetune.adapters.model_dir import (
     write_shard,
 )
 from finetune.adapters.pristine import PristineWeights
-from finetune.adapters.report import ArithmeticReport
 from finetune.adapters.resolved_base import ResolvedBase
+from finetune.adapters.result import ArithmeticResult
 from finetune.adapters.tied import TIE_KEY, tied_parameter_names
 from finetune.errors import AdapterError, AdapterWarning
 from finetune.fingerprint import base_state_items
@@ -176,12 +176,12 @@ class LoadedModel:
         return self.adapters[name]
 
     # ---- arithmetic --------------------------------------------------------------------------------
-    def merge(self, name: str, weight: float = 1.0) -> ArithmeticReport:
+    def merge(self, name: str, weight: float = 1.0) -> ArithmeticResult:
         """Add `weight`·ΔW of adapter `name` into the weights (adds to its weight if already merged)."""
         self._adapter(name)
         return self._apply(self._ledger.plus(name, weight, self.adapters[name]), f"merge {name}:{weight:g}")
 
-    def subtract(self, name: str, weight: float | None = None, *, negate: bool = False) -> ArithmeticReport:
+    def subtract(self, name: str, weight: float | None = None, *, negate: bool = False) -> ArithmeticResult:
         """Take `weight` of adapter `name` back out (default: all of it), exactly: tensors come from the base.
 
         Subtracting an adapter that is not merged (or more of it than is merged) is task negation: it
@@ -192,7 +192,7 @@ class LoadedModel:
         weight = self._ledger.weights.get(name, 0.0) - ledger.weights.get(name, 0.0)
         return self._apply(ledger, f"subtract {name}:{weight:g}")
 
-    def swap(self, old: str, new: str, weight: float = 1.0) -> ArithmeticReport:
+    def swap(self, old: str, new: str, weight: float = 1.0) -> ArithmeticResult:
         """Take `old` out entirely and merge `new` with `weight`: equal to merging `new` into a fresh base."""
         self._adapter(old), self._adapter(new)
         if old not in self._ledger.entries:
@@ -200,7 +200,7 @@ class LoadedModel:
         ledger = self._ledger.minus(old, None, negate=False).plus(new, weight, self.adapters[new])
         return self._apply(ledger, f"swap {old} -> {new}:{weight:g}")
 
-    def _apply(self, ledger: Ledger, operation: str) -> ArithmeticReport:
+    def _apply(self, ledger: Ledger, operation: str) -> ArithmeticResult:
         started = time.perf_counter()
         if self._active is not None and self._active in ledger.entries:
             raise AdapterError(f"adapter {self._active!r} is in use unmerged; call use(None) before merging it")
@@ -225,7 +225,7 @@ class LoadedModel:
         if self._requantization_errors and self.requantize:
             worst = max(self._requantization_errors.items(), key=lambda kv: kv[1])
             notes.append(f"requantized merged layers: largest relative error added {worst[1]:.3e} ({worst[0]})")
-        return ArithmeticReport(operation, self.merged, len(rewritten), time.perf_counter() - started, notes)
+        return ArithmeticResult(operation, self.merged, len(rewritten), time.perf_counter() - started, notes)
 
     def _layer(self, module: str) -> tuple[torch.nn.Module, str, torch.nn.Module]:
         """(parent, attribute, layer) holding the base weight of `module`, looking through peft's LoRA wrapper."""

@@ -1,9 +1,9 @@
 """Merge, subtract and swap adapters in model checkpoints on disk: the commands behind `finetune adapters`.
 
-Each command turns the source model's ledger into a target ledger, plans (`disk_plan`: the pristine
-base, checked by fingerprint, and the adapters both ledgers need), then writes a new directory shard by
+Each command turns the source model's ledger into a target ledger, prepares the operation
+(`disk_operation`: the pristine base, checked by fingerprint, and the adapters both ledgers need), then writes a new directory shard by
 shard (`disk_stream`): exact from the pristine base when it is at hand, so the files equal a fresh merge
-bit for bit; else fp32 arithmetic on the merged weights with a drift bound in the report. The output is
+bit for bit; else fp32 arithmetic on the merged weights with a drift bound in the result. The output is
 built in a staging directory and renamed to `out` at the end.
 
 Example:
@@ -20,14 +20,21 @@ from pathlib import Path
 
 import torch
 
-from finetune.adapters.disk_plan import AdapterSpec, DiskPlan, check_new, make_plan, read_spec, source_base
+from finetune.adapters.disk_operation import (
+    AdapterSpec,
+    DiskOperation,
+    check_new,
+    prepare_operation,
+    read_spec,
+    source_base,
+)
 from finetune.adapters.disk_stream import write_target
 from finetune.adapters.ledger import Ledger
 from finetune.adapters.lora import Adapter, recorded_quantization
 from finetune.adapters.model_dir import ensure_free
-from finetune.adapters.report import ArithmeticReport
 from finetune.adapters.requantize import requantize_checkpoint
 from finetune.adapters.resolved_base import ResolvedBase
+from finetune.adapters.result import ArithmeticResult
 from finetune.errors import AdapterError
 
 __all__ = ["AdapterSpec", "merge_checkpoint", "subtract_checkpoint", "swap_checkpoint"]
@@ -44,7 +51,7 @@ def merge_checkpoint(
     force: bool = False,
     allow_pickle: bool = False,
     device: str | torch.device | None = "auto",
-) -> ArithmeticReport:
+) -> ArithmeticResult:
     """Merge adapters into a base (or into a model already holding merges) and write a full model directory.
 
     Args:
@@ -70,10 +77,10 @@ def merge_checkpoint(
     target = replace(target, base_quantization=_merge_quantization(quantization, adapters, source))
     if requantize and target.base_quantization == "none":
         raise AdapterError("--requantize needs adapters trained on a 4bit or 8bit base (or --quantization 4bit|8bit)")
-    plan = make_plan(source, target, adapters, allow_pickle=allow_pickle)
+    operation = prepare_operation(source, target, adapters, allow_pickle=allow_pickle)
     if not requantize:
-        return write_target(plan, out, "merge")
-    return _merge_requantized(plan, Path(out))
+        return write_target(operation, out, "merge")
+    return _merge_requantized(operation, Path(out))
 
 
 def _merge_quantization(quantization: str | None, adapters: dict[str, Adapter], source: ResolvedBase) -> str:
@@ -89,20 +96,20 @@ def _merge_quantization(quantization: str | None, adapters: dict[str, Adapter], 
     return quantization
 
 
-def _merge_requantized(plan: DiskPlan, out: Path) -> ArithmeticReport:
+def _merge_requantized(operation: DiskOperation, out: Path) -> ArithmeticResult:
     """A dense exact merge in a scratch directory, then quantized like the base into `out`."""
     dense_dir = out.parent / f".{out.name}.dense-{os.getpid()}"
     shutil.rmtree(dense_dir, ignore_errors=True)
     try:
-        report = write_target(plan, dense_dir, "merge")
-        errors = requantize_checkpoint(dense_dir, out, plan.quantization, plan.base.device)
+        report = write_target(operation, dense_dir, "merge")
+        errors = requantize_checkpoint(dense_dir, out, operation.quantization, operation.base.device)
     finally:
         shutil.rmtree(dense_dir, ignore_errors=True)
     worst = max(errors, key=lambda module: errors[module])
     report.out = out
     report.notes = [n for n in report.notes if not n.startswith("dequantized the")]
     report.notes.append(
-        f"requantized to {plan.quantization.method}: relative Frobenius error added {errors[worst]:.3e} at worst "
+        f"requantized to {operation.quantization.method}: relative Frobenius error added {errors[worst]:.3e} at worst "
         f"({worst}), {sum(errors.values()) / len(errors):.3e} on average over {len(errors)} layers"
     )
     return report
@@ -126,17 +133,17 @@ def subtract_checkpoint(
     force: bool = False,
     allow_pickle: bool = False,
     device: str | torch.device | None = "auto",
-) -> ArithmeticReport:
+) -> ArithmeticResult:
     """Take an adapter out of a merged model: exact from the base when it is found, else fp32 arithmetic."""
     source = _merged_source(model, out, base=base, force=force, device=device)
     adapter = read_spec(spec, source.ledger, allow_pickle)
     if adapter.name not in source.ledger.entries:
         check_new(adapter, source, force)
     target = source.ledger.minus(adapter.name, spec.weight, adapter, negate=negate, where=str(source.weights_dir))
-    plan = make_plan(source, target, {adapter.name: adapter}, allow_pickle=allow_pickle)
+    operation = prepare_operation(source, target, {adapter.name: adapter}, allow_pickle=allow_pickle)
     if adapter.name not in source.ledger.entries:
-        plan.notes.append(f"task negation: {adapter.name!r} was never merged into {source.weights_dir}")
-    return write_target(plan, out, "subtract")
+        operation.notes.append(f"task negation: {adapter.name!r} was never merged into {source.weights_dir}")
+    return write_target(operation, out, "subtract")
 
 
 def swap_checkpoint(
@@ -149,7 +156,7 @@ def swap_checkpoint(
     force: bool = False,
     allow_pickle: bool = False,
     device: str | torch.device | None = "auto",
-) -> ArithmeticReport:
+) -> ArithmeticResult:
     """Replace merged adapter `remove` by `add`: with the base at hand, equal to a fresh merge of `add`."""
     source = _merged_source(model, out, base=base, force=force, device=device)
     old = read_spec(remove, source.ledger, allow_pickle)
@@ -161,5 +168,5 @@ def swap_checkpoint(
     target = source.ledger.minus(old.name, None, old, negate=False)
     target = target.plus(new.name, 1.0 if add.weight is None else add.weight, new)
     return write_target(
-        make_plan(source, target, {old.name: old, new.name: new}, allow_pickle=allow_pickle), out, "swap"
+        prepare_operation(source, target, {old.name: old, new.name: new}, allow_pickle=allow_pickle), out, "swap"
     )

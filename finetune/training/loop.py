@@ -83,7 +83,7 @@ def train(
     recipe = load_recipe(recipe_or_path, list(overrides))
     started = time.perf_counter()
     run = start_run(recipe, resume=resume, say=log)
-    if resume and run.step == run.plan.total_steps and recipe.output.adapter_dir.exists():
+    if resume and run.step == run.length.total_steps and recipe.output.adapter_dir.exists():
         log(f"the run had finished: its adapter is {recipe.output.adapter_dir}")  # killed after writing it
         return TrainResult(recipe.output.adapter_dir, _recorded_metrics(recipe.output.adapter_dir))
     say = log if run.is_main else (lambda message: None)
@@ -91,7 +91,7 @@ def train(
     trackers = Trackers.start(run.accelerator, recipe, run.base_eval, run.step)
     training_log = TrainingLog(
         run.run_dir if run.is_main else None,
-        total_steps=run.plan.total_steps,
+        total_steps=run.length.total_steps,
         first_step=run.step,
         log_every_steps=recipe.train.log_every_steps,
         say=say,
@@ -99,7 +99,7 @@ def train(
         record=trackers.log,
     )
     say(
-        f"training {run.plan.total_steps} steps ({run.plan.micro_batches_per_epoch} micro-batches per epoch, "
+        f"training {run.length.total_steps} steps ({run.length.micro_batches_per_epoch} micro-batches per epoch, "
         f"{recipe.train.grad_accum_steps} per step, {run.accelerator.num_processes} process(es))"
     )
     try:
@@ -128,7 +128,7 @@ def run_steps(run: TrainingRun, stop: StopRequest, on_step: StepCallback) -> dic
     run.model_for_step.train()
     start_time, skipped_steps = time.perf_counter(), 0
     last: dict[str, float] = {}
-    while run.step < run.plan.total_steps:
+    while run.step < run.length.total_steps:
         micro_batches = run.next_micro_batches()
         loss = accumulate_gradients(run.model_for_step, micro_batches, run.accelerator, run.sharding)
         max_norm = train_config.max_grad_norm or math.inf  # inf: measure the norm (for the NaN check), clip nothing
@@ -145,7 +145,7 @@ def run_steps(run: TrainingRun, stop: StopRequest, on_step: StepCallback) -> dic
         last = {**last, "loss": loss, "grad_norm": grad_norm, "lr": run.scheduler.get_last_lr()[0]}
         last.update(tokens_seen=run.tokens_seen, epoch=run.stream.epoch_of(run.position))
         last.update(elapsed_s=time.perf_counter() - start_time, skipped_steps=skipped_steps)
-        is_final = run.step == run.plan.total_steps
+        is_final = run.step == run.length.total_steps
         if not is_final and train_config.eval_every_steps and run.step % train_config.eval_every_steps == 0:
             last.update(run.evaluate())
         on_step(run.step, last)
@@ -156,7 +156,7 @@ def run_steps(run: TrainingRun, stop: StopRequest, on_step: StepCallback) -> dic
         if not is_final and stop.agreed(run.accelerator):
             path = run.save_checkpoint()
             raise TrainingInterrupted(
-                f"interrupted at step {run.step} of {run.plan.total_steps}; checkpoint {path} written; run the same "
+                f"interrupted at step {run.step} of {run.length.total_steps}; checkpoint {path} written; run the same "
                 "`finetune train` command with --resume to continue",
                 stop.signal_number or 2,
             )

@@ -11,7 +11,7 @@ what is trained, so the same recipe trains the same adapter whether or not the b
 
 Example:
     run = start_run(load_recipe("recipes/quickstart.yaml"), resume=False, say=print)
-    run.plan.total_steps, run.step          # (150, 0)
+    run.length.total_steps, run.step          # (150, 0)
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ _RESUMABLE_TRAIN_KEYS = (
 
 
 @dataclass(frozen=True)
-class StepPlan:
+class RunLength:
     """How long the run is, derived once from the data size and the recipe."""
 
     micro_batches_per_epoch: int
@@ -85,7 +85,7 @@ class StepPlan:
     warmup_steps: int
 
 
-def plan_steps(recipe: Recipe, stream: MicroBatchStream) -> StepPlan:
+def run_length(recipe: Recipe, stream: MicroBatchStream) -> RunLength:
     train = recipe.train
     if train.max_steps is not None:
         total = train.max_steps
@@ -93,7 +93,7 @@ def plan_steps(recipe: Recipe, stream: MicroBatchStream) -> StepPlan:
         assert train.epochs is not None
         total = max(1, math.ceil(train.epochs * stream.micro_batches_per_epoch / train.grad_accum_steps))
     warmup = train.warmup_steps or int(train.warmup_ratio * total)
-    return StepPlan(stream.micro_batches_per_epoch, total, min(warmup, total))
+    return RunLength(stream.micro_batches_per_epoch, total, min(warmup, total))
 
 
 def recipe_digest(recipe: Recipe) -> dict[str, Any]:
@@ -133,9 +133,9 @@ def make_optimizer(recipe: Recipe, groups: list[dict[str, Any]]) -> torch.optim.
     return optimizer_class(groups, **kwargs)
 
 
-def make_scheduler(recipe: Recipe, optimizer: torch.optim.Optimizer, plan: StepPlan) -> Any:
+def make_scheduler(recipe: Recipe, optimizer: torch.optim.Optimizer, length: RunLength) -> Any:
     name = {"cosine": "cosine", "linear": "linear", "constant": "constant_with_warmup"}[recipe.train.schedule]
-    return get_scheduler(name, optimizer, num_warmup_steps=plan.warmup_steps, num_training_steps=plan.total_steps)
+    return get_scheduler(name, optimizer, num_warmup_steps=length.warmup_steps, num_training_steps=length.total_steps)
 
 
 def check_output_free(recipe: Recipe) -> None:
@@ -161,7 +161,7 @@ class TrainingRun:
     """The base as resolved once at setup: what it is (source, fingerprint), how it is quantized, its device."""
     data: Any
     stream: MicroBatchStream
-    plan: StepPlan
+    length: RunLength
     optimizer: torch.optim.Optimizer
     scheduler: Any
     trainable_parameters: list[torch.nn.Parameter]
@@ -310,18 +310,18 @@ def start_run(recipe: Recipe, *, resume: bool, say: Say) -> TrainingRun:
         num_processes=accelerator.num_processes,
         process_index=accelerator.process_index,
     )
-    plan = plan_steps(recipe, stream)
+    length = run_length(recipe, stream)
     say(describe_layout(document_lengths(data.train), stream, recipe.data.packing))
     groups = parameter_groups(recipe, peft_model)
     trainable_parameters = [parameter for group in groups for parameter in group["params"]]
     optimizer = make_optimizer(recipe, groups)
-    scheduler = make_scheduler(recipe, optimizer, plan)
+    scheduler = make_scheduler(recipe, optimizer, length)
     model_for_step, optimizer = sharding.prepare(accelerator, peft_model, optimizer)
     distributed = _measure_distribution(sharding, peft_model, accelerator, say)  # ZeRO-3 partitions in prepare
     if recipe.train.compile:
         model_for_step = torch.compile(model_for_step)
     run = TrainingRun(
-        recipe, accelerator, peft_model, model_for_step, tokenizer, base, data, stream, plan, optimizer,
+        recipe, accelerator, peft_model, model_for_step, tokenizer, base, data, stream, length, optimizer,
         scheduler, trainable_parameters, sharding, distributed,
     )  # fmt: skip
     if resume_from is not None:

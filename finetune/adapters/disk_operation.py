@@ -1,15 +1,15 @@
-"""Planning an on-disk merge, subtract or swap: the resolved source model (its ledger, the pristine base
+"""What an on-disk merge, subtract or swap works on: the resolved source model (its ledger, the pristine base
 found and checked by fingerprint or absent, quantization, device), the target ledger, and every adapter
 either ledger needs.
 
-Nothing is written here; `disk_stream.write_target` carries a `DiskPlan` out. A plan is exact when the
+Nothing is written here; `disk_stream.write_target` carries a `DiskOperation` out. An operation is exact when the
 pristine base is at hand (the model itself when nothing is merged into it, else `--base` or the base
 its ledger records) and every adapter the target ledger holds can be read back unchanged; otherwise
 `pristine_dir` is None and the writer falls back to arithmetic on the merged weights.
 
 Example:
     base = source_base("merged/legal")
-    plan = make_plan(base, target, {"med": med}, allow_pickle=False)
+    operation = prepare_operation(base, target, {"med": med}, allow_pickle=False)
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ class AdapterSpec:
 
 
 @dataclass
-class DiskPlan:
+class DiskOperation:
     base: ResolvedBase
     """The source model: its directory and ledger, the pristine base, quantization, output dtype, device."""
     target_ledger: Ledger
@@ -97,12 +97,14 @@ def check_new(adapter: Adapter, base: ResolvedBase, force: bool) -> None:
     check_fingerprint(adapter, ledger.base_fingerprint or None, str(ledger.base_path or base.weights_dir), force=force)
 
 
-def make_plan(base: ResolvedBase, target_ledger: Ledger, given: dict[str, Adapter], *, allow_pickle: bool) -> DiskPlan:
+def prepare_operation(
+    base: ResolvedBase, target_ledger: Ledger, given: dict[str, Adapter], *, allow_pickle: bool
+) -> DiskOperation:
     """Read the adapters both ledgers need and settle the quantization; exact or arithmetic follows from them."""
-    plan = DiskPlan(base, target_ledger, dict(given), list(base.notes), base.pristine_dir)
-    _read_ledger_adapters(plan, allow_pickle)
-    plan.base = replace(base, quantization=_target_quantization(target_ledger, plan.adapters))
-    return plan
+    operation = DiskOperation(base, target_ledger, dict(given), list(base.notes), base.pristine_dir)
+    _read_ledger_adapters(operation, allow_pickle)
+    operation.base = replace(base, quantization=_target_quantization(target_ledger, operation.adapters))
+    return operation
 
 
 def _target_quantization(target: Ledger, adapters: dict[str, Adapter]) -> Quantization:
@@ -113,32 +115,32 @@ def _target_quantization(target: Ledger, adapters: dict[str, Adapter]) -> Quanti
     return Quantization(target.base_quantization)  # type: ignore[arg-type]  # a ledger holds a valid method
 
 
-def _read_ledger_adapters(plan: DiskPlan, allow_pickle: bool) -> None:
+def _read_ledger_adapters(operation: DiskOperation, allow_pickle: bool) -> None:
     """Read every adapter either ledger holds that the operation needs; one that cannot be read back
     unchanged rules out the exact path (or fails, when its weight changes and there is no base)."""
-    source_weights, target_weights = plan.source_ledger.weights, plan.target_ledger.weights
+    source_weights, target_weights = operation.source_ledger.weights, operation.target_ledger.weights
     changed = {n for n in set(source_weights) | set(target_weights) if source_weights.get(n) != target_weights.get(n)}
     needed_exact = set(target_weights)
-    for name in sorted((needed_exact | changed) - set(plan.adapters)):
-        entry = plan.source_ledger.entries.get(name) or plan.target_ledger.entries[name]
+    for name in sorted((needed_exact | changed) - set(operation.adapters)):
+        entry = operation.source_ledger.entries.get(name) or operation.target_ledger.entries[name]
         try:
             adapter = read_adapter(entry.path, name, allow_pickle=allow_pickle)
         except AdapterError as exc:
-            if name in changed or plan.pristine_dir is None:
+            if name in changed or operation.pristine_dir is None:
                 raise AdapterError(
-                    f"adapter {name!r} recorded in {plan.source_dir}'s ledger cannot be read: {exc}"
+                    f"adapter {name!r} recorded in {operation.source_dir}'s ledger cannot be read: {exc}"
                 ) from None
-            plan.notes.append(f"adapter {name!r} is not readable at {entry.path}, so the base cannot be used")
-            plan.pristine_dir = None
+            operation.notes.append(f"adapter {name!r} is not readable at {entry.path}, so the base cannot be used")
+            operation.pristine_dir = None
             continue
         if entry.sha256 and adapter.file_sha256 != entry.sha256:
-            if name in changed and plan.pristine_dir is None:
+            if name in changed and operation.pristine_dir is None:
                 raise AdapterError(
                     f"adapter {name!r} at {entry.path} changed since it was merged; give --base to rebuild"
                 )
             if name in needed_exact:
-                plan.notes.append(
+                operation.notes.append(
                     f"adapter {name!r} at {entry.path} changed since it was merged, so the base cannot be used"
                 )
-                plan.pristine_dir = None
-        plan.adapters[name] = adapter
+                operation.pristine_dir = None
+        operation.adapters[name] = adapter

@@ -12,7 +12,7 @@ from pathlib import Path
 
 
 @dataclass
-class ArithmeticReport:
+class ArithmeticResult:
     operation: str
     merged: dict[str, float]
     """The ledger afterwards: adapter name -> weight."""
