@@ -29,6 +29,7 @@ def assert_user_error(result: subprocess.CompletedProcess, *fragments: str) -> N
         assert fragment in errors[0]
 
 
+@pytest.mark.slow
 def test_train_eval_generate_as_subprocesses(workdir, tiny_base_dir):
     trained = run_cli("train", "recipe.yaml", "train.max_steps=4")
     assert trained.returncode == 0, trained.stderr[-2000:]
@@ -93,6 +94,7 @@ def test_user_errors_are_one_line_and_exit_2_in_process(workdir, capsys, args, f
     assert not Path("adapters").exists()
 
 
+@pytest.mark.slow
 def test_user_errors_from_a_real_process_have_no_traceback(workdir):
     Path("broken.yaml").write_text("data:\n  train: [a.jsonl\n")
     assert_user_error(run_cli("train", "broken.yaml"), "broken.yaml:", "YAML syntax error")

@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -57,6 +58,7 @@ def assert_same_tensors(expected: dict[str, torch.Tensor], actual: dict[str, tor
         assert torch.equal(expected[name], actual[name]), name
 
 
+@pytest.mark.slow
 def test_sigterm_checkpoints_says_how_to_resume_and_resume_is_exact(workdir):
     process = start(LONG_RUN, workdir)
     lines: list[str] = []
@@ -104,6 +106,7 @@ def assert_no_partial_directory(work: Path, name: str) -> None:
         assert safetensors_problem(adapter / "adapter_model.safetensors") is None
 
 
+@pytest.mark.slow
 def test_sigkill_at_random_moments_then_resume_gives_the_uninterrupted_adapter(workdir):
     """10 SIGKILLs at random moments (start-up, training, checkpoint writes, the adapter write), then finish."""
     args = ["train.max_steps=200", "train.save_every_steps=1", "train.log_every_steps=1000", "output.name=killed"]

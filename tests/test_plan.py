@@ -80,6 +80,7 @@ def _peak_rss_of_training(recipe_path) -> int:
     return int(max_rss_kib) * 1024
 
 
+@pytest.mark.slow
 def test_estimate_is_within_25_percent_of_a_measured_cpu_run(measured_base, capsys):
     recipe = measured_base / "recipe.yaml"
     measured = _peak_rss_of_training(recipe)
