@@ -1,6 +1,7 @@
-"""How close LoRA comes to full fine-tuning on the quickstart: held-out perplexity after the same steps.
+"""How close LoRA comes to full fine-tuning on a recipe (the quickstart's by default): held-out perplexity
+after the same steps.
 
-Every arm runs the quickstart recipe through `finetune`'s own setup and loop (`training.run.start_run`,
+Every arm runs the recipe through `finetune`'s own setup and loop (`training.run.start_run`,
 `train.run_steps`): the same base, documents, batches, schedule, steps and held-out evaluation.
 The arms differ only in what trains:
 
@@ -14,10 +15,12 @@ The arms differ only in what trains:
 "gain kept" is (base eval loss - arm's) / (base eval loss - full fine-tuning's): the share of full
 fine-tuning's improvement an arm reaches.
 
-Run from the repository root (the quickstart's data paths are relative to it):
+Run from the repository root (the recipes' data paths are relative to it):
     python bench/learning_quality.py                  # ~6 min on 2 cores
     python bench/learning_quality.py --steps 30       # a quick look
-It prints a Markdown table and writes bench/results/learning_quality.json.
+    python bench/learning_quality.py --recipe recipes/tiny-llama-continued-pretraining.yaml train.embedding_lr=1e-2
+It prints a Markdown table and writes bench/results/learning_quality.json (the quickstart's) or
+bench/results/learning_quality-<recipe>.json.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from finetune.training.loop import run_steps
 from finetune.training.run import make_optimizer, make_scheduler, start_run
 
 RESULTS = Path(__file__).parent / "results" / "learning_quality.json"
+QUICKSTART = "recipes/quickstart.yaml"
 LORA_ARMS = {
     "lora-blocks": ["lora.train_lm_head=false", "lora.train_embed_tokens=false"],
     "lora+head": ["lora.train_lm_head=true", "lora.train_embed_tokens=false"],
@@ -45,11 +49,9 @@ def _quiet(message: str) -> None:
     pass
 
 
-def run_arm(overrides: list[str], scratch: Path, *, full_lr: float | None = None) -> dict:
-    """One training run of the quickstart with `overrides`; full fine-tuning when `full_lr` is given."""
-    recipe = load_recipe(
-        "recipes/quickstart.yaml", [*overrides, f"output.run_dir={scratch}/run", "output.report=false"]
-    )
+def run_arm(recipe_path: str, overrides: list[str], scratch: Path, *, full_lr: float | None = None) -> dict:
+    """One training run of the recipe with `overrides`; full fine-tuning when `full_lr` is given."""
+    recipe = load_recipe(recipe_path, [*overrides, f"output.run_dir={scratch}/run", "output.report=false"])
     started = time.perf_counter()
     run = start_run(recipe, resume=False, say=_quiet)
     trainable = sum(p.numel() for p in run.trainable_parameters)
@@ -84,25 +86,28 @@ def _switch_to_full_fine_tuning(run, lr: float) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=None, help="optimizer steps (default: the quickstart's)")
+    parser.add_argument("--recipe", default=QUICKSTART, help=f"the recipe every arm runs (default {QUICKSTART})")
+    parser.add_argument("--steps", type=int, default=None, help="optimizer steps (default: the recipe's)")
     parser.add_argument("--full-lrs", default="1e-3,3e-3,1e-2", help="learning rates tried for full fine-tuning")
+    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="recipe overrides for every arm")
     args = parser.parse_args()
-    steps = [f"train.max_steps={args.steps}"] if args.steps else []
+    common = [*args.overrides, *([f"train.max_steps={args.steps}"] if args.steps else [])]  # every arm's
     results: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="finetune-quality-") as scratch:
         for name, overrides in LORA_ARMS.items():
-            results[name] = run_arm([*overrides, *steps], Path(scratch) / name)
+            results[name] = run_arm(args.recipe, [*overrides, *common], Path(scratch) / name)
             print(f"{name}: {results[name]}", flush=True)
         for lr in (float(x) for x in args.full_lrs.split(",")):
-            results[f"full lr={lr:g}"] = run_arm(steps, Path(scratch) / f"full-{lr:g}", full_lr=lr)
+            results[f"full lr={lr:g}"] = run_arm(args.recipe, common, Path(scratch) / f"full-{lr:g}", full_lr=lr)
             print(f"full lr={lr:g}: {results[f'full lr={lr:g}']}", flush=True)
     full = min((r for n, r in results.items() if n.startswith("full")), key=lambda r: r["eval_loss"])
     for result in results.values():
         result["gain_kept"] = (result["base_eval_loss"] - result["eval_loss"]) / (
             full["base_eval_loss"] - full["eval_loss"]
         )
-    RESULTS.parent.mkdir(exist_ok=True)
-    RESULTS.write_text(json.dumps(results, indent=2) + "\n")
+    out = RESULTS if args.recipe == QUICKSTART else RESULTS.with_stem(f"{RESULTS.stem}-{Path(args.recipe).stem}")
+    out.parent.mkdir(exist_ok=True)
+    out.write_text(json.dumps(results, indent=2) + "\n")
     print("\n| arm | trainable parameters | held-out perplexity | gain kept vs full | seconds |\n|---|---|---|---|---|")
     for name, r in results.items():
         print(

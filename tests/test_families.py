@@ -153,6 +153,29 @@ def test_family_recipe_trains_and_masks_exactly_the_assistant_turns(family, tmp_
     assert losses[1] < losses[0]
 
 
+@pytest.mark.parametrize("separator", [" ", "\n"], ids=["space", "newline"])
+def test_whitespace_between_the_reply_and_the_end_of_turn_token_is_trained_with_it(separator, tmp_path, monkeypatch):
+    """Qwen2.5's template with a space or a newline put before `<|im_end|>`: what the model writes to end
+    its turn is that whitespace and the token, so both are trained (the token was left at -100, and a
+    model tuned on such data never learnt to stop)."""
+    monkeypatch.chdir(tmp_path)
+    family = next(f for f in FAMILIES if f.name == "qwen2.5")
+    base = build_family(family, tmp_path / "base")
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(base)
+    reply_then_end = "message.content + '<|im_end|>'"
+    assert reply_then_end in tokenizer.chat_template
+    tokenizer.chat_template = tokenizer.chat_template.replace(
+        reply_then_end, f"message.content + {separator!r} + '<|im_end|>'"
+    )
+    (tmp_path / "messages.jsonl").write_text(json.dumps({"messages": CHAT}) + "\n")
+    recipe = load_recipe(resolve_recipe_path(family.recipe), [f"model.base={base}", "data.train=messages.jsonl"])
+
+    (document,) = preview_documents(recipe.data, tokenizer, limit=1)
+    assert f"red.{separator}<|im_end|>" in tokenizer.decode(document.input_ids)  # the template's whitespace
+    runs = trained_runs(document.input_ids, document.labels, tokenizer)
+    assert runs == [f"{m['content']}{separator}<|im_end|>" for m in CHAT if m["role"] == "assistant"]
+
+
 HEAD_FAMILIES = [f for f in FAMILIES if f.name in ("llama-3.1", "gemma-2", "phi-3.5")]  # plain; softcapped; fused qkv
 
 

@@ -436,6 +436,57 @@ def test_cli_serve_answers_as_the_finetune_generate_subprocess(serve_base, serve
         process.stderr.close()
 
 
+BANNER = "finetune serve: http://"
+LOADING = "loading "
+
+
+def stderr_until(process: subprocess.Popen, wanted: str) -> list[str]:
+    """stderr lines of `process` up to the first that starts with `wanted` or with the banner (which a
+    server that never says `wanted` reaches), or all of them if it ends first."""
+    seen: list[str] = []
+    while not (seen and seen[-1].startswith((wanted, BANNER))) and (line := process.stderr.readline()):
+        seen.append(line)
+    return seen
+
+
+@pytest.mark.parametrize(
+    ("moment", "signal_number"),
+    [
+        ("loading", signal.SIGINT),  # importing torch and loading the models
+        ("listening", signal.SIGINT),  # the moment it says where it serves
+        ("idle", signal.SIGINT),  # after answering a request
+        ("idle", signal.SIGTERM),
+    ],
+)
+def test_cli_serve_exits_128_plus_the_signal_whenever_it_comes(serve_base, moment, signal_number):
+    """A real `finetune serve` that inherits SIGINT and SIGTERM ignored, as a shell starts a background job
+    (`trap '' INT TERM` here). uvicorn's own handling restored the inherited handler after its graceful
+    shutdown and re-raised the signal into it, so such a server exited 0, or never stopped when the
+    signal came before uvicorn had installed its handlers. (With the default handlers the existing test
+    above sees 130.)"""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    serve = [sys.executable, "-m", "finetune", "serve", str(serve_base), "--port", "0"]
+    process = subprocess.Popen(
+        ["sh", "-c", 'trap "" INT TERM; exec "$@"', "sh", *serve], stderr=subprocess.PIPE, env=env, text=True
+    )
+    try:
+        seen = stderr_until(process, LOADING if moment == "loading" else BANNER)
+        assert seen and seen[-1].startswith(LOADING if moment == "loading" else BANNER), seen
+        if moment == "idle":
+            with httpx.Client(base_url=seen[-1].split()[2].removesuffix("/v1"), timeout=120) as client:
+                assert client.get("/v1/models").status_code == 200
+        process.send_signal(signal_number)
+        assert process.wait(timeout=60) == 128 + signal_number
+        rest = process.stderr.read()
+        assert "Traceback" not in rest
+        assert BANNER not in rest  # a signal while loading: it stops once loaded, without serving
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+        process.stderr.close()
+
+
 @pytest.mark.parametrize(
     ("arguments", "fragment"),
     [

@@ -107,5 +107,4 @@ def run_serve(args: argparse.Namespace) -> int:
         device=args.device,
         log_level=args.log_level,
     )
-    serve_forever(settings)
-    return 0
+    return serve_forever(settings)  # 128 + the signal that stopped it

@@ -12,9 +12,9 @@ document. EOS always ends a document as a trained label, so the tuned model lear
   owns BOS and the turn delimiters. With `completion_only_loss` the loss is on the assistant turns only:
   from `return_assistant_tokens_mask` when the template marks them with `{% generation %}`, otherwise by
   rendering the conversation with that turn's content replaced by a sentinel (see `_render_by_sentinel`):
-  the turn's content plus the end-of-turn token right after it. Records come in OpenAI `messages`
-  (role/content) or ShareGPT `conversations` (from/value) shape; a template that refuses a system
-  message (Gemma 2) gets it folded into the first user turn.
+  the turn's content through the end-of-turn token after it, whitespace between them included. Records
+  come in OpenAI `messages` (role/content) or ShareGPT `conversations` (from/value) shape; a template
+  that refuses a system message (Gemma 2) gets it folded into the first user turn.
 
 A record with nothing to train on (empty text, a chat without assistant turns under completion-only
 loss) encodes to None and is dropped by the caller, who counts it.
@@ -297,8 +297,8 @@ def _render_by_sentinel(messages, template, tokenizer, where) -> tuple[list[int]
     replaced by a sentinel: the text before the sentinel and the text after it are the template's own, so
     the turn's content spans the rest of the real rendering, however the template trims or wraps it, and
     whatever it appends after the last turn (Phi-3's EOS) or injects before the first (a default system
-    prompt, Llama 3.1's dates). The turn's label span is its content plus the end-of-turn token that
-    directly follows it (`<|eot_id|>`, `<|im_end|>`, `<end_of_turn>`, `<|end|>`, `</s>`, ...).
+    prompt, Llama 3.1's dates). The turn's label span is its content through the end-of-turn token that
+    follows it (`<|eot_id|>`, `<|im_end|>`, `<end_of_turn>`, `<|end|>`, `</s>`, ...; see `_turn_end`).
     """
     if not getattr(tokenizer, "is_fast", False):
         raise DataError(
@@ -324,9 +324,21 @@ def _render_by_sentinel(messages, template, tokenizer, where) -> tuple[list[int]
                 f"assistant turns cannot be located; add {{% generation %}}...{{% endgeneration %}} "
                 f"around assistant content in data.chat_template, or set data.completion_only_loss=false"
             )
-        end = len(full) - len(suffix)
-        end += next((len(token) for token in end_tokens if token and full.startswith(token, end)), 0)
-        spans.append((start, end))
+        spans.append((start, _turn_end(full, len(full) - len(suffix), end_tokens)))
     encoded = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
     flags = [any(first < end and last > start for start, end in spans) for first, last in encoded["offset_mapping"]]
     return list(encoded["input_ids"]), flags
+
+
+def _turn_end(full: str, content_end: int, end_tokens: list[str]) -> int:
+    """Where the label span of an assistant turn whose content ends at `content_end` in `full` stops.
+
+    After the special token (longest first among `end_tokens`) that follows the content, together with
+    any whitespace the template puts between them (a space or a newline before the end-of-turn token):
+    the model has to write all of it to stop. Without such a token, at the content's end.
+    """
+    token_start = content_end
+    while token_start < len(full) and full[token_start].isspace():
+        token_start += 1
+    token = next((token for token in end_tokens if token and full.startswith(token, token_start)), None)
+    return content_end if token is None else token_start + len(token)

@@ -1,8 +1,9 @@
 """Start `finetune serve`: bind the socket, load the models, run uvicorn; in the foreground or in a thread.
 
 The socket is bound before the models load, so a taken port fails at once, and `port=0` works (the
-port is chosen by the OS and reported). `serve_forever` is the CLI's: it runs until Ctrl-C/SIGTERM.
-`ServerThread` runs the same stack in a background thread, for tests and benchmarks.
+port is chosen by the OS and reported). `ServerThread` runs the whole stack in a background thread, for
+tests and benchmarks; `serve_forever`, the CLI's, runs one too while the main thread waits for SIGINT or
+SIGTERM, so that the exit status is ours, 128 + the signal, whenever the signal comes (`stop_signals`).
 
 Example:
     with ServerThread(ServeSettings(base="models/tiny", adapters={"legal": "adapters/legal"}, port=0)) as server:
@@ -11,11 +12,16 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
+import signal
 import socket
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from types import FrameType
 
 from finetune.errors import ServeError
 from finetune.serve.settings import ServeSettings
@@ -78,7 +84,8 @@ class ServerThread:
         self._thread: threading.Thread | None = None
 
     def run(self) -> None:
-        """Serve in this thread until uvicorn is told to exit (Ctrl-C / SIGTERM in the main thread)."""
+        """Serve in this thread until `stop()`. In a thread other than the main one uvicorn installs no
+        signal handlers of its own (it may only there), so signals stay with whoever started it."""
         self.batcher.start()
         try:
             self.server.run(sockets=[self.socket])
@@ -98,7 +105,12 @@ class ServerThread:
             raise RuntimeError("finetune serve did not start; see the log above")
         return self
 
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
     def stop(self) -> None:
+        """Shut uvicorn down gracefully (it lets open requests finish) and wait for it, 30 s at most."""
         self.server.should_exit = True
         if self._thread is not None:
             self._thread.join(30)
@@ -110,16 +122,84 @@ class ServerThread:
         self.stop()
 
 
-def serve_forever(settings: ServeSettings) -> None:
-    """The CLI's server: print where it listens, then serve until interrupted."""
+class StopSignal:
+    """The first SIGINT/SIGTERM `finetune serve` got; the main thread acts on it, the handler only records.
+
+    Raising KeyboardInterrupt from the handler, as Python's default one does, would abandon a load at
+    once, but then where it lands decides the exit status: a KeyboardInterrupt that passed through an
+    `exec` of source text (dataclasses and namedtuples build methods so) makes CPython kill itself with
+    SIGINT at exit even when it was caught, and `python -m finetune serve` ended as killed (-2), not with
+    130; a library's bare `except:` could swallow it and serve anyway. So a signal during the load stops
+    the server once the models are loaded, and a second signal stops the process at once.
+    """
+
+    def __init__(self) -> None:
+        self.signal_number: int | None = None
+
+    def handle(self, signal_number: int, frame: FrameType | None) -> None:
+        if self.signal_number is not None:  # the second signal: the signal's default action, now
+            signal.signal(signal_number, signal.SIG_DFL)
+            os.kill(os.getpid(), signal_number)
+            return
+        self.signal_number = signal_number
+        # os.write, not print: the main thread may be inside a write to sys.stderr's buffer right now
+        os.write(2, f"{signal.Signals(signal_number).name}: stopping (send it again to stop at once)\n".encode())
+
+
+@contextlib.contextmanager
+def stop_signals() -> Iterator[StopSignal]:
+    """SIGINT and SIGTERM handled by `StopSignal` while the block runs, whatever the process inherited.
+
+    Why not uvicorn's own handling: it installs its handlers only once it runs, and after its graceful
+    shutdown it restores the handler it found and re-raises the signal into it. So the exit status was
+    whatever that handler made of it: 130 from Python's default one, but 0 in a process started with
+    SIGINT ignored (a shell's background job, some CI runners), where a signal that came before uvicorn
+    ran was lost too and the server never stopped.
+    """
+    stop = StopSignal()
+    previous = {number: signal.signal(number, stop.handle) for number in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield stop
+    finally:
+        for number, handler in previous.items():
+            signal.signal(number, handler)
+
+
+def serve_forever(settings: ServeSettings) -> int:
+    """The CLI's server: load, print where it listens, serve until SIGINT/SIGTERM.
+
+    Returns:
+        The exit status: 128 + the signal that stopped it (130 for Ctrl-C), whether it came while the
+        models loaded or while serving.
+    """
     logging.basicConfig(level=settings.log_level.upper(), format="%(levelname)s: %(message)s")
-    server = ServerThread(settings)
+    with stop_signals() as stop:
+        print(f"loading {_models_to_load(settings)} ...", file=sys.stderr, flush=True)
+        server = ServerThread(settings)
+        if stop.signal_number is None:
+            _serve_until_stopped(server, settings, stop)
+    assert stop.signal_number is not None  # serving ends only by a signal
+    return 128 + stop.signal_number
+
+
+def _models_to_load(settings: ServeSettings) -> str:
+    base = settings.base or "the adapters' base"
+    return f"{base} and adapters {', '.join(settings.adapters)}" if settings.adapters else base
+
+
+def _serve_until_stopped(server: ServerThread, settings: ServeSettings, stop: StopSignal) -> None:
+    """Serve in a background thread and say where; shut it down gracefully once a signal came."""
     if settings.host not in ("127.0.0.1", "localhost", "::1") and settings.api_key is None:
         print(
             f"warning: listening on {settings.host} without --api-key: anyone who can reach it can use it",
             file=sys.stderr,
         )
+    server.start()
     names = ", ".join(card.id for card in server.engine.models())
     mode = f" (merged: {server.engine.merged})" if server.engine.merged else ""
     print(f"finetune serve: {server.url}/v1 serving {names}{mode}", file=sys.stderr, flush=True)
-    server.run()
+    while stop.signal_number is None and server.running:
+        time.sleep(0.1)  # the signal handler only records; a sleep is interrupted by it and resumes
+    if stop.signal_number is None:
+        raise RuntimeError("the HTTP server stopped by itself; see the log above")
+    server.stop()
