@@ -88,8 +88,10 @@ def _adapter_specs(specs: list[str]) -> dict[str, str]:
 
 
 def run_serve(args: argparse.Namespace) -> int:
+    from finetune.serve.settings import ServeSettings, require_serve_packages
+
+    require_serve_packages()
     from finetune.serve.server import serve_forever
-    from finetune.serve.settings import ServeSettings
 
     settings = ServeSettings(
         base=args.base,

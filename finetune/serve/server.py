@@ -23,7 +23,12 @@ import time
 from collections.abc import Iterator
 from types import FrameType
 
+import uvicorn
+
 from finetune.errors import ServeError
+from finetune.serve.app import create_app
+from finetune.serve.batcher import Batcher
+from finetune.serve.engine import Engine
 from finetune.serve.settings import ServeSettings
 
 logger = logging.getLogger("finetune.serve")
@@ -54,16 +59,6 @@ class ServerThread:
     """The whole server (models, batcher, uvicorn) running in a background thread until `stop()`."""
 
     def __init__(self, settings: ServeSettings):
-        try:
-            import fastapi  # noqa: F401
-            import uvicorn
-        except ImportError as exc:
-            raise ServeError(f"finetune serve needs {exc.name}: pip install 'finetune[serve]'") from None
-
-        from finetune.serve.app import create_app
-        from finetune.serve.batcher import Batcher
-        from finetune.serve.engine import Engine
-
         settings.check()
         self.socket = bind(settings.host, settings.port)
         try:

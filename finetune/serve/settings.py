@@ -7,6 +7,7 @@ Example:
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass, field
 
 from finetune.errors import ServeError
@@ -72,3 +73,14 @@ class ServeSettings:
             )
         if self.base is None and not self.adapters:
             raise ServeError("give a BASE model, or at least one --adapter whose manifest names its base")
+
+
+SERVE_PACKAGES = ("fastapi", "uvicorn")
+
+
+def require_serve_packages() -> None:
+    """ServeError naming the first missing package of the `serve` extra: checked before the server's
+    modules are imported, so a user without them reads how to install them, not an ImportError."""
+    for package in SERVE_PACKAGES:
+        if importlib.util.find_spec(package) is None:
+            raise ServeError(f"finetune serve needs {package}: pip install 'finetune[serve]'")
