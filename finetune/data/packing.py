@@ -68,6 +68,14 @@ def document_lengths(documents: datasets.Dataset) -> list[int]:
     return pc.list_value_length(documents.data.column("input_ids")).to_pylist()
 
 
+def sequence_lengths(rows: datasets.Dataset) -> list[list[int]]:
+    """Tokens of each sequence each row holds: one per document row, chosen and rejected for a preference pair
+    (every `*input_ids` column), read from Arrow."""
+    columns = [name for name in rows.column_names if name.endswith("input_ids")]
+    per_column = [pc.list_value_length(rows.data.column(name)).to_pylist() for name in columns]
+    return [list(lengths) for lengths in zip(*per_column)]
+
+
 def arrow_dataset(table: pa.Table) -> datasets.Dataset:
     """An in-memory Dataset over `table`: no cache files, no per-value casting, no hashing of the table."""
     return datasets.Dataset(datasets.table.InMemoryTable(table), fingerprint=uuid.uuid4().hex)
