@@ -26,6 +26,7 @@ from finetune.manifest import build_manifest, write_manifest
 from finetune.paths import local_model_dir
 from finetune.recipe import recipe_to_dict
 from finetune.report.runs import perplexity_change
+from finetune.training.objectives.base import describe_rewards
 from finetune.training.run import TrainingRun
 
 
@@ -38,10 +39,16 @@ def summary_metrics(run: TrainingRun, last: dict[str, float], say: Callable[[str
     if base_eval and "eval_ppl" in last:
         cut = 1 - last["eval_ppl"] / base_eval["eval_ppl"]
         metrics["ppl_cut"] = cut
-        say(
-            f"held-out perplexity: base {base_eval['eval_ppl']:.3f} -> base + adapter {last['eval_ppl']:.3f} "
-            f"({perplexity_change(base_eval['eval_ppl'], last['eval_ppl'])})"
-        )
+        change = perplexity_change(base_eval["eval_ppl"], last["eval_ppl"])
+        if run.recipe.train.objective == "sft":
+            say(
+                f"held-out perplexity: base {base_eval['eval_ppl']:.3f} -> base + adapter {last['eval_ppl']:.3f} ({change})"
+            )
+        else:
+            say(
+                f"held-out perplexity of the chosen completions: start {base_eval['eval_ppl']:.3f} -> "
+                f"{last['eval_ppl']:.3f} ({change}); eval loss {last['eval_loss']:.4f}{describe_rewards(last, 'eval_')}"
+            )
     return metrics
 
 
