@@ -46,6 +46,7 @@ from finetune.data.formats import (
     render_chat_prompt,
 )
 from finetune.data.labels import IGNORE_INDEX
+from finetune.data.sources import iter_records, load_source
 from finetune.errors import DataError
 from finetune.recipe import DataConfig
 
@@ -251,3 +252,20 @@ def no_room_error(count: int, total: int, first: str, config: DataConfig) -> Dat
         f"data.max_seq_len={config.max_seq_len} (the first: {first}); set data.overlength=truncate_prompt to cut "
         "the prompts' start instead, or raise data.max_seq_len"
     )
+
+
+def preview_records(config: DataConfig, tokenizer: Any, limit: int) -> list[tuple[int, dict[str, Any]]]:
+    """The first `limit` rows of the first source as training sees them, with each record's number (1-based).
+
+    Records are encoded and fitted to max_seq_len as training does; one whose prompt leaves no room for a
+    completion is skipped (training refuses the data with it).
+    """
+    raw = load_source(config.train[0], config.text_field)
+    rows: list[tuple[int, dict[str, Any]]] = []
+    for chunk in iter_records(raw, max(limit, 1)):
+        for offset, encoded in enumerate(encode_preference_records(chunk.records, config, tokenizer, chunk.where)):
+            if encoded.row is not None:
+                rows.append((chunk.first + offset + 1, encoded.row))
+            if len(rows) == limit:
+                return rows
+    return rows
