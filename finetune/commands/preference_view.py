@@ -78,8 +78,8 @@ def side_by_side(
 ) -> str:
     """The shared prompt, then chosen | rejected completions in two columns of `width` // 2 characters."""
     shared = 0
-    for a, b in zip(chosen[0], rejected[0]):
-        if a != b:
+    for chosen_id, rejected_id in zip(chosen[0], rejected[0]):
+        if chosen_id != rejected_id:
             break
         shared += 1
     prompt_end = min(shared, next(i for i, label in enumerate(chosen[1]) if label != -100))

@@ -36,6 +36,9 @@ def summary_metrics(run: TrainingRun, last: dict[str, float], say: Callable[[str
     base_eval = run.base_eval
     if base_eval:
         metrics["base_eval_loss"], metrics["base_eval_ppl"] = base_eval["eval_loss"], base_eval["eval_ppl"]
+        for key in ("eval_reward_accuracy", "eval_reward_margin"):  # a preference run's, at its start
+            if key in base_eval:
+                metrics[f"base_{key}"] = base_eval[key]
     if base_eval and "eval_ppl" in last:
         cut = 1 - last["eval_ppl"] / base_eval["eval_ppl"]
         metrics["ppl_cut"] = cut
