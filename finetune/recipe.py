@@ -235,7 +235,7 @@ PREFERENCE_FORMATS = ("preference", "unpaired_preference")
 
 OBJECTIVE_SETTINGS: dict[str, dict[str, Any]] = {
     "sft": {},
-    "dpo": {"beta": 0.1, "dpo_loss": "sigmoid", "precompute_reference": False},
+    "dpo": {"beta": 0.1, "dpo_loss": "sigmoid", "rpo_alpha": 0.0, "precompute_reference": False},
     "orpo": {"orpo_lambda": 0.1},
     "simpo": {"beta": 2.5, "simpo_gamma": 1.375, "cpo_alpha": 0.0},
     "kto": {"beta": 0.1, "desirable_weight": 1.0, "undesirable_weight": 1.0},
@@ -317,6 +317,10 @@ class TrainConfig(_Section):
     dpo_loss: Literal["sigmoid", "ipo", "hinge"] | None = None
     """dpo: `sigmoid` (the DPO paper's -log σ(β·Δ)), `ipo` ((Δ/n − 1/(2β))², Δ per completion token, as trl
     and the IPO authors normalise it), `hinge` (max(0, 1 − β·Δ), SLiC); Δ is the reward-margin log-ratio."""
+    rpo_alpha: float | None = Field(None, ge=0)
+    """dpo: weight α of an NLL term on the chosen completions beside the DPO loss (RPO, Pang et al. 2024; trl's
+    `loss_type=["sigmoid", "sft"]` with `loss_weights=[1, α]`): the mean −log π over the chosen completions'
+    tokens. It keeps the chosen completions likely while the margin grows (default 0: DPO alone)."""
     precompute_reference: bool | None = None
     """dpo: compute the reference policy's log-probabilities of every pair once before training (the model as
     it starts) and keep them in the run directory, instead of a forward pass of the base with the adapter

@@ -41,8 +41,9 @@ def objective_for(recipe: Recipe, tokenizer: Any) -> Objective:
     """The objective `train.objective` names, set up with its `train` settings."""
     options, train = collate_options(recipe, tokenizer), recipe.train
     if train.objective == "dpo":
-        assert train.beta is not None and train.dpo_loss is not None
-        return DPO(options, beta=train.beta, loss_type=train.dpo_loss, precomputed=bool(train.precompute_reference))
+        assert train.beta is not None and train.dpo_loss is not None and train.rpo_alpha is not None
+        return DPO(options, beta=train.beta, loss_type=train.dpo_loss, precomputed=bool(train.precompute_reference),
+                   rpo_alpha=train.rpo_alpha)  # fmt: skip
     if train.objective == "orpo":
         assert train.orpo_lambda is not None
         return ORPO(options, orpo_lambda=train.orpo_lambda)

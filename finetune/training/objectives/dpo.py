@@ -10,7 +10,10 @@ With log π(y|x) summed over the completion's labelled tokens and π_ref the ref
   completion's token count, as trl normalises IPO (its authors' form: β comparable across lengths)
 
 These equal trl's DPOTrainer `loss_type` of the same name (`tests/test_preference.py` checks loss and
-gradients). The step's loss is Σ ℓ / (pairs in the step, all processes).
+gradients). The step's loss is Σ ℓ / (pairs in the step, all processes), plus, with `train.rpo_alpha` α > 0,
+α · Σ_{chosen tokens} −log π / (chosen completion tokens in the step): RPO's NLL term as trl computes it
+(`loss_type=["sigmoid", "sft"]`, a mean over the tokens); the RPO paper divides each pair's NLL by its own
+prompt + completion length instead, which weights short pairs more.
 
 Example:
     objective = DPO(options, beta=0.1, loss_type="sigmoid", precomputed=False)
@@ -57,12 +60,15 @@ def dpo_losses(
 
 class DPO:
     name: str = "dpo"
-    loss_units: tuple[str, ...] = ("pairs",)
     metric_units: Mapping[str, str] = PAIR_METRIC_UNITS
     count_units: tuple[str, ...] = PAIR_COUNT_UNITS
 
-    def __init__(self, options: CollateOptions, *, beta: float, loss_type: str, precomputed: bool):
+    def __init__(
+        self, options: CollateOptions, *, beta: float, loss_type: str, precomputed: bool, rpo_alpha: float = 0.0
+    ):
         self.options, self.beta, self.loss_type, self.precomputed = options, beta, loss_type, precomputed
+        self.rpo_alpha = rpo_alpha
+        self.loss_units: tuple[str, ...] = ("pairs", "chosen_tokens") if rpo_alpha > 0 else ("pairs",)
 
     def collate(self, rows: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
         return collate_pairs(rows, self.options)
@@ -82,4 +88,7 @@ class DPO:
         chosen_tokens, rejected_tokens = by_side(batch["sequence_tokens"])
         losses = dpo_losses(chosen_ratios, rejected_ratios, self.beta, self.loss_type, chosen_tokens, rejected_tokens)
         metrics = pair_metrics(self.beta * chosen_ratios, self.beta * rejected_ratios, logps)
-        return Terms({"pairs": losses.sum()}, metrics)
+        sums = {"pairs": losses.sum()}
+        if self.rpo_alpha > 0:
+            sums["chosen_tokens"] = -self.rpo_alpha * by_side(logps)[0].sum()
+        return Terms(sums, metrics)
