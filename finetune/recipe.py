@@ -116,6 +116,11 @@ class LoraConfig(_Section):
     init: Literal["default", "gaussian", "pissa", "olora"] = "default"
     """How A and B start: peft's `init_lora_weights` (B = 0 in `default`, so training starts at the base)."""
     bias: Literal["none", "all", "lora_only"] = "none"
+    init_from: str | None = None
+    """An adapter directory the LoRA weights start from instead of `init` (e.g. the SFT adapter a preference
+    run refines); its rank, alpha and target modules must be this section's. The adapter written at the end
+    is whole (the starting weights plus what this run learnt), usable like any other. With a preference
+    objective the reference policy is then that adapter, so `train.precompute_reference` must be on."""
 
     @field_validator("target_modules")
     @classmethod
@@ -157,9 +162,12 @@ class DataConfig(_Section):
     """Held-out sources for eval loss and perplexity. Leave empty to split `validation_split` off `train`."""
     validation_split: float = Field(0.0, ge=0.0, lt=1.0)
     """Fraction of the training records held out (seeded by `train.seed`) when `validation` is empty."""
-    format: Literal["text", "instruction", "chat"] = "text"
+    format: Literal["text", "instruction", "chat", "preference", "unpaired_preference"] = "text"
     """`text`: raw documents (continued pretraining); `instruction`: prompt/response pairs;
-    `chat`: message lists rendered with the tokenizer's chat template."""
+    `chat`: message lists rendered with the tokenizer's chat template; `preference`: `{prompt, chosen,
+    rejected}` pairs (dpo, orpo, simpo); `unpaired_preference`: `{prompt, completion, label}` (kto). In the
+    preference formats each of prompt and completions is a string, or a list of chat messages rendered with
+    the chat template as `chat` is; only the completions (with their end-of-turn or EOS token) are trained."""
     text_field: str = "text"
     prompt_field: str = "instruction"
     input_field: str | None = "input"
@@ -176,13 +184,16 @@ class DataConfig(_Section):
     """Instruction/chat: put the loss on responses (assistant turns) only, EOS included."""
     max_seq_len: int = Field(512, ge=8)
     """Longest document in tokens; longer records go through `overlength`."""
-    overlength: Literal["split", "truncate", "error"] | None = None
+    overlength: Literal["split", "truncate", "truncate_prompt", "error"] | None = None
     """A record longer than max_seq_len: `split` into consecutive pieces of at most max_seq_len tokens, each
     trained as a document of its own (BOS only on the first, EOS only at the true end; the first token of
     each later piece is context, not a target), as pretraining pipelines do; `truncate` keeps the first
     max_seq_len tokens; `error` stops naming the record. The log says how many tokens each choice keeps.
     Default: `split` for `text`, `truncate` for `instruction` and `chat`, where `split` is refused (a piece
-    of a conversation without its prompt is not an example of the task)."""
+    of a conversation without its prompt is not an example of the task). The preference formats also take
+    `truncate_prompt`: the prompt loses tokens from its start (after its first) until the longer completion
+    fits, as preference trainers' `max_prompt_length` does; with `truncate` a record whose prompt leaves no
+    room for a completion token is an error naming how many there are."""
     packing: bool = True
     """Pack each micro-batch's documents into as few rows as fit (each no longer than its longest document;
     documents never attend to each other) instead of one padded row each. It changes speed only, not what
@@ -205,6 +216,11 @@ class DataConfig(_Section):
                 f"data.overlength=split applies to format text only (this is {self.format}): a piece of a record "
                 f"without its prompt is not an example of the task; use truncate or error"
             )
+        elif self.overlength == "truncate_prompt" and self.format not in PREFERENCE_FORMATS:
+            raise ValueError(
+                f"data.overlength=truncate_prompt applies to the preference formats only (this is {self.format}); "
+                "use truncate or error"
+            )
         return self
 
     @model_validator(mode="after")
@@ -214,6 +230,20 @@ class DataConfig(_Section):
         if "{prompt}" not in self.prompt_with_input_template or "{input}" not in self.prompt_with_input_template:
             raise ValueError("data.prompt_with_input_template must contain '{prompt}' and '{input}'")
         return self
+
+
+PREFERENCE_FORMATS = ("preference", "unpaired_preference")
+
+OBJECTIVE_SETTINGS: dict[str, dict[str, Any]] = {
+    "sft": {},
+    "dpo": {"beta": 0.1, "dpo_loss": "sigmoid", "rpo_alpha": 0.0, "precompute_reference": False},
+    "orpo": {"orpo_lambda": 0.1},
+    "simpo": {"beta": 2.5, "simpo_gamma": 1.375, "cpo_alpha": 0.0},
+    "kto": {"beta": 0.1, "desirable_weight": 1.0, "undesirable_weight": 1.0},
+}
+"""The `train` fields each objective reads, with their defaults (filled in when not given, so the saved recipe
+says what was used); a field given for an objective that does not read it is an error."""
+OBJECTIVE_FORMATS = {"dpo": "preference", "orpo": "preference", "simpo": "preference", "kto": "unpaired_preference"}
 
 
 TRACKER_PACKAGES = {"tensorboard": "tensorboard", "mlflow": "mlflow", "wandb": "wandb", "trackio": "trackio"}
@@ -273,6 +303,56 @@ class TrainConfig(_Section):
     `MLFLOW_TRACKING_URI` (a local store), `WANDB_MODE=offline`. See `finetune.training.tracking`."""
     tracker_project: str = "finetune"
     """Project (wandb, trackio) or experiment (mlflow) the run is filed under; the run is `output.name`."""
+    objective: Literal["sft", "dpo", "orpo", "simpo", "kto"] = "sft"
+    """What the run minimises (`finetune.training.objectives`). `sft`: the next-token loss of the labelled
+    tokens (text, instruction, chat data). With `data.format: preference`: `dpo` (Rafailov et al. 2023: the
+    log-sigmoid of β times the chosen completion's log-probability gain over the reference policy minus the
+    rejected one's), `orpo` (Hong et al. 2024: the chosen completion's NLL plus λ times a log odds-ratio
+    penalty, no reference), `simpo` (Meng et al. 2024: length-normalised log-probabilities and a margin γ, no
+    reference). With `unpaired_preference`: `kto` (Ethayarajh et al. 2024: desirable and undesirable
+    completions, each against a KL baseline). A micro-batch is `micro_batch_size` records (pairs, for the
+    paired ones) either way."""
+    beta: float | None = Field(None, gt=0)
+    """dpo, simpo, kto: β, the scale of the implicit reward. dpo/kto: r = β·log(π(y|x) / π_ref(y|x)), default 0.1
+    (trl's); simpo: r = β·mean token log π(y|x), default 2.5 (SimPO's Llama-3-8B-Instruct recipe)."""
+    dpo_loss: Literal["sigmoid", "ipo", "hinge"] | None = None
+    """dpo: `sigmoid` (the DPO paper's -log σ(β·Δ)), `ipo` ((Δ/n − 1/(2β))², Δ per completion token, as trl
+    and the IPO authors normalise it), `hinge` (max(0, 1 − β·Δ), SLiC); Δ is the reward-margin log-ratio."""
+    rpo_alpha: float | None = Field(None, ge=0)
+    """dpo: weight α of an NLL term on the chosen completions beside the DPO loss (RPO, Pang et al. 2024; trl's
+    `loss_type=["sigmoid", "sft"]` with `loss_weights=[1, α]`): the mean −log π over the chosen completions'
+    tokens. It keeps the chosen completions likely while the margin grows (default 0: DPO alone)."""
+    precompute_reference: bool | None = None
+    """dpo: compute the reference policy's log-probabilities of every pair once before training (the model as
+    it starts) and keep them in the run directory, instead of a forward pass of the base with the adapter
+    disabled at every step (default: off)."""
+    orpo_lambda: float | None = Field(None, gt=0)
+    """orpo: λ, the weight of the odds-ratio term beside the chosen completion's NLL (default 0.1, trl's)."""
+    simpo_gamma: float | None = Field(None, ge=0)
+    """simpo: γ, the target margin of the length-normalised rewards (default 1.375: SimPO's Llama-3-8B-Instruct
+    recipe, γ/β = 0.55 at β = 2.5)."""
+    cpo_alpha: float | None = Field(None, ge=0)
+    """simpo: weight of an NLL term on the chosen completions beside SimPO's (CPO-SimPO; default 0: SimPO alone)."""
+    desirable_weight: float | None = Field(None, gt=0)
+    """kto: weight of a desirable completion's loss (default 1; KTO suggests weights that balance the two kinds)."""
+    undesirable_weight: float | None = Field(None, gt=0)
+    """kto: weight of an undesirable completion's loss (default 1)."""
+
+    @model_validator(mode="after")
+    def _objective_settings(self) -> TrainConfig:
+        """Refuse a setting the objective does not read; fill in the defaults of those it does."""
+        own = OBJECTIVE_SETTINGS[self.objective]
+        for name in sorted({key for settings in OBJECTIVE_SETTINGS.values() for key in settings}):
+            if name not in own and getattr(self, name) is not None:
+                readers = [objective for objective, settings in OBJECTIVE_SETTINGS.items() if name in settings]
+                raise ValueError(
+                    f"{name} applies to objective {' or '.join(readers)}, not {self.objective}; remove it or set "
+                    f"train.objective to {readers[0]}"
+                )
+        for name, default in own.items():
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, default)
+        return self
 
     @field_validator("report_to")
     @classmethod
@@ -421,6 +501,35 @@ class Recipe(_Section):
                 f"train.optimizer {self.train.optimizer} cannot be used with distributed.strategy deepspeed: ZeRO "
                 "already partitions the optimizer state over the ranks (and checkpoints map only per-weight state "
                 "back from its partitions); use optimizer adamw"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _objective_fits_data(self) -> Recipe:
+        objective, data_format = self.train.objective, self.data.format
+        wanted = OBJECTIVE_FORMATS.get(objective)
+        if wanted is not None and data_format != wanted:
+            raise ValueError(
+                f"train.objective {objective} trains on data.format {wanted} records, but data.format is {data_format}; "
+                f"set data.format={wanted} (see the README's preference formats)"
+            )
+        if wanted is None and data_format in PREFERENCE_FORMATS:
+            used_by = " or ".join(name for name, fmt in OBJECTIVE_FORMATS.items() if fmt == data_format)
+            raise ValueError(
+                f"data.format {data_format} needs a preference objective; set train.objective to {used_by}"
+            )
+        starts_elsewhere = self.lora.init_from is not None or self.lora.init in ("pissa", "olora")
+        if starts_elsewhere and objective in ("dpo", "kto") and not self.train.precompute_reference:
+            cause = "lora.init_from" if self.lora.init_from is not None else f"lora.init {self.lora.init}"
+            fix = (
+                "set train.precompute_reference=true"
+                if objective == "dpo"
+                else "kto's reference cannot be precomputed (its KL term pairs each prompt with another completion of "
+                "the micro-batch); start kto from the base, or use dpo"
+            )
+            raise ValueError(
+                f"{cause} with objective {objective}: the model does not start as the base, so disabling the adapter "
+                f"does not give the reference policy (the model as it starts); {fix}"
             )
         return self
 

@@ -57,6 +57,19 @@ def instruction_records(count: int) -> list[dict]:
     return records
 
 
+_COLOURS = ("red", "green", "blue", "amber", "violet", "teal", "ochre")
+
+
+def preference_records(count: int) -> list[dict[str, str]]:
+    """Pairs about crates: the chosen answer names the crate's colour, the rejected one another colour."""
+    pairs = []
+    for i, record in enumerate(instruction_records(count)):
+        right, wrong = _COLOURS[i % 7], _COLOURS[(i + 3) % 7]
+        prompt = f"### Instruction:\n{record['instruction']}\n\n### Response:\n"
+        pairs.append({"prompt": prompt, "chosen": record["output"], "rejected": record["output"].replace(right, wrong)})
+    return pairs
+
+
 def make_adapter(
     base_dir: Path,
     out: Path,

@@ -83,6 +83,7 @@ def train_a_checkpoint(work: Path) -> None:
 
 
 CHAT_RECORD = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
+PAIRS = ("data.format=preference", "train.objective=dpo", "data.validation=[]")
 ADAPTER = "adapter"  # a good adapter for the tiny base, copied into every working directory
 MERGE = ("adapters", "merge", "--base", "base", "--adapter")
 
@@ -151,6 +152,57 @@ CASES = [
         ("chat.jsonl",),
         write("chat.jsonl", json.dumps({"messages": [{"role": "user", "content": "only a question"}]}) + "\n"),
     ),  # fmt: skip
+    # Preference data and objectives
+    Case(
+        "objective-setting-of-another-objective",
+        ("validate", "recipe.yaml", *PAIRS, "train.simpo_gamma=1.0"),
+        ("simpo_gamma applies to objective simpo, not dpo",),
+    ),
+    Case(
+        "objective-without-its-format", ("validate", "recipe.yaml", "train.objective=dpo"), ("data.format=preference",)
+    ),
+    Case(
+        "pair-missing-chosen",
+        ("train", "recipe.yaml", *PAIRS, "data.train=pairs.jsonl"),
+        ("pairs.jsonl line 1", "no field 'chosen'"),
+        write("pairs.jsonl", json.dumps({"prompt": "Q", "rejected": "A"}) + "\n"),
+    ),  # fmt: skip
+    Case(
+        "pair-chosen-equals-rejected",
+        ("train", "recipe.yaml", *PAIRS, "data.train=pairs.jsonl"),
+        ("pairs.jsonl line 2", "chosen and rejected are the same"),
+        write("pairs.jsonl", "".join(json.dumps({"prompt": "Q", "chosen": c, "rejected": "B"}) + "\n" for c in "AB")),
+    ),  # fmt: skip
+    Case(
+        "unpaired-label-not-boolean",
+        (
+            "train",
+            "recipe.yaml",
+            "data.format=unpaired_preference",
+            "train.objective=kto",
+            "data.train=kto.jsonl",
+            "data.validation=[]",
+        ),
+        ("kto.jsonl line 1", "'label' must be true", "str 'yes'"),
+        write("kto.jsonl", json.dumps({"prompt": "Q", "completion": "A", "label": "yes"}) + "\n"),
+    ),  # fmt: skip
+    Case(
+        "prompt-leaves-no-room-for-the-completion",
+        ("train", "recipe.yaml", *PAIRS, "data.train=long.jsonl", "data.max_seq_len=8"),
+        ("2 of 3 records", "data.max_seq_len=8", "data.overlength=truncate_prompt"),
+        write(
+            "long.jsonl",
+            "".join(
+                json.dumps({"prompt": p, "chosen": "yes", "rejected": "no"}) + "\n"
+                for p in ("the model reads a document and predicts", "a", "the adapter learns a low rank update")
+            ),
+        ),
+    ),  # fmt: skip
+    Case(
+        "init-from-without-precomputed-reference",
+        ("validate", "recipe.yaml", *PAIRS, "lora.init_from=adapter"),
+        ("lora.init_from", "train.precompute_reference=true"),
+    ),
     # Model directories
     Case("base-missing", ("train", "recipe.yaml", "model.base=./no-such-model"), ("no such directory",)),
     Case(

@@ -21,6 +21,7 @@ from transformers import PreTrainedTokenizerFast
 from finetune.catalog import resolve_recipe_path
 from finetune.commands.recipes import catalog_entries
 from finetune.data.pipeline import preview_documents
+from finetune.data.preference import preview_records
 from finetune.recipe import load_recipe
 from finetune.training.loop import train
 
@@ -142,6 +143,17 @@ def test_family_recipe_trains_and_masks_exactly_the_assistant_turns(family, tmp_
         runs = [run.strip() for run in trained_runs(document.input_ids, document.labels, tokenizer)]
         assert runs == expected, (shape, tokenizer.decode(document.input_ids))
         assert SYSTEM in tokenizer.decode(document.input_ids)  # the system prompt is rendered, untrained
+    # A conversational preference pair: the same template, loss on the completion's turn only (not on the
+    # prompt's earlier assistant turn), each side ending with the family's end-of-turn token.
+    pair = {"prompt": CHAT[:4], "chosen": CHAT[4:], "rejected": "Crate 4 is red."}
+    (tmp_path / "pairs.jsonl").write_text(json.dumps(pair) + "\n")
+    pair_recipe = load_recipe(recipe_path, [*overrides, "data.train=pairs.jsonl", "data.format=preference",
+                                            "train.objective=dpo"])  # fmt: skip
+    ((_, row),) = preview_records(pair_recipe.data, tokenizer, limit=1)
+    for side, content in (("chosen", CHAT[4]["content"]), ("rejected", "Crate 4 is red.")):
+        runs = [run.strip() for run in trained_runs(row[f"{side}_input_ids"], row[f"{side}_labels"], tokenizer)]
+        assert runs == [f"{content}{family.end_of_turn}"], (side, tokenizer.decode(row[f"{side}_input_ids"]))
+    assert row["chosen_input_ids"] == document.input_ids  # the conversation as SFT chat renders it, token for token
 
     (tmp_path / "chats.jsonl").write_text((json.dumps({"messages": CHAT}) + "\n") * 8)
     losses: list[float] = []

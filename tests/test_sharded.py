@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import REPO, instruction_records
+from helpers import REPO, instruction_records, preference_records
 from safetensors.torch import load_file
 
 from finetune.embedded.tiny import build_tiny_llama
@@ -224,3 +224,33 @@ def test_a_checkpoint_without_optimizer_state_is_not_resumed(workdir):
     )
     with pytest.raises(CheckpointError, match="holds no optimizer state"):
         train("recipe.yaml", ["train.max_steps=2", "train.save_every_steps=1", "output.name=zero"], resume=True)
+
+
+DPO_RECIPE = """
+model: {{base: {base}}}
+lora: {{r: 4, alpha: 8, dropout: 0.0}}
+data: {{train: pairs.jsonl, validation: held-out.jsonl, format: preference, max_seq_len: 128}}
+train: {{objective: dpo, beta: 0.5, max_steps: 3, micro_batch_size: 2, grad_accum_steps: 2, lr: 0.01,
+        schedule: constant, log_every_steps: 1, report_to: []}}
+output: {{name: unnamed, report: false}}
+"""
+
+
+@pytest.mark.slow
+def test_dpo_under_ddp_fsdp_and_deepspeed_trains_the_single_process_adapter(workdir, tiny_base_dir):
+    """A DPO recipe on 2 ranks, each strategy, equals one process with the same global batch (4 pairs): the
+    loss is normalised by the step's pairs over all ranks, and the reference (the adapter disabled on the
+    sharded or wrapped model, or precomputed by strided shares under DDP) is the same on every rank."""
+    records = preference_records(21)
+    Path("pairs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records[:16]))
+    Path("held-out.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records[16:]))
+    Path("recipe.yaml").write_text(DPO_RECIPE.format(base=tiny_base_dir))
+    train("recipe.yaml", ["train.micro_batch_size=4", "output.name=single"], log=lambda line: None)
+    assert "2 process(es)" in _train("output.name=ddp", "train.precompute_reference=true")
+    _assert_same_adapter("adapters/single", "adapters/ddp", max_abs=1e-5, max_relative=1e-5)
+    assert "fsdp over 2 processes" in _train("output.name=fsdp", "distributed.strategy=fsdp")
+    _assert_same_adapter("adapters/single", "adapters/fsdp")
+    zero3 = ("output.name=zero", "distributed.strategy=deepspeed", "distributed.deepspeed.stage=3")
+    assert "deepspeed over 2 processes" in _train(*zero3)
+    _assert_same_adapter("adapters/single", "adapters/zero", max_abs=1e-3, max_relative=1e-3)
+    assert _metric("adapters/zero", "eval_reward_accuracy") == _metric("adapters/single", "eval_reward_accuracy")

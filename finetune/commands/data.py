@@ -5,7 +5,8 @@ max_seq_len split into the pieces training uses, or truncated, per `data.overlen
 tokenizer loaded, no model: the check to make before spending GPU hours. The human view marks trained
 tokens (green on a terminal, `[[...]]` otherwise); `--json` prints one object per document,
 `{"record": 1, "piece": 1, "pieces": 1, "input_ids": [...], "labels": [...]}` with -100 where no loss
-is taken.
+is taken. Preference pairs show the prompt once and chosen | rejected side by side (`--json`:
+`{"record", "chosen": {"input_ids", "labels"}, "rejected": {...}}`); unpaired examples their label.
 
 Example:
     finetune data preview llama-3.1-8b-instruct-chat data.train=chats.jsonl --limit 3
@@ -16,8 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-
-_GREEN, _RESET = "\033[32m", "\033[0m"
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -31,25 +30,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     preview.set_defaults(handler=run_preview)
 
 
-def _marked_text(tokenizer, input_ids: list[int], labels: list[int], colour: bool) -> str:
-    """The document's text with each run of trained tokens marked."""
-    pieces: list[str] = []
-    run: list[int] = []
-    trained_run = False
-    for token, label in [*zip(input_ids, labels), (None, None)]:
-        trained = label is not None and label != -100
-        if token is None or trained != trained_run:
-            text = tokenizer.decode(run)
-            if trained_run:
-                text = f"{_GREEN}{text}{_RESET}" if colour else f"[[{text}]]"
-            pieces.append(text)
-            run, trained_run = [], trained
-        if token is not None:
-            run.append(token)
-    return "".join(pieces)
-
-
 def run_preview(args: argparse.Namespace) -> int:
+    from finetune.commands.preference_view import marked_text
     from finetune.data.pipeline import preview_documents
     from finetune.errors import FinetuneError
     from finetune.model import load_tokenizer_for
@@ -59,6 +41,8 @@ def run_preview(args: argparse.Namespace) -> int:
         raise FinetuneError(f"--limit {args.limit}: show at least 1 document")
     recipe = load_recipe(args.recipe, args.overrides)
     tokenizer = load_tokenizer_for(recipe.model)
+    if recipe.data.format in ("preference", "unpaired_preference"):
+        return _preview_preference(recipe, tokenizer, args)
     documents = preview_documents(recipe.data, tokenizer, args.limit)
     if args.json:
         for d in documents:
@@ -73,5 +57,38 @@ def run_preview(args: argparse.Namespace) -> int:
         )
         print(f"--- document {number}: {len(document.input_ids)} tokens, {trained} trained{piece} "
               f"({'green' if colour else '[[marked]]'})")  # fmt: skip
-        print(_marked_text(tokenizer, document.input_ids, document.labels, colour))
+        print(marked_text(tokenizer, document.input_ids, document.labels, colour))
+    return 0
+
+
+def _preview_preference(recipe, tokenizer, args: argparse.Namespace) -> int:
+    import shutil
+
+    from finetune.commands.preference_view import marked_text, side_by_side
+    from finetune.data.preference import preview_records
+
+    rows = preview_records(recipe.data, tokenizer, args.limit)
+    paired = recipe.data.format == "preference"
+    if args.json:
+        for record, row in rows:
+            if paired:
+                sides = {side: {"input_ids": row[f"{side}_input_ids"], "labels": row[f"{side}_labels"]}
+                         for side in ("chosen", "rejected")}  # fmt: skip
+                print(json.dumps({"record": record, **sides}))
+            else:
+                print(json.dumps({"record": record, **row}))
+        return 0
+    colour = sys.stdout.isatty()
+    width = shutil.get_terminal_size((120, 24)).columns
+    for record, row in rows:
+        if paired:
+            trained = [sum(label != -100 for label in row[f"{side}_labels"]) for side in ("chosen", "rejected")]
+            print(f"--- record {record}: chosen {trained[0]} trained tokens, rejected {trained[1]} "
+                  f"({'green' if colour else '[[marked]]'})")  # fmt: skip
+            chosen = (row["chosen_input_ids"], row["chosen_labels"])
+            print(side_by_side(tokenizer, chosen, (row["rejected_input_ids"], row["rejected_labels"]), width, colour))
+        else:
+            label = "desirable" if row["desirable"] else "undesirable"
+            print(f"--- record {record}: {label}, {sum(label != -100 for label in row['labels'])} trained tokens")
+            print(marked_text(tokenizer, row["input_ids"], row["labels"], colour))
     return 0

@@ -6,7 +6,7 @@ Example:
 
 from __future__ import annotations
 
-from finetune.plan.memory import GiB, MemoryPlan
+from finetune.plan.memory import GiB, MemoryPlan, sequences_per_record
 from finetune.plan.suggest import Suggestion
 from finetune.recipe import Recipe
 
@@ -18,9 +18,13 @@ def _gib(num_bytes: int) -> str:
 def _header(name: str, recipe: Recipe, source: str, plan: MemoryPlan) -> list[str]:
     train = recipe.train
     layout = f"{plan.nproc} processes, {plan.strategy}, per rank" if plan.nproc > 1 else "1 process"
+    sequences = sequences_per_record(recipe)
+    records = (
+        f"{train.micro_batch_size} pairs ({train.micro_batch_size * sequences} sequences)" if sequences > 1 else ""
+    )
     return [
-        f"{name}: {recipe.model.base} (config: {source})",
-        f"{plan.device}, {layout}; micro-batch {train.micro_batch_size} x {recipe.data.max_seq_len} tokens, "
+        f"{name}: {recipe.model.base} (config: {source}); objective {train.objective}",
+        f"{plan.device}, {layout}; micro-batch {records or train.micro_batch_size} x {recipe.data.max_seq_len} tokens, "
         f"gradient checkpointing {'on' if train.gradient_checkpointing else 'off'}, precision {train.precision}",
         "",
     ]

@@ -60,6 +60,8 @@ _FORMAT_FIELDS = {
         "completion_only_loss",
     ),
     "chat": ("messages_field", "chat_template", "completion_only_loss"),
+    "preference": ("chat_template",),
+    "unpaired_preference": ("chat_template",),
 }
 _ROW_FIELDS = ("format", "max_seq_len", "overlength")
 

@@ -52,6 +52,7 @@ def collate_batch(
     packing: bool,
     layout: Literal["rows", "one_sequence"] = "rows",
     row_len: int | None = None,
+    document_index: bool = False,
 ) -> dict[str, torch.Tensor]:
     """Stack the documents of a micro-batch into tensors.
 
@@ -62,12 +63,16 @@ def collate_batch(
         layout: with packing, `rows` (R, T) or `one_sequence` (1, total_len), see the module docstring.
         row_len: with packing in `rows`, the most tokens a row holds; default (and at least) the longest
             document, so the batch is never wider than the padded one.
+        document_index: also return `document_index`, (R, T): which of `documents` each position holds
+            (-1 for padding); not a model input. Objectives that score whole sequences sum by it.
 
     Returns:
         `input_ids`, `labels`, `position_ids`, all (R, T) int64, and with packing=False also
         `attention_mask` (then R is the number of documents).
     """
     assert documents, "a micro-batch needs at least one document"
+    if document_index:
+        documents = [{**d, "document_index": [i] * len(d["input_ids"])} for i, d in enumerate(documents)]
     if packing and layout == "one_sequence":
         return _padded_rows([_concatenated(documents)], pad_token_id or 0, with_mask=False)
     if packing:
@@ -89,6 +94,11 @@ def _concatenated(documents: Sequence[Document]) -> dict[str, list[int]]:
         "input_ids": [token for document in documents for token in document["input_ids"]],
         "labels": [label for document in documents for label in document["labels"]],
         "position_ids": [position for document in documents for position in range(len(document["input_ids"]))],
+        **(
+            {"document_index": [index for document in documents for index in document["document_index"]]}
+            if "document_index" in documents[0]
+            else {}
+        ),
     }
 
 
@@ -104,8 +114,12 @@ def _padded_rows(rows: Sequence[Document], pad_token_id: int, with_mask: bool) -
     if with_mask:
         batch["position_ids"].zero_()
         batch["attention_mask"] = torch.zeros((len(rows), max_len), dtype=torch.long)
+    if "document_index" in rows[0]:
+        batch["document_index"] = torch.full((len(rows), max_len), -1, dtype=torch.long)
     for index, row in enumerate(rows):
         length = len(row["input_ids"])
+        if "document_index" in row:
+            batch["document_index"][index, :length] = torch.tensor(row["document_index"], dtype=torch.long)
         batch["input_ids"][index, :length] = torch.tensor(row["input_ids"], dtype=torch.long)
         batch["labels"][index, :length] = torch.tensor(row["labels"], dtype=torch.long)
         batch["position_ids"][index, :length] = torch.tensor(row["position_ids"], dtype=torch.long)
@@ -116,30 +130,34 @@ def _padded_rows(rows: Sequence[Document], pad_token_id: int, with_mask: bool) -
     return batch
 
 
-def describe_layout(lengths: Sequence[int], stream, packing: bool, sample: int = 2000) -> str:
+def describe_layout(
+    lengths: Sequence[Sequence[int]], stream, packing: bool, sample: int = 2000, unit: str = "documents"
+) -> str:
     """One line on how micro-batches are laid out: rows per micro-batch, and the padding computed packed or not.
 
     Args:
-        lengths: tokens of each training document (row of the data).
+        lengths: tokens of each sequence of each training row (one per document; two per preference pair).
         stream: the `MicroBatchStream` training draws from; its first `sample` micro-batches are measured.
         packing: whether this run packs (the other layout's padding is given beside it).
+        unit: what a row is, for the line (`documents`, `pairs`, `examples`).
     """
-    num_rows = padded = packed = real = 0
+    num_rows = padded = packed = real = sequences = 0
     count = min(stream.micro_batches_per_epoch, sample)
     for position in range(count):
-        batch = [lengths[i] for i in stream.indices(position)]
+        batch = [n for i in stream.indices(position) for n in lengths[i]]
         groups = pack_document_lengths(batch, max(batch))
         num_rows += len(groups)
+        sequences += len(batch)
         real += sum(batch)
         padded += len(batch) * max(batch)
         packed += len(groups) * max(sum(batch[i] for i in group) for group in groups)
     padding_packed, padding_padded = 1 - real / packed, 1 - real / padded
+    per_batch = f"{stream.micro_batch_size} {unit} per micro-batch"
+    if len(lengths[0]) > 1:
+        per_batch += f" ({sequences / count:.0f} sequences)"
     if packing:
         return (
-            f"batches: {stream.micro_batch_size} documents per micro-batch, packed into {num_rows / count:.1f} "
+            f"batches: {per_batch}, packed into {num_rows / count:.1f} "
             f"rows on average; padding computed {padding_packed:.1%} (unpacked: {padding_padded:.1%})"
         )
-    return (
-        f"batches: {stream.micro_batch_size} documents per micro-batch, one row each; padding computed "
-        f"{padding_padded:.1%} (packed: {padding_packed:.1%})"
-    )
+    return f"batches: {per_batch}, one row each; padding computed {padding_padded:.1%} (packed: {padding_packed:.1%})"

@@ -169,7 +169,6 @@ def _encode_instruction(records, config, tokenizer, locate) -> list[Document | N
 
 def _encode_chat(records, config, tokenizer, locate) -> list[Document | None]:
     template = chat_template_of(config, tokenizer)
-    marked = bool(_GENERATION_MARKER.search(template))
     documents: list[Document | None] = []
     for i, record in enumerate(records):
         where = locate(i)
@@ -178,8 +177,7 @@ def _encode_chat(records, config, tokenizer, locate) -> list[Document | None]:
             input_ids = list(_apply_template(tokenizer, messages, template, where, tokenize=True, return_dict=False))
             labels = list(input_ids)
         else:
-            render = _render_with_mask if marked else _render_by_sentinel
-            input_ids, trained = render(messages, template, tokenizer, where)
+            input_ids, trained = render_chat(messages, template, tokenizer, where)
             labels = [token if keep else IGNORE_INDEX for token, keep in zip(input_ids, trained)]
         if labels:
             labels[0] = IGNORE_INDEX
@@ -231,7 +229,9 @@ def _from_sharegpt(record: dict[str, Any], where: str) -> list[dict[str, Any]]:
     return messages
 
 
-def _messages_field(record: dict[str, Any], name: str, where: str) -> list[dict[str, Any]]:
+def _messages_field(
+    record: dict[str, Any], name: str, where: str, hint: str = "; fix the record or set data.messages_field"
+) -> list[dict[str, Any]]:
     """The record's messages: OpenAI shape in `name` (`role`/`content`), else ShareGPT `conversations`."""
     messages = record.get(name)
     if messages is None and _SHAREGPT_FIELD in record:
@@ -241,8 +241,7 @@ def _messages_field(record: dict[str, Any], name: str, where: str) -> list[dict[
     if not isinstance(messages, list) or not messages:
         kind = "an empty list" if isinstance(messages, list) else f"{type(messages).__name__} {_preview(messages)}"
         raise DataError(
-            f"{where}: field {name!r} must be a non-empty list of {{role, content}} messages, got "
-            f"{kind}; fix the record or set data.messages_field"
+            f"{where}: field {name!r} must be a non-empty list of {{role, content}} messages, got {kind}{hint}"
         )
     for index, message in enumerate(messages):
         if not isinstance(message, dict):
@@ -281,6 +280,23 @@ def _apply_template(tokenizer, messages, template: str, where: str, **kwargs):
             f"{where}: the chat template cannot render this conversation ({exc}); fix the "
             f"messages or data.chat_template"
         ) from None
+
+
+def render_chat(messages, template: str, tokenizer, where: str) -> tuple[list[int], list[bool]]:
+    """Token ids of a conversation rendered by `template`, and for each whether completion-only loss trains it
+    (an assistant turn's content and its end-of-turn token): from the template's `{% generation %}` marks when
+    it has them, else located by sentinel rendering."""
+    render = _render_with_mask if _GENERATION_MARKER.search(template) else _render_by_sentinel
+    return render(messages, template, tokenizer, where)
+
+
+def render_chat_prompt(messages, template: str, tokenizer, where: str) -> list[int]:
+    """Token ids of `messages` rendered as a prompt: with the template's generation prompt (the assistant's
+    turn header) at the end, as at inference."""
+    rendered = _apply_template(
+        tokenizer, messages, template, where, tokenize=True, return_dict=False, add_generation_prompt=True
+    )
+    return list(rendered)
 
 
 def _render_with_mask(messages, template, tokenizer, where) -> tuple[list[int], list[bool]]:

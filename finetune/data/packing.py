@@ -63,9 +63,12 @@ def pack_document_lengths(lengths: Sequence[int], max_seq_len: int) -> list[list
     return rows
 
 
-def document_lengths(documents: datasets.Dataset) -> list[int]:
-    """Tokens in each document, read from Arrow without materialising the token lists in Python."""
-    return pc.list_value_length(documents.data.column("input_ids")).to_pylist()
+def sequence_lengths(rows: datasets.Dataset) -> list[list[int]]:
+    """Tokens of each sequence each row holds: one per document row, chosen and rejected for a preference pair
+    (every `*input_ids` column), read from Arrow."""
+    columns = [name for name in rows.column_names if name.endswith("input_ids")]
+    per_column = [pc.list_value_length(rows.data.column(name)).to_pylist() for name in columns]
+    return [list(lengths) for lengths in zip(*per_column)]
 
 
 def arrow_dataset(table: pa.Table) -> datasets.Dataset:

@@ -40,11 +40,13 @@ from transformers import PreTrainedTokenizerBase
 from finetune.data import cache
 from finetune.data.formats import Document, encode_records
 from finetune.data.overlength import fit_to_length
+from finetune.data.packing import ROW_FEATURES
+from finetune.data.preference import ROW_FEATURES_BY_FORMAT, encode_preference_records, no_room_error
 from finetune.data.rowfiles import partition_rows, stream_writer
 from finetune.data.sources import RecordChunk, iter_records, load_source
 from finetune.data.workers import default_num_proc, ordered_map
 from finetune.errors import DataError
-from finetune.recipe import DataConfig, SourceConfig
+from finetune.recipe import PREFERENCE_FORMATS, DataConfig, SourceConfig
 
 Log = Callable[[str], None]
 
@@ -57,7 +59,22 @@ DOCUMENT_FEATURES = datasets.Features(
     }
 )
 """Documents before rows: `truncated` marks a cut record, `record` numbers records across the sources (the
-pieces of a split record share it)."""
+pieces of a split record share it). The preference formats' rows have their own columns (`document_features`)."""
+
+
+def row_features(data_format: str) -> datasets.Features:
+    """The columns of the rows training reads: `input_ids` and `labels`, or a preference format's own."""
+    return ROW_FEATURES_BY_FORMAT.get(data_format, ROW_FEATURES)
+
+
+def document_features(data_format: str) -> datasets.Features:
+    """The columns a record's documents are written with: the format's row columns, `truncated` and `record`."""
+    if data_format not in PREFERENCE_FORMATS:
+        return DOCUMENT_FEATURES
+    bookkeeping = {name: DOCUMENT_FEATURES[name] for name in ("truncated", "record")}
+    return datasets.Features({**ROW_FEATURES_BY_FORMAT[data_format], **bookkeeping})
+
+
 _RECORDS_PER_CHUNK = 1000
 _CHARS_PER_CHUNK = 1 << 20
 """A chunk, the unit of work of a worker, ends at 1000 records or about 1 MiB of text: a second or two of
@@ -186,6 +203,7 @@ def _build(
     """Write the training (and validation) rows into `directory`; return their stats and whether there is
     validation data."""
     num_proc = config.num_proc or default_num_proc()
+    schema = row_features(config.format).arrow_schema
     split_off = not config.validation and config.validation_split > 0
     train_documents = directory / "documents-train.arrow"
     num_dropped, kept = _write_documents(config.train, config, tokenizer, num_proc, train_documents, log, split_off)
@@ -196,7 +214,7 @@ def _build(
         num_validation_dropped, _ = _write_documents(
             config.validation, config, tokenizer, num_proc, validation_documents, log, False
         )
-        validation_stats, _ = partition_rows(validation_documents, cache.rows_file(directory, "validation"))
+        validation_stats, _ = partition_rows(validation_documents, schema, cache.rows_file(directory, "validation"))
         validation_documents.unlink()
     elif split_off:
         held_out = _held_out_records(kept, config.validation_split, seed)
@@ -207,6 +225,7 @@ def _build(
         )
     train_stats, split_stats = partition_rows(
         train_documents,
+        schema,
         cache.rows_file(directory, "train"),
         cache.rows_file(directory, "validation") if held_out is not None else None,
         held_out,
@@ -246,6 +265,8 @@ def _jobs(sources: list[SourceConfig], config: DataConfig) -> Iterator[_Job]:
 def _encode_chunk(state: tuple[DataConfig, PreTrainedTokenizerBase], job: _Job) -> _Encoded:
     """Encode a chunk and apply `overlength`: one row per document (a record, or a piece of one)."""
     config, tokenizer = state
+    if config.format in PREFERENCE_FORMATS:
+        return _encode_preference_chunk(config, tokenizer, job)
     chunk = job.chunk
     encoded = encode_records(chunk.records, config, tokenizer, locate=chunk.where)
     columns: dict[str, list] = {name: [] for name in DOCUMENT_FEATURES}
@@ -260,6 +281,26 @@ def _encode_chunk(state: tuple[DataConfig, PreTrainedTokenizerBase], job: _Job) 
             columns["record"].append(job.first_record + offset)
     batch = pa.RecordBatch.from_pydict(columns, schema=DOCUMENT_FEATURES.arrow_schema)
     return _Encoded(batch, tally, job.source_index)
+
+
+def _encode_preference_chunk(config: DataConfig, tokenizer: PreTrainedTokenizerBase, job: _Job) -> _Encoded:
+    """One row per preference record (a pair, or an unpaired example), counted like documents."""
+    chunk = job.chunk
+    features = document_features(config.format)
+    columns: dict[str, list] = {name: [] for name in features}
+    tally = _Tally()
+    for offset, encoded in enumerate(encode_preference_records(chunk.records, config, tokenizer, chunk.where)):
+        tally.count_record(encoded.tokens_in, encoded.tokens_kept, encoded.too_long, kept=encoded.row is not None)
+        if encoded.no_room:
+            tally.num_no_room += 1
+            tally.first_no_room = tally.first_no_room or chunk.where(offset)
+        if encoded.row is None:
+            continue
+        for name, value in encoded.row.items():
+            columns[name].append(value)
+        columns["truncated"].append(encoded.too_long)
+        columns["record"].append(job.first_record + offset)
+    return _Encoded(pa.RecordBatch.from_pydict(columns, schema=features.arrow_schema), tally, job.source_index)
 
 
 def _write_documents(
@@ -285,7 +326,7 @@ def _write_documents(
             log(f"data: tokenized {records_of_source[index]} records from {sources[index].path}")
         return until
 
-    with stream_writer(path, DOCUMENT_FEATURES.arrow_schema) as writer:
+    with stream_writer(path, document_features(config.format).arrow_schema) as writer:
         for encoded in ordered_map(_encode_chunk, _jobs(sources, config), (config, tokenizer), num_proc):
             done = log_done(encoded.source_index)
             writer.write_batch(encoded.documents)
@@ -296,6 +337,8 @@ def _write_documents(
     log_done(len(sources))
     for line in tally.summary(config):
         log(line)
+    if tally.num_no_room:
+        raise no_room_error(tally.num_no_room, tally.num_records, tally.first_no_room, config)
     if tally.num_records == tally.num_dropped:
         where = ", ".join(source.path for source in sources)
         raise DataError(
@@ -315,19 +358,28 @@ class _Tally:
     num_pieces: int = 0
     tokens_in: int = 0
     tokens_kept: int = 0
+    num_no_room: int = 0
+    """Preference records whose prompt leaves no room for a completion within max_seq_len."""
+    first_no_room: str = ""
+    """Where the first of those is, for the error that refuses them."""
 
     def count(self, document: Document | None, pieces: list[Document], too_long: bool) -> None:
-        self.num_records += 1
-        self.num_dropped += not pieces
-        self.num_too_long += too_long
         self.num_pieces += len(pieces) if too_long else 0
-        self.tokens_in += len(document.input_ids) if document is not None else 0
-        self.tokens_kept += sum(len(piece.input_ids) for piece in pieces)
+        tokens_in = len(document.input_ids) if document is not None else 0
+        self.count_record(tokens_in, sum(len(piece.input_ids) for piece in pieces), too_long, kept=bool(pieces))
+
+    def count_record(self, tokens_in: int, tokens_kept: int, too_long: bool, kept: bool) -> None:
+        self.num_records += 1
+        self.num_dropped += not kept
+        self.num_too_long += too_long
+        self.tokens_in += tokens_in
+        self.tokens_kept += tokens_kept
 
     def merge(self, other: _Tally) -> None:
-        """Add the counts of `other` (records that follow these)."""
+        """Add the counts of `other` (records that follow these); the first location found stays."""
         for name, value in zip(self.__dataclass_fields__, astuple(other)):
-            setattr(self, name, getattr(self, name) + value)
+            mine = getattr(self, name)
+            setattr(self, name, mine + value if isinstance(mine, int) else mine or value)
 
     def summary(self, config: DataConfig) -> list[str]:
         lines = []

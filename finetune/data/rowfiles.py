@@ -6,9 +6,9 @@ format `datasets` keeps its own data in, which `datasets.Dataset.from_file` memo
 are read back batch by batch with ordinary reads, not a memory map, so the pages of a pass over them
 do not stay resident in this process either.
 
-`partition_rows` makes the rows training reads (`input_ids`, `labels`) out of a documents file (which
-also carries `truncated` and `record`), sending each document to the training or the validation file,
-and counts the stats of each on the way.
+`partition_rows` makes the rows training reads (`input_ids`, `labels`; a preference format's own columns)
+out of a documents file (which also carries `truncated` and `record`), sending each document to the
+training or the validation file, and counts the stats of each on the way.
 
 Example:
     with stream_writer(path, DOCUMENT_FEATURES.arrow_schema) as writer:
@@ -28,7 +28,6 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from finetune.data.labels import IGNORE_INDEX
-from finetune.data.packing import ROW_FEATURES
 
 
 @contextmanager
@@ -51,7 +50,8 @@ class RowCounter:
 
     The keys match what the pipeline reports for a split: num_records (records with at least one
     document), num_rows, num_tokens, num_label_tokens, num_truncated (documents cut to max_seq_len) and
-    num_split (records split into more than one piece).
+    num_split (records split into more than one piece). Tokens and labels are counted over every
+    `*input_ids` and `*labels` column (both sequences of a preference pair).
     """
 
     num_records: int = 0
@@ -67,9 +67,12 @@ class RowCounter:
         if batch.num_rows == 0:
             return
         self.num_rows += batch.num_rows
-        self.num_tokens += int(pc.sum(pc.list_value_length(batch.column("input_ids"))).as_py() or 0)
-        labels = pc.list_flatten(batch.column("labels"))
-        self.num_label_tokens += int(pc.sum(pc.not_equal(labels, IGNORE_INDEX)).as_py() or 0)
+        for name in batch.schema.names:
+            if name.endswith("input_ids"):
+                self.num_tokens += int(pc.sum(pc.list_value_length(batch.column(name))).as_py() or 0)
+            elif name.endswith("labels"):
+                labels = pc.list_flatten(batch.column(name))
+                self.num_label_tokens += int(pc.sum(pc.not_equal(labels, IGNORE_INDEX)).as_py() or 0)
         self.num_truncated += int(pc.sum(batch.column("truncated")).as_py() or 0)
         records = batch.column("record").to_numpy()
         starts = np.flatnonzero(np.diff(records, prepend=self._last_record))  # where a new record begins
@@ -96,12 +99,17 @@ class RowCounter:
 
 
 def partition_rows(
-    documents: Path, train: Path, validation: Path | None = None, held_out: np.ndarray | None = None
+    documents: Path,
+    schema: pa.Schema,
+    train: Path,
+    validation: Path | None = None,
+    held_out: np.ndarray | None = None,
 ) -> tuple[dict[str, int], dict[str, int] | None]:
     """Write the rows of `documents` to `train`, or to `validation` where `held_out[record]` is True.
 
     Args:
-        documents: an Arrow stream of `input_ids`, `labels`, `truncated`, `record` (record ids ascending).
+        documents: an Arrow stream of the row columns, `truncated` and `record` (record ids ascending).
+        schema: the rows' schema: the documents' columns but `truncated` and `record`.
         train: the training rows file to write.
         validation: the validation rows file; None keeps every document for training.
         held_out: one flag per record id (indexed by the `record` column); needed with `validation`.
@@ -110,7 +118,6 @@ def partition_rows(
         The stats of the training rows, and of the validation rows (None without `validation`).
     """
     counters = [RowCounter(), RowCounter()]
-    schema = ROW_FEATURES.arrow_schema
     with stream_writer(train, schema) as train_writer:
         writers = [train_writer]
         with _maybe_writer(validation, schema) as validation_writer:
@@ -125,7 +132,7 @@ def partition_rows(
                     parts = [batch.filter(pc.invert(mask)), batch.filter(mask)]
                 for part, writer, counter in zip(parts, writers, counters):
                     counter.add(part)
-                    rows = pa.RecordBatch.from_arrays([part.column("input_ids"), part.column("labels")], schema=schema)
+                    rows = pa.RecordBatch.from_arrays([part.column(name) for name in schema.names], schema=schema)
                     writer.write_batch(rows)
     return counters[0].stats(), counters[1].stats() if validation is not None else None
 

@@ -100,6 +100,31 @@ class MemoryPlan:
         }
 
 
+PAIRED_OBJECTIVES = ("dpo", "orpo", "simpo")
+
+
+def sequences_per_record(recipe: Recipe) -> int:
+    """Sequences one micro-batch record puts through the forward pass with gradients: 2 for a preference pair
+    (chosen and rejected, packed side by side), 1 otherwise (KTO's KL sequences go through without gradient)."""
+    return 2 if recipe.train.objective in PAIRED_OBJECTIVES else 1
+
+
+def micro_batch_tokens(recipe: Recipe) -> int:
+    """Tokens of one micro-batch at the length limit: records x sequences per record x `max_seq_len`."""
+    return recipe.train.micro_batch_size * sequences_per_record(recipe) * recipe.data.max_seq_len
+
+
+def reference_part(recipe: Recipe) -> Part | None:
+    """What the reference policy of DPO/KTO costs: nothing on the device with the adapter disabled (the trained
+    model's own base, run without gradient before the step's forward, so not at the peak), or 8 bytes per pair
+    kept with the rows when precomputed. None for objectives without a reference."""
+    if recipe.train.objective not in ("dpo", "kto"):
+        return None
+    if recipe.train.precompute_reference:
+        return Part("reference", 0, "host", "precomputed: 8 bytes per pair with the data, no forward pass per step")
+    return Part("reference", 0, "device", "the base with the adapter disabled: no second copy, no gradient")
+
+
 def weight_bytes(recipe: Recipe, shape: ModelShape, impl: Implementation) -> int:
     """Frozen base weights: 16/32-bit as `model.dtype`, or bitsandbytes 4/8-bit for the decoder's linear layers."""
     model = recipe.model
@@ -151,7 +176,8 @@ def layer_activation_bytes_per_token(recipe: Recipe, shape: ModelShape, tokens_p
 
 
 def activation_bytes(recipe: Recipe, shape: ModelShape, impl: Implementation) -> tuple[int, str]:
-    """Saved activations of the decoder layers at the peak, at `micro_batch_size` x `max_seq_len` tokens.
+    """Saved activations of the decoder layers at the peak, at `micro_batch_size` x `max_seq_len` tokens (twice
+    that for preference pairs: both completions go through one forward).
 
     Without checkpointing every layer's activations are live when the loss's backward starts, on top of
     the logits. With gradient checkpointing each layer keeps only its input (the residual stream, in the
@@ -159,7 +185,7 @@ def activation_bytes(recipe: Recipe, shape: ModelShape, impl: Implementation) ->
     logits and their gradients are freed, so the recomputed layer adds only what it exceeds the logits by.
     """
     seq_len = recipe.data.max_seq_len
-    tokens = recipe.train.micro_batch_size * seq_len
+    tokens = micro_batch_tokens(recipe)
     one_layer = layer_activation_bytes_per_token(recipe, shape, seq_len) * tokens
     if not recipe.train.gradient_checkpointing:
         return int(one_layer * shape.num_layers), f"{shape.num_layers} layers x {tokens} tokens"
@@ -173,8 +199,7 @@ def activation_bytes(recipe: Recipe, shape: ModelShape, impl: Implementation) ->
 
 def logits_bytes(recipe: Recipe, shape: ModelShape, impl: Implementation) -> int:
     """The (B, T, V) logits and their cross-entropy at the peak of the loss (see `Implementation.logits_bytes`)."""
-    tokens = recipe.train.micro_batch_size * recipe.data.max_seq_len
-    return int(tokens * shape.vocab_size * impl.logits_bytes)
+    return int(micro_batch_tokens(recipe) * shape.vocab_size * impl.logits_bytes)
 
 
 @dataclass(frozen=True)
@@ -256,9 +281,11 @@ def estimate(
         plan.parts.append(Part("ddp buckets", shape.lora_params * impl.lora_bytes, "device", "all-reduce buffers"))
     activations, note = activation_bytes(recipe, shape, impl)
     plan.parts.append(Part("activations", activations, "device", note))
-    tokens = recipe.train.micro_batch_size * recipe.data.max_seq_len
     plan.parts.append(Part("logits", logits_bytes(recipe, shape, impl), "device",
-                           f"{tokens} tokens x {shape.vocab_size:,} vocabulary"))  # fmt: skip
+                           f"{micro_batch_tokens(recipe)} tokens x {shape.vocab_size:,} vocabulary"))  # fmt: skip
+    reference = reference_part(recipe)
+    if reference is not None:
+        plan.parts.append(reference)
     runtime = CUDA_CONTEXT_BYTES if device == "cuda" else CPU_RUNTIME_BYTES
     plan.parts.append(Part("runtime", runtime, "device", "CUDA context" if device == "cuda" else "Python + libraries"))
     return plan

@@ -40,6 +40,8 @@ PLOT_CAPTIONS = {
     "lr": "Learning rate against optimizer steps and against tokens seen.",
     "eval": "Held-out loss and perplexity at each evaluation; dashed: the base model before training.",
     "throughput": "Training throughput (tokens per second) at each logged step.",
+    "rewards": "Implicit rewards of the chosen and rejected completions and their margin (left); the share of pairs "
+    "whose chosen completion has the higher reward (right; squares: held out).",
 }
 
 
@@ -134,6 +136,8 @@ ROWS: tuple[tuple[str, Callable[[RunHistory], str]], ...] = (
     ("training", _training),
     ("held-out perplexity (base → adapter)", lambda run: _held_out(run, "eval_ppl", 3)),
     ("held-out loss (base → adapter)", lambda run: _held_out(run, "eval_loss", 4)),
+    ("held-out reward accuracy (start → adapter)", lambda run: _held_out(run, "eval_reward_accuracy", 3)),
+    ("held-out reward margin (start → adapter)", lambda run: _held_out(run, "eval_reward_margin", 3)),
     ("last training loss", lambda run: _last(run, "loss", ".4f")),
     ("steps, tokens", lambda run: f"{_last(run, 'step', 'd')} steps, {_last(run, 'tokens_seen', ',.0f')} tokens"),
     (
@@ -148,6 +152,8 @@ ROWS: tuple[tuple[str, Callable[[RunHistory], str]], ...] = (
     ),
 )
 """The run table, row by row: a label and how to describe one run in that row."""
+_WHEN_RECORDED = ("held-out reward accuracy (start → adapter)", "held-out reward margin (start → adapter)")
+"""Rows left out of a table whose runs all lack them (the preference metrics of SFT runs)."""
 
 
 def run_table(runs: Sequence[RunHistory]) -> str:
@@ -155,7 +161,10 @@ def run_table(runs: Sequence[RunHistory]) -> str:
     head = "".join(f"<th>{html.escape(run.name)}</th>" for run in runs)
     body = []
     for label, describe in ROWS:
-        cells = "".join(f"<td>{html.escape(describe(run))}</td>" for run in runs)
+        described = [describe(run) for run in runs]
+        if label in _WHEN_RECORDED and all(text == _MISSING for text in described):
+            continue
+        cells = "".join(f"<td>{html.escape(text)}</td>" for text in described)
         body.append(f"<tr><th>{html.escape(label)}</th>{cells}</tr>")
     return f"<table><thead><tr><th></th>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>"
 

@@ -7,7 +7,9 @@ name (base-model lines `<name>: base model`), which is how the tests read the pl
 - `loss`: training loss against optimizer steps and against tokens seen;
 - `lr`: learning rate, the same two ways;
 - `eval`: held-out loss and perplexity at each evaluation, with the base model's value as a dashed line;
-- `throughput`: training tokens per second at each logged step.
+- `throughput`: training tokens per second at each logged step;
+- `rewards` (preference runs only): the implicit rewards of the chosen and rejected completions and their
+  margin, and the reward accuracy, at each logged step and (markers) each evaluation.
 
 Example:
     figures = make_figures([read_run(Path("runs/a")), read_run(Path("runs/b"))])
@@ -27,6 +29,8 @@ if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
 FIGURE_NAMES = ("loss", "lr", "eval", "throughput")
+PREFERENCE_FIGURE = "rewards"
+"""Added to `FIGURE_NAMES` when a run logged preference metrics (`reward_margin`)."""
 BASE_SUFFIX = ": base model"
 RUN_COLOURS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#17becf")
 _FEW_POINTS = 30  # below this many points a line also gets markers, so single evaluations stay visible
@@ -119,14 +123,41 @@ def _throughput(runs: Sequence[RunHistory]) -> Figure:
     return figure
 
 
+def _rewards(runs: Sequence[RunHistory]) -> Figure:
+    """Rewards and margin (left), reward accuracy (right): training records as lines, evaluations as markers."""
+    figure, (reward_axes, accuracy_axes) = _new_figure(2)
+    has_data = False
+    styles = (
+        ("rewards_chosen", "chosen", "-"),
+        ("rewards_rejected", "rejected", ":"),
+        ("reward_margin", "margin", "--"),
+    )
+    for index, run in enumerate(runs):
+        colour = _colour(index)
+        for key, label, style in styles:
+            steps, values = run.series(key)
+            reward_axes.plot(steps, values, label=f"{run.name}: {label}", color=colour, linestyle=style, linewidth=1.4)
+            has_data = has_data or bool(steps)
+        _plot(accuracy_axes, *run.series("reward_accuracy"), run.name, colour)
+        eval_steps, eval_values = run.series("eval_reward_accuracy", evaluation=True)
+        accuracy_axes.plot(eval_steps, eval_values, "s", color=colour, label=f"{run.name}: held out")
+    _finish(reward_axes, "implicit rewards by optimizer step", "step", "reward", has_data)
+    _finish(accuracy_axes, "reward accuracy (chosen > rejected)", "step", "share of pairs", has_data)
+    return figure
+
+
 def make_figures(runs: Sequence[RunHistory]) -> dict[str, Figure]:
-    """The report's figures by name (`FIGURE_NAMES`), every run overlaid in its own colour."""
-    return {
+    """The report's figures by name (`FIGURE_NAMES`, and `rewards` for preference runs), every run overlaid
+    in its own colour."""
+    figures = {
         "loss": _steps_and_tokens(runs, "loss", "training loss"),
         "lr": _steps_and_tokens(runs, "lr", "learning rate"),
         "eval": _held_out(runs),
         "throughput": _throughput(runs),
     }
+    if any(run.series("reward_margin")[0] for run in runs):
+        figures[PREFERENCE_FIGURE] = _rewards(runs)
+    return figures
 
 
 def png_bytes(figure: Figure) -> bytes:

@@ -1,7 +1,10 @@
 """Held-out loss and perplexity of a model on tokenized rows, on one process or many.
 
 Perplexity is exp of the mean loss per label token over the whole set (not a mean of per-batch
-perplexities), so it does not depend on how rows are batched or shared out between processes.
+perplexities), so it does not depend on how rows are batched or shared out between processes. With a
+preference objective (`finetune.training.objectives`) the loss is that objective's, the metrics its own
+(`eval_reward_accuracy`, `eval_reward_margin`, ...), and the perplexity that of the chosen (desirable)
+completions.
 
 Without an `accelerator` (`finetune eval`, the Python API) one process evaluates on the model's own
 device; a training run passes its accelerator, whose device, precision and processes it then uses.
@@ -19,25 +22,36 @@ from contextlib import nullcontext
 import torch
 
 from finetune.device import model_device, to_device
-from finetune.training.loss import forward_loss
+from finetune.training.objectives.base import CollateOptions, Models, Objective, summarise
+from finetune.training.objectives.sft import SFT
 
 
 @torch.no_grad()
 def evaluate(
-    model, rows, *, collate, micro_batch_size: int, accelerator=None, max_batches: int | None = None
+    model,
+    rows,
+    *,
+    collate,
+    micro_batch_size: int,
+    accelerator=None,
+    max_batches: int | None = None,
+    objective: Objective | None = None,
 ) -> dict[str, float]:
-    """Mean token loss and perplexity over `rows`, each process taking a strided share.
+    """Mean loss and perplexity over `rows` (and the objective's metrics), each process taking a strided share.
 
     Every process runs the same number of forward passes (one with fewer rows repeats a batch and
     discards it): a sharded model's forward is a collective, which a rank with no batch left would hang.
     """
+    objective = objective if objective is not None else SFT(CollateOptions(pad_token_id=None, packing=True))
+    models = Models(model, model, accelerator)
     was_training = model.training
     model.eval()
     rank, processes = (accelerator.process_index, accelerator.num_processes) if accelerator else (0, 1)
     device = accelerator.device if accelerator else model_device(model)
     autocast = accelerator.autocast if accelerator else nullcontext
-    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-    num_tokens = torch.zeros((), dtype=torch.float64, device=device)
+    names = sorted([f"loss/{unit}" for unit in objective.loss_units] + list(objective.metric_units))
+    sums = {name: torch.zeros((), dtype=torch.float64, device=device) for name in names}
+    counts = [0] * len(objective.count_units)
     indices = list(range(rank, len(rows), processes))
     batches = [indices[i : i + micro_batch_size] for i in range(0, len(indices), micro_batch_size)]
     batches = batches[:max_batches]
@@ -45,15 +59,22 @@ def evaluate(
     for number in range(min(most, max_batches or most)):
         counted = number < len(batches)
         batch_indices = batches[number] if counted else [0]
-        batch = to_device(collate([rows[i] for i in batch_indices]), device)
+        host_batch = collate([rows[i] for i in batch_indices])
+        batch = to_device(host_batch, device)
         with autocast():
-            batch_loss, batch_tokens = forward_loss(model, batch)
+            terms = objective.terms(models, batch, objective.prepare(models, [batch], reduce=False)[0])
         if counted:
-            loss_sum += batch_loss.double()
-            num_tokens += batch_tokens.double()
-    totals = torch.stack([loss_sum, num_tokens])
-    if accelerator is not None:
-        totals = accelerator.reduce(totals, reduction="sum")
+            batch_counts = objective.counts(host_batch)
+            counts = [total + batch_counts[unit] for total, unit in zip(counts, objective.count_units)]
+            for name, value in ({f"loss/{u}": v for u, v in terms.losses.items()} | terms.metrics).items():
+                sums[name] += value.double()
     model.train(was_training)
-    mean_loss = (totals[0] / totals[1].clamp(min=1)).item()
-    return {"eval_loss": mean_loss, "eval_ppl": math.exp(min(mean_loss, 50.0)), "eval_tokens": int(totals[1].item())}
+    local = torch.cat(
+        [torch.stack([sums[name] for name in names]), torch.tensor(counts, dtype=torch.float64, device=device)]
+    )
+    totals = (accelerator.reduce(local, reduction="sum") if accelerator is not None else local).tolist()
+    count_of = dict(zip(objective.count_units, totals[len(names) :]))
+    result = summarise(objective, dict(zip(names, totals)), count_of)
+    tokens_unit = objective.metric_units["nll"]
+    return {"eval_loss": result.pop("loss"), "eval_ppl": result.pop("ppl", math.nan),
+            "eval_tokens": int(count_of[tokens_unit]), **{f"eval_{name}": value for name, value in result.items()}}  # fmt: skip

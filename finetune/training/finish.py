@@ -24,6 +24,7 @@ from finetune.errors import OutputError
 from finetune.manifest import build_manifest, write_manifest
 from finetune.recipe import recipe_to_dict
 from finetune.report.runs import perplexity_change
+from finetune.training.objectives.base import describe_rewards
 from finetune.training.run import TrainingRun
 
 
@@ -33,13 +34,22 @@ def summary_metrics(run: TrainingRun, last: dict[str, float], say: Callable[[str
     base_eval = run.base_eval
     if base_eval:
         metrics["base_eval_loss"], metrics["base_eval_ppl"] = base_eval["eval_loss"], base_eval["eval_ppl"]
+        for key in ("eval_reward_accuracy", "eval_reward_margin"):  # a preference run's, at its start
+            if key in base_eval:
+                metrics[f"base_{key}"] = base_eval[key]
     if base_eval and "eval_ppl" in last:
         cut = 1 - last["eval_ppl"] / base_eval["eval_ppl"]
         metrics["ppl_cut"] = cut
-        say(
-            f"held-out perplexity: base {base_eval['eval_ppl']:.3f} -> base + adapter {last['eval_ppl']:.3f} "
-            f"({perplexity_change(base_eval['eval_ppl'], last['eval_ppl'])})"
-        )
+        change = perplexity_change(base_eval["eval_ppl"], last["eval_ppl"])
+        if run.recipe.train.objective == "sft":
+            say(
+                f"held-out perplexity: base {base_eval['eval_ppl']:.3f} -> base + adapter {last['eval_ppl']:.3f} ({change})"
+            )
+        else:
+            say(
+                f"held-out perplexity of the chosen completions: start {base_eval['eval_ppl']:.3f} -> "
+                f"{last['eval_ppl']:.3f} ({change}); eval loss {last['eval_loss']:.4f}{describe_rewards(last, 'eval_')}"
+            )
     return metrics
 
 

@@ -6,13 +6,16 @@ lives in `finetune.training.run` (the `TrainingRun` state), reporting in `finetu
 `on_step` callback). What happens per optimizer step, in order:
 
 1. take the next `grad_accum_steps` micro-batches of the deterministic stream (`finetune.data.sampler`);
-2. count their label tokens and sum that count over processes: N;
-3. for each micro-batch: loss = Σ token losses / N · num_processes, backward (gradients are only
-   synchronised on the last one). DDP averages gradients over processes, hence the · num_processes:
-   the result is exactly the gradient of the mean token loss over the whole global batch, however the
-   tokens fall into micro-batches;
-4. clip; stop (or skip, if the recipe allows) on a NaN/Inf loss or gradient; step, schedule;
-5. report the step, evaluate and checkpoint on their intervals; on SIGINT/SIGTERM checkpoint and stop.
+2. count the units the objective normalises by (`finetune.training.objectives`: label tokens for SFT,
+   pairs for DPO/ORPO/SimPO, examples for KTO) and sum each over processes: N_u;
+3. let the objective do the step's no-grad work (reference log-probabilities, KTO's KL baseline);
+4. for each micro-batch: loss = Σ_u (Σ of the loss over u) / N_u · num_processes, backward (gradients
+   are only synchronised on the last one). DDP averages gradients over processes, hence the
+   · num_processes: the result is exactly the gradient of the mean loss over the whole global batch,
+   however its tokens or pairs fall into micro-batches; the step's loss and metrics are summed as
+   tensors and reduced once, at the end of the step;
+5. clip; stop (or skip, if the recipe allows) on a NaN/Inf loss or gradient; step, schedule;
+6. report the step, evaluate and checkpoint on their intervals; on SIGINT/SIGTERM checkpoint and stop.
 
 Example:
     result = train("recipes/quickstart.yaml", ["train.max_steps=20"])
@@ -39,7 +42,8 @@ from finetune.report import report_finished_run
 from finetune.training import checkpoint as ckpt
 from finetune.training.finish import finish_run
 from finetune.training.interrupt import StopRequest, TrainingInterrupted, graceful_stop
-from finetune.training.loss import forward_loss
+from finetune.training.objectives.base import CollateOptions, Models, Objective, summarise
+from finetune.training.objectives.sft import SFT
 from finetune.training.progress import Say, StepCallback, TrainingLog, fan_out
 from finetune.training.run import TrainingRun, start_run
 from finetune.training.sharding import DdpSharding, Sharding
@@ -130,7 +134,9 @@ def run_steps(run: TrainingRun, stop: StopRequest, on_step: StepCallback) -> dic
     last: dict[str, float] = {}
     while run.step < run.length.total_steps:
         micro_batches = run.next_micro_batches()
-        loss = accumulate_gradients(run.model_for_step, micro_batches, run.accelerator, run.sharding)
+        loss, step_metrics = accumulate_gradients(
+            run.model_for_step, micro_batches, run.accelerator, run.sharding, run.objective, run.peft_model
+        )
         max_norm = train_config.max_grad_norm or math.inf  # inf: measure the norm (for the NaN check), clip nothing
         grad_norm = run.sharding.clip_grad_norm(run.accelerator, run.trainable_parameters, max_norm)
         if not (math.isfinite(loss) and math.isfinite(grad_norm)):
@@ -142,7 +148,7 @@ def run_steps(run: TrainingRun, stop: StopRequest, on_step: StepCallback) -> dic
         run.optimizer.zero_grad(set_to_none=True)
         run.advance(micro_batches)
 
-        last = {**last, "loss": loss, "grad_norm": grad_norm, "lr": run.scheduler.get_last_lr()[0]}
+        last = {**last, **step_metrics, "loss": loss, "grad_norm": grad_norm, "lr": run.scheduler.get_last_lr()[0]}
         last.update(tokens_seen=run.tokens_seen, epoch=run.stream.epoch_of(run.position))
         last.update(elapsed_s=time.perf_counter() - start_time, skipped_steps=skipped_steps)
         is_final = run.step == run.length.total_steps
@@ -185,25 +191,63 @@ def _refuse_nonfinite(run: TrainingRun, loss: float, grad_norm: float, skipped_s
     )
 
 
-def accumulate_gradients(
-    model: Any, micro_batches: list[dict[str, torch.Tensor]], accelerator: Any, sharding: Sharding | None = None
-) -> float:
-    """Backward every micro-batch of one optimizer step; return the step's mean token loss.
+class StepLoss(NamedTuple):
+    loss: float
+    metrics: dict[str, float]
+    """The objective's metrics over the step (means over their units, all processes): {} for SFT."""
 
-    Each micro-batch's summed token loss is divided by the label tokens of the whole step, summed over
-    processes, and multiplied by the process count (DDP and FSDP average gradients over processes): the
-    gradients are those of one batch holding every token, however the tokens were split up.
+
+def accumulate_gradients(
+    model: Any,
+    micro_batches: list[dict[str, torch.Tensor]],
+    accelerator: Any,
+    sharding: Sharding | None = None,
+    objective: Objective | None = None,
+    peft_model: Any = None,
+) -> StepLoss:
+    """Backward every micro-batch of one optimizer step; return the step's loss and metrics.
+
+    Each micro-batch's loss, summed over each normalisation unit of the objective (label tokens for SFT,
+    the default), is divided by that unit's count over the whole step, summed over processes, and
+    multiplied by the process count (DDP and FSDP average gradients over processes): the gradients are
+    those of one batch holding everything, however it was split up. `peft_model` is `model` unwrapped
+    (default: `model`), for the objective's no-grad passes.
     """
     sharding = sharding or DdpSharding()
-    local_tokens = sum(int((b["labels"][:, 1:] != -100).sum()) for b in micro_batches)
-    global_tokens = int(accelerator.reduce(torch.tensor(local_tokens, device=accelerator.device), reduction="sum"))
-    loss_sum = 0.0
-    for index, batch in enumerate(micro_batches):
-        is_last = index == len(micro_batches) - 1
+    objective = objective if objective is not None else SFT(CollateOptions(pad_token_id=None, packing=True))
+    models = Models(model, model if peft_model is None else peft_model, accelerator)
+    counts = _step_counts(objective, micro_batches, accelerator)  # on the device: nothing waits for them
+    batches = [to_device(batch, accelerator.device) for batch in micro_batches]
+    with accelerator.autocast():
+        prepared = objective.prepare(models, batches, reduce=True)
+    sums: dict[str, torch.Tensor] = {}
+    for index, (batch, state) in enumerate(zip(batches, prepared)):
+        is_last = index == len(batches) - 1
         with sharding.gradient_sync(accelerator, model, sync=is_last):  # the backward too: it reduces gradients
             with accelerator.autocast():
-                batch_loss_sum, _ = forward_loss(model, to_device(batch, accelerator.device))
-            sharding.backward(accelerator, batch_loss_sum * accelerator.num_processes / max(global_tokens, 1))
-        loss_sum += batch_loss_sum.item()
-    total = accelerator.reduce(torch.tensor(loss_sum, dtype=torch.float64, device=accelerator.device), reduction="sum")
-    return float(total) / max(global_tokens, 1)
+                terms = objective.terms(models, batch, state)
+            loss: Any = None
+            for unit in objective.loss_units:
+                count = counts[unit].clamp(min=1).to(terms.losses[unit].dtype)
+                term = terms.losses[unit] * accelerator.num_processes / count
+                loss = term if loss is None else loss + term
+            sharding.backward(accelerator, loss)
+        named = {f"loss/{unit}": value for unit, value in terms.losses.items()} | terms.metrics
+        for name, value in named.items():
+            sums[name] = sums.get(name, 0) + value.detach().double()
+    names = sorted(sums)
+    totals = accelerator.reduce(torch.stack([sums[name] for name in names]), reduction="sum")
+    values = torch.cat([totals, torch.stack([counts[unit] for unit in objective.count_units])]).tolist()  # one sync
+    reported = summarise(objective, dict(zip(names, values)), dict(zip(objective.count_units, values[len(names) :])))
+    return StepLoss(reported.pop("loss"), {name: value for name, value in reported.items() if name != "ppl"})
+
+
+def _step_counts(objective: Objective, micro_batches: list[dict[str, torch.Tensor]], accelerator: Any) -> dict:
+    """Each unit's count over the step's micro-batches (counted on the host) and every process, as float64 on
+    the device."""
+    local = [0] * len(objective.count_units)
+    for batch in micro_batches:
+        batch_counts = objective.counts(batch)
+        local = [total + batch_counts[unit] for total, unit in zip(local, objective.count_units)]
+    reduced = accelerator.reduce(torch.tensor(local, dtype=torch.float64, device=accelerator.device), reduction="sum")
+    return dict(zip(objective.count_units, reduced))

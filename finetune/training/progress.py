@@ -1,8 +1,9 @@
 """What a training run reports as it goes: one `on_step(step, metrics)` callback, and its standard consumer.
 
 The loop in `finetune.training.loop` calls `on_step` once per optimizer step with that step's metrics (`loss`,
-`lr`, `grad_norm`, `tokens_seen`, `epoch`, `elapsed_s`, and `eval_loss`/`eval_ppl` after an
-evaluation). Everything that reports progress consumes that one stream: `TrainingLog` (metrics.jsonl,
+`lr`, `grad_norm`, `tokens_seen`, `epoch`, `elapsed_s`, the objective's own (a preference objective's
+`rewards_chosen`, `reward_accuracy`, ...), and `eval_loss`/`eval_ppl` (and `eval_reward_accuracy`, ...)
+after an evaluation). Everything that reports progress consumes that one stream: `TrainingLog` (metrics.jsonl,
 the console line or progress bar, and the experiment trackers of `finetune.training.tracking`, TensorBoard among
 them, which receive exactly the records metrics.jsonl gets), a benchmark timing the run, a user's own callback.
 
@@ -20,8 +21,12 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
+from finetune.training.objectives.base import describe_rewards
+
 StepCallback = Callable[[int, dict[str, float]], None]
 Say = Callable[[str], None]
+_NOT_RECORDED = ("elapsed_s", "skipped_steps")
+"""Step metrics the log keeps out of metrics.jsonl (the run's clock, and a count its manifest records)."""
 
 
 def fan_out(*callbacks: StepCallback | None) -> StepCallback:
@@ -80,14 +85,18 @@ class TrainingLog:
         if not eval_metrics:
             return
         self._write(step, eval_metrics)
-        self.say(f"step {step}: eval loss {eval_metrics['eval_loss']:.4f}, perplexity {eval_metrics['eval_ppl']:.3f}")
+        self.say(
+            f"step {step}: eval loss {eval_metrics['eval_loss']:.4f}, perplexity {eval_metrics['eval_ppl']:.3f}"
+            + describe_rewards(eval_metrics, prefix="eval_")
+        )
 
     def _log_train(self, step: int, metrics: dict[str, float]) -> None:
         elapsed_s, tokens_seen = metrics["elapsed_s"], metrics["tokens_seen"]
         tokens_per_s = (tokens_seen - self._last[1]) / max(elapsed_s - self._last[0], 1e-9)
         self._last = (elapsed_s, int(tokens_seen))
         keys = ("loss", "lr", "epoch", "tokens_seen", "grad_norm")
-        values = {**{k: metrics[k] for k in keys if k in metrics}, "tokens_per_s": tokens_per_s}
+        objective = {k: v for k, v in metrics.items() if k not in (*keys, *_NOT_RECORDED) and not k.startswith("eval_")}
+        values = {**{k: metrics[k] for k in keys if k in metrics}, "tokens_per_s": tokens_per_s, **objective}
         self._write(step, values)
         self._bar.set_postfix(loss=f"{metrics['loss']:.4f}", tok_s=f"{tokens_per_s:,.0f}")
         if not self.show_bar:
@@ -95,8 +104,8 @@ class TrainingLog:
             seconds_per_step = (time.perf_counter() - start_time) / max(step - start_step, 1)
             eta = format_seconds(seconds_per_step * (self.total_steps - step))
             self.say(
-                f"step {step}/{self.total_steps}: loss {metrics['loss']:.4f}, lr {metrics['lr']:.3g}, "
-                f"{tokens_per_s:,.0f} tokens/s, ETA {eta}"
+                f"step {step}/{self.total_steps}: loss {metrics['loss']:.4f}{describe_rewards(metrics)}, "
+                f"lr {metrics['lr']:.3g}, {tokens_per_s:,.0f} tokens/s, ETA {eta}"
             )
 
     def _write(self, step: int, values: dict[str, float]) -> None:

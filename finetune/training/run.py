@@ -21,7 +21,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from accelerate import Accelerator
@@ -31,9 +31,9 @@ from transformers import get_scheduler
 
 from finetune.adapters.lora import PEFT_PREFIX
 from finetune.adapters.resolved_base import ResolvedBase, resolve_base
-from finetune.data import build_datasets, collate_batch
+from finetune.data import build_datasets
 from finetune.data.collate import describe_layout
-from finetune.data.packing import document_lengths
+from finetune.data.packing import sequence_lengths
 from finetune.data.sampler import MicroBatchStream
 from finetune.errors import CheckpointError, RecipeError
 from finetune.model import (
@@ -50,6 +50,9 @@ from finetune.training import checkpoint as ckpt
 from finetune.training.deepspeed import DeepSpeedSharding, deepspeed_plugin
 from finetune.training.evaluate import evaluate
 from finetune.training.fsdp import FsdpSharding
+from finetune.training.objectives import Objective, objective_for
+from finetune.training.objectives.base import Models, describe_rewards
+from finetune.training.preference_setup import initial_adapter, precomputed_reference
 from finetune.training.sharding import (
     DdpSharding,
     DistributedInfo,
@@ -167,6 +170,10 @@ class TrainingRun:
     trainable_parameters: list[torch.nn.Parameter]
     sharding: Sharding
     distributed: DistributedInfo
+    objective: Objective
+    """What the run minimises (`train.objective`): its collation, loss and metrics."""
+    row_tokens: list[int]
+    """Tokens of each training row (both sequences of a pair), for `tokens_seen`."""
     step: int = 0
     tokens_seen: int = 0
     position: int = 0
@@ -182,12 +189,8 @@ class TrainingRun:
     def run_dir(self) -> Path:
         return self.recipe.output.run_path
 
-    def collate(self, documents: list[dict]) -> dict[str, torch.Tensor]:
-        # Varlen kernels want one padding-free sequence; sdpa/eager are faster on (R, T) packed rows.
-        layout: Literal["rows", "one_sequence"] = (
-            "one_sequence" if self.recipe.model.attn_implementation == "flash_attention_2" else "rows"
-        )
-        return collate_batch(documents, self.tokenizer.pad_token_id, packing=self.recipe.data.packing, layout=layout)
+    def collate(self, rows: list[dict]) -> dict[str, torch.Tensor]:
+        return self.objective.collate(rows)
 
     def next_micro_batches(self) -> list[dict[str, torch.Tensor]]:
         """The micro-batches of the next optimizer step, for this process."""
@@ -201,7 +204,7 @@ class TrainingRun:
         """Count one optimizer step over `micro_batches` (their documents' tokens, summed over the processes:
         ranks hold documents of different lengths)."""
         positions = range(self.position, self.position + len(micro_batches))
-        tokens = sum(len(self.data.train[i]["input_ids"]) for p in positions for i in self.stream.indices(p))
+        tokens = sum(self.row_tokens[i] for p in positions for i in self.stream.indices(p))
         self.step += 1
         self.position += len(micro_batches)
         local = torch.tensor(tokens, dtype=torch.int64, device=self.accelerator.device)
@@ -218,6 +221,7 @@ class TrainingRun:
             micro_batch_size=self.recipe.train.micro_batch_size,
             accelerator=self.accelerator,
             max_batches=self.recipe.train.eval_max_batches,
+            objective=self.objective,
         )
 
     def save_checkpoint(self) -> Path:
@@ -301,6 +305,7 @@ def start_run(recipe: Recipe, *, resume: bool, say: Say) -> TrainingRun:
     model, tokenizer, _ = load_base_from_config(recipe.model, tokenizer, device=base.device)
     say(f"base {recipe.model.base} ({base.source}, on {base.device}); data: {data.stats}")
     peft_model = _wrap_for_training(recipe, model, say)
+    initial_adapter(recipe, peft_model, base, say)
     sharding = _shard(recipe, peft_model, accelerator)
 
     stream = MicroBatchStream(
@@ -311,7 +316,9 @@ def start_run(recipe: Recipe, *, resume: bool, say: Say) -> TrainingRun:
         process_index=accelerator.process_index,
     )
     length = run_length(recipe, stream)
-    say(describe_layout(document_lengths(data.train), stream, recipe.data.packing))
+    lengths = sequence_lengths(data.train)
+    unit = {"preference": "pairs", "unpaired_preference": "examples"}.get(recipe.data.format, "documents")
+    say(describe_layout(lengths, stream, recipe.data.packing, unit=unit))
     groups = parameter_groups(recipe, peft_model)
     trainable_parameters = [parameter for group in groups for parameter in group["params"]]
     optimizer = make_optimizer(recipe, groups)
@@ -320,17 +327,30 @@ def start_run(recipe: Recipe, *, resume: bool, say: Say) -> TrainingRun:
     distributed = _measure_distribution(sharding, peft_model, accelerator, say)  # ZeRO-3 partitions in prepare
     if recipe.train.compile:
         model_for_step = torch.compile(model_for_step)
+    objective = objective_for(recipe, tokenizer)
+    models = Models(model_for_step, peft_model, accelerator)
+    data = precomputed_reference(recipe, objective, models, data, resume=resume_from is not None, say=say)
     run = TrainingRun(
         recipe, accelerator, peft_model, model_for_step, tokenizer, base, data, stream, length, optimizer,
-        scheduler, trainable_parameters, sharding, distributed,
+        scheduler, trainable_parameters, sharding, distributed, objective, [sum(row) for row in lengths],
     )  # fmt: skip
     if resume_from is not None:
         _restore(run, resume_from, say)
     elif data.validation is not None:
-        with peft_model.disable_adapter():
+        _evaluate_start(run, say)
+    return run
+
+
+def _evaluate_start(run: TrainingRun, say: Say) -> None:
+    """The held-out metrics before training: the base's (adapter disabled) for SFT; for a preference objective
+    the model's as it starts (the base, or `lora.init_from`'s adapter), against the reference."""
+    if run.recipe.train.objective == "sft":
+        with run.peft_model.disable_adapter():
             run.base_eval = run.evaluate()
         say(f"base model: eval loss {run.base_eval['eval_loss']:.4f}, perplexity {run.base_eval['eval_ppl']:.3f}")
-    return run
+        return
+    run.base_eval = run.evaluate()
+    say(f"at the start: eval loss {run.base_eval['eval_loss']:.4f}{describe_rewards(run.base_eval, prefix='eval_')}")
 
 
 def _resolve_base(recipe: Recipe, accelerator: Any) -> ResolvedBase:

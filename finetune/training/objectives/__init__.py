@@ -1,0 +1,57 @@
+"""Training objectives, beside each other: SFT, DPO, ORPO, SimPO and KTO, each with its data shape, its
+collation and its loss, behind one small interface (`base.Objective`) the loop calls without knowing which.
+
+- `sft`: next-token loss per label token (text, instruction, chat rows).
+- `dpo`, `orpo`, `simpo`: pairs (`preference` rows), both completions in one packed forward (`pairs`).
+- `kto`: unpaired examples (`unpaired_preference` rows) against a KL baseline.
+- `logprobs`: the shared code: sequences packed padding-free, log-probabilities summed per sequence.
+- `reference`: the reference policy without a second model: the adapter disabled, or precomputed.
+
+An online objective (GRPO: generate, score, update) fits the same interface: its `prepare` generates
+and scores the step's completions, its `terms` is the policy-gradient loss; the loop does not change.
+
+Example:
+    objective = objective_for(recipe, tokenizer)
+    batch = objective.collate([data.train[0], data.train[1]])
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from finetune.recipe import Recipe
+from finetune.training.objectives.base import CollateOptions, Objective
+from finetune.training.objectives.dpo import DPO
+from finetune.training.objectives.kto import KTO
+from finetune.training.objectives.orpo import ORPO
+from finetune.training.objectives.sft import SFT
+from finetune.training.objectives.simpo import SimPO
+
+
+def collate_options(recipe: Recipe, tokenizer: Any) -> CollateOptions:
+    """The recipe's packing and layout (varlen kernels want one padding-free sequence; sdpa/eager are faster
+    on (R, T) packed rows), the tokenizer's pad token and the length limit."""
+    layout: Literal["rows", "one_sequence"] = (
+        "one_sequence" if recipe.model.attn_implementation == "flash_attention_2" else "rows"
+    )
+    return CollateOptions(tokenizer.pad_token_id, recipe.data.packing, layout, recipe.data.max_seq_len)
+
+
+def objective_for(recipe: Recipe, tokenizer: Any) -> Objective:
+    """The objective `train.objective` names, set up with its `train` settings."""
+    options, train = collate_options(recipe, tokenizer), recipe.train
+    if train.objective == "dpo":
+        assert train.beta is not None and train.dpo_loss is not None and train.rpo_alpha is not None
+        return DPO(options, beta=train.beta, loss_type=train.dpo_loss, precomputed=bool(train.precompute_reference),
+                   rpo_alpha=train.rpo_alpha)  # fmt: skip
+    if train.objective == "orpo":
+        assert train.orpo_lambda is not None
+        return ORPO(options, orpo_lambda=train.orpo_lambda)
+    if train.objective == "simpo":
+        assert train.beta is not None and train.simpo_gamma is not None and train.cpo_alpha is not None
+        return SimPO(options, beta=train.beta, gamma=train.simpo_gamma, cpo_alpha=train.cpo_alpha)
+    if train.objective == "kto":
+        assert train.beta is not None and train.desirable_weight is not None and train.undesirable_weight is not None
+        return KTO(options, beta=train.beta, desirable_weight=train.desirable_weight,
+                   undesirable_weight=train.undesirable_weight)  # fmt: skip
+    return SFT(options)

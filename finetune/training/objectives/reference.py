@@ -1,0 +1,107 @@
+"""The reference policy π_ref without a second copy of the model: the adapter disabled, or precomputed.
+
+DPO and KTO measure the policy against the model as training starts. With LoRA that model is inside the
+trained one: the same base with the adapter switched off (B = 0 at initialisation, so the starting model
+is the base). `reference_logps` runs that forward under `torch.no_grad()` with peft's `disable_adapter()`
+on the unwrapped LoRA model, which holds the very parameters the DDP wrapper, the FSDP2 shards or the
+DeepSpeed engine train (a sharded forward gathers as usual; every rank runs it in step).
+
+`train.precompute_reference` instead scores every row once before the first step, with the model as it
+starts (the adapter on: also right when LoRA starts from another adapter, `lora.init_from`, or from a
+PiSSA/OLoRA initialisation that moves part of the base into the adapter), in eval mode under the run's
+autocast, each process a strided share. The values are kept in the run directory as safetensors
+(`reference-logps.safetensors`: one (rows, sequences) float32 tensor per split) and added to the rows as
+columns, so the sampler hands them to collation with their rows; `--resume` loads the file, so a resumed
+run uses the very values the interrupted one did.
+
+Example:
+    with torch.no_grad():
+        ref = reference_logps(models, batch)           # (S,)
+    values = load_or_compute(run_dir, ...)            # {"train": (rows, 2), "validation": ...}
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from finetune.atomic import atomic_file
+from finetune.training.objectives.base import Models
+from finetune.training.objectives.logprobs import sequence_logps
+
+REFERENCE_FILE = "reference-logps.safetensors"
+REFERENCE_COLUMNS = ("reference_chosen_logp", "reference_rejected_logp")
+"""Row columns of precomputed reference log-probabilities of a pair's sequences, in sequence order."""
+
+
+def reference_logps(models: Models, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """(S,) log π_ref of each sequence: the LoRA model with its adapter disabled, no gradient."""
+    with torch.no_grad(), models.peft.disable_adapter():
+        return sequence_logps(models.peft, batch)
+
+
+@torch.no_grad()
+def score_rows(objective: Any, models: Models, rows: Any, micro_batch_size: int) -> torch.Tensor:
+    """(rows, sequences per row) log π of every row's sequences, the model as it is now, in eval mode.
+
+    Each process scores a strided share and the shares are summed over processes (each row is scored by
+    exactly one), so every process ends with all values. Every process runs the same number of forwards
+    (a sharded forward is a collective): one whose share ran out repeats its first batch and discards it.
+    """
+    accelerator = models.accelerator
+    world, rank = accelerator.num_processes, accelerator.process_index
+    indices = list(range(rank, len(rows), world))
+    batches = [indices[i : i + micro_batch_size] for i in range(0, len(indices), micro_batch_size)]
+    most = math.ceil(math.ceil(len(rows) / world) / micro_batch_size)
+    was_training = models.peft.training
+    models.peft.eval()
+    values: torch.Tensor | None = None
+    for number in range(most):
+        batch_indices = batches[number] if number < len(batches) else [0]
+        batch = objective.collate([rows[i] for i in batch_indices])
+        batch = {key: value.to(accelerator.device) for key, value in batch.items()}
+        with accelerator.autocast():
+            scores = sequence_logps(models.peft, batch).reshape(len(batch_indices), -1)  # (rows, sequences)
+        if values is None:
+            values = torch.zeros(len(rows), scores.shape[1], dtype=torch.float32, device=accelerator.device)
+        if number < len(batches):
+            values[torch.tensor(batch_indices, device=accelerator.device)] = scores.float()
+    models.peft.train(was_training)
+    assert values is not None, "no rows to score"
+    return accelerator.reduce(values, reduction="sum").cpu()
+
+
+def load_or_compute(
+    run_dir: Path, digest: str, compute: Any, *, resume: bool, is_main: bool, wait: Any
+) -> dict[str, torch.Tensor]:
+    """The precomputed values of each split: read from the run directory when resuming, else computed
+    (`compute()` -> {split: tensor}, every process) and written there by the main process.
+
+    `digest` names what the values depend on (recipe and data); a file written for another digest is not used.
+    """
+    path = run_dir / REFERENCE_FILE
+    if resume and path.is_file():
+        from safetensors import safe_open
+
+        with safe_open(str(path), framework="pt") as handle:
+            stored = (handle.metadata() or {}).get("digest")
+        if stored == digest:
+            return load_file(str(path))
+    values = compute()
+    if is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        with atomic_file(path) as staging:
+            save_file({k: v.contiguous() for k, v in values.items()}, str(staging), metadata={"digest": digest})
+    wait()
+    return values
+
+
+def with_reference_columns(rows: Any, values: torch.Tensor) -> Any:
+    """`rows` with one column per sequence of its precomputed reference log-probabilities."""
+    for column, number in zip(REFERENCE_COLUMNS, range(values.shape[1])):
+        rows = rows.add_column(column, values[:, number].tolist())
+    return rows

@@ -1,0 +1,110 @@
+"""Setup a preference run needs before its first step: LoRA started from an adapter, and precomputed references.
+
+- `initial_adapter`: `lora.init_from` loads an existing adapter's weights (an SFT adapter the preference
+  run refines) into the freshly wrapped LoRA model, after checking that it was trained on this base and
+  with this section's rank, alpha and targets, so the model starts as base + that adapter.
+- `precomputed_reference`: with `train.precompute_reference`, the reference policy's log-probabilities of
+  every training and validation pair, from the model as it starts (`objectives.reference.score_rows`),
+  kept in the run directory and added to the rows. A resumed run reads them back (the values the
+  interrupted run used, bit for bit); if the file is missing it scores again before restoring the
+  checkpoint, so still from the starting model.
+
+Example:
+    initial_adapter(recipe, peft_model, base, say)
+    data = precomputed_reference(recipe, objective, models, data, resume=False, say=print)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from finetune.adapters.fit import check_fingerprint
+from finetune.adapters.lora import read_adapter
+from finetune.adapters.resolved_base import ResolvedBase
+from finetune.errors import ModelError
+from finetune.recipe import Recipe, recipe_to_dict
+from finetune.training.objectives.base import Models, Objective
+from finetune.training.objectives.reference import load_or_compute, score_rows, with_reference_columns
+from finetune.training.sharding import trainable_names
+
+Say = Callable[[str], None]
+
+
+def initial_adapter(recipe: Recipe, peft_model: Any, base: ResolvedBase, say: Say) -> None:
+    """Copy `lora.init_from`'s weights into `peft_model` (nothing without it).
+
+    Raises:
+        AdapterError: the adapter is unreadable or was trained on another base.
+        ModelError: its rank, alpha, scaling or targeted modules are not this recipe's LoRA.
+    """
+    source = recipe.lora.init_from
+    if source is None:
+        return
+    adapter = read_adapter(source)
+    check_fingerprint(adapter, base.weights_fingerprint, recipe.model.base, force=False)
+    config, lora = adapter.config, recipe.lora
+    settings = {"r": lora.r, "lora_alpha": lora.alpha, "use_rslora": lora.use_rslora}
+    differs = {key: config.get(key) for key, value in settings.items() if (config.get(key) or False) != value}
+    tensors = {name: t for module, w in adapter.modules.items() for name, t in w.peft_tensors(module).items()}
+    try:
+        state = trainable_names(peft_model, tensors)
+    except KeyError:
+        state = {}
+    trainable = {name: p for name, p in peft_model.named_parameters() if p.requires_grad}
+    shapes_match = state.keys() == trainable.keys() and all(state[n].shape == trainable[n].shape for n in state)
+    if differs or not shapes_match:
+        raise ModelError(
+            f"lora.init_from {source}: its LoRA ({', '.join(f'{k}={v}' for k, v in config.items() if k in settings)}, "
+            f"{len(adapter.modules)} modules) is not this recipe's lora section; set lora.r, lora.alpha, "
+            "lora.target_modules (and train_lm_head/train_embed_tokens) as in the recipe that trained it"
+        )
+    with torch.no_grad():
+        for name, tensor in state.items():
+            trainable[name].copy_(tensor.to(trainable[name].dtype))
+    say(f"LoRA starts from {source} ({len(adapter.modules)} modules)")
+
+
+def reference_digest(recipe: Recipe, data_fingerprint: str) -> str:
+    """What precomputed reference log-probabilities depend on: the recipe's model, LoRA and data, and the data."""
+    resolved = recipe_to_dict(recipe)
+    inputs = {key: resolved[key] for key in ("model", "lora", "data")}
+    inputs.update(precision=recipe.train.precision, data_fingerprint=data_fingerprint)
+    return hashlib.sha256(json.dumps(inputs, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def precomputed_reference(
+    recipe: Recipe, objective: Objective, models: Models, data: Any, *, resume: bool, say: Say
+) -> Any:
+    """`data` with the reference log-probabilities of every pair added as columns (itself without
+    `train.precompute_reference`)."""
+    if not recipe.train.precompute_reference:
+        return data
+    accelerator = models.accelerator
+    batch_size = recipe.train.micro_batch_size
+
+    def compute() -> dict[str, torch.Tensor]:
+        say(f"reference: scoring {len(data.train)} training pairs once with the starting model")
+        splits = {"train": data.train, "validation": data.validation}
+        return {
+            name: score_rows(objective, models, rows, batch_size) for name, rows in splits.items() if rows is not None
+        }
+
+    values = load_or_compute(
+        recipe.output.run_path,
+        reference_digest(recipe, data.fingerprint),
+        compute,
+        resume=resume,
+        is_main=bool(accelerator.is_main_process),
+        wait=accelerator.wait_for_everyone,
+    )
+    train = with_reference_columns(data.train, values["train"])
+    validation = data.validation
+    if validation is not None:
+        validation = with_reference_columns(validation, values["validation"])
+    return dataclasses.replace(data, train=train, validation=validation)

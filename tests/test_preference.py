@@ -1,0 +1,369 @@
+"""Preference objectives: the same loss and gradients as trl, packed pairs as unpacked ones, exact
+normalisation across micro-batches, and a DPO run that resumes after SIGKILL bit for bit and whose
+adapter plain peft reads as training reported.
+
+trl is the reference only (never imported by finetune): for the same LoRA weights and the same token
+ids, each objective's loss and LoRA gradients must equal those of trl's trainer within 1e-5. The token
+ids are trl's own tokenization, turned into our rows, so the comparison is of the losses alone (that
+our tokenization of the same records equals trl's is checked separately).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+from accelerate import Accelerator
+from helpers import REPO, preference_records
+from safetensors.torch import load_file
+
+from finetune.recipe import recipe_from_dict
+from finetune.training.loop import SLOW_STEP_ENV, accumulate_gradients, train
+from finetune.training.objectives.base import CollateOptions
+from finetune.training.objectives.dpo import DPO
+from finetune.training.objectives.kto import KTO
+from finetune.training.objectives.orpo import ORPO
+from finetune.training.objectives.simpo import SimPO
+
+TOLERANCE = 1e-5
+
+
+def unpaired_records(count: int) -> list[dict]:
+    """KTO examples from the pairs, desirable and undesirable alternating, one more desirable than not."""
+    records = []
+    for pair in preference_records(count):
+        records.append({"prompt": pair["prompt"], "completion": pair["chosen"], "label": True})
+        records.append({"prompt": pair["prompt"], "completion": pair["rejected"], "label": False})
+    records[3]["label"] = True
+    return records
+
+
+def _lora():
+    from peft import LoraConfig
+
+    return LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+
+
+def _randomise(model) -> dict[str, torch.Tensor]:
+    """Seeded random LoRA weights (B ≠ 0, so the policy is not the base); returns them."""
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "lora_" in name:
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.2)
+    return {name: p.detach().clone() for name, p in model.named_parameters() if "lora_" in name}
+
+
+def _ours(base_dir: Path, objective, rows: list[dict]) -> tuple[float, dict, dict[str, torch.Tensor]]:
+    """Our loss, metrics and LoRA gradients for `rows` in one micro-batch, on the same random LoRA weights."""
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32), _lora())
+    _randomise(model)
+    result = accumulate_gradients(model, [objective.collate(rows)], Accelerator(cpu=True), objective=objective)
+    return result.loss, result.metrics, {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def _gradients(model) -> dict[str, torch.Tensor]:
+    return {name: p.grad.clone() for name, p in model.named_parameters() if p.requires_grad}
+
+
+def _assert_equal(ours: tuple[float, dict, dict], loss: float, gradients: dict[str, torch.Tensor]) -> None:
+    our_loss, _, our_gradients = ours
+    assert our_loss == pytest.approx(loss, abs=TOLERANCE)
+    assert our_gradients.keys() == gradients.keys()
+    largest = max((our_gradients[name] - gradients[name]).abs().max().item() for name in gradients)
+    assert largest <= TOLERANCE, largest
+    assert max(g.abs().max().item() for g in gradients.values()) > 100 * TOLERANCE  # the comparison is not vacuous
+
+
+def _trl_args(config_class, **settings):
+    return config_class(output_dir=tempfile.mkdtemp(), report_to=[], use_cpu=True, bf16=False,
+                        gradient_checkpointing=False, **settings)  # fmt: skip
+
+
+def _rows_of_parts(tokenized: list[dict]) -> list[dict]:
+    """Our rows from trl's DPO tokenization: a prompt and two completions each."""
+    rows = []
+    for t in tokenized:
+        prompt, chosen, rejected = t["prompt_ids"], t["chosen_ids"], t["rejected_ids"]
+        rows.append({"chosen_input_ids": prompt + chosen, "chosen_labels": [-100] * len(prompt) + chosen,
+                     "rejected_input_ids": prompt + rejected, "rejected_labels": [-100] * len(prompt) + rejected})  # fmt: skip
+    return rows
+
+
+def _rows_of_sequences(tokenized: list[dict]) -> list[dict]:
+    """Our rows from trl's ORPO/CPO tokenization: whole sequences with their labels (prompt -100)."""
+    keys = ("chosen_input_ids", "chosen_labels", "rejected_input_ids", "rejected_labels")
+    return [{key: t[key] for key in keys} for t in tokenized]
+
+
+@pytest.fixture(scope="module")
+def trl_dpo(tiny_base_dir, tiny_tokenizer):
+    """trl's DPOTrainer on a fresh LoRA (its reference: the adapter disabled) with random LoRA weights, its
+    tokenized pairs, and our rows of the same token ids."""
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM
+    from trl import DPOConfig, DPOTrainer
+
+    records = preference_records(6)
+    trainer = DPOTrainer(
+        model=AutoModelForCausalLM.from_pretrained(tiny_base_dir, dtype=torch.float32),
+        args=_trl_args(DPOConfig, beta=0.1, max_length=None, per_device_train_batch_size=6),
+        train_dataset=Dataset.from_list(records),
+        processing_class=tiny_tokenizer,
+        peft_config=_lora(),
+    )
+    _randomise(trainer.model)
+    tokenized = [trainer.train_dataset[i] for i in range(len(records))]
+    return trainer, records, tokenized, _rows_of_parts(tokenized)
+
+
+@pytest.mark.parametrize(
+    "loss_type, rpo_alpha", [("sigmoid", 0.0), ("ipo", 0.0), ("hinge", 0.0), ("sigmoid", 0.5)], ids=str
+)
+def test_dpo_equals_trl(trl_dpo, tiny_base_dir, tiny_tokenizer, loss_type, rpo_alpha):
+    trainer, _, tokenized, rows = trl_dpo
+    # trl reads its loss types at every call; `sft` with weight α is RPO's NLL term.
+    trainer.loss_types = [loss_type] + (["sft"] if rpo_alpha else [])
+    trainer.loss_weights = [1.0] + ([rpo_alpha] if rpo_alpha else [])
+    trainer.model.zero_grad()
+    loss = trainer.compute_loss(trainer.model, trainer.data_collator(tokenized))
+    loss.backward()
+    objective = DPO(CollateOptions(tiny_tokenizer.pad_token_id, True), beta=0.1, loss_type=loss_type,
+                    precomputed=False, rpo_alpha=rpo_alpha)  # fmt: skip
+    ours = _ours(tiny_base_dir, objective, rows)
+    _assert_equal(ours, loss.item(), _gradients(trainer.model))
+    logged = {key: values[-1] for key, values in trainer._metrics["train"].items()}
+    for key, trl_key in (("reward_accuracy", "rewards/accuracies"), ("reward_margin", "rewards/margins"),
+                         ("rewards_chosen", "rewards/chosen"), ("logps_rejected", "logps/rejected")):  # fmt: skip
+        assert ours[1][key] == pytest.approx(logged[trl_key], abs=1e-4), key
+
+
+def test_our_tokenization_of_pairs_is_trls(trl_dpo, tiny_tokenizer):
+    from finetune.data.preference import encode_preference_records
+
+    _, records, _, rows = trl_dpo
+    config = recipe_from_dict({"data": {"train": "x", "format": "preference"}, "train": {"objective": "dpo"},
+                               "output": {"name": "x"}}).data  # fmt: skip
+    encoded = encode_preference_records(records, config, tiny_tokenizer, locate=str)
+    assert [e.row for e in encoded] == rows
+
+
+def test_orpo_equals_the_paper_with_trls_odds_ratio(tiny_base_dir, tiny_tokenizer):
+    """ORPO: trl's odds-ratio term exactly; the NLL term as the paper defines it (the chosen response's mean
+    token NLL, per pair), which trl replaces by a token mean over prompt and response (see objectives/orpo.py)."""
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM
+    from trl.experimental.orpo import ORPOConfig, ORPOTrainer
+
+    trainer = ORPOTrainer(
+        model=AutoModelForCausalLM.from_pretrained(tiny_base_dir, dtype=torch.float32),
+        args=_trl_args(ORPOConfig, beta=0.1, max_length=512, per_device_train_batch_size=6),
+        train_dataset=Dataset.from_list(preference_records(6)),
+        processing_class=tiny_tokenizer,
+        peft_config=_lora(),
+    )
+    _randomise(trainer.model)
+    tokenized = [trainer.train_dataset[i] for i in range(6)]
+    chosen_mean, rejected_mean, _, _, trl_nll = trainer.concatenated_forward(
+        trainer.model, trainer.data_collator(tokenized)
+    )[:5]
+    odds_ratio_terms = trainer.odds_ratio_loss(chosen_mean, rejected_mean)[0]  # λ · log σ(log odds ratio)
+    paper_loss = (-chosen_mean - odds_ratio_terms).mean()
+    paper_loss.backward()
+    objective = ORPO(CollateOptions(tiny_tokenizer.pad_token_id, True), orpo_lambda=0.1)
+    ours = _ours(tiny_base_dir, objective, _rows_of_sequences(tokenized))
+    _assert_equal(ours, paper_loss.item(), _gradients(trainer.model))
+    assert abs(trl_nll.item() - (-chosen_mean).mean().item()) > 1e-6  # trl's own NLL term differs, as documented
+
+
+@pytest.mark.parametrize("cpo_alpha", [0.0, 1.0], ids=["simpo", "cpo-simpo"])
+def test_simpo_equals_trls_cpo_trainer(tiny_base_dir, tiny_tokenizer, cpo_alpha):
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM
+    from trl.experimental.cpo import CPOConfig, CPOTrainer
+
+    settings = dict(loss_type="simpo", beta=2.5, simpo_gamma=1.375, cpo_alpha=cpo_alpha)
+    trainer = CPOTrainer(
+        model=AutoModelForCausalLM.from_pretrained(tiny_base_dir, dtype=torch.float32),
+        args=_trl_args(CPOConfig, max_length=512, per_device_train_batch_size=6, **settings),
+        train_dataset=Dataset.from_list(preference_records(6)),
+        processing_class=tiny_tokenizer,
+        peft_config=_lora(),
+    )
+    _randomise(trainer.model)
+    tokenized = [trainer.train_dataset[i] for i in range(6)]
+    loss, _ = trainer.get_batch_loss_metrics(trainer.model, trainer.data_collator(tokenized))
+    loss.backward()
+    objective = SimPO(CollateOptions(tiny_tokenizer.pad_token_id, True), beta=2.5, gamma=1.375, cpo_alpha=cpo_alpha)
+    _assert_equal(
+        _ours(tiny_base_dir, objective, _rows_of_sequences(tokenized)), loss.item(), _gradients(trainer.model)
+    )
+
+
+def test_kto_equals_trl(tiny_base_dir, tiny_tokenizer):
+    """Unbalanced labels, unequal weights; the KL baseline from each prompt with the previous completion."""
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM
+    from trl import KTOConfig, KTOTrainer
+
+    records = unpaired_records(4)
+    settings = dict(beta=0.1, desirable_weight=1.0, undesirable_weight=1.3)
+    trainer = KTOTrainer(
+        model=AutoModelForCausalLM.from_pretrained(tiny_base_dir, dtype=torch.float32),
+        args=_trl_args(KTOConfig, max_length=None, per_device_train_batch_size=len(records), **settings),
+        train_dataset=Dataset.from_list(records),
+        processing_class=tiny_tokenizer,
+        peft_config=_lora(),
+    )
+    _randomise(trainer.model)
+    tokenized = [trainer.train_dataset[i] for i in range(len(records))]
+    loss = trainer.compute_loss(trainer.model, trainer.data_collator(tokenized))
+    loss.backward()
+    rows = [{"input_ids": t["prompt_ids"] + t["completion_ids"], "labels": [-100] * len(t["prompt_ids"]) +
+             t["completion_ids"], "prompt_length": len(t["prompt_ids"]), "desirable": t["label"]} for t in tokenized]  # fmt: skip
+    objective = KTO(CollateOptions(tiny_tokenizer.pad_token_id, True), **settings)
+    ours = _ours(tiny_base_dir, objective, rows)
+    _assert_equal(ours, loss.item(), _gradients(trainer.model))
+    assert ours[1]["kl"] == pytest.approx(trainer._metrics["train"]["kl"][-1], abs=1e-4)
+
+
+def test_packed_pairs_equal_unpacked_and_micro_batches_one_batch(trl_dpo, tiny_base_dir, tiny_tokenizer):
+    """The same pairs packed in rows, packed in one sequence, padded one per row, and split unevenly into two
+    micro-batches: one loss, one gradient (DPO with RPO's token-normalised term: both units at once)."""
+    _, _, _, rows = trl_dpo
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    results = []
+    for packing, layout, split in ((True, "rows", (6,)), (True, "one_sequence", (6,)), (False, "rows", (6,)),
+                                   (True, "rows", (2, 4))):  # fmt: skip
+        options = CollateOptions(tiny_tokenizer.pad_token_id, packing, layout)  # type: ignore[arg-type]
+        objective = DPO(options, beta=0.1, loss_type="sigmoid", precomputed=False, rpo_alpha=0.5)
+        model = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_base_dir), _lora())
+        _randomise(model)
+        batches = [objective.collate(rows[: split[0]])] + (
+            [objective.collate(rows[split[0] :])] if split[0] < 6 else []
+        )
+        result = accumulate_gradients(model, batches, Accelerator(cpu=True), objective=objective)
+        results.append((result, _gradients(model)))
+    (reference, reference_gradients), *others = results
+    for result, gradients in others:
+        assert result.loss == pytest.approx(reference.loss, abs=1e-6)
+        for key, value in reference.metrics.items():
+            assert result.metrics[key] == pytest.approx(value, abs=1e-5), key
+        largest = max((gradients[n] - reference_gradients[n]).abs().max().item() for n in gradients)
+        assert largest <= 1e-6, largest
+
+
+PREFERENCE_RECIPE = """
+model: {{base: {base}}}
+lora: {{r: 4, alpha: 8, dropout: 0.1}}
+data: {{train: pairs.jsonl, validation: held-out.jsonl, format: preference, max_seq_len: 128}}
+train: {{objective: dpo, beta: 0.5, precompute_reference: true, max_steps: 6, micro_batch_size: 4, grad_accum_steps: 2,
+        lr: 0.01, warmup_steps: 1, log_every_steps: 1, eval_every_steps: 3, save_every_steps: 1, keep_checkpoints: 6,
+        report_to: [tensorboard]}}
+output: {{name: dpo}}
+"""
+
+
+@pytest.fixture()
+def preference_workdir(workdir, tiny_base_dir) -> Path:
+    records = preference_records(48)
+    (workdir / "pairs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records[:40]))
+    (workdir / "held-out.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records[40:]))
+    (workdir / "pref.yaml").write_text(PREFERENCE_RECIPE.format(base=tiny_base_dir))
+    return workdir
+
+
+def _implicit_rewards(base_dir: Path, adapter_dir: Path, rows: list[dict], beta: float) -> torch.Tensor:
+    """β·(log π − log π_base)(chosen) − the same for rejected, per pair, with plain peft and plain torch."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir), str(adapter_dir)).eval()
+
+    def logp(ids: list[int], labels: list[int]) -> torch.Tensor:
+        logits = model(input_ids=torch.tensor([ids]), use_cache=False).logits[0, :-1].float()
+        targets = torch.tensor(labels[1:])
+        picked = torch.log_softmax(logits, -1).gather(1, targets.clamp(min=0)[:, None])[:, 0]
+        return picked[targets != -100].sum()
+
+    margins = []
+    with torch.no_grad():
+        for row in rows:
+            sides = []
+            for side in ("chosen", "rejected"):
+                ids, labels = row[f"{side}_input_ids"], row[f"{side}_labels"]
+                policy = logp(ids, labels)
+                with model.disable_adapter():
+                    sides.append(beta * (policy - logp(ids, labels)))
+            margins.append(sides[0] - sides[1])
+    return torch.stack(margins)
+
+
+@pytest.mark.slow
+def test_dpo_resumes_after_sigkill_bit_for_bit_and_plain_peft_reads_its_rewards(
+    preference_workdir, tiny_base_dir, capsys
+):
+    work = preference_workdir
+    whole, metrics = train("pref.yaml", ["output.name=whole"], log=lambda line: None)
+    environment = {**os.environ, "PYTHONPATH": str(REPO), SLOW_STEP_ENV: "0.5"}
+    process = subprocess.Popen([sys.executable, "-m", "finetune", "train", "pref.yaml"], cwd=work, env=environment,
+                               stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)  # fmt: skip
+    lines = []
+    while not any(line.startswith("step 3/") for line in lines[-1:]):
+        lines.append(process.stderr.readline())
+        assert lines[-1] or process.poll() is None, "".join(lines)
+    process.send_signal(signal.SIGKILL)  # mid-run: checkpoint 2 or 3 written, the adapter not
+    process.wait()
+    assert "reference: scoring 40 training pairs" in "".join(lines)
+    resumed_log: list[str] = []
+    resumed, _ = train("pref.yaml", resume=True, log=resumed_log.append)
+    assert any(line.startswith("resumed from") for line in resumed_log)
+    assert not any("reference: scoring" in line for line in resumed_log)  # read back from the run directory
+    expected, actual = load_file(whole / "adapter_model.safetensors"), load_file(resumed / "adapter_model.safetensors")
+    assert expected.keys() == actual.keys() and all(torch.equal(expected[k], actual[k]) for k in expected)
+
+    # The manifest's held-out rewards, recomputed with nothing but peft and torch (the reference: the base).
+    from finetune.data import build_datasets
+    from finetune.recipe import load_recipe
+
+    recipe = load_recipe("pref.yaml")
+    from transformers import AutoTokenizer
+
+    data = build_datasets(recipe.data, AutoTokenizer.from_pretrained(tiny_base_dir), seed=0)
+    margins = _implicit_rewards(tiny_base_dir, whole, [data.validation[i] for i in range(len(data.validation))], 0.5)
+    assert metrics["eval_reward_margin"] == pytest.approx(margins.mean().item(), abs=1e-4)
+    assert metrics["eval_reward_accuracy"] == pytest.approx((margins > 0).float().mean().item())
+    records = [json.loads(line) for line in (work / "runs" / "whole" / "metrics.jsonl").read_text().splitlines()]
+    assert {"reward_accuracy", "reward_margin", "rewards_chosen", "logps_rejected"} <= records[0].keys()
+    assert sum("eval_reward_accuracy" in record for record in records) == 2
+    assert (work / "runs" / "whole" / "plots" / "rewards.png").is_file()
+
+    # An adapter like any other: merged and subtracted exactly, and `generate` uses it.
+    from helpers import greedy_text
+
+    import finetune
+    from finetune.cli import main
+
+    loaded = finetune.load_model(whole)
+    (name,) = loaded.adapters
+    loaded.use(None)
+    before = {k: v.clone() for k, v in loaded.model.state_dict().items() if "lora_" not in k}
+    loaded.merge(name)
+    assert any(not torch.equal(before[k], v) for k, v in loaded.model.state_dict().items() if k in before)
+    loaded.subtract(name)
+    assert all(torch.equal(before[k], v) for k, v in loaded.model.state_dict().items() if k in before)
+    prompt = preference_records(1)[0]["prompt"]
+    assert main(["generate", "--adapter", str(whole), "--max-new-tokens", "8", prompt]) == 0
+    assert capsys.readouterr().out[:-1] == greedy_text(tiny_base_dir, whole, prompt, 8)  # print adds one newline
