@@ -242,11 +242,25 @@ def test_domain_generator_is_deterministic(tmp_path):
         assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes()
 
 
-def test_shipped_quickstart_data_regenerates_byte_for_byte(tmp_path):
-    command = [sys.executable, "-m", "finetune.embedded.quickstart_data", "--out", str(tmp_path)]
-    subprocess.run(command, cwd=REPO, check=True, capture_output=True)
+@pytest.mark.parametrize(
+    ("module", "shipped"),
+    [("finetune.embedded.quickstart_data", "quickstart"), ("finetune.data.quickstart_pairs", "quickstart-dpo")],
+)
+def test_shipped_quickstart_data_regenerates_byte_for_byte(tmp_path, module, shipped):
+    """The quickstart's bulletins and the DPO quickstart's pairs (made from them) are what their generators write."""
+    subprocess.run([sys.executable, "-m", module, "--out", str(tmp_path)], cwd=REPO, check=True, capture_output=True)
     for name in ("train.jsonl", "valid.jsonl"):
-        assert (tmp_path / name).read_bytes() == (REPO / "data" / "quickstart" / name).read_bytes(), name
+        assert (tmp_path / name).read_bytes() == (REPO / "data" / shipped / name).read_bytes(), name
+
+
+def test_the_dpo_pairs_are_the_quickstart_bulletins_each_against_one_that_contradicts_its_input():
+    bulletins = [json.loads(line) for line in (REPO / "data/quickstart/valid.jsonl").read_text().splitlines()]
+    pairs = [json.loads(line) for line in (REPO / "data/quickstart-dpo/valid.jsonl").read_text().splitlines()]
+    assert [pair["chosen"] for pair in pairs] == [bulletin["output"] for bulletin in bulletins]
+    for pair, bulletin in zip(pairs, bulletins):
+        assert bulletin["input"] in pair["prompt"]
+        right, wrong = bulletin_fields(pair["chosen"]), bulletin_fields(pair["rejected"])
+        assert 1 <= sum(right[name] != wrong[name] for name in right) <= 2
 
 
 def test_quickstart_data_is_small_held_out_and_in_instruction_format():

@@ -27,7 +27,7 @@ import torch
 from finetune.adapters.fit import check_fingerprint
 from finetune.adapters.lora import read_adapter
 from finetune.adapters.resolved_base import ResolvedBase
-from finetune.errors import ModelError
+from finetune.errors import AdapterError, ModelError
 from finetune.recipe import Recipe, recipe_to_dict
 from finetune.training.objectives.base import Models, Objective
 from finetune.training.objectives.reference import load_or_compute, score_rows, with_reference_columns
@@ -46,7 +46,10 @@ def initial_adapter(recipe: Recipe, peft_model: Any, base: ResolvedBase, say: Sa
     source = recipe.lora.init_from
     if source is None:
         return
-    adapter = read_adapter(source)
+    try:
+        adapter = read_adapter(source)
+    except AdapterError as exc:
+        raise AdapterError(f"lora.init_from: {exc}") from None
     check_fingerprint(adapter, base.weights_fingerprint, recipe.model.base, force=False)
     config, lora = adapter.config, recipe.lora
     settings = {"r": lora.r, "lora_alpha": lora.alpha, "use_rslora": lora.use_rslora}
