@@ -21,20 +21,14 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
-
 import torch
 import torch.nn.functional as F
 
 from finetune.training.objectives.base import CollateOptions, Models, Terms
 from finetune.training.objectives.logprobs import sequence_logps
 from finetune.training.objectives.pairs import (
-    PAIR_COUNT_UNITS,
-    PAIR_METRIC_UNITS,
+    PairObjective,
     by_side,
-    collate_pairs,
-    pair_counts,
     pair_metrics,
 )
 from finetune.training.objectives.reference import reference_logps
@@ -58,10 +52,8 @@ def dpo_losses(
     return -F.logsigmoid(beta * margin)
 
 
-class DPO:
+class DPO(PairObjective):
     name: str = "dpo"
-    metric_units: Mapping[str, str] = PAIR_METRIC_UNITS
-    count_units: tuple[str, ...] = PAIR_COUNT_UNITS
 
     def __init__(
         self, options: CollateOptions, *, beta: float, loss_type: str, precomputed: bool, rpo_alpha: float = 0.0
@@ -69,12 +61,6 @@ class DPO:
         self.options, self.beta, self.loss_type, self.precomputed = options, beta, loss_type, precomputed
         self.rpo_alpha = rpo_alpha
         self.loss_units: tuple[str, ...] = ("pairs", "chosen_tokens") if rpo_alpha > 0 else ("pairs",)
-
-    def collate(self, rows: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
-        return collate_pairs(rows, self.options)
-
-    def counts(self, batch: dict[str, torch.Tensor]) -> dict[str, int]:
-        return pair_counts(batch)
 
     def prepare(self, models: Models, batches: list[dict[str, torch.Tensor]], *, reduce: bool) -> list[dict]:
         """The reference log-probabilities of every sequence of the step: precomputed, or the adapter disabled."""

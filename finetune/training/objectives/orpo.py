@@ -20,20 +20,14 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
-
 import torch
 import torch.nn.functional as F
 
 from finetune.training.objectives.base import CollateOptions, Models, Terms
 from finetune.training.objectives.logprobs import sequence_logps
 from finetune.training.objectives.pairs import (
-    PAIR_COUNT_UNITS,
-    PAIR_METRIC_UNITS,
+    PairObjective,
     by_side,
-    collate_pairs,
-    pair_counts,
     pair_metrics,
 )
 
@@ -49,23 +43,12 @@ def orpo_losses(chosen_mean: torch.Tensor, rejected_mean: torch.Tensor, orpo_lam
     return -chosen_mean - orpo_lambda * F.logsigmoid(log_odds)
 
 
-class ORPO:
+class ORPO(PairObjective):
     name: str = "orpo"
     loss_units: tuple[str, ...] = ("pairs",)
-    metric_units: Mapping[str, str] = PAIR_METRIC_UNITS
-    count_units: tuple[str, ...] = PAIR_COUNT_UNITS
 
     def __init__(self, options: CollateOptions, *, orpo_lambda: float):
         self.options, self.orpo_lambda = options, orpo_lambda
-
-    def collate(self, rows: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
-        return collate_pairs(rows, self.options)
-
-    def counts(self, batch: dict[str, torch.Tensor]) -> dict[str, int]:
-        return pair_counts(batch)
-
-    def prepare(self, models: Models, batches: list[dict[str, torch.Tensor]], *, reduce: bool) -> list[dict]:
-        return [{} for _ in batches]
 
     def terms(self, models: Models, batch: dict[str, torch.Tensor], prepared: dict) -> Terms:
         logps = sequence_logps(models.step, batch)  # (2P,)

@@ -18,11 +18,12 @@ Example:
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 
-from finetune.training.objectives.base import CollateOptions
+from finetune.training.objectives.base import CollateOptions, Models
 from finetune.training.objectives.logprobs import collate_sequences
 from finetune.training.objectives.reference import REFERENCE_COLUMNS
 
@@ -77,3 +78,21 @@ def pair_metrics(
         "logps_rejected": rejected_logps.sum(),
         "nll": -chosen_logps.sum(),
     }
+
+
+class PairObjective:
+    """The part every objective on pairs shares: collation, counts and metric units; no step preparation
+    (no reference policy: ORPO, SimPO). DPO, which has a reference, prepares its own."""
+
+    metric_units: Mapping[str, str] = PAIR_METRIC_UNITS
+    count_units: tuple[str, ...] = PAIR_COUNT_UNITS
+    options: CollateOptions
+
+    def collate(self, rows: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        return collate_pairs(rows, self.options)
+
+    def counts(self, batch: dict[str, torch.Tensor]) -> dict[str, int]:
+        return pair_counts(batch)
+
+    def prepare(self, models: Models, batches: list[dict[str, torch.Tensor]], *, reduce: bool) -> list[dict]:
+        return [{} for _ in batches]
