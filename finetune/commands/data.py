@@ -65,6 +65,7 @@ def _preview_preference(recipe, tokenizer, args: argparse.Namespace) -> int:
     import shutil
 
     from finetune.commands.preference_view import marked_text, side_by_side
+    from finetune.data.labels import IGNORE_INDEX
     from finetune.data.preference import preview_records
 
     rows = preview_records(recipe.data, tokenizer, args.limit)
@@ -82,13 +83,15 @@ def _preview_preference(recipe, tokenizer, args: argparse.Namespace) -> int:
     width = shutil.get_terminal_size((120, 24)).columns
     for record, row in rows:
         if paired:
-            trained = [sum(label != -100 for label in row[f"{side}_labels"]) for side in ("chosen", "rejected")]
+            trained = [sum(label != IGNORE_INDEX for label in row[f"{side}_labels"]) for side in ("chosen", "rejected")]
             print(f"--- record {record}: chosen {trained[0]} trained tokens, rejected {trained[1]} "
                   f"({'green' if colour else '[[marked]]'})")  # fmt: skip
             chosen = (row["chosen_input_ids"], row["chosen_labels"])
             print(side_by_side(tokenizer, chosen, (row["rejected_input_ids"], row["rejected_labels"]), width, colour))
         else:
             label = "desirable" if row["desirable"] else "undesirable"
-            print(f"--- record {record}: {label}, {sum(label != -100 for label in row['labels'])} trained tokens")
+            print(
+                f"--- record {record}: {label}, {sum(label != IGNORE_INDEX for label in row['labels'])} trained tokens"
+            )
             print(marked_text(tokenizer, row["input_ids"], row["labels"], colour))
     return 0

@@ -13,6 +13,9 @@ from __future__ import annotations
 import textwrap
 from typing import Any
 
+from finetune.data.labels import IGNORE_INDEX
+from finetune.data.preference import common_prefix_length
+
 _GREEN, _RESET = "\033[32m", "\033[0m"
 
 
@@ -22,7 +25,7 @@ def _segments(tokenizer: Any, input_ids: list[int], labels: list[int]) -> list[t
     run: list[int] = []
     trained_run = False
     for token, label in [*zip(input_ids, labels), (None, None)]:
-        trained = label is not None and label != -100
+        trained = label is not None and label != IGNORE_INDEX
         if token is None or trained != trained_run:
             if run:
                 segments.append((tokenizer.decode(run), trained_run))
@@ -77,12 +80,8 @@ def side_by_side(
     colour: bool,
 ) -> str:
     """The shared prompt, then chosen | rejected completions in two columns of `width` // 2 characters."""
-    shared = 0
-    for chosen_id, rejected_id in zip(chosen[0], rejected[0]):
-        if chosen_id != rejected_id:
-            break
-        shared += 1
-    prompt_end = min(shared, next(i for i, label in enumerate(chosen[1]) if label != -100))
+    shared = common_prefix_length(chosen[0], rejected[0])
+    prompt_end = min(shared, next(i for i, label in enumerate(chosen[1]) if label != IGNORE_INDEX))
     prompt = tokenizer.decode(chosen[0][:prompt_end])
     column = max(20, (width - 3) // 2)
     left = _lines(_segments(tokenizer, chosen[0][prompt_end:], chosen[1][prompt_end:]), column, colour)

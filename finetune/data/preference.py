@@ -174,7 +174,7 @@ def _chat_sequence(prompt: list, completion: Any, config: DataConfig, tokenizer:
     template = chat_template_of(config, tokenizer)
     input_ids, trained = render_chat([*prompt_messages, *completion_messages], template, tokenizer, where)
     prompt_ids = render_chat_prompt(prompt_messages, template, tokenizer, where)
-    prompt_length = _common_prefix(prompt_ids, input_ids)
+    prompt_length = common_prefix_length(prompt_ids, input_ids)
     labels = [
         token if keep and position >= max(prompt_length, 1) else IGNORE_INDEX
         for position, (token, keep) in enumerate(zip(input_ids, trained))
@@ -187,7 +187,8 @@ def _chat_sequence(prompt: list, completion: Any, config: DataConfig, tokenizer:
     return Sequence(input_ids, labels, prompt_length)
 
 
-def _common_prefix(a: list[int], b: list[int]) -> int:
+def common_prefix_length(a: list[int], b: list[int]) -> int:
+    """How many leading tokens `a` and `b` share."""
     length = 0
     for x, y in zip(a, b):
         if x != y:

@@ -24,6 +24,7 @@ import torch
 from finetune.device import model_device, to_device
 from finetune.training.objectives.base import CollateOptions, Models, Objective, summarise
 from finetune.training.objectives.sft import SFT
+from finetune.training.sharding import lockstep_batches
 
 
 @torch.no_grad()
@@ -39,8 +40,7 @@ def evaluate(
 ) -> dict[str, float]:
     """Mean loss and perplexity over `rows` (and the objective's metrics), each process taking a strided share.
 
-    Every process runs the same number of forward passes (one with fewer rows repeats a batch and
-    discards it): a sharded model's forward is a collective, which a rank with no batch left would hang.
+    Every process runs the same number of forward passes (`lockstep_batches`).
     """
     objective = objective if objective is not None else SFT(CollateOptions(pad_token_id=None, packing=True))
     models = Models(model, model, accelerator)
@@ -52,13 +52,7 @@ def evaluate(
     names = sorted([f"loss/{unit}" for unit in objective.loss_units] + list(objective.metric_units))
     sums = {name: torch.zeros((), dtype=torch.float64, device=device) for name in names}
     counts = [0] * len(objective.count_units)
-    indices = list(range(rank, len(rows), processes))
-    batches = [indices[i : i + micro_batch_size] for i in range(0, len(indices), micro_batch_size)]
-    batches = batches[:max_batches]
-    most = math.ceil(math.ceil(len(rows) / processes) / micro_batch_size)
-    for number in range(min(most, max_batches or most)):
-        counted = number < len(batches)
-        batch_indices = batches[number] if counted else [0]
+    for batch_indices, counted in lockstep_batches(len(rows), micro_batch_size, rank, processes, max_batches):
         host_batch = collate([rows[i] for i in batch_indices])
         batch = to_device(host_batch, device)
         with autocast():

@@ -26,6 +26,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -161,6 +162,22 @@ def _shard_like(whole: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     if not isinstance(like, DTensor):
         return whole.to(like.device)
     return distribute_tensor(whole.to(like.device_mesh.device_type), like.device_mesh, like.placements)
+
+
+def lockstep_batches(
+    num_rows: int, micro_batch_size: int, rank: int, processes: int, max_batches: int | None = None
+) -> list[tuple[list[int], bool]]:
+    """This process's strided share of `num_rows` rows in micro-batches, as (row indices, counted) pairs.
+
+    Every process gets the same number of batches, because a sharded model's forward is a collective that
+    a rank with nothing left to run would hang: a process whose share ran out repeats row 0, not counted
+    (its outputs are discarded). Each row is counted by exactly one process.
+    """
+    indices = list(range(rank, num_rows, processes))
+    batches = [indices[i : i + micro_batch_size] for i in range(0, len(indices), micro_batch_size)]
+    most = math.ceil(math.ceil(num_rows / processes) / micro_batch_size)
+    most = min(most, max_batches or most)
+    return [(batches[n], True) if n < len(batches) else ([0], False) for n in range(most)]
 
 
 def rank_param_share(sharding: Sharding, model: torch.nn.Module, accelerator: Any) -> float:

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from finetune.data.labels import IGNORE_INDEX
 from finetune.training.objectives.base import CollateOptions, Models, Terms
 from finetune.training.objectives.logprobs import collate_sequences, sequence_logps
 from finetune.training.objectives.reference import reference_logps
@@ -40,7 +41,7 @@ def mismatched(rows: list[dict[str, Any]], max_seq_len: int) -> list[dict[str, l
         other = rows[index - 1]
         prompt, start = row["prompt_length"], other["prompt_length"]
         input_ids = row["input_ids"][:prompt] + other["input_ids"][start:]
-        labels = [-100] * prompt + other["labels"][start:]
+        labels = [IGNORE_INDEX] * prompt + other["labels"][start:]
         sequences.append({"input_ids": input_ids[:max_seq_len], "labels": labels[:max_seq_len]})
     return sequences
 

@@ -22,16 +22,18 @@ Example:
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from finetune.atomic import atomic_file
+from finetune.device import to_device
 from finetune.training.objectives.base import Models
 from finetune.training.objectives.logprobs import sequence_logps
+from finetune.training.sharding import lockstep_batches
 
 REFERENCE_FILE = "reference-logps.safetensors"
 REFERENCE_COLUMNS = ("reference_chosen_logp", "reference_rejected_logp")
@@ -49,26 +51,20 @@ def score_rows(objective: Any, models: Models, rows: Any, micro_batch_size: int)
     """(rows, sequences per row) log π of every row's sequences, the model as it is now, in eval mode.
 
     Each process scores a strided share and the shares are summed over processes (each row is scored by
-    exactly one), so every process ends with all values. Every process runs the same number of forwards
-    (a sharded forward is a collective): one whose share ran out repeats its first batch and discards it.
+    exactly one), so every process ends with all values; all run the same forwards (`lockstep_batches`).
     """
     accelerator = models.accelerator
-    world, rank = accelerator.num_processes, accelerator.process_index
-    indices = list(range(rank, len(rows), world))
-    batches = [indices[i : i + micro_batch_size] for i in range(0, len(indices), micro_batch_size)]
-    most = math.ceil(math.ceil(len(rows) / world) / micro_batch_size)
+    shares = lockstep_batches(len(rows), micro_batch_size, accelerator.process_index, accelerator.num_processes)
     was_training = models.peft.training
     models.peft.eval()
     values: torch.Tensor | None = None
-    for number in range(most):
-        batch_indices = batches[number] if number < len(batches) else [0]
-        batch = objective.collate([rows[i] for i in batch_indices])
-        batch = {key: value.to(accelerator.device) for key, value in batch.items()}
+    for batch_indices, counted in shares:
+        batch = to_device(objective.collate([rows[i] for i in batch_indices]), accelerator.device)
         with accelerator.autocast():
             scores = sequence_logps(models.peft, batch).reshape(len(batch_indices), -1)  # (rows, sequences)
         if values is None:
             values = torch.zeros(len(rows), scores.shape[1], dtype=torch.float32, device=accelerator.device)
-        if number < len(batches):
+        if counted:
             values[torch.tensor(batch_indices, device=accelerator.device)] = scores.float()
     models.peft.train(was_training)
     assert values is not None, "no rows to score"
@@ -85,8 +81,6 @@ def load_or_compute(
     """
     path = run_dir / REFERENCE_FILE
     if resume and path.is_file():
-        from safetensors import safe_open
-
         with safe_open(str(path), framework="pt") as handle:
             stored = (handle.metadata() or {}).get("digest")
         if stored == digest:

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from finetune.data.collate import collate_batch
+from finetune.data.labels import IGNORE_INDEX
 from finetune.training.loss import forward_loss
 from finetune.training.objectives.base import CollateOptions, Models, Terms
 
@@ -37,7 +38,7 @@ class SFT:
         return collate_batch(rows, options.pad_token_id, packing=options.packing, layout=options.layout)
 
     def counts(self, batch: dict[str, torch.Tensor]) -> dict[str, int]:
-        return {"label_tokens": int((batch["labels"][:, 1:] != -100).sum())}
+        return {"label_tokens": int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())}
 
     def prepare(self, models: Models, batches: list[dict[str, torch.Tensor]], *, reduce: bool) -> list[dict]:
         return [{} for _ in batches]
