@@ -3,7 +3,7 @@
 The socket is bound before the models load, so a taken port fails at once, and `port=0` works (the
 port is chosen by the OS and reported). `ServerThread` runs the whole stack in a background thread, for
 tests and benchmarks; `serve_forever`, the CLI's, runs one too while the main thread waits for SIGINT or
-SIGTERM, so that the exit status is ours, 128 + the signal, whenever the signal comes (`stop_signals`).
+SIGTERM, so that the exit status is ours, 128 + the signal, whenever the signal comes (`finetune.signals`).
 
 Example:
     with ServerThread(ServeSettings(base="models/tiny", adapters={"legal": "adapters/legal"}, port=0)) as server:
@@ -12,16 +12,12 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
-import signal
 import socket
 import sys
 import threading
 import time
-from collections.abc import Iterator
-from types import FrameType
 
 import uvicorn
 
@@ -30,6 +26,7 @@ from finetune.serve.app import create_app
 from finetune.serve.batcher import Batcher
 from finetune.serve.engine import Engine
 from finetune.serve.settings import ServeSettings
+from finetune.signals import StopRequest, first_signal_stops
 
 logger = logging.getLogger("finetune.serve")
 
@@ -117,58 +114,23 @@ class ServerThread:
         self.stop()
 
 
-class StopSignal:
-    """The first SIGINT/SIGTERM `finetune serve` got; the main thread acts on it, the handler only records.
-
-    Raising KeyboardInterrupt from the handler, as Python's default one does, would abandon a load at
-    once, but then where it lands decides the exit status: a KeyboardInterrupt that passed through an
-    `exec` of source text (dataclasses and namedtuples build methods so) makes CPython kill itself with
-    SIGINT at exit even when it was caught, and `python -m finetune serve` ended as killed (-2), not with
-    130; a library's bare `except:` could swallow it and serve anyway. So a signal during the load stops
-    the server once the models are loaded, and a second signal stops the process at once.
-    """
-
-    def __init__(self) -> None:
-        self.signal_number: int | None = None
-
-    def handle(self, signal_number: int, frame: FrameType | None) -> None:
-        if self.signal_number is not None:  # the second signal: the signal's default action, now
-            signal.signal(signal_number, signal.SIG_DFL)
-            os.kill(os.getpid(), signal_number)
-            return
-        self.signal_number = signal_number
-        # os.write, not print: the main thread may be inside a write to sys.stderr's buffer right now
-        os.write(2, f"{signal.Signals(signal_number).name}: stopping (send it again to stop at once)\n".encode())
-
-
-@contextlib.contextmanager
-def stop_signals() -> Iterator[StopSignal]:
-    """SIGINT and SIGTERM handled by `StopSignal` while the block runs, whatever the process inherited.
-
-    Why not uvicorn's own handling: it installs its handlers only once it runs, and after its graceful
-    shutdown it restores the handler it found and re-raises the signal into it. So the exit status was
-    whatever that handler made of it: 130 from Python's default one, but 0 in a process started with
-    SIGINT ignored (a shell's background job, some CI runners), where a signal that came before uvicorn
-    ran was lost too and the server never stopped.
-    """
-    stop = StopSignal()
-    previous = {number: signal.signal(number, stop.handle) for number in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield stop
-    finally:
-        for number, handler in previous.items():
-            signal.signal(number, handler)
-
-
 def serve_forever(settings: ServeSettings) -> int:
     """The CLI's server: load, print where it listens, serve until SIGINT/SIGTERM.
+
+    A signal during the load stops the server once the models are loaded (`finetune.signals`: a
+    KeyboardInterrupt raised into the load, as Python's default handler does, that passed through an `exec`
+    of source text, as dataclasses build methods, made CPython end killed by SIGINT (-2), not with 130).
+    Not uvicorn's own handling either: it installs its handlers only once it runs, and after its graceful
+    shutdown restores the handler it found and re-raises the signal into it, so the status was whatever
+    that handler made of it: 0 in a process started with SIGINT ignored, where a signal that came before
+    uvicorn ran was lost and the server never stopped.
 
     Returns:
         The exit status: 128 + the signal that stopped it (130 for Ctrl-C), whether it came while the
         models loaded or while serving.
     """
     logging.basicConfig(level=settings.log_level.upper(), format="%(levelname)s: %(message)s")
-    with stop_signals() as stop:
+    with first_signal_stops(_announce) as stop:
         print(f"loading {_models_to_load(settings)} ...", file=sys.stderr, flush=True)
         server = ServerThread(settings)
         if stop.signal_number is None:
@@ -177,12 +139,17 @@ def serve_forever(settings: ServeSettings) -> int:
     return 128 + stop.signal_number
 
 
+def _announce(signal_name: str) -> None:
+    # os.write, not print: the main thread may be inside a write to sys.stderr's buffer right now
+    os.write(2, f"{signal_name}: stopping (send it again to stop at once)\n".encode())
+
+
 def _models_to_load(settings: ServeSettings) -> str:
     base = settings.base or "the adapters' base"
     return f"{base} and adapters {', '.join(settings.adapters)}" if settings.adapters else base
 
 
-def _serve_until_stopped(server: ServerThread, settings: ServeSettings, stop: StopSignal) -> None:
+def _serve_until_stopped(server: ServerThread, settings: ServeSettings, stop: StopRequest) -> None:
     """Serve in a background thread and say where; shut it down gracefully once a signal came."""
     if settings.host not in ("127.0.0.1", "localhost", "::1") and settings.api_key is None:
         print(

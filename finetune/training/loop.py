@@ -39,9 +39,10 @@ from finetune.errors import TrainingError
 from finetune.manifest import read_manifest
 from finetune.recipe import Recipe, load_recipe
 from finetune.report import report_finished_run
+from finetune.signals import StopRequest
 from finetune.training import checkpoint as ckpt
 from finetune.training.finish import finish_run
-from finetune.training.interrupt import StopRequest, TrainingInterrupted, graceful_stop
+from finetune.training.interrupt import TrainingInterrupted, graceful_stop, stop_agreed
 from finetune.training.objectives.base import CollateOptions, Models, Objective, summarise
 from finetune.training.objectives.sft import SFT
 from finetune.training.progress import Say, StepCallback, TrainingLog, fan_out
@@ -159,7 +160,7 @@ def run_steps(run: TrainingRun, stop: StopRequest, on_step: StepCallback) -> dic
         last = {k: v for k, v in last.items() if not k.startswith("eval_")}  # an evaluation is reported once
         if is_final or (train_config.save_every_steps and run.step % train_config.save_every_steps == 0):
             run.save_checkpoint()
-        if not is_final and stop.agreed(run.accelerator):
+        if not is_final and stop_agreed(stop, run.accelerator):
             path = run.save_checkpoint()
             raise TrainingInterrupted(
                 f"interrupted at step {run.step} of {run.length.total_steps}; checkpoint {path} written; run the same "
