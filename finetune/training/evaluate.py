@@ -22,8 +22,8 @@ from contextlib import nullcontext
 import torch
 
 from finetune.device import model_device, to_device
-from finetune.training.objectives.base import CollateOptions, Models, Objective, summarise
-from finetune.training.objectives.sft import SFT
+from finetune.training.objectives.base import Models, Objective, summarise
+from finetune.training.objectives.sft import BATCH_SFT
 from finetune.training.sharding import lockstep_batches
 
 
@@ -42,7 +42,7 @@ def evaluate(
 
     Every process runs the same number of forward passes (`lockstep_batches`).
     """
-    objective = objective if objective is not None else SFT(CollateOptions(pad_token_id=None, packing=True))
+    objective = objective if objective is not None else BATCH_SFT
     models = Models(model, model, accelerator)
     was_training = model.training
     model.eval()

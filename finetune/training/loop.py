@@ -43,8 +43,8 @@ from finetune.signals import StopRequest
 from finetune.training import checkpoint as ckpt
 from finetune.training.finish import finish_run
 from finetune.training.interrupt import TrainingInterrupted, graceful_stop, stop_agreed
-from finetune.training.objectives.base import CollateOptions, Models, Objective, summarise
-from finetune.training.objectives.sft import SFT
+from finetune.training.objectives.base import Models, Objective, summarise
+from finetune.training.objectives.sft import BATCH_SFT
 from finetune.training.progress import Say, StepCallback, TrainingLog, fan_out
 from finetune.training.run import TrainingRun, start_run
 from finetune.training.sharding import DdpSharding, Sharding
@@ -128,7 +128,7 @@ def _recorded_metrics(adapter_dir: Path) -> dict[str, Any]:
 
 
 def run_steps(run: TrainingRun, stop: StopRequest, on_step: StepCallback) -> dict[str, float]:
-    """Optimizer steps until the plan's end; returns the metrics of the last step and evaluation."""
+    """Optimizer steps until the run's length; returns the metrics of the last step and evaluation."""
     train_config = run.recipe.train
     run.model_for_step.train()
     start_time, skipped_steps = time.perf_counter(), 0
@@ -215,7 +215,7 @@ def accumulate_gradients(
     (default: `model`), for the objective's no-grad passes.
     """
     sharding = sharding or DdpSharding()
-    objective = objective if objective is not None else SFT(CollateOptions(pad_token_id=None, packing=True))
+    objective = objective if objective is not None else BATCH_SFT
     models = Models(model, model if peft_model is None else peft_model, accelerator)
     counts = _step_counts(objective, micro_batches, accelerator)  # on the device: nothing waits for them
     batches = [to_device(batch, accelerator.device) for batch in micro_batches]

@@ -46,3 +46,8 @@ class SFT:
     def terms(self, models: Models, batch: dict[str, torch.Tensor], prepared: dict) -> Terms:
         loss_sum, _ = forward_loss(models.step, batch)
         return Terms({"label_tokens": loss_sum}, {"nll": loss_sum.detach()})
+
+
+BATCH_SFT = SFT(CollateOptions(pad_token_id=None, packing=True))
+"""SFT for callers that hand over batches already collated (the objective `accumulate_gradients` and
+`evaluate` use when none is given); its own `collate` is not used."""
