@@ -106,9 +106,15 @@ def assert_no_partial_directory(work: Path, name: str) -> None:
         assert safetensors_problem(adapter / "adapter_model.safetensors") is None
 
 
+KILLS = 5
+
+
 @pytest.mark.slow
 def test_sigkill_at_random_moments_then_resume_gives_the_uninterrupted_adapter(workdir):
-    """10 SIGKILLs at random moments (start-up, training, checkpoint writes, the adapter write), then finish."""
+    """SIGKILLs at random moments (start-up, training, checkpoint writes, the adapter write), then finish.
+
+    Five kills: with ten (measured before the suite outgrew its time budget) no run ever left a partial
+    directory or a different adapter either; each kill costs a start-up of several seconds."""
     args = ["train.max_steps=200", "train.save_every_steps=1", "train.log_every_steps=1000", "output.name=killed"]
     randomness = random.Random(0)
 
@@ -127,8 +133,8 @@ def test_sigkill_at_random_moments_then_resume_gives_the_uninterrupted_adapter(w
         assert process.returncode == 0, log[-2000:]
         return False
 
-    kills = sum(attempt(randomness.uniform(1.5, 5.0)) for _ in range(10))
-    assert kills == 10, f"only {kills} of 10 attempts were killed; the others finished"
+    kills = sum(attempt(randomness.uniform(1.5, 5.0)) for _ in range(KILLS))
+    assert kills == KILLS, f"only {kills} of {KILLS} attempts were killed; the others finished"
     while not (workdir / "adapters" / "killed").exists():
         attempt(None)
     assert_no_partial_directory(workdir, "killed")

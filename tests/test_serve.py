@@ -453,7 +453,6 @@ def stderr_until(process: subprocess.Popen, wanted: str) -> list[str]:
     ("moment", "signal_number"),
     [
         ("loading", signal.SIGINT),  # importing torch and loading the models
-        ("listening", signal.SIGINT),  # the moment it says where it serves
         ("idle", signal.SIGINT),  # after answering a request
         ("idle", signal.SIGTERM),
     ],
