@@ -4,7 +4,7 @@ Two changes in `finetune` made a LoRA step cheaper; this script times the step w
 on the `python -m bench` training setting (a 19.2M-parameter Llama, vocabulary 32,000, untied head, LoRA
 r=16 all-linear with dropout 0.05, micro-batches of 8 generated instruction records packed):
 
-- `head`: the output layer runs only at the positions that predict a label (`finetune.training.loss.forward_loss`),
+- `head`: the output layer runs only at the positions that predict a label (`finetune.scoring.forward_loss`),
   against all logits then cross-entropy with -100 ignored (`token_loss_sum` of the full logits);
 - `dropout`: LoRA dropout drawn from 16 random bits per element (`finetune.model.UniformDropout`), against
   torch's `nn.Dropout` (peft's default).
@@ -86,7 +86,7 @@ def make_model(base_dir: str, uniform_dropout: bool) -> torch.nn.Module:
 
 
 def step_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor], label_only_head: bool) -> torch.Tensor:
-    from finetune.training.loss import forward_loss, token_loss_sum
+    from finetune.scoring import forward_loss, token_loss_sum
 
     if label_only_head:
         return forward_loss(model, batch)[0]

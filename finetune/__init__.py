@@ -16,7 +16,8 @@ from finetune.recipe import Recipe, load_recipe
 from finetune.version import __version__
 
 if TYPE_CHECKING:
-    from finetune.api import load_model, train
+    from finetune.api import load_model
+    from finetune.training.loop import train
 
 __all__ = [
     "AdapterError",
@@ -31,14 +32,15 @@ __all__ = [
     "train",
 ]
 
-_LAZY = {"load_model", "train"}
-"""Names of `finetune.api` that load torch and transformers: imported on first use, so `import finetune`
-(and the CLI's start) stays instant (PEP 562)."""
+_LAZY = {"load_model": "finetune.api", "train": "finetune.training.loop"}
+"""Names that load torch and transformers, with the module defining each: imported on first use, so
+`import finetune` (and the CLI's start) stays instant (PEP 562), and `load_model` never pulls in the
+training stack that `train` needs."""
 
 
 def __getattr__(name: str) -> Any:
     if name in _LAZY:
-        from finetune import api
+        import importlib
 
-        return getattr(api, name)
+        return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'finetune' has no attribute {name!r}")

@@ -5,9 +5,10 @@ the ledger of a merged checkpoint, whose merges it then continues exactly from t
 it on the device asked for (a GPU when there is one), checks every adapter against the base's
 fingerprint, and hands over to `finetune.adapters.inmemory.LoadedModel`.
 
-This module is the Python API: `load_model` here, `train` (`finetune.training.loop.train`) beside it.
-`import finetune` stays instant: the package exposes both lazily (see `finetune/__init__.py`), so torch
-and transformers load with the first model, not with the package.
+This module is the inference half of the Python API: it imports nothing of training (no loop,
+objectives, sharding, trackers or deepspeed), so `generate`, `eval` and `serve` start without them.
+`finetune.train` lives in `finetune.training.loop`; the package exposes both lazily (see
+`finetune/__init__.py`), so torch and transformers load with the first model, not with the package.
 
 Example:
     m = finetune.load_model("models/tiny", adapters={"legal": "adapters/legal", "med": "adapters/med"})
@@ -32,9 +33,8 @@ from finetune.errors import AdapterError, AdapterWarning
 from finetune.fingerprint import fingerprint_model
 from finetune.model import load_base
 from finetune.quantization import Quantization
-from finetune.training.loop import train
 
-__all__ = ["load_model", "train"]
+__all__ = ["load_model"]
 
 DTYPES = ("float32", "bfloat16", "float16")
 ADAPTER_CONFIG_NAME = "adapter_config.json"

@@ -97,18 +97,18 @@ def build_manifest(
 
 def library_versions() -> dict[str, str]:
     """Versions of the libraries that shape an adapter's numbers."""
-    # Imported here, not above: reading a manifest (`finetune adapters list`) must not load torch.
-    import accelerate
-    import peft
+    # Imported here, not above: reading a manifest (`finetune adapters list`) must not load torch. The
+    # libraries' versions come from their installed metadata: importing accelerate or peft costs seconds.
+    from importlib.metadata import version
+
     import torch
-    import transformers
 
     return {
         "finetune": __version__,
         "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "peft": peft.__version__,
-        "accelerate": accelerate.__version__,
+        "transformers": version("transformers"),
+        "peft": version("peft"),
+        "accelerate": version("accelerate"),
     }
 
 

@@ -24,6 +24,7 @@ from finetune.adapters.quantized import keep_float_kernels
 from finetune.embedded import resolve_base_id
 from finetune.errors import ModelError
 from finetune.paths import local_model_dir
+from finetune.peft_import import bitsandbytes_hidden, import_peft
 from finetune.quantization import NO_QUANTIZATION, Quantization
 from finetune.recipe import LoraConfig, ModelConfig
 from finetune.tensorfile import check_safetensors
@@ -249,6 +250,7 @@ def _lora_targets(config: LoraConfig, model: PreTrainedModel) -> str | list[str]
 
 def peft_lora_config(config: LoraConfig, model: PreTrainedModel) -> PeftLoraConfig:
     """Translate the recipe's `lora` section into a `peft.LoraConfig` for `model`."""
+    import_peft()  # peft's first import hides bitsandbytes
     from peft import LoraConfig as PeftLoraConfig
 
     if isinstance(config.target_modules, list):
@@ -276,12 +278,12 @@ def peft_lora_config(config: LoraConfig, model: PreTrainedModel) -> PeftLoraConf
 
 def wrap_with_lora(model: PreTrainedModel, config: LoraConfig):
     """Freeze `model` and add trainable LoRA adapters (a `peft.PeftModel`, adapter name `default`)."""
-    from peft import get_peft_model, prepare_model_for_kbit_training
-
+    peft = import_peft()
     lora_config = peft_lora_config(config, model)
     if getattr(model, "is_loaded_in_4bit", False) or getattr(model, "is_loaded_in_8bit", False):
-        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
-    peft_model = get_peft_model(model, lora_config)
+        model = peft.prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+    with bitsandbytes_hidden():  # a no-op on a quantized base, which loaded bitsandbytes already
+        peft_model = peft.get_peft_model(model, lora_config)
     use_uniform_dropout(peft_model)
     # LoRA weights train in float32 even on a 16-bit base: Adam updates are too small for bf16.
     for parameter in peft_model.parameters():

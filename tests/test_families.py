@@ -199,7 +199,7 @@ def test_the_head_on_labelled_positions_only_gives_the_full_logits_loss_and_grad
     from peft import LoraConfig, get_peft_model
 
     from finetune.data.collate import collate_batch
-    from finetune.training.loss import forward_loss, token_loss_sum
+    from finetune.scoring import forward_loss, token_loss_sum
 
     base = build_family(family, tmp_path / "base")
     torch.manual_seed(0)

@@ -16,15 +16,17 @@ PACKAGE_DIR = Path(__file__).resolve().parents[1] / "finetune"
 # nothing below imports anything above, and two parts of one layer do not import each other.
 LAYERS: list[set[str]] = [
     {"errors", "version", "paths", "console", "signals"},
-    {"atomic", "tensorfile", "catalog", "quantization", "device", "prompting", "fingerprint"},
+    {"atomic", "tensorfile", "catalog", "quantization", "device", "prompting", "fingerprint", "peft_import"},
     {"recipe", "embedded"},
     {"manifest", "data"},
     {"adapters"},
-    {"model"},
+    {"model", "scoring"},
     {"plan", "export", "report"},
-    {"training"},
     {"api"},
     {"serve"},
+    # Training sits above the whole inference half (api, serve, scoring, ...) and nothing there imports
+    # it: `generate`, `eval`, `serve` and the adapter arithmetic start without the training stack.
+    {"training"},
     {"commands"},
     {"cli"},
     {"__main__"},

@@ -20,7 +20,7 @@ from transformers import AutoModelForCausalLM
 from finetune.data import build_datasets, collate_batch
 from finetune.data.labels import IGNORE_INDEX
 from finetune.recipe import DataConfig
-from finetune.training.loss import token_loss_sum
+from finetune.scoring import token_loss_sum
 
 WORDS = "the model reads a document and predicts the next token while the adapter learns".split()
 # Uneven on purpose: a 1-word document, long ones, short ones, so rows mix lengths and some rows

@@ -88,7 +88,7 @@ def test_train_writes_a_complete_adapter_that_plain_peft_loads(workdir):
 
     from finetune.data import build_datasets, collate_batch
     from finetune.recipe import load_recipe
-    from finetune.training.loss import token_loss_sum
+    from finetune.scoring import token_loss_sum
 
     recipe = load_recipe("recipe.yaml")
     tokenizer = AutoTokenizer.from_pretrained(config["base_model_name_or_path"])

@@ -49,6 +49,7 @@ from finetune.adapters.result import ArithmeticResult
 from finetune.adapters.tied import TIE_KEY, tied_parameter_names
 from finetune.errors import AdapterError, AdapterWarning
 from finetune.fingerprint import base_state_items
+from finetune.peft_import import bitsandbytes_hidden, import_peft
 
 if TYPE_CHECKING:
     from peft import PeftModel
@@ -316,12 +317,11 @@ class LoadedModel:
             )
         if self._ledger.entries and self._quantized_base():
             raise AdapterError("on a quantized base use() needs nothing merged; subtract the merged adapters first")
-        from peft import PeftModel
-
-        with warnings.catch_warnings():
+        peft = import_peft()
+        with warnings.catch_warnings(), bitsandbytes_hidden():  # a no-op on a quantized base
             warnings.simplefilter("ignore")
             if self._peft is None:
-                self._peft = PeftModel.from_pretrained(
+                self._peft = peft.PeftModel.from_pretrained(
                     self.model, str(adapter.path), adapter_name=name, is_trainable=False
                 )
                 _tuner(self._peft).disable_adapter_layers()  # attached, not in use: forwards stay the base's

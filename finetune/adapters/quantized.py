@@ -18,6 +18,7 @@ Example:
 
 from __future__ import annotations
 
+import sys
 from typing import Any, TypeGuard, cast
 
 import torch
@@ -26,11 +27,9 @@ from finetune.quantization import Quantization
 
 
 def _bnb():
-    try:
-        import bitsandbytes as bnb
-    except ImportError:  # no quantized layer can exist without it
-        return None
-    return bnb
+    """bitsandbytes if something has loaded it, else None: a quantized layer can only exist once it is loaded
+    (transformers imports it to quantize a base), and importing it just to ask costs seconds of start-up."""
+    return sys.modules.get("bitsandbytes")
 
 
 def is_quantized_linear(module: torch.nn.Module) -> TypeGuard[torch.nn.Linear]:

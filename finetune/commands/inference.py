@@ -66,7 +66,7 @@ def _load(args: argparse.Namespace):
 def run_eval(args: argparse.Namespace) -> int:
     from finetune.data import build_datasets, collate_batch
     from finetune.recipe import DataConfig
-    from finetune.training.evaluate import evaluate
+    from finetune.scoring import perplexity as score
 
     loaded, adapter = _load(args)
     config = DataConfig(train=[args.data], format=args.format, max_seq_len=args.max_seq_len, packing=True)
@@ -76,7 +76,7 @@ def run_eval(args: argparse.Namespace) -> int:
         return collate_batch(batch_rows, pad_token_id=loaded.tokenizer.pad_token_id, packing=True)
 
     def perplexity() -> dict[str, float]:  # on the model's device
-        return evaluate(loaded.model, rows, collate=collate, micro_batch_size=args.batch_size)
+        return score(loaded.model, rows, collate=collate, micro_batch_size=args.batch_size)
 
     if adapter is not None:
         loaded.use(None)

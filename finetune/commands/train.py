@@ -41,12 +41,13 @@ def run_train(args: argparse.Namespace) -> int:
         raise FinetuneError(f"--nproc {args.nproc} --nnodes {args.nnodes}: both must be at least 1")
     if args.cpu:
         hide_gpus()  # before CUDA starts: this process and the ranks it launches see none
+    from finetune.recipe import load_recipe
+
+    # A bad recipe fails here, once (not on every rank), before the training stack is imported.
+    recipe = load_recipe(args.recipe, args.overrides)
     if (args.nproc > 1 or args.nnodes > 1) and not already_launched():
         import torch
 
-        from finetune.recipe import load_recipe
-
-        recipe = load_recipe(args.recipe, args.overrides)  # a bad recipe fails here, once, not on every rank
         use_cpu = args.cpu or not torch.cuda.is_available()
         if not use_cpu:
             check_gpu_count(args.nproc, torch.cuda.device_count())
@@ -67,7 +68,7 @@ def run_train(args: argparse.Namespace) -> int:
 
     from finetune.training.loop import train
 
-    adapter_dir, _ = train(args.recipe, args.overrides, resume=args.resume)
+    adapter_dir, _ = train(recipe, resume=args.resume)
     if os.environ.get("RANK", "0") == "0":  # one line per run, not per process
         print(f"adapter: {adapter_dir}")
     return 0

@@ -1,6 +1,6 @@
 """Record formats: one raw record → one document of token ids and labels (-100 where no loss).
 
-Labels are aligned with `input_ids` (the shift happens in `finetune.training.loss`). Every document's first
+Labels are aligned with `input_ids` (the shift happens in `finetune.scoring`). Every document's first
 label is -100: nothing precedes it, and in a packed row it must not be predicted from the previous
 document. EOS always ends a document as a trained label, so the tuned model learns to stop.
 

@@ -46,7 +46,7 @@ class Implementation:
     """With a quantized base, peft's `prepare_model_for_kbit_training` casts every weight bitsandbytes left
     unquantized (embeddings, output head, norms) to float32."""
     logits_bytes: float
-    """Bytes per logit (B·T·V) at the peak of the loss. finetune's loss (`finetune.training.loss.forward_loss`)
+    """Bytes per logit (B·T·V) at the peak of the loss. finetune's loss (`finetune.scoring.forward_loss`)
     computes logits only at labelled positions (all of them for `text` data, the plan's bound; a masked
     prompt needs less), upcast to float32 for cross-entropy, which keeps its float32 log-softmax
     for backward; the backward of that holds the incoming gradient, the saved output and the outgoing

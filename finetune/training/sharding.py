@@ -32,8 +32,9 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
-from peft import get_peft_model_state_dict
 from torch.distributed.tensor import DTensor, distribute_tensor
+
+from finetune.peft_import import import_peft
 
 
 @dataclass(frozen=True)
@@ -191,7 +192,7 @@ def rank_param_share(sharding: Sharding, model: torch.nn.Module, accelerator: An
 
 def adapter_state(peft_model: Any, trainable: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """`trainable` (as `StateIO.trainable_state` gives it) named as in peft's adapter files."""
-    return get_peft_model_state_dict(peft_model, state_dict=trainable, save_embedding_layers=False)
+    return import_peft().get_peft_model_state_dict(peft_model, state_dict=trainable, save_embedding_layers=False)
 
 
 def trainable_names(peft_model: Any, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -209,5 +210,5 @@ def _adapter_names(peft_model: Any) -> dict[str, str]:
     applied to index tensors and read back, so this follows peft exactly rather than imitating it."""
     model_names = [name for name, p in peft_model.named_parameters() if p.requires_grad]
     markers = {name: torch.tensor(index) for index, name in enumerate(model_names)}
-    renamed = get_peft_model_state_dict(peft_model, state_dict=markers, save_embedding_layers=False)
+    renamed = import_peft().get_peft_model_state_dict(peft_model, state_dict=markers, save_embedding_layers=False)
     return {key: model_names[int(marker)] for key, marker in renamed.items()}

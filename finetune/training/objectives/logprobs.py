@@ -10,7 +10,7 @@ collation time, so the forward pass never waits on the host:
 - `target_ids` (N,): the label each predicts; `target_sequence` (N,): whose sequence it is (0..S-1);
 - `sequence_tokens` (S,): labelled tokens per sequence (for length-normalised objectives).
 
-The output head runs only at the N positions (a hook on the head, as `finetune.training.loss.forward_loss`
+The output head runs only at the N positions (a hook on the head, as `finetune.scoring.forward_loss`
 does for SFT), and the per-sequence sums are one `index_add_` of the N token log-probs: no boolean-mask
 indexing, no `.item()`, shapes known before the forward.
 
@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from finetune.data.collate import collate_batch
 from finetune.data.labels import IGNORE_INDEX
-from finetune.training.loss import next_token_targets, output_head
+from finetune.scoring import next_token_targets, output_head
 
 MODEL_INPUTS = ("input_ids", "position_ids", "attention_mask")
 """The keys of a sequence batch that go to the model; the rest index the outputs."""

@@ -3,7 +3,7 @@
     loss = Σ_{labelled t} −log π(y_t | y_<t) / N_label_tokens
 
 N counts the label tokens of the whole optimizer step on every process, so a step is one big batch
-however its documents fall into micro-batches (`finetune.training.loss`). Rows are the documents of
+however its documents fall into micro-batches (`finetune.scoring`). Rows are the documents of
 `text`, `instruction` and `chat` data, packed per micro-batch (`finetune.data.collate`).
 
 Example:
@@ -20,7 +20,7 @@ import torch
 
 from finetune.data.collate import collate_batch
 from finetune.data.labels import IGNORE_INDEX
-from finetune.training.loss import forward_loss
+from finetune.scoring import forward_loss
 from finetune.training.objectives.base import CollateOptions, Models, Terms
 
 

@@ -1,4 +1,8 @@
-"""Next-token cross-entropy as a (sum, count) pair, so callers can normalise by label tokens.
+"""Scoring text with a causal LM: next-token loss as a (sum, count) pair, and perplexity over rows.
+
+This is the inference half's scoring (`finetune eval`, the Python API); training's objectives build on
+the same functions, so a loss reported at evaluation is computed exactly as the one trained on. It
+imports nothing of training.
 
 Averaging per micro-batch and then over micro-batches weights short batches as heavily as long ones;
 summing token losses and dividing once by the total number of label tokens (across gradient
@@ -11,15 +15,21 @@ from the previous document.
 Example:
     loss_sum, num_label_tokens = token_loss_sum(model(input_ids).logits, labels)
     (loss_sum / num_label_tokens).backward()
+    perplexity(model, rows, collate=collate, micro_batch_size=8)["eval_ppl"]
 """
 
 from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel
 
 from finetune.data.labels import IGNORE_INDEX
+from finetune.device import model_device, to_device
 
 
 def next_token_targets(labels: torch.Tensor) -> torch.Tensor:
@@ -77,3 +87,34 @@ def output_head(model: torch.nn.Module) -> torch.nn.Module | None:
         if isinstance(module, PreTrainedModel):
             return module.get_output_embeddings()
     return None
+
+
+@torch.no_grad()
+def perplexity(
+    model: torch.nn.Module,
+    rows: Sequence[dict[str, Any]],
+    *,
+    collate: Callable[[list[dict[str, Any]]], dict[str, torch.Tensor]],
+    micro_batch_size: int,
+) -> dict[str, float]:
+    """Mean loss per label token over all `rows` and its exp, on the model's device, in one process.
+
+    Perplexity is exp of the mean over the whole set (not a mean of per-batch perplexities), so it does
+    not depend on how rows are batched. Training's evaluation (`finetune.training.evaluate`) computes the
+    same figure for any objective and any number of processes.
+    """
+    was_training = model.training
+    model.eval()
+    device = model_device(model)
+    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+    num_label_tokens = torch.zeros((), dtype=torch.int64, device=device)
+    for start in range(0, len(rows), micro_batch_size):
+        batch_rows = [rows[i] for i in range(start, min(start + micro_batch_size, len(rows)))]
+        batch = to_device(collate(batch_rows), device)
+        batch_loss, batch_tokens = forward_loss(model, batch)
+        loss_sum += batch_loss.double()
+        num_label_tokens += batch_tokens
+    model.train(was_training)
+    loss, tokens = loss_sum.item(), int(num_label_tokens.item())
+    mean = loss / tokens if tokens else math.nan
+    return {"eval_loss": mean, "eval_ppl": math.exp(mean) if tokens else math.nan, "eval_tokens": tokens}
