@@ -14,6 +14,8 @@ Parts (`--only` picks some):
   and drift after merge/unmerge cycles, on a 58M-parameter Llama.
 - `merge`: bench/streaming_merge.py, peak memory of the streaming on-disk merge against peft's, on a
   sharded 0.7 GB checkpoint.
+- `startup`: bench/startup.py, `finetune --help`, `finetune generate` of 40 tokens with an adapter, and
+  the import seconds of a one-step `finetune train`, each the median of fresh processes.
 
 Models are built under `--scratch` (reused on the next run). Timing figures depend on what else runs:
 the summary says so when the load average exceeded half the cores during a part.
@@ -72,6 +74,7 @@ PARTS: dict[str, dict[str, Any]] = {
         "full": "--hidden 1024 --layers 8 --intermediate 2816 --shard-size 100MB",
         "quick": "--hidden 128 --layers 2 --intermediate 256 --shard-size 2MB",
     },
+    "startup": {"script": "startup.py", "full": "--repeats 5", "quick": "--repeats 1"},
 }
 
 

@@ -269,10 +269,23 @@ def preset_section(figures: dict[str, Any]) -> list[str]:
     return lines
 
 
+def startup_section(figures: dict[str, Any]) -> list[str]:
+    lines = [f"Median of {figures['repeats']} fresh processes on {figures['cpu']}, {figures['cores']} cores.", ""]
+    return lines + table(
+        ["command", "seconds"],
+        [
+            ["`finetune --help` (wall)", f"{figures['help_seconds']:.2f}"],
+            ["`finetune generate`, 40 tokens, embedded base + adapter (wall)", f"{figures['generate_seconds']:.2f}"],
+            ["imports of a one-step `finetune train`", f"{figures['train_import_seconds']:.2f}"],
+        ],
+    )
+
+
 SECTIONS = {
     "train": ("Training throughput and utilisation (bench/train_throughput.py)", train_section),
     "swap": ("Adapter swap and drift (bench/adapter_swap.py)", swap_section),
     "merge": ("Streaming merge (bench/streaming_merge.py)", merge_section),
+    "startup": ("Start-up (bench/startup.py)", startup_section),
 }
 
 

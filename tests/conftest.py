@@ -17,6 +17,10 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["HF_DATASETS_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Under pytest-xdist every worker (and the processes its tests start) computes on one thread: the workers
+# already fill the cores, and more threads than cores slow everything down. Set before torch loads.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["OMP_NUM_THREADS"] = "1"
 # Caches (tokenized data, fingerprints, the embedded base) go to a scratch directory, not the user's
 # ~/.cache, so every session starts as a fresh machine would (subprocesses inherit it).
 _SCRATCH_CACHE = tempfile.mkdtemp(prefix="finetune-tests-cache-")
