@@ -31,6 +31,7 @@ from transformers import get_scheduler
 
 from finetune.adapters.lora import PEFT_PREFIX
 from finetune.adapters.resolved_base import ResolvedBase, resolve_base
+from finetune.cpu_features import bf16_cpu_note
 from finetune.data import build_datasets
 from finetune.data.collate import describe_layout
 from finetune.data.packing import sequence_lengths
@@ -304,6 +305,9 @@ def start_run(recipe: Recipe, *, resume: bool, say: Say) -> TrainingRun:
     # Every process at once: under ZeRO-3, transformers partitions the weights while loading (a collective).
     model, tokenizer, _ = load_base_from_config(recipe.model, tokenizer, device=base.device)
     say(f"base {recipe.model.base} ({base.source}, on {base.device}); data: {data.stats}")
+    bf16_note = bf16_cpu_note(recipe.model.dtype, recipe.train.precision, device=torch.device(base.device).type)
+    if bf16_note is not None:
+        say(bf16_note)
     peft_model = _wrap_for_training(recipe, model, say)
     initial_adapter(recipe, peft_model, base, say)
     sharding = _shard(recipe, peft_model, accelerator)
