@@ -281,8 +281,9 @@ class TrainConfig(_Section):
     max_grad_norm: float | None = Field(1.0, gt=0)
     """Clip the global gradient norm to this; null turns clipping off."""
     nonfinite_skips: int = Field(0, ge=0)
-    """Optimizer steps with a NaN/Inf loss or gradient that may be skipped (no update) before the run stops
-    with an error naming the step; 0 stops at the first one. No adapter is written when the run stops."""
+    """Optimizer steps with a NaN/Inf loss or gradient that may be skipped (no update of the weights, Adam's
+    state or the schedule) before the run stops with an error naming the step; 0 stops at the first one.
+    No adapter is written when the run stops."""
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     """Autocast precision of the forward pass (mixed precision); trainable weights stay float32."""
     gradient_checkpointing: bool = False

@@ -51,6 +51,59 @@ def test_allowed_nonfinite_steps_are_skipped_and_counted(workdir):
     assert all(torch.isfinite(t).all() for t in load_file(adapter_dir / "adapter_model.safetensors").values())
 
 
+def _equal_state(expected, actual, where: str = "") -> None:
+    """Nested optimizer or scheduler state dicts equal bit for bit (tensors with torch.equal)."""
+    if isinstance(expected, torch.Tensor):
+        assert torch.equal(expected, actual), where
+    elif isinstance(expected, dict):
+        assert expected.keys() == actual.keys(), where
+        for key in expected:
+            _equal_state(expected[key], actual[key], f"{where}.{key}")
+    elif isinstance(expected, (list, tuple)):
+        assert len(expected) == len(actual), where
+        for index, (a, b) in enumerate(zip(expected, actual)):
+            _equal_state(a, b, f"{where}[{index}]")
+    else:
+        assert expected == actual, where
+
+
+def test_a_skipped_step_leaves_weights_adam_state_and_schedule_unchanged_bit_for_bit(workdir, monkeypatch):
+    """Step 3's forward is poisoned (NaN from the embeddings on): with a skip allowed, the LoRA weights,
+    AdamW's moments and step counts, the scheduler's state and the learning rate after step 3 are those
+    after step 2, bit for bit; step 4 then trains. (The schedule used to advance on a skipped step.)"""
+    import copy
+
+    import finetune.training.loop as loop
+
+    runs = []
+    start_run = loop.start_run
+    monkeypatch.setattr(loop, "start_run", lambda *args, **kwargs: runs.append(start_run(*args, **kwargs)) or runs[0])
+    poisoned = {"on": False}
+    snapshots = {}
+
+    def on_step(step: int, metrics: dict) -> None:
+        run = runs[0]
+        if step == 1:
+            run.peft_model.get_input_embeddings().register_forward_hook(
+                lambda module, inputs, output: output * float("nan") if poisoned["on"] else None
+            )
+        weights = {n: p.detach().clone() for n, p in run.peft_model.named_parameters() if p.requires_grad}
+        optimizer = copy.deepcopy(run.optimizer.state_dict())
+        snapshots[step] = (weights, optimizer, copy.deepcopy(run.scheduler.state_dict()), metrics["lr"])
+        poisoned["on"] = step == 2
+
+    overrides = ["train.nonfinite_skips=1", "train.max_steps=4", "train.eval_every_steps=null"]
+    _, metrics = train("recipe.yaml", [*overrides, "train.schedule=linear"], log=quiet, on_step=on_step)
+    assert metrics["skipped_steps"] == 1 and sorted(snapshots) == [1, 2, 3, 4]
+    (weights, optimizer, scheduler, lr), after = snapshots[2], snapshots[3]
+    _equal_state(weights, after[0], "weights")
+    _equal_state(optimizer, after[1], "optimizer")
+    _equal_state(scheduler, after[2], "scheduler")
+    assert lr == after[3] and snapshots[1][3] != lr  # the schedule moves on a step, not on a skipped one
+    assert optimizer["state"] and all(int(state["step"]) == 2 for state in optimizer["state"].values())
+    assert any(not torch.equal(weights[n], snapshots[4][0][n]) for n in weights)  # step 4 trains again
+
+
 # ---- reproducibility ------------------------------------------------------------------------------------
 
 MINI_BASE = build.BuildSettings(

@@ -128,10 +128,33 @@ def test_resume_ends_with_the_same_adapter_bit_for_bit(workdir):
         assert torch.equal(expected[name], actual[name]), name
 
 
-def test_resume_refuses_a_checkpoint_of_another_recipe(workdir):
+def test_resume_refuses_a_checkpoint_of_another_recipe_naming_the_setting(workdir):
     train("recipe.yaml", ["train.max_steps=2", "train.save_every_steps=1"])
-    with pytest.raises(CheckpointError, match="different recipe"):
+    with pytest.raises(CheckpointError, match="different recipe") as caught:
         train("recipe.yaml", ["train.max_steps=4", "lora.r=8"], resume=True)
+    assert "lora.r is 4 in the checkpoint but 8 now" in str(caught.value)
+    assert "\n" not in str(caught.value)
+
+
+def test_a_checkpoint_of_an_earlier_version_resumes_unless_a_setting_added_since_differs(workdir):
+    """An upgrade that adds recipe settings (with defaults) must not lose a run: a checkpoint without them
+    was written by a run that behaved as their defaults do, so it resumes; a recipe that sets one of them
+    to something else would change the run, and is refused in one line naming it."""
+    train("recipe.yaml", ["train.max_steps=2", "train.save_every_steps=1"])
+    state_file = Path("runs/crates/checkpoint-000002/trainer_state.json")
+    state = json.loads(state_file.read_text())
+    for section, key in (("model", "check_updates"), ("lora", "use_dora"), ("lora", "init_from"),
+                         ("data", "validation_split"), ("train", "nonfinite_skips")):  # fmt: skip
+        del state["recipe_digest"][section][key]  # as an earlier finetune, without these settings, wrote it
+    state_file.write_text(json.dumps(state))
+    lines: list[str] = []
+    _, metrics = train("recipe.yaml", ["train.max_steps=3", "output.overwrite=true"], resume=True, log=lines.append)
+    assert "resumed from runs/crates/checkpoint-000002 at step 2" in lines and metrics["step"] == 3
+
+    shutil.rmtree("runs/crates/checkpoint-000003")
+    overrides = ["train.max_steps=4", "lora.use_dora=true"]
+    with pytest.raises(CheckpointError, match="lora.use_dora is False in the checkpoint but True now"):
+        train("recipe.yaml", overrides, resume=True)
 
 
 def test_resume_without_a_checkpoint_is_an_error(workdir):

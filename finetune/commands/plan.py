@@ -47,6 +47,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run_plan(args: argparse.Namespace) -> int:
+    from finetune.cpu_features import bf16_cpu_note
     from finetune.plan.memory import estimate
     from finetune.plan.model_config import find_model_config
     from finetune.plan.shape import model_shape
@@ -64,13 +65,14 @@ def run_plan(args: argparse.Namespace) -> int:
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
     plan = estimate(recipe, shape, device=device, nproc=args.nproc)
+    notes = [note for note in (bf16_cpu_note(recipe.model.dtype, recipe.train.precision, device=device),) if note]
     found = []
     if device_bytes is not None and plan.peak_bytes > device_bytes:
         from finetune.plan.suggest import suggestions
 
         found = suggestions(recipe, shape, device=device, nproc=args.nproc, device_bytes=device_bytes)
     if args.json:
-        result = plan.as_json()
+        result = {**plan.as_json(), "notes": notes}
         if device_bytes is not None:
             result["device_memory_bytes"] = device_bytes
             result["fits"] = plan.peak_bytes <= device_bytes
@@ -82,5 +84,5 @@ def run_plan(args: argparse.Namespace) -> int:
         return 0
     from finetune.commands.plan_view import render
 
-    print(render(args.recipe, recipe, source, plan, device_bytes, found))
+    print(render(args.recipe, recipe, source, plan, device_bytes, found, notes=notes))
     return 0

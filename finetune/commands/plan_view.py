@@ -6,6 +6,8 @@ Example:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from finetune.plan.memory import GiB, MemoryPlan, sequences_per_record
 from finetune.plan.suggest import Suggestion
 from finetune.recipe import Recipe
@@ -56,12 +58,20 @@ def _verdict(plan: MemoryPlan, device_bytes: int, found: list[Suggestion]) -> li
 
 
 def render(
-    name: str, recipe: Recipe, source: str, plan: MemoryPlan, device_bytes: int | None, found: list[Suggestion]
+    name: str,
+    recipe: Recipe,
+    source: str,
+    plan: MemoryPlan,
+    device_bytes: int | None,
+    found: list[Suggestion],
+    *,
+    notes: Sequence[str] = (),
 ) -> str:
-    """The whole human view as one string."""
+    """The whole human view as one string; `notes` (one line each: bf16 on a CPU without bf16 units) last."""
     lines = _header(name, recipe, source, plan) + _table(plan)
     if device_bytes is not None:
         lines += _verdict(plan, device_bytes, found)
+    lines += ["", *notes] if notes else []
     lines.append("")
     lines.append("estimate of the training step's peak (not evaluation or saving); see README 'Will it fit?'")
     return "\n".join(lines)

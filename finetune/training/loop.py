@@ -14,7 +14,8 @@ lives in `finetune.training.run` (the `TrainingRun` state), reporting in `finetu
    · num_processes: the result is exactly the gradient of the mean loss over the whole global batch,
    however its tokens or pairs fall into micro-batches; the step's loss and metrics are summed as
    tensors and reduced once, at the end of the step;
-5. clip; stop (or skip, if the recipe allows) on a NaN/Inf loss or gradient; step, schedule;
+5. clip; stop (or skip, if the recipe allows: then the schedule waits too) on a NaN/Inf loss or gradient;
+   step, schedule;
 6. report the step, evaluate and checkpoint on their intervals; on SIGINT/SIGTERM checkpoint and stop.
 
 Example:
@@ -143,9 +144,9 @@ def run_steps(run: TrainingRun, stop: StopRequest, on_step: StepCallback) -> dic
         if not (math.isfinite(loss) and math.isfinite(grad_norm)):
             skipped_steps += 1
             _refuse_nonfinite(run, loss, grad_norm, skipped_steps)
-        else:
+        else:  # a skipped step changes nothing: not the weights, not Adam's state, not the schedule
             run.optimizer.step()
-        run.scheduler.step()
+            run.scheduler.step()
         run.optimizer.zero_grad(set_to_none=True)
         run.advance(micro_batches)
 

@@ -31,6 +31,7 @@ from transformers import get_scheduler
 
 from finetune.adapters.lora import PEFT_PREFIX
 from finetune.adapters.resolved_base import ResolvedBase, resolve_base
+from finetune.cpu_features import bf16_cpu_note
 from finetune.data import build_datasets
 from finetune.data.collate import describe_layout
 from finetune.data.packing import sequence_lengths
@@ -45,7 +46,7 @@ from finetune.model import (
     wrap_with_lora,
 )
 from finetune.quantization import Quantization
-from finetune.recipe import Recipe, recipe_to_dict
+from finetune.recipe import Recipe
 from finetune.training import checkpoint as ckpt
 from finetune.training.deepspeed import DeepSpeedSharding, deepspeed_plugin
 from finetune.training.evaluate import evaluate
@@ -53,6 +54,7 @@ from finetune.training.fsdp import FsdpSharding
 from finetune.training.objectives import Objective, objective_for
 from finetune.training.objectives.base import Models, describe_rewards
 from finetune.training.preference_setup import initial_adapter, precomputed_reference
+from finetune.training.recipe_digest import recipe_digest, resume_mismatch
 from finetune.training.sharding import (
     DdpSharding,
     DistributedInfo,
@@ -64,19 +66,6 @@ from finetune.training.sharding import (
 from finetune.training.tracking import log_with
 
 Say = Callable[[str], None]
-
-# Train settings that may change between a checkpoint and its resumption: length, intervals, trackers.
-_RESUMABLE_TRAIN_KEYS = (
-    "epochs",
-    "max_steps",
-    "log_every_steps",
-    "eval_every_steps",
-    "save_every_steps",
-    "keep_checkpoints",
-    "eval_max_batches",
-    "report_to",
-    "tracker_project",
-)
 
 
 @dataclass(frozen=True)
@@ -97,13 +86,6 @@ def run_length(recipe: Recipe, stream: MicroBatchStream) -> RunLength:
         total = max(1, math.ceil(train.epochs * stream.micro_batches_per_epoch / train.grad_accum_steps))
     warmup = train.warmup_steps or int(train.warmup_ratio * total)
     return RunLength(stream.micro_batches_per_epoch, total, min(warmup, total))
-
-
-def recipe_digest(recipe: Recipe) -> dict[str, Any]:
-    """The parts of a recipe a checkpoint must agree with to be resumed (length and intervals may change)."""
-    resolved = recipe_to_dict(recipe)
-    train = {k: v for k, v in resolved["train"].items() if k not in _RESUMABLE_TRAIN_KEYS}
-    return {"model": resolved["model"], "lora": resolved["lora"], "data": resolved["data"], "train": train}
 
 
 def parameter_groups(recipe: Recipe, peft_model: Any) -> list[dict[str, Any]]:
@@ -304,6 +286,9 @@ def start_run(recipe: Recipe, *, resume: bool, say: Say) -> TrainingRun:
     # Every process at once: under ZeRO-3, transformers partitions the weights while loading (a collective).
     model, tokenizer, _ = load_base_from_config(recipe.model, tokenizer, device=base.device)
     say(f"base {recipe.model.base} ({base.source}, on {base.device}); data: {data.stats}")
+    bf16_note = bf16_cpu_note(recipe.model.dtype, recipe.train.precision, device=torch.device(base.device).type)
+    if bf16_note is not None:
+        say(bf16_note)
     peft_model = _wrap_for_training(recipe, model, say)
     initial_adapter(recipe, peft_model, base, say)
     sharding = _shard(recipe, peft_model, accelerator)
@@ -399,10 +384,11 @@ def _measure_distribution(sharding: Sharding, peft_model: Any, accelerator: Any,
 
 def _restore(run: TrainingRun, path: Path, say: Say) -> None:
     trainable, optimizer, state = ckpt.load_checkpoint(path, scheduler=run.scheduler)
-    if state.get("recipe_digest") != recipe_digest(run.recipe):
+    mismatch = resume_mismatch(state.get("recipe_digest", {}), run.recipe)
+    if mismatch is not None:
         raise CheckpointError(
-            f"{path} was written by a different recipe (model, lora, data or train settings differ); "
-            "resume with the original recipe, or start fresh without --resume"
+            f"{path} was written by a different recipe: {mismatch}; resume with the original setting, "
+            "or start fresh without --resume"
         )
     if not optimizer["param_groups"]:  # a DeepSpeed run's, before finetune saved ZeRO's optimizer state
         raise CheckpointError(
