@@ -306,3 +306,16 @@ def test_chat_record_normalises_to_what_each_template_reads():
          {"role": "tool", "content": RESULT}, {"role": "assistant", "content": "Paris: 18 C and sunny."}],
         TOOLS,
     )  # fmt: skip
+
+
+def test_gpt_oss_takes_a_tool_call_turn_with_both_text_and_reasoning_as_one_analysis(tmp_path, capsys):
+    """gpt-oss's template refuses a tool-call turn with both content and thinking ("Put the analysis
+    message in one or the other"): both are given to it as one analysis message."""
+    gpt_oss = FAMILIES[4]
+    tokenizer = family_tokenizer(gpt_oss)
+    record = _variant(lambda m: m[2].update(content="Let me check."))
+    first, _ = preview_json(tmp_path, tokenizer, record, capsys, "data.reasoning=every_turn")
+    assert trained_runs(first["input_ids"], first["labels"], tokenizer) == [
+        "<|channel|>analysis<|message|>I should call the tool.\n\nLet me check.<|end|><|start|>assistant"
+        + gpt_oss.trained[0]
+    ]

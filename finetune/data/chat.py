@@ -272,6 +272,9 @@ class TemplateReads:
     """The template tests `content is none` (a tool-call turn without text), so such turns keep None."""
     arguments_as_text: bool
     """The template concatenates the arguments as text instead of `| tojson`-ing an object."""
+    one_analysis: bool = False
+    """A tool-call turn takes its text or its reasoning as one analysis message, not both (gpt-oss):
+    given both, they are joined into the reasoning."""
 
 
 def template_reads(template: str) -> TemplateReads:
@@ -284,7 +287,8 @@ def template_reads(template: str) -> TemplateReads:
         key = None
     null_content = bool(re.search(r"content['\"]?\]?\s+is\s+none", template))
     as_text = bool(re.search(r"\+\s*\w+\[['\"]function['\"]\]\[['\"]arguments['\"]\]", template))
-    return TemplateReads(key, null_content, as_text)
+    one_analysis = "Cannot pass both content and thinking" in template
+    return TemplateReads(key, null_content, as_text, one_analysis)
 
 
 def for_template(messages: list[dict[str, Any]], reads: TemplateReads, reasoning: bool = True) -> list[dict[str, Any]]:
@@ -297,6 +301,8 @@ def for_template(messages: list[dict[str, Any]], reads: TemplateReads, reasoning
             continue
         shown = {key: value for key, value in message.items() if key != "reasoning"}
         thought = message.get("reasoning") if reasoning else None
+        if thought and reads.one_analysis and message.get("tool_calls") and message["content"]:
+            thought, shown["content"] = f"{thought}\n\n{message['content']}", ""
         if thought and reads.reasoning_key:
             shown[reads.reasoning_key] = thought
         elif thought:
