@@ -319,3 +319,17 @@ def test_gpt_oss_takes_a_tool_call_turn_with_both_text_and_reasoning_as_one_anal
         "<|channel|>analysis<|message|>I should call the tool.\n\nLet me check.<|end|><|start|>assistant"
         + gpt_oss.trained[0]
     ]
+
+
+def test_the_data_cache_tells_reasoning_and_tools_field_apart(tmp_path):
+    from finetune.data import data_fingerprint
+
+    tokenizer = family_tokenizer(FAMILIES[0])
+    (tmp_path / "chat.jsonl").write_text(json.dumps(RECORD) + "\n")
+
+    def fingerprint(**fields) -> str:
+        return data_fingerprint(DataConfig(train=[str(tmp_path / "chat.jsonl")], **fields), tokenizer, seed=0)
+
+    chat = fingerprint(format="chat")
+    assert len({chat, fingerprint(format="chat", reasoning="none"), fingerprint(format="chat", tools_field="t")}) == 3
+    assert fingerprint(format="text") == fingerprint(format="text", reasoning="every_turn")  # text has no reasoning
