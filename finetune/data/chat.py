@@ -132,8 +132,6 @@ def _message(message: Any, at: str) -> dict[str, Any]:
             calls = [message["function_call"]]  # OpenAI's older single-call field
         if calls:
             out["tool_calls"] = [_tool_call(call, f"{at}.tool_calls[{i}]") for i, call in enumerate(_listed(calls))]
-        if not out["content"] and not out.get("tool_calls") and not out.get("reasoning"):
-            raise DataError(f"{at}: an assistant message needs content, tool_calls or reasoning; fix the record")
     for key in ("name", "tool_call_id"):
         if isinstance(message.get(key), str):
             out[key] = message[key]
