@@ -333,3 +333,15 @@ def test_the_data_cache_tells_reasoning_and_tools_field_apart(tmp_path):
     chat = fingerprint(format="chat")
     assert len({chat, fingerprint(format="chat", reasoning="none"), fingerprint(format="chat", tools_field="t")}) == 3
     assert fingerprint(format="text") == fingerprint(format="text", reasoning="every_turn")  # text has no reasoning
+
+
+@pytest.mark.parametrize("family", FAMILIES[:5], ids=[f.name for f in FAMILIES[:5]])
+def test_an_empty_assistant_turn_trains_its_closing_token(family):
+    tokenizer = family_tokenizer(family)
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": ""},
+                {"role": "user", "content": "Again"}, {"role": "assistant", "content": "Yes."}]  # fmt: skip
+    ids, trained = render_chat(normalize_record({"messages": messages}, "messages", "r"), family.template.read_text(),
+                               tokenizer, "r")  # fmt: skip
+    runs = trained_runs(ids, [token if keep else -100 for token, keep in zip(ids, trained)], tokenizer)
+    closing = {"<|im_end|>": "<|im_end|>", "<|eot_id|>": "<|eot_id|>", "<|return|>": "<|end|>"}[family.eos]
+    assert runs[0].endswith(closing) and "Hi" not in runs[0] and len(runs) == 2

@@ -207,6 +207,8 @@ def _masked(message: dict[str, Any], reads: TemplateReads) -> dict[str, Any]:
                 arguments = json.dumps(arguments, ensure_ascii=False)
             calls.append({**call, "function": {**call["function"], "arguments": arguments}})
         out["tool_calls"] = calls
+    if out == message:  # an empty turn: mark where its content would go
+        out["content"] = _SENTINEL
     return out
 
 
