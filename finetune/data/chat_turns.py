@@ -309,7 +309,7 @@ def _turn_marks(tokenizer: Any, template: str, kwargs_json: str) -> TurnMarks:
     for cut in range(1, len(generation)):
         if generation[cut - 1] == "\n" or any(generation[:cut].endswith(t) for t in specials):
             headers.add(generation[:cut])
-    closers = {t for t in _KNOWN_CLOSERS if t in specials}
+    closers = set(_KNOWN_CLOSERS)  # distinctive strings: found in the text even where the vocabulary splits them
     if tokenizer.eos_token:
         closers.add(tokenizer.eos_token)
     after = answered[answered.find(_SENTINEL) + len(_SENTINEL) :].lstrip()
