@@ -174,6 +174,14 @@ class DataConfig(_Section):
     """Optional context field of instruction records; used when present and non-empty."""
     response_field: str = "output"
     messages_field: str = "messages"
+    tools_field: str = "tools"
+    """Chat and preference records: the field holding the function schemas given to the chat template (a
+    list, or that list as JSON text); when a record has it, every tool call must name one of them."""
+    reasoning: Literal["template", "every_turn", "none"] = "template"
+    """Chat records' reasoning (`reasoning_content`, `thinking`, or inline `<think>`): `template` trains
+    what the template renders (Qwen3 and gpt-oss drop earlier turns' reasoning, as the model sees them at
+    inference); `every_turn` makes one document per assistant turn, so each turn's reasoning is trained
+    where its turn is the last; `none` drops all reasoning and renders with `enable_thinking=false`."""
     prompt_template: str = "### Instruction:\n{prompt}\n\n### Response:\n"
     """Instruction format: how the prompt is rendered; must contain `{prompt}`."""
     prompt_with_input_template: str = "### Instruction:\n{prompt}\n\n### Input:\n{input}\n\n### Response:\n"

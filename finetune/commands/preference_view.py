@@ -13,8 +13,8 @@ from __future__ import annotations
 import textwrap
 from typing import Any
 
+from finetune.data.chat_turns import common_prefix_length
 from finetune.data.labels import IGNORE_INDEX
-from finetune.data.preference import common_prefix_length
 
 _GREEN, _RESET = "\033[32m", "\033[0m"
 

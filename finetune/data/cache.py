@@ -46,7 +46,7 @@ from transformers import PreTrainedTokenizerBase
 from finetune.data.sources import source_content_hash
 from finetune.recipe import DataConfig
 
-PIPELINE_VERSION = 3
+PIPELINE_VERSION = 4
 """Bump when the rows this package produces change for the same inputs; old cache entries are then unused."""
 
 _FORMAT_FIELDS = {
@@ -59,9 +59,9 @@ _FORMAT_FIELDS = {
         "prompt_with_input_template",
         "completion_only_loss",
     ),
-    "chat": ("messages_field", "chat_template", "completion_only_loss"),
-    "preference": ("chat_template",),
-    "unpaired_preference": ("chat_template",),
+    "chat": ("messages_field", "tools_field", "chat_template", "completion_only_loss", "reasoning"),
+    "preference": ("tools_field", "chat_template", "reasoning"),
+    "unpaired_preference": ("tools_field", "chat_template", "reasoning"),
 }
 _ROW_FIELDS = ("format", "max_seq_len", "overlength")
 

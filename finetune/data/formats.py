@@ -8,13 +8,11 @@ document. EOS always ends a document as a trained label, so the tuned model lear
 - `instruction`: BOS + rendered prompt, then response + EOS. The two parts are tokenized separately, as
   they are at inference (the prompt is encoded, the model writes the rest), so no BPE merge crosses the
   boundary. With `completion_only_loss` the loss is on response + EOS only.
-- `chat`: the messages rendered by the chat template (`data.chat_template`, else the tokenizer's), which
-  owns BOS and the turn delimiters. With `completion_only_loss` the loss is on the assistant turns only:
-  from `return_assistant_tokens_mask` when the template marks them with `{% generation %}`, otherwise by
-  rendering the conversation with that turn's content replaced by a sentinel (see `_render_by_sentinel`):
-  the turn's content through the end-of-turn token after it, whitespace between them included. Records
-  come in OpenAI `messages` (role/content) or ShareGPT `conversations` (from/value) shape; a template
-  that refuses a system message (Gemma 2) gets it folded into the first user turn.
+- `chat`: the messages (with tools, tool calls, tool results and reasoning: `finetune.data.chat`)
+  rendered by the chat template (`data.chat_template`, else the tokenizer's), which owns BOS and the turn
+  delimiters. With `completion_only_loss` the loss is on the assistant turns only, each from after its
+  generation prompt through its closing token (`finetune.data.chat_turns`). `data.reasoning: every_turn`
+  makes one document per assistant turn (`Document.more`).
 
 A record with nothing to train on (empty text, a chat without assistant turns under completion-only
 loss) encodes to None and is dropped by the caller, who counts it.
@@ -34,13 +32,13 @@ from typing import Any, Literal, overload
 
 from transformers import PreTrainedTokenizerBase
 
+from finetune.data.chat import ChatRecord, normalize_messages, normalize_record, normalize_tools
+from finetune.data.chat_turns import apply_template, render_chat, render_chat_prompt, render_every_turn
 from finetune.data.labels import IGNORE_INDEX
 from finetune.errors import DataError
 from finetune.recipe import DataConfig
 
-_GENERATION_MARKER = re.compile(r"\{%-?\s*generation\s*-?%\}")
 _PLACEHOLDER = re.compile(r"\{(prompt|input)\}")
-_SENTINEL = "\u2063ft-assistant-turn\u2063"  # invisible separator: never in real data, survives `| trim`
 
 
 @dataclass(frozen=True)
@@ -49,6 +47,12 @@ class Document:
 
     input_ids: list[int]
     labels: list[int]
+    more: tuple[Document, ...] = ()
+    """Further documents of the same record (`data.reasoning: every_turn` makes one per assistant turn)."""
+
+    def with_more(self) -> list[Document]:
+        """This document and the further ones of its record, each on its own."""
+        return [Document(self.input_ids, self.labels), *self.more]
 
 
 Locate = Callable[[int], str]
@@ -172,18 +176,27 @@ def _encode_chat(records, config, tokenizer, locate) -> list[Document | None]:
     documents: list[Document | None] = []
     for i, record in enumerate(records):
         where = locate(i)
-        messages = _messages_field(record, config.messages_field, where)
+        chat = normalize_record(record, config.messages_field, where, config.tools_field)
         if not config.completion_only_loss:
-            input_ids = list(_apply_template(tokenizer, messages, template, where, tokenize=True, return_dict=False))
-            labels = list(input_ids)
+            ids = apply_template(tokenizer, chat, template, where, config.reasoning, tokenize=True, return_dict=False)
+            examples = [(list(ids), [True] * len(ids))]
+        elif config.reasoning == "every_turn":
+            examples = render_every_turn(chat, template, tokenizer, where)
         else:
-            input_ids, trained = render_chat(messages, template, tokenizer, where)
-            labels = [token if keep else IGNORE_INDEX for token, keep in zip(input_ids, trained)]
-        if labels:
-            labels[0] = IGNORE_INDEX
-        trainable = any(label != IGNORE_INDEX for label in labels)
-        documents.append(Document(input_ids, labels) if trainable else None)
+            examples = [render_chat(chat, template, tokenizer, where, config.reasoning)]
+        turns = [_document(input_ids, trained) for input_ids, trained in examples]
+        kept = [document for document in turns if document is not None]
+        documents.append(Document(kept[0].input_ids, kept[0].labels, tuple(kept[1:])) if kept else None)
     return documents
+
+
+def _document(input_ids: list[int], trained: list[bool]) -> Document | None:
+    """A document from token ids and their trained flags; None when nothing is trained (the first token
+    never is: nothing precedes it)."""
+    labels = [token if keep else IGNORE_INDEX for token, keep in zip(input_ids, trained)]
+    if labels:
+        labels[0] = IGNORE_INDEX
+    return Document(input_ids, labels) if any(label != IGNORE_INDEX for label in labels) else None
 
 
 def chat_template_of(config: DataConfig, tokenizer: PreTrainedTokenizerBase) -> str:
@@ -199,162 +212,16 @@ def chat_template_of(config: DataConfig, tokenizer: PreTrainedTokenizerBase) -> 
         ) from None
 
 
-_SHAREGPT_FIELD = "conversations"
-_SHAREGPT_ROLES = {
-    "human": "user",
-    "user": "user",
-    "gpt": "assistant",
-    "assistant": "assistant",
-    "system": "system",
-    "tool": "tool",
-    "function_call": "assistant",
-    "observation": "tool",
-}
+def encode_chat_prompt(
+    prompt: Any, config: DataConfig, tokenizer: PreTrainedTokenizerBase, where: str, tools: Any = None
+) -> list[int]:
+    """A prompt given as chat messages (any shape `chat` records take: tool calls, tool results, reasoning)
+    as token ids, rendered by the chat template with its generation prompt at the end, as at inference:
+    what a sampler continues (GRPO's `data.format: prompt`). `tools` is the record's function schemas.
 
-
-def _from_sharegpt(record: dict[str, Any], where: str) -> list[dict[str, Any]]:
-    """ShareGPT `conversations` (`from`/`value`, with human/gpt/system) as OpenAI `messages` (`role`/`content`)."""
-    turns = record[_SHAREGPT_FIELD]
-    if not isinstance(turns, list) or not all(isinstance(t, dict) for t in turns):
-        raise DataError(f"{where}: field 'conversations' must be a list of {{from, value}} objects; fix the record")
-    messages = []
-    for index, turn in enumerate(turns):
-        speaker, value = turn.get("from"), turn.get("value")
-        if speaker not in _SHAREGPT_ROLES or not isinstance(value, str):
-            raise DataError(
-                f"{where}: conversations[{index}] needs 'from' (one of {', '.join(_SHAREGPT_ROLES)}) "
-                f"and a string 'value', got from={speaker!r}; fix the record"
-            )
-        messages.append({"role": _SHAREGPT_ROLES[speaker], "content": value})
-    return messages
-
-
-def _messages_field(
-    record: dict[str, Any], name: str, where: str, hint: str = "; fix the record or set data.messages_field"
-) -> list[dict[str, Any]]:
-    """The record's messages: OpenAI shape in `name` (`role`/`content`), else ShareGPT `conversations`."""
-    messages = record.get(name)
-    if messages is None and _SHAREGPT_FIELD in record:
-        messages = _from_sharegpt(record, where)
-    if messages is None:
-        _string_field(record, name, "messages_field", where)  # raises the missing/null error
-    if not isinstance(messages, list) or not messages:
-        kind = "an empty list" if isinstance(messages, list) else f"{type(messages).__name__} {_preview(messages)}"
-        raise DataError(
-            f"{where}: field {name!r} must be a non-empty list of {{role, content}} messages, got {kind}{hint}"
-        )
-    for index, message in enumerate(messages):
-        if not isinstance(message, dict):
-            raise DataError(
-                f"{where}: {name}[{index}] must be an object with 'role' and 'content', got "
-                f"{type(message).__name__} {_preview(message)}; fix the record"
-            )
-        for key in ("role", "content"):
-            if not isinstance(message.get(key), str):
-                got = "missing" if key not in message else type(message[key]).__name__
-                raise DataError(
-                    f"{where}: {name}[{index}].{key} must be a string, got {got}; "
-                    f"each message needs a string 'role' and 'content'"
-                )
-    return messages
-
-
-def _fold_system_prompt(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """A leading system message prepended to the first user turn (as Gemma 3's own template does)."""
-    system, first_user, *rest = messages
-    return [{**first_user, "content": f"{system['content']}\n\n{first_user['content']}"}, *rest]
-
-
-def _apply_template(tokenizer, messages, template: str, where: str, **kwargs):
-    """Render `messages`; a template that refuses a leading system message (Gemma 2, Mistral) gets it folded
-    into the first user turn, as Gemma 3's template does itself."""
-    from jinja2 import TemplateError
-
-    try:
-        return tokenizer.apply_chat_template(messages, chat_template=template, **kwargs)
-    except TemplateError as exc:
-        folds = len(messages) > 1 and messages[0]["role"] == "system" and messages[1]["role"] == "user"
-        if folds:  # templates without a system role (Gemma 2, Mistral's) refuse it: fold it into the first turn
-            return _apply_template(tokenizer, _fold_system_prompt(messages), template, where, **kwargs)
-        raise DataError(
-            f"{where}: the chat template cannot render this conversation ({exc}); fix the "
-            f"messages or data.chat_template"
-        ) from None
-
-
-def render_chat(messages, template: str, tokenizer, where: str) -> tuple[list[int], list[bool]]:
-    """Token ids of a conversation rendered by `template`, and for each whether completion-only loss trains it
-    (an assistant turn's content and its end-of-turn token): from the template's `{% generation %}` marks when
-    it has them, else located by sentinel rendering."""
-    render = _render_with_mask if _GENERATION_MARKER.search(template) else _render_by_sentinel
-    return render(messages, template, tokenizer, where)
-
-
-def render_chat_prompt(messages, template: str, tokenizer, where: str) -> list[int]:
-    """Token ids of `messages` rendered as a prompt: with the template's generation prompt (the assistant's
-    turn header) at the end, as at inference."""
-    rendered = _apply_template(
-        tokenizer, messages, template, where, tokenize=True, return_dict=False, add_generation_prompt=True
-    )
-    return list(rendered)
-
-
-def _render_with_mask(messages, template, tokenizer, where) -> tuple[list[int], list[bool]]:
-    out = _apply_template(
-        tokenizer, messages, template, where, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
-    )
-    return list(out["input_ids"]), [bool(flag) for flag in out["assistant_masks"]]
-
-
-def _render_by_sentinel(messages, template, tokenizer, where) -> tuple[list[int], list[bool]]:
-    """Assistant-token flags for a template without `{% generation %}`: find each turn's characters.
-
-    Each assistant turn is located by rendering the whole conversation once more with that turn's content
-    replaced by a sentinel: the text before the sentinel and the text after it are the template's own, so
-    the turn's content spans the rest of the real rendering, however the template trims or wraps it, and
-    whatever it appends after the last turn (Phi-3's EOS) or injects before the first (a default system
-    prompt, Llama 3.1's dates). The turn's label span is its content through the end-of-turn token that
-    follows it (`<|eot_id|>`, `<|im_end|>`, `<end_of_turn>`, `<|end|>`, `</s>`, ...; see `_turn_end`).
+    Raises:
+        DataError: a malformed message or tool record, naming `where`.
     """
-    if not getattr(tokenizer, "is_fast", False):
-        raise DataError(
-            "chat records rendered by a template without {% generation %} markers need a fast "
-            "tokenizer (for character offsets); add the markers to data.chat_template"
-        )
-
-    def render(conversation: list[dict[str, Any]]) -> str:
-        return _apply_template(tokenizer, conversation, template, where, tokenize=False)
-
-    full = render(messages)
-    end_tokens = sorted(set(tokenizer.all_special_tokens) | set(tokenizer.get_added_vocab()), key=len, reverse=True)
-    spans = []
-    for index, message in enumerate(messages):
-        if message["role"] != "assistant":
-            continue
-        marked = render([*messages[:index], {**message, "content": _SENTINEL}, *messages[index + 1 :]])
-        start = marked.find(_SENTINEL)
-        suffix = marked[start + len(_SENTINEL) :] if start >= 0 else ""
-        if start < 0 or marked.count(_SENTINEL) != 1 or full[:start] != marked[:start] or not full.endswith(suffix):
-            raise DataError(
-                f"{where}: the chat template renders text that depends on the assistant's words, so "
-                f"assistant turns cannot be located; add {{% generation %}}...{{% endgeneration %}} "
-                f"around assistant content in data.chat_template, or set data.completion_only_loss=false"
-            )
-        spans.append((start, _turn_end(full, len(full) - len(suffix), end_tokens)))
-    encoded = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
-    flags = [any(first < end and last > start for start, end in spans) for first, last in encoded["offset_mapping"]]
-    return list(encoded["input_ids"]), flags
-
-
-def _turn_end(full: str, content_end: int, end_tokens: list[str]) -> int:
-    """Where the label span of an assistant turn whose content ends at `content_end` in `full` stops.
-
-    After the special token (longest first among `end_tokens`) that follows the content, together with
-    any whitespace the template puts between them (a space or a newline before the end-of-turn token):
-    the model has to write all of it to stop. Without such a token, at the content's end.
-    """
-    token_start = content_end
-    while token_start < len(full) and full[token_start].isspace():
-        token_start += 1
-    token = next((token for token in end_tokens if token and full.startswith(token, token_start)), None)
-    return content_end if token is None else token_start + len(token)
+    schemas = normalize_tools(tools, where, config.tools_field)
+    chat = ChatRecord(normalize_messages(prompt, where, schemas, "prompt"), schemas)
+    return render_chat_prompt(chat, chat_template_of(config, tokenizer), tokenizer, where, config.reasoning)

@@ -187,13 +187,16 @@ def preview_documents(config: DataConfig, tokenizer: PreTrainedTokenizerBase, li
     documents: list[PreviewDocument] = []
     for chunk in iter_records(raw, max(limit, 1)):
         encoded = encode_records(chunk.records, config, tokenizer, locate=chunk.where)
-        for offset, document in enumerate(encoded):
-            pieces, _ = fit_to_length(document, config, chunk.where(offset))
-            for number, piece in enumerate(pieces, start=1):
-                record = chunk.first + offset + 1
-                documents.append(PreviewDocument(piece.input_ids, piece.labels, record, number, len(pieces)))
-                if len(documents) == limit:
-                    return documents
+        for offset, whole in enumerate(encoded):
+            for document in whole.with_more() if whole is not None else [None]:
+                pieces, _ = fit_to_length(document, config, chunk.where(offset))
+                for number, piece in enumerate(pieces, start=1):
+                    record = chunk.first + offset + 1
+                    documents.append(
+                        PreviewDocument(piece.input_ids, piece.labels, record=record, piece=number, pieces=len(pieces))
+                    )
+                    if len(documents) == limit:
+                        return documents
     return documents
 
 
@@ -271,9 +274,13 @@ def _encode_chunk(state: tuple[DataConfig, PreTrainedTokenizerBase], job: _Job) 
     encoded = encode_records(chunk.records, config, tokenizer, locate=chunk.where)
     columns: dict[str, list] = {name: [] for name in DOCUMENT_FEATURES}
     tally = _Tally()
-    for offset, document in enumerate(encoded):
-        pieces, too_long = fit_to_length(document, config, chunk.where(offset))
-        tally.count(document, pieces, too_long)
+    for offset, whole in enumerate(encoded):
+        pieces: list[Document] = []
+        too_long = False
+        for document in whole.with_more() if whole is not None else [None]:  # every_turn: one per turn
+            fitted, cut = fit_to_length(document, config, chunk.where(offset))
+            pieces, too_long = pieces + fitted, too_long or cut
+        tally.count(whole, pieces, too_long)
         for piece in pieces:
             columns["input_ids"].append(piece.input_ids)
             columns["labels"].append(piece.labels)
@@ -365,7 +372,7 @@ class _Tally:
 
     def count(self, document: Document | None, pieces: list[Document], too_long: bool) -> None:
         self.num_pieces += len(pieces) if too_long else 0
-        tokens_in = len(document.input_ids) if document is not None else 0
+        tokens_in = sum(len(d.input_ids) for d in document.with_more()) if document is not None else 0
         self.count_record(tokens_in, sum(len(piece.input_ids) for piece in pieces), too_long, kept=bool(pieces))
 
     def count_record(self, tokens_in: int, tokens_kept: int, too_long: bool, kept: bool) -> None:

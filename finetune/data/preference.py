@@ -8,7 +8,8 @@ The two shapes trl documents are accepted, per record:
   the two agree whenever the prompt ends on a token boundary.
 - conversational: `prompt` is a list of chat messages and each completion a list of messages (usually one
   assistant turn) or a string (taken as one assistant turn). Prompt + completion is rendered with the chat
-  template exactly as `chat` records are (`finetune.data.formats.render_chat`), and trained where that
+  template exactly as `chat` records are (`finetune.data.chat_turns.render_chat`; tool calls, tool results,
+  reasoning and a `tools` field read as `finetune.data.chat` reads them), and trained where that
   marks assistant turns (content and end-of-turn token), except in the prompt: everything up to where
   the prompt rendered with its generation prompt stops matching is context, untrained.
 
@@ -36,15 +37,9 @@ from typing import Any
 
 import datasets
 
-from finetune.data.formats import (
-    _bos,
-    _messages_field,
-    _preview,
-    _tokenize,
-    chat_template_of,
-    render_chat,
-    render_chat_prompt,
-)
+from finetune.data.chat import ChatRecord, normalize_messages, normalize_tools
+from finetune.data.chat_turns import render_chat
+from finetune.data.formats import _bos, _preview, _tokenize, chat_template_of
 from finetune.data.labels import IGNORE_INDEX
 from finetune.data.sources import iter_records, load_source
 from finetune.errors import DataError
@@ -113,7 +108,10 @@ def encode_preference_records(
                 f"{where}: chosen and rejected are the same {_preview(values['chosen'])}; a pair must prefer one "
                 "completion over a different one: fix or remove the record"
             )
-        sequences = [_sequence(values["prompt"], values[name], config, tokenizer, f"{where} {name}") for name in names]
+        tools = record.get(config.tools_field)
+        sequences = [
+            _sequence(values["prompt"], values[name], config, tokenizer, f"{where} {name}", tools) for name in names
+        ]
         fitted, too_long, no_room = _fit(sequences, config, where)
         tokens_in = sum(len(s.input_ids) for s in sequences)
         kept = sum(len(s.input_ids) for s in fitted) if not no_room else 0
@@ -143,7 +141,7 @@ def _label(record: dict[str, Any], where: str) -> bool:
     return label
 
 
-def _sequence(prompt: Any, completion: Any, config: DataConfig, tokenizer: Any, where: str) -> Sequence:
+def _sequence(prompt: Any, completion: Any, config: DataConfig, tokenizer: Any, where: str, tools: Any) -> Sequence:
     """Prompt + completion as token ids and labels, in the record's shape (standard or conversational)."""
     if isinstance(prompt, str):
         if not isinstance(completion, str):
@@ -162,21 +160,26 @@ def _sequence(prompt: Any, completion: Any, config: DataConfig, tokenizer: Any, 
             f"{where}: the prompt must be a string or a list of {{role, content}} messages, got "
             f"{type(prompt).__name__} {_preview(prompt)}; fix the record"
         )
-    return _chat_sequence(prompt, completion, config, tokenizer, where)
+    return _chat_sequence(prompt, completion, config, tokenizer, where, tools)
 
 
-def _chat_sequence(prompt: list, completion: Any, config: DataConfig, tokenizer: Any, where: str) -> Sequence:
+def _chat_sequence(
+    prompt: list, completion: Any, config: DataConfig, tokenizer: Any, where: str, raw_tools: Any
+) -> Sequence:
+    """Prompt + completion messages (the shapes `chat` records take, tools included) rendered as one
+    conversation; trained where its assistant turns are, after the prompt."""
     if isinstance(completion, str):
         completion = [{"role": "assistant", "content": completion}]
-    hint = "; fix the record"
-    prompt_messages = _messages_field({"prompt": prompt}, "prompt", where, hint)
-    completion_messages = _messages_field({"completion": completion}, "completion", where, hint)
+    tools = normalize_tools(raw_tools, where, config.tools_field)
+    prompt_messages = normalize_messages(prompt, where, tools, "prompt")
+    completion_messages = normalize_messages(completion, where, tools, "completion")
     template = chat_template_of(config, tokenizer)
-    input_ids, trained = render_chat([*prompt_messages, *completion_messages], template, tokenizer, where)
-    prompt_ids = render_chat_prompt(prompt_messages, template, tokenizer, where)
-    prompt_length = common_prefix_length(prompt_ids, input_ids)
+    conversation = ChatRecord([*prompt_messages, *completion_messages], tools)
+    train_from = len(prompt_messages)
+    input_ids, trained = render_chat(conversation, template, tokenizer, where, config.reasoning, train_from)
+    prompt_length = next((position for position, keep in enumerate(trained) if keep), len(input_ids))
     labels = [
-        token if keep and position >= max(prompt_length, 1) else IGNORE_INDEX
+        token if keep and position >= 1 else IGNORE_INDEX
         for position, (token, keep) in enumerate(zip(input_ids, trained))
     ]
     if all(label == IGNORE_INDEX for label in labels):
@@ -185,16 +188,6 @@ def _chat_sequence(prompt: list, completion: Any, config: DataConfig, tokenizer:
             "an assistant message"
         )
     return Sequence(input_ids, labels, prompt_length)
-
-
-def common_prefix_length(a: list[int], b: list[int]) -> int:
-    """How many leading tokens `a` and `b` share."""
-    length = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        length += 1
-    return length
 
 
 def _fit(sequences: list[Sequence], config: DataConfig, where: str) -> tuple[list[Sequence], bool, bool]:

@@ -1,0 +1,343 @@
+"""Render a conversation with its chat template and find, in that rendering, what each assistant turn trains.
+
+What the model writes in an assistant turn is everything after the generation prompt (the assistant's
+header, `<|im_start|>assistant\\n`, `<|start|>assistant`, `[/INST]`) through the turn's closing token
+(`<|im_end|>`, `<|eot_id|>`/`<|eom_id|>`, `<|call|>`/`<|return|>`, `</s>`, ...): its reasoning as the
+template renders it, its answer, its tool calls with the template's own wrapping (`<tool_call>`, a channel
+header, `[TOOL_CALLS]`). That span is found in the real rendering of the whole conversation, so templates
+whose text depends on the assistant's words (Llama 3.1's tool calls, gpt-oss's channels, Qwen3 dropping
+earlier turns' reasoning) are handled and nothing is refused:
+
+1. the assistant's words: the conversation is rendered once more with this turn's words (content,
+   reasoning, call arguments; never the tool names, which other messages refer to) replaced by sentinels.
+   The two renderings differ only in that turn, so the first and last differing characters bound it;
+2. its start: back to the end of the generation prompt before those words (the last occurrence of the
+   template's header between the previous turn and the words);
+3. its end: forward to the first closing token after the words (and any closing tokens right after it),
+   provided no other message comes first.
+
+Templates with `{% generation %}` marks use them instead (`return_assistant_tokens_mask`).
+
+Example:
+    ids, trained = render_chat(normalize_record(record, "messages", where), template, tokenizer, where)
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any, Literal
+
+from finetune.data.chat import ChatRecord, TemplateReads, for_template, template_reads
+from finetune.errors import DataError
+
+Reasoning = Literal["template", "every_turn", "none"]
+
+_SENTINEL = "\u2063ft-words\u2063"  # invisible separators: never in real data, untouched by `| trim`
+_KNOWN_CLOSERS = (
+    "<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<|call|>", "<|return|>", "<end_of_turn>", "</s>",
+    "<|endoftext|>", "<｜end▁of▁sentence｜>", "<｜tool▁call▁end｜>", "<｜tool▁calls▁end｜>", "<|END_OF_TURN_TOKEN|>",
+)  # fmt: skip
+
+
+def has_generation_marks(template: str) -> bool:
+    """Whether the template marks assistant output with `{% generation %}` (then its marks are used)."""
+    return re.search(r"\{%-?\s*generation\s*-?%\}", template) is not None
+
+
+def template_kwargs(reasoning: Reasoning) -> dict[str, Any]:
+    """Extra template variables: `enable_thinking=False` when training without reasoning (Qwen3 then renders
+    the empty `<think></think>` it renders at inference with thinking off)."""
+    return {"enable_thinking": False} if reasoning == "none" else {}
+
+
+def apply_template(
+    tokenizer: Any, chat: ChatRecord, template: str, where: str, reasoning: Reasoning = "template", **kwargs: Any
+) -> Any:
+    """`tokenizer.apply_chat_template` on the normalised conversation in the form `template` reads, with its
+    tools. A template that refuses a leading system message (Gemma 2, Mistral's) gets it folded into the
+    first user turn, as Gemma 3's own template does."""
+    messages = for_template(chat.messages, template_reads(template), reasoning != "none")
+    return _apply(tokenizer, messages, chat.tools, template, where, {**template_kwargs(reasoning), **kwargs})
+
+
+def _apply(tokenizer, messages, tools, template: str, where: str, kwargs: dict[str, Any]):
+    from jinja2 import TemplateError
+
+    try:
+        return tokenizer.apply_chat_template(messages, tools=tools, chat_template=template, **kwargs)
+    except TemplateError as exc:
+        if len(messages) > 1 and messages[0]["role"] == "system" and messages[1]["role"] == "user":
+            system, first, *rest = messages
+            folded = [{**first, "content": f"{system['content']}\n\n{first['content']}"}, *rest]
+            return _apply(tokenizer, folded, tools, template, where, kwargs)
+        raise DataError(
+            f"{where}: the chat template cannot render this conversation ({exc}); fix the messages or "
+            "data.chat_template"
+        ) from None
+
+
+def render_chat(
+    chat: ChatRecord,
+    template: str,
+    tokenizer: Any,
+    where: str,
+    reasoning: Reasoning = "template",
+    train_from: int = 0,
+) -> tuple[list[int], list[bool]]:
+    """Token ids of the conversation as the template renders it, and for each whether it is trained (the
+    assistant turns from message `train_from` on: reasoning, answer, tool calls and closing token; never
+    system, user, tool results or the tool descriptions).
+
+    `train_from` leaves earlier turns as context: a preference completion after its prompt, or the last
+    turn of an `every_turn` example. Templates that render a turn differently once later turns exist
+    (gpt-oss drops a tool call's analysis once a final answer follows) are handled, since turns are
+    located in the whole rendering, not after a separately rendered prompt.
+    """
+    if has_generation_marks(template):
+        out = apply_template(
+            tokenizer, chat, template, where, reasoning,
+            tokenize=True, return_dict=True, return_assistant_tokens_mask=True,
+        )  # fmt: skip
+        ids, flags = list(out["input_ids"]), [bool(flag) for flag in out["assistant_masks"]]
+        if train_from:  # the marks cover every turn: keep those after the prompt's rendering
+            prompt = ChatRecord(chat.messages[:train_from], chat.tools)
+            keep = common_prefix_length(render_chat_prompt(prompt, template, tokenizer, where, reasoning), ids)
+            flags = [flag and position >= keep for position, flag in enumerate(flags)]
+        return ids, flags
+    text, spans = render_turns(chat, template, tokenizer, where, reasoning, train_from)
+    return tokens_of(tokenizer, text, spans)
+
+
+def render_every_turn(
+    chat: ChatRecord, template: str, tokenizer: Any, where: str, reasoning: Reasoning = "every_turn"
+) -> list[tuple[list[int], list[bool]]]:
+    """One example per assistant turn: the conversation up to and including that turn, only it trained.
+
+    Templates that drop earlier turns' reasoning (Qwen3, gpt-oss after a final answer) render each turn's
+    reasoning when it is the last, so every turn's reasoning is trained once, each time seen as at inference.
+    """
+    return [
+        render_chat(ChatRecord(chat.messages[: index + 1], chat.tools), template, tokenizer, where, reasoning, index)
+        for index, message in enumerate(chat.messages)
+        if message["role"] == "assistant"
+    ]
+
+
+def render_chat_prompt(
+    chat: ChatRecord, template: str, tokenizer: Any, where: str, reasoning: Reasoning = "template"
+) -> list[int]:
+    """Token ids of the conversation as a prompt: the template's generation prompt (the assistant's header)
+    at the end, as at inference. The GRPO and DPO paths render their prompts with this."""
+    rendered = apply_template(
+        tokenizer, chat, template, where, reasoning, tokenize=True, return_dict=False, add_generation_prompt=True
+    )
+    return list(rendered)
+
+
+def tokens_of(tokenizer: Any, text: str, spans: list[tuple[int, int]]) -> tuple[list[int], list[bool]]:
+    """Token ids of `text`, each flagged when it overlaps one of the character `spans`."""
+    if not getattr(tokenizer, "is_fast", False):
+        raise DataError(
+            "chat records rendered by a template without {% generation %} markers need a fast tokenizer "
+            "(for character offsets); add the markers to data.chat_template"
+        )
+    encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    flags = [any(first < end and last > start for start, end in spans) for first, last in encoded["offset_mapping"]]
+    return list(encoded["input_ids"]), flags
+
+
+def render_turns(
+    chat: ChatRecord,
+    template: str,
+    tokenizer: Any,
+    where: str,
+    reasoning: Reasoning = "template",
+    train_from: int = 0,
+) -> tuple[str, list[tuple[int, int]]]:
+    """The conversation's rendering and the character span each assistant turn from message `train_from`
+    on trains (see the module docstring), in order; a turn the template renders nothing of has no span."""
+    reads = template_reads(template)
+    kwargs = template_kwargs(reasoning)
+    shown = for_template(chat.messages, reads, reasoning != "none")
+
+    def render(messages: list[dict[str, Any]]) -> str:
+        return _apply(tokenizer, messages, chat.tools, template, where, {**kwargs, "tokenize": False})
+
+    full = render(shown)
+    marks = turn_marks(tokenizer, template, json.dumps(kwargs, sort_keys=True))
+    spans: list[tuple[int, int]] = []
+    floor = 0
+    for index, message in enumerate(shown):
+        if message["role"] != "assistant" or index < train_from:
+            continue
+        marked = render([*shown[:index], _masked(message, reads), *shown[index + 1 :]])
+        words = _differing(full, marked)
+        if words is None:  # the template renders none of this turn's words (DeepSeek's tool calls with text)
+            continue
+        start = marks.start_before(full, floor, words[0])
+        if index and not _shows(full, shown[index - 1], floor, start):
+            raise DataError(
+                f"{where}: the chat template renders text that depends on the assistant's words before the "
+                f"turn (messages[{index}]), so assistant turns cannot be located; add {{% generation %}}..."
+                "{% endgeneration %} around assistant output in data.chat_template, or set "
+                "data.completion_only_loss=false"
+            )
+        bound = _next_message_at(full, shown, index, words[1], marks)
+        end = marks.end_after(full, words[1], bound)
+        spans.append((start, end))
+        floor = end
+    return full, spans
+
+
+def _masked(message: dict[str, Any], reads: TemplateReads) -> dict[str, Any]:
+    """The message with its words replaced by sentinels: content, reasoning, call arguments (names kept)."""
+    out = dict(message)
+    for key in ("content", "reasoning_content", "thinking"):
+        if out.get(key):
+            out[key] = _SENTINEL
+    if out.get("tool_calls"):
+        calls = []
+        for call in out["tool_calls"]:
+            arguments: Any = {"ft": _SENTINEL}
+            if isinstance(call["function"]["arguments"], str):
+                arguments = json.dumps(arguments, ensure_ascii=False)
+            calls.append({**call, "function": {**call["function"], "arguments": arguments}})
+        out["tool_calls"] = calls
+    if out == message:  # an empty turn: mark where its content would go
+        out["content"] = _SENTINEL
+    return out
+
+
+def _differing(full: str, marked: str) -> tuple[int, int] | None:
+    """The characters of `full` from the first to the last that differ from `marked`; None if none do."""
+    if full == marked:
+        return None
+    limit = min(len(full), len(marked))
+    start = 0
+    while start < limit and full[start] == marked[start]:
+        start += 1
+    shared_end = 0
+    while shared_end < limit - start and full[-1 - shared_end] == marked[-1 - shared_end]:
+        shared_end += 1
+    return start, len(full) - shared_end
+
+
+def _forms(message: dict[str, Any]) -> list[str]:
+    """How a message's content may show in a rendering: as is, trimmed, or as a JSON string."""
+    content = message.get("content") or ""
+    return [form for form in (content, content.strip(), json.dumps(content, ensure_ascii=False)) if form.strip()]
+
+
+def _shows(full: str, message: dict[str, Any], start: int, end: int) -> bool:
+    """Whether `message` (the one before an assistant turn) shows in `full[start:end]`; an assistant message
+    or one without content has nothing to look for."""
+    forms = _forms(message) if message["role"] != "assistant" else []
+    return not forms or any(full.find(form, start, end) >= 0 for form in forms)
+
+
+def _next_message_at(full: str, messages: list[dict[str, Any]], index: int, after: int, marks: TurnMarks) -> int:
+    """Where the message after `index` shows in `full` (its content, or the next assistant header): the
+    turn's closing token must come before it."""
+    bound = marks.next_header(full, after)
+    if index + 1 < len(messages):
+        for form in _forms(messages[index + 1]):
+            found = full.find(form, after)
+            if found >= 0:
+                bound = min(bound, found)
+                break
+    return bound
+
+
+@dataclass(frozen=True)
+class TurnMarks:
+    """A template's generation prompt (the candidates for an assistant header, longest first) and the
+    tokens that close an assistant turn."""
+
+    headers: tuple[str, ...]
+    closers: tuple[str, ...]
+
+    def start_before(self, full: str, floor: int, words_start: int) -> int:
+        """After the longest header that ends in `full[floor:words_start]` (its last occurrence), else the
+        words' start."""
+        window = full[floor:words_start]
+        for header in self.headers:
+            found = window.rfind(header)
+            if found >= 0:
+                return floor + found + len(header)
+        return words_start
+
+    def end_after(self, full: str, words_end: int, bound: int) -> int:
+        """Through the first closing token after the words (and closing tokens right after it), when it
+        comes before `bound`; else the words' end."""
+        found = [(at, token) for token in self.closers if (at := full.find(token, words_end)) >= 0]
+        if not found:
+            return words_end
+        at, token = min(found, key=lambda hit: (hit[0], -len(hit[1])))
+        if at >= bound:
+            return words_end
+        end = at + len(token)
+        while (following := next((t for t in self.closers if full.startswith(t, end)), None)) is not None:
+            end += len(following)
+        return end
+
+    def next_header(self, full: str, after: int) -> int:
+        hits = [at for header in self.headers[:1] if (at := full.find(header, after)) >= 0]
+        return min(hits, default=len(full))
+
+
+@lru_cache(maxsize=64)
+def _turn_marks(tokenizer: Any, template: str, kwargs_json: str) -> TurnMarks:
+    kwargs = json.loads(kwargs_json)
+    user = [{"role": "user", "content": "ft-probe"}]
+
+    def render(messages: list[dict[str, Any]], **extra: Any) -> str:
+        return _apply(tokenizer, messages, None, template, "the chat template", {**kwargs, **extra, "tokenize": False})
+
+    specials = sorted(_special_tokens(tokenizer), key=len, reverse=True)
+    prompt, plain = render(user, add_generation_prompt=True), render(user)
+    generation = prompt[common_prefix_length(prompt, plain) :]
+    answered = render([*user, {"role": "assistant", "content": _SENTINEL}])
+    if not generation.strip():  # no generation prompt (Mistral's): the last special token before the words
+        between = answered[answered.find("ft-probe") + len("ft-probe") : answered.find(_SENTINEL)]
+        generation = next((between[between.rfind(t) :] for t in specials if t in between), between).rstrip()
+        generation = _up_to_last_special(generation, specials)
+    headers = {generation}
+    for cut in range(1, len(generation)):
+        if generation[cut - 1] == "\n" or any(generation[:cut].endswith(t) for t in specials):
+            headers.add(generation[:cut])
+    closers = set(_KNOWN_CLOSERS)  # distinctive strings: found in the text even where the vocabulary splits them
+    if tokenizer.eos_token:
+        closers.add(tokenizer.eos_token)
+    after = answered[answered.find(_SENTINEL) + len(_SENTINEL) :].lstrip()
+    closer = next((t for t in specials if after.startswith(t)), None)
+    if closer:
+        closers.add(closer)
+    return TurnMarks(tuple(sorted((h for h in headers if h.strip()), key=len, reverse=True)), tuple(sorted(closers)))
+
+
+def turn_marks(tokenizer: Any, template: str, kwargs_json: str = "{}") -> TurnMarks:
+    """The template's `TurnMarks`, probed once per tokenizer, template and template variables."""
+    return _turn_marks(tokenizer, template, kwargs_json)
+
+
+def _up_to_last_special(text: str, specials: list[str]) -> str:
+    ends = [text.rfind(t) + len(t) for t in specials if t in text]
+    return text[: max(ends)] if ends else text
+
+
+def _special_tokens(tokenizer: Any) -> set[str]:
+    return {t for t in (*tokenizer.all_special_tokens, *tokenizer.get_added_vocab()) if t}
+
+
+def common_prefix_length(a: Sequence[Any], b: Sequence[Any]) -> int:
+    """How many leading items (tokens, characters) `a` and `b` share."""
+    length = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        length += 1
+    return length

@@ -1,0 +1,347 @@
+"""Tool-calling and reasoning conversations on the real chat templates of each family, read back through
+`finetune data preview --json`: exactly the assistant turns (reasoning as rendered, answer, tool calls,
+closing token) are trained; system, user, tool results and tool descriptions never.
+
+Templates are the families' own, as trl 1.16 ships them (`trl/chat_templates/`, read as files, trl is not
+imported) plus Mistral v0.3's tool template in `tests/chat_templates/`. Each tiny tokenizer carries the
+family's special tokens. The expected spans below were located by hand in the renderings; trl's training
+templates (`{% generation %}` marks, `return_assistant_tokens_mask`) are the independent reference where
+they render the same text.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
+
+from finetune.cli import main
+from finetune.data.chat import ChatRecord, normalize_record
+from finetune.data.chat_turns import render_chat
+from finetune.data.formats import encode_chat_prompt
+from finetune.data.preference import preview_records
+from finetune.errors import DataError
+from finetune.recipe import DataConfig
+
+_TRL = importlib.util.find_spec("trl")
+TRL_TEMPLATES = Path(_TRL.origin).parent / "chat_templates" if _TRL and _TRL.origin else Path("/nonexistent")
+TESTS = Path(__file__).parent / "chat_templates"
+pytestmark = pytest.mark.skipif(not TRL_TEMPLATES.is_dir(), reason="trl (the test extra) ships the templates")
+
+SYSTEM = "You report the weather."
+QUESTION = "Weather in Paris?"
+RESULT = "18 C, sunny"
+DESCRIPTION = "Weather of a city"
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": DESCRIPTION, "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]  # fmt: skip
+CALL = {"id": "call00001", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+MESSAGES = [
+    {"role": "system", "content": SYSTEM},
+    {"role": "user", "content": QUESTION},
+    {"role": "assistant", "content": None, "reasoning_content": "I should call the tool.", "tool_calls": [CALL]},
+    {"role": "tool", "tool_call_id": "call00001", "name": "get_weather", "content": RESULT},
+    {"role": "assistant", "reasoning_content": "It is mild.", "content": "Paris: 18 C and sunny."},
+]
+RECORD = {"tools": TOOLS, "messages": MESSAGES}
+ANSWER_WITH_THINKING = "<think>\nIt is mild.\n</think>\n\nParis: 18 C and sunny."
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    template: Path
+    bos: str | None
+    eos: str
+    specials: tuple[str, ...]
+    trained: tuple[str, ...]
+    """The trained text of each assistant turn, located by hand in the rendering."""
+    record: dict = None  # type: ignore[assignment]
+
+
+QWEN = ("<|im_start|>", "<|im_end|>", "<|endoftext|>")
+LLAMA = ("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|eom_id|>", "<|python_tag|>")
+HARMONY = ("<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|call|>", "<|return|>", "<|constrain|>")
+MISTRAL = ("[INST]", "[/INST]", "[TOOL_CALLS]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]", "[TOOL_RESULTS]",
+           "[/TOOL_RESULTS]")  # fmt: skip
+DEEPSEEK = ("<｜User｜>", "<｜Assistant｜>")
+QWEN_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call><|im_end|>'
+LLAMA_CALL = '{"name": "get_weather", "parameters": {"city": "Paris"}}<|eot_id|>'
+WITHOUT_TOOLS = {"messages": [m for m in MESSAGES if m["role"] != "tool" and "tool_calls" not in m]}
+
+FAMILIES = [
+    # Qwen3 reads reasoning_content and renders it for the turns after the last user message.
+    Family("qwen3", TRL_TEMPLATES / "qwen3.jinja", None, "<|im_end|>", QWEN,
+           ("<think>\nI should call the tool.\n</think>\n\n" + QWEN_CALL, ANSWER_WITH_THINKING + "<|im_end|>")),
+    # Qwen2.5 has no reasoning field: it is given inline, as the content's leading <think>; a tool-call
+    # turn renders its content (here only the reasoning) before the call.
+    Family("qwen2.5", TRL_TEMPLATES / "qwen2_5.jinja", None, "<|im_end|>", QWEN,
+           ("<think>\nI should call the tool.\n</think>\n\n\n" + QWEN_CALL, ANSWER_WITH_THINKING + "<|im_end|>")),
+    # Llama 3.1/3.2: a tool-call turn renders the call as JSON only (its text and reasoning are dropped).
+    Family("llama-3.1", TRL_TEMPLATES / "llama3_1.jinja", "<|begin_of_text|>", "<|eot_id|>", LLAMA,
+           (LLAMA_CALL, ANSWER_WITH_THINKING + "<|eot_id|>")),
+    Family("llama-3.2", TRL_TEMPLATES / "llama3_2.jinja", "<|begin_of_text|>", "<|eot_id|>", LLAMA,
+           (LLAMA_CALL, ANSWER_WITH_THINKING + "<|eot_id|>")),
+    # gpt-oss: the model writes after `<|start|>assistant`; the call's analysis is dropped once a final
+    # answer follows; the last turn's analysis and final channels are one trained span.
+    Family("gpt-oss", TRL_TEMPLATES / "gptoss.jinja", None, "<|return|>", HARMONY,
+           (' to=functions.get_weather<|channel|>commentary json<|message|>{"city": "Paris"}<|call|>',
+            "<|channel|>analysis<|message|>It is mild.<|end|><|start|>assistant<|channel|>final<|message|>"
+            "Paris: 18 C and sunny.<|return|>")),
+    Family("mistral-v0.3", TESTS / "mistral-v0.3-tools.jinja", "<s>", "</s>", MISTRAL,
+           ('[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}, "id": "call00001"}]</s>',
+            ANSWER_WITH_THINKING + "</s>")),
+    # The R1 distills' template drops the reasoning (everything to `</think>`) from every turn, and
+    # cannot render a tool call next to text: a reasoning conversation without tools.
+    Family("deepseek-r1-distill", TRL_TEMPLATES / "deepseek_r1_distill.jinja", "<｜begin▁of▁sentence｜>",
+           "<｜end▁of▁sentence｜>", DEEPSEEK, ("\n\nParis: 18 C and sunny.<｜end▁of▁sentence｜>",), WITHOUT_TOOLS),
+]  # fmt: skip
+
+
+def family_tokenizer(family: Family, template: Path | None = None) -> PreTrainedTokenizerFast:
+    """A small byte-level BPE tokenizer with the family's special tokens and chat template."""
+    specials = list(dict.fromkeys(t for t in (family.bos, family.eos, *family.specials) if t))
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=specials, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())  # fmt: skip
+    backend.train_from_iterator([SYSTEM, QUESTION, RESULT, DESCRIPTION, json.dumps(MESSAGES)] * 4, trainer=trainer)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token=family.bos, eos_token=family.eos,
+                                        additional_special_tokens=specials)  # fmt: skip
+    tokenizer.chat_template = (template or family.template).read_text()
+    return tokenizer
+
+
+def trained_runs(input_ids: list[int], labels: list[int], tokenizer) -> list[str]:
+    """The decoded text of each maximal run of trained tokens."""
+    runs, current = [], []
+    for token, label in zip([*input_ids, None], [*labels, -100]):
+        if label != -100:
+            current.append(token)
+        elif current:
+            runs.append(tokenizer.decode(current))
+            current = []
+    return runs
+
+
+def preview_json(tmp_path: Path, tokenizer, record: dict, capsys, *overrides: str) -> list[dict]:
+    """`finetune data preview --json` on one record (tokenizer only: `model.tokenizer`)."""
+    tokenizer.save_pretrained(tmp_path / "tokenizer")
+    (tmp_path / "chat.jsonl").write_text(json.dumps(record) + "\n")
+    recipe = {"model": {"base": "embedded:tiny-llama", "tokenizer": str(tmp_path / "tokenizer")},
+              "data": {"train": str(tmp_path / "chat.jsonl"), "format": "chat", "max_seq_len": 2048},
+              "output": {"name": "x"}}  # fmt: skip
+    (tmp_path / "recipe.yaml").write_text(json.dumps(recipe))
+    assert main(["data", "preview", str(tmp_path / "recipe.yaml"), "--json", "--limit", "9", *overrides]) == 0
+    return [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+
+
+@pytest.mark.parametrize("family", FAMILIES, ids=[f.name for f in FAMILIES])
+def test_tool_calls_and_reasoning_train_exactly_the_assistant_turns(family, tmp_path, capsys):
+    tokenizer = family_tokenizer(family)
+    record = family.record or RECORD
+    (document,) = preview_json(tmp_path, tokenizer, record, capsys)
+    runs = trained_runs(document["input_ids"], document["labels"], tokenizer)
+    assert runs == list(family.trained), tokenizer.decode(document["input_ids"])
+    rendered = tokenizer.decode(document["input_ids"])
+    untrained = [SYSTEM, QUESTION, RESULT, DESCRIPTION] if family.record is None else [SYSTEM, QUESTION]
+    for text in untrained:
+        if family.name != "mistral-v0.3" or text != SYSTEM:  # Mistral's puts the system prompt in the last user turn
+            assert text in rendered, text
+        assert all(text not in run for run in runs), text
+
+
+# trl's training templates wrap the header's newline (Qwen) or the whole `<|start|>assistant` header
+# (gpt-oss) and the newline after the closing token in their marks: those are the only tokens they
+# train and we do not, since the generation prompt already wrote them at inference.
+REFERENCES = [("qwen3", "qwen3_training.jinja", "\n"), ("qwen2.5", "qwen2_5_training.jinja", "\n"),
+              ("gpt-oss", "gptoss_training.jinja", "<|start|>assistant")]  # fmt: skip
+
+
+@pytest.mark.parametrize(("name", "training", "header"), REFERENCES, ids=[r[0] for r in REFERENCES])
+def test_masks_equal_trl_assistant_masks_on_its_training_templates_but_for_the_header(name, training, header):
+    family = next(f for f in FAMILIES if f.name == name)
+    tokenizer = family_tokenizer(family)
+    chat = normalize_record(RECORD, "messages", "record 1")
+    ids, ours = render_chat(chat, tokenizer.chat_template, tokenizer, "record 1")
+    marked = family_tokenizer(family, TRL_TEMPLATES / training)
+    reference = render_chat(chat, marked.chat_template, marked, "record 1")  # its {% generation %} marks
+    assert reference[0] == ids  # the same text, token for token
+    assert not any(mine and not theirs for mine, theirs in zip(ours, reference[1]))  # nothing more than trl
+    extra = trained_runs(ids, [t if theirs and not mine else -100 for t, mine, theirs in zip(ids, ours, reference[1])],
+                         tokenizer)  # fmt: skip
+    assert extra and all(run.strip("\n") in ("", header) for run in extra), extra
+
+
+def test_every_turn_trains_each_turns_reasoning_once_and_none_trains_none(tmp_path, capsys):
+    qwen3 = FAMILIES[0]
+    tokenizer = family_tokenizer(qwen3)
+    more = [{"role": "user", "content": "And Rome?"}, {"role": "assistant", "reasoning_content": "Call again.",
+                                                      "content": "Rome: 25 C."}]  # fmt: skip
+    record = {"tools": TOOLS, "messages": [*MESSAGES, *more]}
+    (document,) = preview_json(tmp_path, tokenizer, record, capsys)
+    # As rendered: Qwen3 drops the reasoning of the turns before the last user message.
+    assert trained_runs(document["input_ids"], document["labels"], tokenizer) == [
+        QWEN_CALL,
+        "Paris: 18 C and sunny.<|im_end|>",
+        "<think>\nCall again.\n</think>\n\nRome: 25 C.<|im_end|>",
+    ]
+    documents = preview_json(tmp_path, tokenizer, record, capsys, "data.reasoning=every_turn")
+    assert [trained_runs(d["input_ids"], d["labels"], tokenizer) for d in documents] == [
+        ["<think>\nI should call the tool.\n</think>\n\n" + QWEN_CALL], [ANSWER_WITH_THINKING + "<|im_end|>"],
+        ["<think>\nCall again.\n</think>\n\nRome: 25 C.<|im_end|>"]]  # fmt: skip
+    assert {d["record"] for d in documents} == {1}
+    (plain,) = preview_json(tmp_path, tokenizer, record, capsys, "data.reasoning=none")
+    runs = trained_runs(plain["input_ids"], plain["labels"], tokenizer)
+    assert runs == [QWEN_CALL, "Paris: 18 C and sunny.<|im_end|>", "Rome: 25 C.<|im_end|>"]
+    # with thinking off, Qwen3's generation prompt holds the empty think block: context, not trained
+    assert tokenizer.decode(plain["input_ids"]).endswith("<think>\n\n</think>\n\nRome: 25 C.<|im_end|>\n")
+
+
+def _sharegpt(record: dict) -> dict:
+    turns = [{"from": "system", "value": SYSTEM}, {"from": "human", "value": QUESTION},
+             {"from": "function_call", "value": json.dumps({"name": "get_weather", "arguments": {"city": "Paris"}})},
+             {"from": "observation", "value": RESULT}, {"from": "gpt", "value": "Paris: 18 C and sunny."}]  # fmt: skip
+    return {"tools": json.dumps(TOOLS), "conversations": turns}
+
+
+def _variant(change) -> dict:
+    record = copy.deepcopy(RECORD)
+    change(record["messages"])
+    return record
+
+
+SHAPES = {
+    "arguments as an object": lambda m: m[2]["tool_calls"][0]["function"].update(arguments={"city": "Paris"}),
+    "content empty, not null": lambda m: m[2].update(content=""),
+    "reasoning as thinking": lambda m: [m[i].update(thinking=m[i].pop("reasoning_content")) for i in (2, 4)],
+    "reasoning inline": lambda m: m[4].update(
+        content="<think>\nIt is mild.\n</think>\n\n" + m[4]["content"], reasoning_content=None
+    ),
+    "ipython result": lambda m: m[3].update(role="ipython"),
+}
+
+
+@pytest.mark.parametrize("family", [f for f in FAMILIES if f.record is None], ids=lambda f: f.name)
+def test_the_shapes_people_have_render_the_same_tokens(family):
+    tokenizer = family_tokenizer(family)
+
+    def rendered(record: dict) -> tuple[list[int], list[bool]]:
+        chat = normalize_record(record, "messages", "record 1")
+        return render_chat(chat, tokenizer.chat_template, tokenizer, "record 1")
+
+    reference = rendered(RECORD)
+    for name, change in SHAPES.items():
+        assert rendered(_variant(change)) == reference, name
+    # ShareGPT: function_call and observation turns, tools as JSON text; no reasoning and no call id, so
+    # compared with the OpenAI record without them
+    bare = _variant(lambda m: [m[2].pop("reasoning_content"), m[4].pop("reasoning_content")])
+    if family.name != "mistral-v0.3":  # its template requires 9-character call ids, which ShareGPT lacks
+        bare["messages"][2]["tool_calls"][0].pop("id")
+        bare["messages"][3].pop("tool_call_id")
+        assert rendered(_sharegpt(RECORD)) == rendered(bare)
+
+
+BAD_RECORDS = [
+    ("a result with no call", lambda m: m.pop(2), r"messages\[2\] is a tool result with no tool call before it"),
+    ("a call to an unknown tool", lambda m: m[2]["tool_calls"][0]["function"].update(name="get_time"),
+     r"messages\[2\] calls 'get_time', which is not in the record's tools \(get_weather\)"),
+    ("malformed arguments", lambda m: m[2]["tool_calls"][0]["function"].update(arguments='{"city": Paris}'),
+     r"messages\[2\]\.tool_calls\[0\]: the arguments of 'get_weather' are not valid JSON"),
+    ("a result for another call", lambda m: m[3].update(tool_call_id="call00002"),
+     r"messages\[3\] answers tool_call_id 'call00002'"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("name", "change", "message"), BAD_RECORDS, ids=[b[0] for b in BAD_RECORDS])
+def test_a_bad_tool_record_is_one_line_naming_the_record(name, change, message, tmp_path, capsys):
+    tokenizer = family_tokenizer(FAMILIES[0])
+    tokenizer.save_pretrained(tmp_path / "tokenizer")
+    (tmp_path / "chat.jsonl").write_text(json.dumps(RECORD) + "\n" + json.dumps(_variant(change)) + "\n")
+    recipe = {"model": {"base": "embedded:tiny-llama", "tokenizer": str(tmp_path / "tokenizer")},
+              "data": {"train": str(tmp_path / "chat.jsonl"), "format": "chat"}, "output": {"name": "x"}}  # fmt: skip
+    (tmp_path / "recipe.yaml").write_text(json.dumps(recipe))
+    assert main(["data", "preview", str(tmp_path / "recipe.yaml"), "--limit", "2"]) == 2
+    (error,) = capsys.readouterr().err.strip().splitlines()
+    assert "record 2" in error
+    with pytest.raises(DataError, match=message):
+        normalize_record(_variant(change), "messages", "record 2")
+
+
+def test_dpo_pairs_and_grpo_prompts_take_the_same_chat_records(tmp_path):
+    gpt_oss = FAMILIES[4]
+    tokenizer = family_tokenizer(gpt_oss)
+    pair = {"tools": TOOLS, "prompt": MESSAGES[:4], "chosen": [MESSAGES[4]],
+            "rejected": [{"role": "assistant", "thinking": "Guess.", "content": "Paris: 30 C."}]}  # fmt: skip
+    (tmp_path / "pairs.jsonl").write_text(json.dumps(pair) + "\n")
+    config = DataConfig(train=[str(tmp_path / "pairs.jsonl")], format="preference", max_seq_len=2048)
+    ((_, row),) = preview_records(config, tokenizer, limit=1)
+    chosen = trained_runs(row["chosen_input_ids"], row["chosen_labels"], tokenizer)
+    rejected = trained_runs(row["rejected_input_ids"], row["rejected_labels"], tokenizer)
+    assert chosen == [gpt_oss.trained[1]]  # the prompt's tool call is context
+    assert rejected == ["<|channel|>analysis<|message|>Guess.<|end|><|start|>assistant<|channel|>final<|message|>"
+                        "Paris: 30 C.<|return|>"]  # fmt: skip
+    prompt = encode_chat_prompt(MESSAGES[:4], config, tokenizer, "record 1", tools=TOOLS)
+    assert tokenizer.decode(prompt).endswith(f'"{RESULT}"<|end|><|start|>assistant')
+    # gpt-oss shows a pending call's analysis at inference and drops it once a final answer follows: the
+    # prompt is not a prefix of the pair's rendering, and the turns are still located in the latter
+    assert "I should call the tool." in tokenizer.decode(prompt)
+    assert "I should call the tool." not in tokenizer.decode(row["chosen_input_ids"])
+    with pytest.raises(DataError, match=r"record 1: prompt\[2\] calls 'get_weather', which is not in"):
+        encode_chat_prompt(MESSAGES[:4], config, tokenizer, "record 1", tools=[{"name": "other"}])
+
+
+def test_chat_record_normalises_to_what_each_template_reads():
+    chat = normalize_record(_sharegpt(RECORD), "messages", "record 1")
+    assert chat == ChatRecord(
+        [{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTION},
+         {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {
+             "name": "get_weather", "arguments": {"city": "Paris"}}}]},
+         {"role": "tool", "content": RESULT}, {"role": "assistant", "content": "Paris: 18 C and sunny."}],
+        TOOLS,
+    )  # fmt: skip
+
+
+def test_gpt_oss_takes_a_tool_call_turn_with_both_text_and_reasoning_as_one_analysis(tmp_path, capsys):
+    """gpt-oss's template refuses a tool-call turn with both content and thinking ("Put the analysis
+    message in one or the other"): both are given to it as one analysis message."""
+    gpt_oss = FAMILIES[4]
+    tokenizer = family_tokenizer(gpt_oss)
+    record = _variant(lambda m: m[2].update(content="Let me check."))
+    first, _ = preview_json(tmp_path, tokenizer, record, capsys, "data.reasoning=every_turn")
+    assert trained_runs(first["input_ids"], first["labels"], tokenizer) == [
+        "<|channel|>analysis<|message|>I should call the tool.\n\nLet me check.<|end|><|start|>assistant"
+        + gpt_oss.trained[0]
+    ]
+
+
+def test_the_data_cache_tells_reasoning_and_tools_field_apart(tmp_path):
+    from finetune.data import data_fingerprint
+
+    tokenizer = family_tokenizer(FAMILIES[0])
+    (tmp_path / "chat.jsonl").write_text(json.dumps(RECORD) + "\n")
+
+    def fingerprint(**fields) -> str:
+        return data_fingerprint(DataConfig(train=[str(tmp_path / "chat.jsonl")], **fields), tokenizer, seed=0)
+
+    chat = fingerprint(format="chat")
+    assert len({chat, fingerprint(format="chat", reasoning="none"), fingerprint(format="chat", tools_field="t")}) == 3
+    assert fingerprint(format="text") == fingerprint(format="text", reasoning="every_turn")  # text has no reasoning
+
+
+@pytest.mark.parametrize("family", FAMILIES[:5], ids=[f.name for f in FAMILIES[:5]])
+def test_an_empty_assistant_turn_trains_its_closing_token(family):
+    tokenizer = family_tokenizer(family)
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": ""},
+                {"role": "user", "content": "Again"}, {"role": "assistant", "content": "Yes."}]  # fmt: skip
+    ids, trained = render_chat(normalize_record({"messages": messages}, "messages", "r"), family.template.read_text(),
+                               tokenizer, "r")  # fmt: skip
+    runs = trained_runs(ids, [token if keep else -100 for token, keep in zip(ids, trained)], tokenizer)
+    closing = {"<|im_end|>": "<|im_end|>", "<|eot_id|>": "<|eot_id|>", "<|return|>": "<|end|>"}[family.eos]
+    assert runs[0].endswith(closing) and "Hi" not in runs[0] and len(runs) == 2
