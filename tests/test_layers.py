@@ -20,7 +20,7 @@ LAYERS: list[set[str]] = [
     {"recipe", "embedded"},
     {"manifest", "data"},
     {"adapters"},
-    {"model"},
+    {"model", "generation"},
     {"plan", "export", "report"},
     {"training"},
     {"api"},
