@@ -62,6 +62,7 @@ _FORMAT_FIELDS = {
     "chat": ("messages_field", "chat_template", "completion_only_loss"),
     "preference": ("chat_template",),
     "unpaired_preference": ("chat_template",),
+    "prompt": ("chat_template",),
 }
 _ROW_FIELDS = ("format", "max_seq_len", "overlength")
 
