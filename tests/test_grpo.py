@@ -333,3 +333,29 @@ def test_loss_and_gradients_equal_trls(tmp_path, tiny_base_dir, tiny_tokenizer, 
     assert our_grads.keys() == theirs_grads.keys() and our_grads
     for name, grad in our_grads.items():
         torch.testing.assert_close(grad.float(), theirs_grads[name].float(), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_resume_from_a_checkpoint_gives_the_same_adapter_bit_for_bit(tmp_path, tiny_base_dir, monkeypatch):
+    """What a SIGKILL after step 2 leaves (checkpoint 2, no adapter, no later checkpoint), resumed: the sampling
+    RNG travels in the checkpoint, so steps 3 and 4 draw the same completions and write the same adapter."""
+    import shutil
+
+    from safetensors.torch import load_file
+
+    from finetune.training.checkpoint import checkpoint_path
+    from finetune.training.loop import train
+
+    monkeypatch.chdir(tmp_path)
+    recipe = _write_grpo_run(tmp_path, tiny_base_dir, "lengths.py:short")
+    settings = ["train.max_steps=4", "train.save_every_steps=1", "train.keep_checkpoints=4", "train.report_to=[]"]
+    whole, _ = train(recipe, [*settings, "output.name=whole"], log=lambda line: None)
+    expected = load_file(whole / "adapter_model.safetensors")
+    shutil.rmtree(whole)
+    for step in (3, 4):
+        shutil.rmtree(checkpoint_path(tmp_path / "runs" / "whole", step))
+    log: list[str] = []
+    resumed, _ = train(recipe, [*settings, "output.name=whole"], resume=True, log=log.append)
+    assert any(line.startswith("resumed from") and "step 2" in line for line in log), log
+    actual = load_file(resumed / "adapter_model.safetensors")
+    assert expected.keys() == actual.keys() and all(torch.equal(expected[k], actual[k]) for k in expected)
