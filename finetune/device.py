@@ -55,5 +55,6 @@ def model_device(model: torch.nn.Module) -> torch.device:
 
 
 def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
-    """Every tensor of a collated batch on `device` (copies from pinned memory do not block the host)."""
-    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+    """Every tensor of a collated batch on `device` (copies from pinned memory do not block the host); other
+    values (the records an online objective keeps beside its tensors) as they are."""
+    return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}

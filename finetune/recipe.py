@@ -162,12 +162,14 @@ class DataConfig(_Section):
     """Held-out sources for eval loss and perplexity. Leave empty to split `validation_split` off `train`."""
     validation_split: float = Field(0.0, ge=0.0, lt=1.0)
     """Fraction of the training records held out (seeded by `train.seed`) when `validation` is empty."""
-    format: Literal["text", "instruction", "chat", "preference", "unpaired_preference"] = "text"
+    format: Literal["text", "instruction", "chat", "preference", "unpaired_preference", "prompt"] = "text"
     """`text`: raw documents (continued pretraining); `instruction`: prompt/response pairs;
     `chat`: message lists rendered with the tokenizer's chat template; `preference`: `{prompt, chosen,
     rejected}` pairs (dpo, orpo, simpo); `unpaired_preference`: `{prompt, completion, label}` (kto). In the
     preference formats each of prompt and completions is a string, or a list of chat messages rendered with
-    the chat template as `chat` is; only the completions (with their end-of-turn or EOS token) are trained."""
+    the chat template as `chat` is; only the completions (with their end-of-turn or EOS token) are trained.
+    `prompt`: `{prompt, ...}` records for grpo (a string, or chat messages rendered with the chat template
+    and its generation prompt); every other field reaches the reward functions as a keyword argument."""
     text_field: str = "text"
     prompt_field: str = "instruction"
     input_field: str | None = "input"
@@ -248,14 +250,55 @@ OBJECTIVE_SETTINGS: dict[str, dict[str, Any]] = {
     "orpo": {"orpo_lambda": 0.1},
     "simpo": {"beta": 2.5, "simpo_gamma": 1.375, "cpo_alpha": 0.0},
     "kto": {"beta": 0.1, "desirable_weight": 1.0, "undesirable_weight": 1.0},
+    "grpo": {
+        "beta": 0.0,
+        "reward_functions": [],
+        "reward_weights": [],
+        "num_generations": 8,
+        "max_completion_length": 256,
+        "temperature": 1.0,
+        "top_p": 1.0,
+        "top_k": 0,
+        "loss_type": "dapo",
+        "epsilon": 0.2,
+        "epsilon_high": 0.0,
+        "num_iterations": 1,
+        "scale_rewards": "group",
+        "mask_truncated_completions": False,
+    },
 }
 """The `train` fields each objective reads, with their defaults (filled in when not given, so the saved recipe
 says what was used); a field given for an objective that does not read it is an error."""
-OBJECTIVE_FORMATS = {"dpo": "preference", "orpo": "preference", "simpo": "preference", "kto": "unpaired_preference"}
+OBJECTIVE_FORMATS = {
+    "dpo": "preference",
+    "orpo": "preference",
+    "simpo": "preference",
+    "kto": "unpaired_preference",
+    "grpo": "prompt",
+}
+OWN_ROW_FORMATS = (*PREFERENCE_FORMATS, "prompt")
+"""Formats whose rows are not documents: each objective that reads one has its own columns."""
 
 
 TRACKER_PACKAGES = {"tensorboard": "tensorboard", "mlflow": "mlflow", "wandb": "wandb", "trackio": "trackio"}
 """`train.report_to` name -> the package that must be importable (and pip-installable under that name)."""
+
+
+def _check_grpo_settings(train: TrainConfig) -> None:
+    """What grpo's settings must agree on."""
+    if not train.reward_functions:
+        raise ValueError(
+            "grpo needs train.reward_functions: a list of `path/to/file.py:function` or built-ins (exact_match, "
+            "regex, length)"
+        )
+    weights = train.reward_weights
+    if weights and len(weights) != len(train.reward_functions):
+        raise ValueError(
+            f"train.reward_weights has {len(weights)} values for {len(train.reward_functions)} reward functions; give "
+            "one weight per function"
+        )
+    if not train.epsilon_high:
+        object.__setattr__(train, "epsilon_high", train.epsilon)
 
 
 class TrainConfig(_Section):
@@ -312,7 +355,7 @@ class TrainConfig(_Section):
     `MLFLOW_TRACKING_URI` (a local store), `WANDB_MODE=offline`. See `finetune.training.tracking`."""
     tracker_project: str = "finetune"
     """Project (wandb, trackio) or experiment (mlflow) the run is filed under; the run is `output.name`."""
-    objective: Literal["sft", "dpo", "orpo", "simpo", "kto"] = "sft"
+    objective: Literal["sft", "dpo", "orpo", "simpo", "kto", "grpo"] = "sft"
     """What the run minimises (`finetune.training.objectives`). `sft`: the next-token loss of the labelled
     tokens (text, instruction, chat data). With `data.format: preference`: `dpo` (Rafailov et al. 2023: the
     log-sigmoid of β times the chosen completion's log-probability gain over the reference policy minus the
@@ -320,8 +363,11 @@ class TrainConfig(_Section):
     penalty, no reference), `simpo` (Meng et al. 2024: length-normalised log-probabilities and a margin γ, no
     reference). With `unpaired_preference`: `kto` (Ethayarajh et al. 2024: desirable and undesirable
     completions, each against a KL baseline). A micro-batch is `micro_batch_size` records (pairs, for the
-    paired ones) either way."""
-    beta: float | None = Field(None, gt=0)
+    paired ones) either way. With `data.format: prompt`: `grpo` (Shao et al. 2024, as trl's GRPOTrainer
+    defines it): sample `num_generations` completions of each prompt from the model as it is, score them
+    with `reward_functions`, and push the policy toward those above their group's mean; a micro-batch is
+    `micro_batch_size` prompts, each with its `num_generations` completions."""
+    beta: float | None = Field(None, ge=0)
     """dpo, simpo, kto: β, the scale of the implicit reward. dpo/kto: r = β·log(π(y|x) / π_ref(y|x)), default 0.1
     (trl's); simpo: r = β·mean token log π(y|x), default 2.5 (SimPO's Llama-3-8B-Instruct recipe)."""
     dpo_loss: Literal["sigmoid", "ipo", "hinge"] | None = None
@@ -346,6 +392,39 @@ class TrainConfig(_Section):
     """kto: weight of a desirable completion's loss (default 1; KTO suggests weights that balance the two kinds)."""
     undesirable_weight: float | None = Field(None, gt=0)
     """kto: weight of an undesirable completion's loss (default 1)."""
+    reward_functions: list[str] | None = None
+    """grpo: the rewards, each `path/to/file.py:function` (imported from that file only, called as trl calls
+    it: `f(prompts, completions, completion_ids, **columns) -> list[float | None]`) or a built-in
+    (`finetune.training.rewards`: `exact_match(column=answer)`, `regex(pattern=...)`, `length(target=64)`).
+    The reward of a completion is their weighted sum."""
+    reward_weights: list[float] | None = None
+    """grpo: one weight per reward function (default: 1 each)."""
+    num_generations: int | None = Field(None, ge=2)
+    """grpo: completions sampled per prompt (a group; advantages are taken within it). trl's default, 8."""
+    max_completion_length: int | None = Field(None, ge=1)
+    """grpo: most tokens a completion may have (a completion cut there is truncated). Default 256."""
+    temperature: float | None = Field(None, gt=0)
+    """grpo: sampling temperature; the loss scores log-probabilities at this temperature, as trl does."""
+    top_p: float | None = Field(None, gt=0, le=1)
+    """grpo: nucleus sampling's probability mass (1: off)."""
+    top_k: int | None = Field(None, ge=0)
+    """grpo: sample among the k likeliest tokens (0: off)."""
+    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] | None = None
+    """grpo: how token losses are averaged, as trl defines them: `grpo` per completion then over completions,
+    `bnpo` over the tokens of each micro-batch, `dr_grpo` over completions x max_completion_length, `dapo`
+    (trl's default) over every completion token of the step on every process."""
+    epsilon: float | None = Field(None, gt=0)
+    """grpo: the importance ratio is clipped to [1 - epsilon, 1 + epsilon_high] (default 0.2)."""
+    epsilon_high: float | None = Field(None, ge=0)
+    """grpo: the upper clip (default: epsilon; DAPO suggests 0.28). 0 means epsilon."""
+    num_iterations: int | None = Field(None, ge=1)
+    """grpo: optimizer steps per generation (μ): each generated batch is trained on this many times, with
+    importance ratios against the policy that sampled it, clipped."""
+    scale_rewards: Literal["group", "batch", "none"] | None = None
+    """grpo: divide advantages by the reward's standard deviation within each group (`group`, trl's default),
+    over the step's whole batch (`batch`), or not at all (`none`, as Dr. GRPO recommends)."""
+    mask_truncated_completions: bool | None = None
+    """grpo: leave completions cut at max_completion_length out of the loss (DAPO)."""
 
     @model_validator(mode="after")
     def _objective_settings(self) -> TrainConfig:
@@ -361,7 +440,17 @@ class TrainConfig(_Section):
         for name, default in own.items():
             if getattr(self, name) is None:
                 object.__setattr__(self, name, default)
+        if self.objective in ("dpo", "simpo", "kto") and not self.beta:
+            raise ValueError(f"beta must be greater than 0 for objective {self.objective}")
+        if self.objective == "grpo":
+            _check_grpo_settings(self)
         return self
+
+    @field_validator("scale_rewards", mode="before")
+    @classmethod
+    def _scale_rewards_as_trl(cls, value: Any) -> Any:
+        """trl also takes `true` (group) and `false` (none)."""
+        return {True: "group", False: "none"}.get(value, value) if isinstance(value, bool) else value
 
     @field_validator("report_to")
     @classmethod
@@ -522,12 +611,15 @@ class Recipe(_Section):
                 f"train.objective {objective} trains on data.format {wanted} records, but data.format is {data_format}; "
                 f"set data.format={wanted} (see the README's preference formats)"
             )
-        if wanted is None and data_format in PREFERENCE_FORMATS:
+        if wanted is None and data_format in OWN_ROW_FORMATS:
             used_by = " or ".join(name for name, fmt in OBJECTIVE_FORMATS.items() if fmt == data_format)
-            raise ValueError(
-                f"data.format {data_format} needs a preference objective; set train.objective to {used_by}"
-            )
+            raise ValueError(f"data.format {data_format} needs objective {used_by}; set train.objective to {used_by}")
         starts_elsewhere = self.lora.init_from is not None or self.lora.init in ("pissa", "olora")
+        if starts_elsewhere and objective == "grpo" and self.train.beta:
+            raise ValueError(
+                "grpo with train.beta > 0 measures the KL to the base (the adapter disabled), but this run's LoRA does "
+                "not start as the base (lora.init_from or a pissa/olora init); set train.beta=0 (trl's default)"
+            )
         if starts_elsewhere and objective in ("dpo", "kto") and not self.train.precompute_reference:
             cause = "lora.init_from" if self.lora.init_from is not None else f"lora.init {self.lora.init}"
             fix = (

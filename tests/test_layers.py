@@ -30,7 +30,7 @@ LAYERS: list[set[str]] = [
     {"recipe", "embedded"},
     {"manifest", "data"},
     {"adapters"},
-    {"model", "scoring"},
+    {"model", "scoring", "generation"},
     {"plan", "export", "report"},
     {"api"},
     {"serve"},

@@ -43,6 +43,8 @@ def run_preview(args: argparse.Namespace) -> int:
     tokenizer = load_tokenizer_for(recipe.model)
     if recipe.data.format in ("preference", "unpaired_preference"):
         return _preview_preference(recipe, tokenizer, args)
+    if recipe.data.format == "prompt":
+        return _preview_prompts(recipe, tokenizer, args)
     documents = preview_documents(recipe.data, tokenizer, args.limit)
     if args.json:
         for d in documents:
@@ -58,6 +60,24 @@ def run_preview(args: argparse.Namespace) -> int:
         print(f"--- document {number}: {len(document.input_ids)} tokens, {trained} trained{piece} "
               f"({'green' if colour else '[[marked]]'})")  # fmt: skip
         print(marked_text(tokenizer, document.input_ids, document.labels, colour))
+    return 0
+
+
+def _preview_prompts(recipe, tokenizer, args: argparse.Namespace) -> int:
+    """Prompt records as grpo sees them: the tokens completions continue from, and the columns the reward
+    functions receive."""
+    from finetune.data.prompts import preview_prompts
+
+    for record, row in preview_prompts(recipe.data, tokenizer, args.limit):
+        columns = {key: value for key, value in json.loads(row["columns"]).items() if key != "prompt"}
+        if args.json:
+            print(json.dumps({"record": record, "input_ids": row["input_ids"], "columns": columns}))
+            continue
+        print(f"--- record {record}: prompt of {len(row['input_ids'])} tokens; reward columns: "
+              f"{', '.join(sorted(columns)) or 'none'}")  # fmt: skip
+        print(tokenizer.decode(row["input_ids"]))
+        for key, value in sorted(columns.items()):
+            print(f"  {key}: {json.dumps(value, ensure_ascii=False)[:200]}")
     return 0
 
 

@@ -62,6 +62,7 @@ _FORMAT_FIELDS = {
     "chat": ("messages_field", "tools_field", "chat_template", "completion_only_loss", "reasoning"),
     "preference": ("tools_field", "chat_template", "reasoning"),
     "unpaired_preference": ("tools_field", "chat_template", "reasoning"),
+    "prompt": ("tools_field", "chat_template", "reasoning"),
 }
 _ROW_FIELDS = ("format", "max_seq_len", "overlength")
 

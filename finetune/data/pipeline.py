@@ -42,11 +42,12 @@ from finetune.data.formats import Document, encode_records
 from finetune.data.overlength import fit_to_length
 from finetune.data.packing import ROW_FEATURES
 from finetune.data.preference import ROW_FEATURES_BY_FORMAT, encode_preference_records, no_room_error
+from finetune.data.prompts import PROMPT_FEATURES, encode_prompt_records
 from finetune.data.rowfiles import partition_rows, stream_writer
 from finetune.data.sources import RecordChunk, iter_records, load_source
 from finetune.data.workers import default_num_proc, ordered_map
 from finetune.errors import DataError
-from finetune.recipe import PREFERENCE_FORMATS, DataConfig, SourceConfig
+from finetune.recipe import OWN_ROW_FORMATS, DataConfig, SourceConfig
 
 Log = Callable[[str], None]
 
@@ -62,17 +63,23 @@ DOCUMENT_FEATURES = datasets.Features(
 pieces of a split record share it). The preference formats' rows have their own columns (`document_features`)."""
 
 
+OWN_ROW_FEATURES = {**ROW_FEATURES_BY_FORMAT, "prompt": PROMPT_FEATURES}
+"""The rows of the formats that are not documents (`OWN_ROW_FORMATS`)."""
+_ENCODERS = {"preference": encode_preference_records, "unpaired_preference": encode_preference_records,
+             "prompt": encode_prompt_records}  # fmt: skip
+
+
 def row_features(data_format: str) -> datasets.Features:
-    """The columns of the rows training reads: `input_ids` and `labels`, or a preference format's own."""
-    return ROW_FEATURES_BY_FORMAT.get(data_format, ROW_FEATURES)
+    """The columns of the rows training reads: `input_ids` and `labels`, or a preference or prompt format's own."""
+    return OWN_ROW_FEATURES.get(data_format, ROW_FEATURES)
 
 
 def document_features(data_format: str) -> datasets.Features:
     """The columns a record's documents are written with: the format's row columns, `truncated` and `record`."""
-    if data_format not in PREFERENCE_FORMATS:
+    if data_format not in OWN_ROW_FORMATS:
         return DOCUMENT_FEATURES
     bookkeeping = {name: DOCUMENT_FEATURES[name] for name in ("truncated", "record")}
-    return datasets.Features({**ROW_FEATURES_BY_FORMAT[data_format], **bookkeeping})
+    return datasets.Features({**OWN_ROW_FEATURES[data_format], **bookkeeping})
 
 
 _RECORDS_PER_CHUNK = 1000
@@ -268,7 +275,7 @@ def _jobs(sources: list[SourceConfig], config: DataConfig) -> Iterator[_Job]:
 def _encode_chunk(state: tuple[DataConfig, PreTrainedTokenizerBase], job: _Job) -> _Encoded:
     """Encode a chunk and apply `overlength`: one row per document (a record, or a piece of one)."""
     config, tokenizer = state
-    if config.format in PREFERENCE_FORMATS:
+    if config.format in OWN_ROW_FORMATS:
         return _encode_preference_chunk(config, tokenizer, job)
     chunk = job.chunk
     encoded = encode_records(chunk.records, config, tokenizer, locate=chunk.where)
@@ -291,12 +298,12 @@ def _encode_chunk(state: tuple[DataConfig, PreTrainedTokenizerBase], job: _Job) 
 
 
 def _encode_preference_chunk(config: DataConfig, tokenizer: PreTrainedTokenizerBase, job: _Job) -> _Encoded:
-    """One row per preference record (a pair, or an unpaired example), counted like documents."""
+    """One row per preference or prompt record (a pair, an unpaired example, a prompt), counted like documents."""
     chunk = job.chunk
     features = document_features(config.format)
     columns: dict[str, list] = {name: [] for name in features}
     tally = _Tally()
-    for offset, encoded in enumerate(encode_preference_records(chunk.records, config, tokenizer, chunk.where)):
+    for offset, encoded in enumerate(_ENCODERS[config.format](chunk.records, config, tokenizer, chunk.where)):
         tally.count_record(encoded.tokens_in, encoded.tokens_kept, encoded.too_long, kept=encoded.row is not None)
         if encoded.no_room:
             tally.num_no_room += 1

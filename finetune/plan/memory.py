@@ -110,8 +110,30 @@ def sequences_per_record(recipe: Recipe) -> int:
 
 
 def micro_batch_tokens(recipe: Recipe) -> int:
-    """Tokens of one micro-batch at the length limit: records x sequences per record x `max_seq_len`."""
-    return recipe.train.micro_batch_size * sequences_per_record(recipe) * recipe.data.max_seq_len
+    """Tokens of one micro-batch at the length limit: records x sequences per record x `max_seq_len` (grpo:
+    prompts x `num_generations` x (prompt + completion))."""
+    train = recipe.train
+    if train.objective == "grpo":
+        assert train.num_generations is not None and train.max_completion_length is not None
+        return train.micro_batch_size * train.num_generations * (recipe.data.max_seq_len + train.max_completion_length)
+    return train.micro_batch_size * sequences_per_record(recipe) * recipe.data.max_seq_len
+
+
+def generation_part(recipe: Recipe, shape: ModelShape) -> Part | None:
+    """GRPO's KV cache while it samples: every completion of the step at once (prompts x grad_accum_steps x
+    num_generations rows of prompt + completion tokens), keys and values of every layer in the model's dtype,
+    at the full attention width (an upper bound with grouped-query attention). It is freed before the step's
+    forward, so counting it beside the activations overstates the peak when they are the larger."""
+    train = recipe.train
+    if train.objective != "grpo":
+        return None
+    assert train.num_generations is not None and train.max_completion_length is not None
+    rows = train.micro_batch_size * train.grad_accum_steps * train.num_generations
+    tokens = rows * (recipe.data.max_seq_len + train.max_completion_length)
+    size = 2 * shape.num_layers * shape.hidden_size * DTYPE_BYTES[recipe.model.dtype] * tokens
+    return Part(
+        "kv cache", size, "device", f"generation: {rows} rows x {tokens // rows} tokens, {shape.num_layers} layers"
+    )
 
 
 def reference_part(recipe: Recipe) -> Part | None:
@@ -283,9 +305,9 @@ def estimate(
     plan.parts.append(Part("activations", activations, "device", note))
     plan.parts.append(Part("logits", logits_bytes(recipe, shape, impl), "device",
                            f"{micro_batch_tokens(recipe)} tokens x {shape.vocab_size:,} vocabulary"))  # fmt: skip
-    reference = reference_part(recipe)
-    if reference is not None:
-        plan.parts.append(reference)
+    for extra in (reference_part(recipe), generation_part(recipe, shape)):
+        if extra is not None:
+            plan.parts.append(extra)
     runtime = CUDA_CONTEXT_BYTES if device == "cuda" else CPU_RUNTIME_BYTES
     plan.parts.append(Part("runtime", runtime, "device", "CUDA context" if device == "cuda" else "Python + libraries"))
     return plan

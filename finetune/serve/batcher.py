@@ -33,8 +33,8 @@ from dataclasses import dataclass, field
 import torch
 
 from finetune.errors import ServeError
+from finetune.generation.kvbatch import KVBatch
 from finetune.serve.engine import Engine
-from finetune.serve.kvbatch import KVBatch
 from finetune.serve.sampling import SamplingParams, make_generator, next_tokens
 from finetune.serve.textstream import TextStream
 

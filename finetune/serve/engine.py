@@ -34,8 +34,8 @@ from finetune.adapters.inmemory import LoadedModel
 from finetune.adapters.lora import Adapter, read_adapter
 from finetune.api import load_model
 from finetune.errors import FinetuneError, ServeError
+from finetune.generation.kvbatch import KVBatch
 from finetune.prompting import chat_prompt_ids, prompt_ids
-from finetune.serve.kvbatch import KVBatch
 from finetune.serve.settings import BASE_ROW, ServeSettings
 
 

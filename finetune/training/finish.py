@@ -34,14 +34,18 @@ def summary_metrics(run: TrainingRun, last: dict[str, float], say: Callable[[str
     base_eval = run.base_eval
     if base_eval:
         metrics["base_eval_loss"], metrics["base_eval_ppl"] = base_eval["eval_loss"], base_eval["eval_ppl"]
-        for key in ("eval_reward_accuracy", "eval_reward_margin"):  # a preference run's, at its start
+        for key in ("eval_reward_accuracy", "eval_reward_margin", "eval_reward"):  # preference or grpo, at its start
             if key in base_eval:
                 metrics[f"base_{key}"] = base_eval[key]
     if base_eval and "eval_ppl" in last:
         cut = 1 - last["eval_ppl"] / base_eval["eval_ppl"]
         metrics["ppl_cut"] = cut
         change = perplexity_change(base_eval["eval_ppl"], last["eval_ppl"])
-        if run.recipe.train.objective == "sft":
+        if run.recipe.train.objective == "grpo" and "eval_reward" in base_eval and "eval_reward" in last:
+            say(
+                f"held-out reward of sampled completions: start {base_eval['eval_reward']:.3f} -> {last['eval_reward']:.3f}"
+            )
+        elif run.recipe.train.objective == "sft":
             say(
                 f"held-out perplexity: base {base_eval['eval_ppl']:.3f} -> base + adapter {last['eval_ppl']:.3f} ({change})"
             )

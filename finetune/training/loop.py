@@ -135,6 +135,7 @@ def run_steps(run: TrainingRun, stop: StopRequest, on_step: StepCallback) -> dic
     start_time, skipped_steps = time.perf_counter(), 0
     last: dict[str, float] = {}
     while run.step < run.length.total_steps:
+        step_started = time.perf_counter()
         micro_batches = run.next_micro_batches()
         loss, step_metrics = accumulate_gradients(
             run.model_for_step, micro_batches, run.accelerator, run.sharding, run.objective, run.peft_model
@@ -153,6 +154,7 @@ def run_steps(run: TrainingRun, stop: StopRequest, on_step: StepCallback) -> dic
         last = {**last, **step_metrics, "loss": loss, "grad_norm": grad_norm, "lr": run.scheduler.get_last_lr()[0]}
         last.update(tokens_seen=run.tokens_seen, epoch=run.stream.epoch_of(run.position))
         last.update(elapsed_s=time.perf_counter() - start_time, skipped_steps=skipped_steps)
+        last.update(step_s=time.perf_counter() - step_started)
         is_final = run.step == run.length.total_steps
         if not is_final and train_config.eval_every_steps and run.step % train_config.eval_every_steps == 0:
             last.update(run.evaluate())

@@ -83,7 +83,8 @@ def run_length(recipe: Recipe, stream: MicroBatchStream) -> RunLength:
         total = train.max_steps
     else:
         assert train.epochs is not None
-        total = max(1, math.ceil(train.epochs * stream.micro_batches_per_epoch / train.grad_accum_steps))
+        steps = train.epochs * stream.micro_batches_per_epoch / train.grad_accum_steps
+        total = max(1, math.ceil(steps * (train.num_iterations or 1)))
     warmup = train.warmup_steps or int(train.warmup_ratio * total)
     return RunLength(stream.micro_batches_per_epoch, total, min(warmup, total))
 
@@ -174,6 +175,11 @@ class TrainingRun:
     def collate(self, rows: list[dict]) -> dict[str, torch.Tensor]:
         return self.objective.collate(rows)
 
+    @property
+    def steps_per_batch(self) -> int:
+        """Optimizer steps each step's data serves: grpo's `num_iterations` (trl repeats each batch μ times)."""
+        return self.recipe.train.num_iterations or 1
+
     def next_micro_batches(self) -> list[dict[str, torch.Tensor]]:
         """The micro-batches of the next optimizer step, for this process."""
         accumulation = self.recipe.train.grad_accum_steps
@@ -188,7 +194,8 @@ class TrainingRun:
         positions = range(self.position, self.position + len(micro_batches))
         tokens = sum(self.row_tokens[i] for p in positions for i in self.stream.indices(p))
         self.step += 1
-        self.position += len(micro_batches)
+        if self.step % self.steps_per_batch == 0:
+            self.position += len(micro_batches)
         local = torch.tensor(tokens, dtype=torch.int64, device=self.accelerator.device)
         self.tokens_seen += int(self.accelerator.reduce(local, reduction="sum"))
 
@@ -302,7 +309,9 @@ def start_run(recipe: Recipe, *, resume: bool, say: Say) -> TrainingRun:
     )
     length = run_length(recipe, stream)
     lengths = sequence_lengths(data.train)
-    unit = {"preference": "pairs", "unpaired_preference": "examples"}.get(recipe.data.format, "documents")
+    unit = {"preference": "pairs", "unpaired_preference": "examples", "prompt": "prompts"}.get(
+        recipe.data.format, "documents"
+    )
     say(describe_layout(lengths, stream, recipe.data.packing, unit=unit))
     groups = parameter_groups(recipe, peft_model)
     trainable_parameters = [parameter for group in groups for parameter in group["params"]]
@@ -411,6 +420,8 @@ def _restore(run: TrainingRun, path: Path, say: Say) -> None:
     run.sharding.state.load_trainable_state(run.peft_model, trainable)
     run.sharding.state.load_optimizer_state(run.optimizer, optimizer)
     run.step, run.tokens_seen, run.position = state["step"], state["tokens_seen"], state["position"]
+    if hasattr(run.objective, "steps_prepared"):  # an online objective generates again on its own schedule
+        run.objective.steps_prepared = run.step
     run.base_eval = state.get("base_eval", {})
     run.resumed_from = path
     ckpt.restore_rng_state(rng_states[run.accelerator.process_index])

@@ -19,13 +19,17 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
+from finetune.generation.sample import SampleSettings
 from finetune.recipe import Recipe
 from finetune.training.objectives.base import CollateOptions, Objective
 from finetune.training.objectives.dpo import DPO
+from finetune.training.objectives.grpo import GRPO, GRPOSettings
+from finetune.training.objectives.grpo_loss import LossSettings
 from finetune.training.objectives.kto import KTO
 from finetune.training.objectives.orpo import ORPO
 from finetune.training.objectives.sft import SFT
 from finetune.training.objectives.simpo import SimPO
+from finetune.training.rewards import load_reward_functions
 
 
 def collate_options(recipe: Recipe, tokenizer: Any) -> CollateOptions:
@@ -54,4 +58,26 @@ def objective_for(recipe: Recipe, tokenizer: Any) -> Objective:
         assert train.beta is not None and train.desirable_weight is not None and train.undesirable_weight is not None
         return KTO(options, beta=train.beta, desirable_weight=train.desirable_weight,
                    undesirable_weight=train.undesirable_weight)  # fmt: skip
+    if train.objective == "grpo":
+        return GRPO(options, grpo_settings(recipe), tokenizer, load_reward_functions(train.reward_functions or []),
+                    max_steps=train.max_steps or 0)  # fmt: skip
     return SFT(options)
+
+
+def grpo_settings(recipe: Recipe) -> GRPOSettings:
+    """GRPO's settings from the recipe's `train` section (defaults filled in by the recipe)."""
+    train = recipe.train
+    assert train.num_generations is not None and train.max_completion_length is not None
+    assert train.temperature is not None and train.top_p is not None and train.top_k is not None
+    assert train.loss_type is not None and train.epsilon is not None and train.epsilon_high is not None
+    assert train.num_iterations is not None and train.scale_rewards is not None and train.beta is not None
+    functions = train.reward_functions or []
+    return GRPOSettings(
+        num_generations=train.num_generations,
+        sample=SampleSettings(train.max_completion_length, train.temperature, train.top_p, train.top_k),
+        loss=LossSettings(train.loss_type, train.epsilon, train.epsilon_high, train.beta, train.max_completion_length),
+        num_iterations=train.num_iterations,
+        scale_rewards=train.scale_rewards,
+        mask_truncated_completions=bool(train.mask_truncated_completions),
+        reward_weights=tuple(train.reward_weights or [1.0] * len(functions)),
+    )

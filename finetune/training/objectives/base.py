@@ -106,8 +106,17 @@ def summarise(objective: Objective, sums: Mapping[str, float], counts: Mapping[s
 
 def describe_rewards(metrics: Mapping[str, float], prefix: str = "") -> str:
     """`, reward accuracy 93.8%, margin 1.204` for the metrics that are there (empty for SFT); `prefix`
-    `eval_` reads an evaluation's."""
+    `eval_` reads an evaluation's. An online objective's reward, and how its step's time split between
+    generation, the reward functions and the update (`step_s` less the two)."""
     parts = []
+    if f"{prefix}reward" in metrics:
+        parts.append(f"reward {metrics[prefix + 'reward']:.3f}")
+    if {"generate_s", "reward_s", "step_s"} <= metrics.keys():
+        generate, reward = metrics["generate_s"], metrics["reward_s"]
+        update = metrics["step_s"] - generate - reward
+        parts.append(
+            f"step {metrics['step_s']:.2f} s = generation {generate:.2f} + rewards {reward:.2f} + update {update:.2f}"
+        )
     if f"{prefix}reward_accuracy" in metrics:
         parts.append(f"reward accuracy {metrics[prefix + 'reward_accuracy']:.1%}")
     if f"{prefix}reward_margin" in metrics:

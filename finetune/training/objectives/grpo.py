@@ -1,0 +1,270 @@
+"""GRPO (Shao et al. 2024, as trl 1.16's GRPOTrainer defines it): generate, score, push toward the better.
+
+Per optimizer step, in `prepare` (no gradient):
+1. every prompt of the step's micro-batches is repeated `num_generations` (G) times and all of them are
+   sampled in one batch with a KV cache from the LoRA model as it is now, in eval mode (no dropout), without
+   a copy of the weights (`finetune.generation.sample`);
+2. the reward functions score each completion (`finetune.training.rewards`); the reward is their weighted
+   sum (NaN where every function returned None);
+3. advantages: A_i = (R_i − mean of its group) / (std + 1e-4), std over the group (`scale_rewards: group`),
+   over the whole step on every process (`batch`), or no division (`none`); NaN becomes 0;
+4. prompt + completion become sequences scored padding-free (`logprobs.collate_sequences`), their tokens up
+   to and including the first stop token; π_old (when each generation is trained `num_iterations` > 1
+   times) and π_ref (β > 0: the adapter disabled) are scored here.
+
+`terms` then scores the completions with gradient at the sampling temperature and returns the clipped
+policy-gradient loss (`grpo_loss`). With `num_iterations` μ > 1, one generation serves μ optimizer steps
+(the run holds its data position meanwhile, as trl repeats each batch μ times).
+
+Evaluation (`reduce=False`) samples the held-out prompts the same way and reports their rewards.
+
+Example:
+    objective = GRPO(options, settings, tokenizer, load_reward_functions(["reward.py:score"]))
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from finetune.data.labels import IGNORE_INDEX
+from finetune.generation.sample import SampleSettings, sample_completions
+from finetune.training.objectives.base import CollateOptions, Models, Terms
+from finetune.training.objectives.grpo_loss import LossScale, LossSettings, loss_sum, per_token_loss
+from finetune.training.objectives.logprobs import collate_sequences, logits_at
+from finetune.training.rewards import RewardFunction, TrainerState, score
+
+SEQUENCE_PREFIX = "seq/"
+
+
+@dataclass(frozen=True)
+class GRPOSettings:
+    num_generations: int
+    sample: SampleSettings
+    loss: LossSettings
+    num_iterations: int
+    scale_rewards: str
+    mask_truncated_completions: bool
+    reward_weights: tuple[float, ...]
+
+
+def nanstd(values: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """The sample standard deviation (n − 1) over the non-NaN values, as trl's `nanstd`."""
+    if dim is None:
+        values, dim = values.reshape(-1), 0
+    mean = torch.nanmean(values, dim=dim, keepdim=True)
+    count = (~torch.isnan(values)).sum(dim=dim)
+    variance = torch.nansum((values - mean) ** 2, dim=dim) / (count - 1).clamp(min=1)
+    return variance.sqrt()
+
+
+def advantages_of(rewards: torch.Tensor, group_size: int, scale: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(n,) advantages and (n,) the std each was scaled by, from (n,) rewards in groups of `group_size`."""
+    groups = rewards.view(-1, group_size)
+    mean = torch.nanmean(groups, dim=1).repeat_interleave(group_size)
+    if scale == "batch":
+        std = nanstd(rewards).expand_as(rewards)
+    else:
+        std = nanstd(groups, dim=1).repeat_interleave(group_size)
+    advantages = rewards - mean
+    if scale != "none":
+        advantages = advantages / (std + 1e-4)
+    return torch.nan_to_num(advantages, nan=0.0), std
+
+
+class GRPO:
+    name: str = "grpo"
+    loss_units: tuple[str, ...] = ("completions",)
+    count_units: tuple[str, ...] = ("completions",)
+
+    def __init__(
+        self,
+        options: CollateOptions,
+        settings: GRPOSettings,
+        tokenizer: Any,
+        reward_functions: list[RewardFunction],
+        max_steps: int = 0,
+    ):
+        self.options, self.settings, self.tokenizer = options, settings, tokenizer
+        self.reward_functions = reward_functions
+        self.max_steps = max_steps
+        self.stop_ids = frozenset(_stop_ids(tokenizer))
+        self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        names = ["reward", "reward_std", "frac_reward_zero_std", "completion_length", "truncated_share",
+                 "clip_ratio", "entropy", "nll", "generate_s", "reward_s"]  # fmt: skip
+        names += [f"rewards/{function.name}" for function in reward_functions]
+        if settings.loss.beta:
+            names.append("kl")
+        self.metric_units: Mapping[str, str] = dict.fromkeys(names, "completions")
+        self.steps_prepared = 0
+        """Training steps prepared so far: a generation every `num_iterations` of them."""
+        self._generated: list[dict] | None = None
+
+    # ---- rows ---------------------------------------------------------------------------------------
+    def collate(self, rows: list[dict[str, Any]]) -> dict[str, Any]:
+        """The prompts of a micro-batch, kept as rows: the completions are not known before `prepare`."""
+        return {"rows": [{"input_ids": list(row["input_ids"]), "columns": row["columns"]} for row in rows]}
+
+    def counts(self, batch: dict[str, Any]) -> dict[str, int]:
+        return {"completions": len(batch["rows"]) * self.settings.num_generations}
+
+    # ---- generation and scoring (no gradient) -------------------------------------------------------
+    def prepare(self, models: Models, batches: list[dict[str, Any]], *, reduce: bool) -> list[dict]:
+        if not reduce:
+            return self._generate(models, batches, reduce=False)
+        if self._generated is None or self.steps_prepared % self.settings.num_iterations == 0:
+            self._generated = self._generate(models, batches, reduce=True)
+            states = self._generated
+        else:  # the same completions again: nothing generated or scored this step
+            states = [{**state, "timing": torch.zeros_like(state["timing"])} for state in self._generated]
+        self.steps_prepared += 1
+        return states
+
+    def _generate(self, models: Models, batches: list[dict[str, Any]], *, reduce: bool) -> list[dict]:
+        settings, group = self.settings, self.settings.num_generations
+        rows = [row for batch in batches for row in batch["rows"]]
+        prompts = [row["input_ids"] for row in rows for _ in range(group)]
+        started = time.perf_counter()
+        stops = self.stop_ids | _configured_stops(models.peft)
+        completions = sample_completions(models.peft, prompts, settings.sample, stop_ids=stops,
+                                         pad_token_id=self.pad_token_id)  # fmt: skip
+        generated = time.perf_counter()
+        scores = self._score(rows, completions)  # (n, F) on the host
+        scored = time.perf_counter()
+        device = models.accelerator.device
+        weights = torch.tensor(settings.reward_weights, dtype=torch.float32)
+        rewards = (scores * weights).nansum(dim=1)
+        rewards[torch.isnan(scores).all(dim=1)] = torch.nan
+        all_rewards = rewards.to(device)
+        if reduce and models.accelerator.num_processes > 1:
+            all_rewards = models.accelerator.gather(all_rewards)
+        advantages, std = advantages_of(all_rewards, group, settings.scale_rewards)
+        if reduce and models.accelerator.num_processes > 1:
+            first = models.accelerator.process_index * len(rewards)
+            advantages, std = advantages[first : first + len(rewards)], std[first : first + len(rewards)]
+        truncated = [not completion or completion[-1] not in stops for completion in completions]
+        states, start = [], 0
+        for batch in batches:
+            count = len(batch["rows"]) * group
+            part = slice(start, start + count)
+            states.append(self._sequences(prompts[part], completions[part], truncated[part], device))
+            states[-1].update(advantages=advantages[part], rewards=rewards[part].to(device),
+                              scores=scores[part].to(device), std=std[part])  # fmt: skip
+            start += count
+        self._score_policies(models, states)
+        tokens = torch.stack([state["mask"].sum() for state in states]).sum().double()
+        totals = torch.stack([tokens, torch.tensor(float(len(completions)), dtype=torch.float64, device=device)])
+        if reduce:
+            totals = models.accelerator.reduce(totals, reduction="sum")
+        timing = torch.tensor([generated - started, scored - generated], dtype=torch.float64, device=device)
+        for state in states:
+            state.update(step_tokens=totals[0], step_completions=totals[1], timing=timing)
+        return states
+
+    def _score(self, rows: list[dict[str, Any]], completions: list[list[int]]) -> torch.Tensor:
+        group = self.settings.num_generations
+        records = [json.loads(row["columns"]) for row in rows]
+        texts = self.tokenizer.batch_decode(completions, skip_special_tokens=True)
+        prompts = [record["prompt"] for record in records for _ in range(group)]
+        chat = isinstance(prompts[0], list)
+        shown = [[{"role": "assistant", "content": text}] for text in texts] if chat else texts
+        keys = [key for key in records[0] if key not in ("prompt", "completion", "completion_ids")]
+        columns = {key: [record.get(key) for record in records for _ in range(group)] for key in keys}
+        where = [f"prompt {_preview(record['prompt'])}" for record in records for _ in range(group)]
+        state = TrainerState(self.steps_prepared, self.max_steps, 0.0)
+        return score(self.reward_functions, prompts, shown, completions, columns, state, where)
+
+    def _sequences(self, prompts, completions, truncated, device) -> dict[str, Any]:
+        """Prompt + completion sequences laid out padding-free, the loss mask per completion token."""
+        sequences = [
+            {"input_ids": prompt + completion, "labels": [IGNORE_INDEX] * len(prompt) + completion}
+            for prompt, completion in zip(prompts, completions)
+        ]
+        batch = collate_sequences(sequences, self.options.pad_token_id, packing=True, layout=self.options.layout)
+        keep = torch.tensor([0.0 if cut and self.settings.mask_truncated_completions else 1.0 for cut in truncated])
+        batch = {f"{SEQUENCE_PREFIX}{key}": value.to(device) for key, value in batch.items()}
+        owner = batch[f"{SEQUENCE_PREFIX}target_sequence"]
+        lengths = torch.tensor([float(len(completion)) for completion in completions], device=device)
+        return {**batch, "mask": keep.to(device)[owner], "lengths": lengths,
+                "truncated": torch.tensor(truncated, dtype=torch.float32, device=device)}  # fmt: skip
+
+    def _score_policies(self, models: Models, states: list[dict]) -> None:
+        """π_old (μ > 1) and π_ref (β > 0) per completion token, without gradient."""
+        with torch.no_grad():
+            for state in states:
+                if self.settings.num_iterations > 1:
+                    state["old_logps"] = self.token_logps(models.peft, state)[0]
+                if self.settings.loss.beta:
+                    with models.peft.disable_adapter():
+                        state["ref_logps"] = self.token_logps(models.peft, state)[0]
+
+    # ---- the loss -----------------------------------------------------------------------------------
+    def token_logps(self, model: Any, state: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """(N,) log π of each completion token at the sampling temperature, and (N,) the entropy there."""
+        batch = {
+            key.removeprefix(SEQUENCE_PREFIX): value for key, value in state.items() if key.startswith(SEQUENCE_PREFIX)
+        }
+        logits = logits_at(model, batch).float() / self.settings.sample.temperature  # (N, V)
+        log_probabilities = torch.log_softmax(logits, dim=-1)
+        logps = log_probabilities.gather(1, batch["target_ids"][:, None]).squeeze(1)
+        entropy = -(log_probabilities.detach().exp() * log_probabilities.detach()).sum(-1)
+        return logps, entropy
+
+    def terms(self, models: Models, batch: dict[str, Any], prepared: dict) -> Terms:
+        state, settings = prepared, self.settings.loss
+        owner = state[f"{SEQUENCE_PREFIX}target_sequence"]
+        completions = len(state["lengths"])
+        logps, entropy = self.token_logps(models.step, state)
+        old = state.get("old_logps", logps.detach())
+        token_loss, parts = per_token_loss(logps, old, state.get("ref_logps"), state["advantages"][owner], settings)
+        scale = LossScale(completions, state["step_completions"], state["step_tokens"])
+        loss = loss_sum(token_loss, state["mask"], owner, settings, scale)
+        return Terms({"completions": loss}, self._metrics(state, entropy, logps.detach(), parts, scale))
+
+    def _metrics(self, state, entropy, logps, parts, scale: LossScale) -> dict[str, torch.Tensor]:
+        """Each metric as a sum whose division by the step's completions gives its mean (token means are
+        weighted by completions / tokens of the step)."""
+        mask, owner = state["mask"], state[f"{SEQUENCE_PREFIX}target_sequence"]
+        per_token = scale.step_completions / scale.step_tokens.clamp(min=1.0)
+        tokens = torch.zeros(scale.completions, device=logps.device).index_add(0, owner, torch.ones_like(logps))
+        nll = torch.zeros(scale.completions, device=logps.device).index_add(0, owner, -logps) / tokens.clamp(min=1)
+        count = scale.completions * scale.step_completions.new_ones(())
+        metrics = {
+            "reward": torch.nansum(state["rewards"]),
+            "reward_std": nanstd(state["rewards"]) * count if scale.completions > 1 else count * 0,
+            "frac_reward_zero_std": torch.isclose(state["std"], torch.zeros_like(state["std"])).sum(),
+            "completion_length": state["lengths"].sum(),
+            "truncated_share": state["truncated"].sum(),
+            "clip_ratio": (parts["clipped"] * mask).sum() * per_token,
+            "entropy": (entropy * mask).sum() * per_token,
+            "nll": nll.sum(),
+            "generate_s": state["timing"][0] * count / scale.step_completions,
+            "reward_s": state["timing"][1] * count / scale.step_completions,
+        }
+        for index, function in enumerate(self.reward_functions):
+            metrics[f"rewards/{function.name}"] = torch.nansum(state["scores"][:, index])
+        if "kl" in parts:
+            metrics["kl"] = (parts["kl"] * mask).sum() * per_token
+        return metrics
+
+
+def _stop_ids(tokenizer: Any) -> set[int]:
+    """The tokenizer's EOS."""
+    return {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+
+
+def _configured_stops(model: Any) -> frozenset[int]:
+    """The EOS ids of the model's generation config (e.g. a chat model's end of turn), as trl also stops at."""
+    configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids = configured if isinstance(configured, list) else [configured]
+    return frozenset(i for i in ids if i is not None)
+
+
+def _preview(prompt: Any) -> str:
+    text = json.dumps(prompt, ensure_ascii=False)
+    return text if len(text) <= 60 else text[:57] + "..."

@@ -1,0 +1,248 @@
+"""Reward functions for GRPO: loaded from the recipe's `FILE:FUNCTION` entries or built in, called as trl calls
+them, and checked so that a broken one stops the run with one line naming it and the record.
+
+A reward function written for trl's GRPOTrainer works unchanged: it is called with keyword arguments
+`prompts`, `completions` (strings, or `[{"role": "assistant", "content": ...}]` for chat prompts),
+`completion_ids`, every other column of the records (one list entry per completion), `trainer_state`
+(`global_step`, `max_steps`, `epoch`), `log_extra` and `log_metric`, and returns one float (or None: no
+reward from this function) per completion. The code is imported from the file the recipe names (relative
+to the working directory), never fetched.
+
+Built-ins, for what everyone writes (arguments in parentheses, as Python literals or bare words):
+- `exact_match(column=answer)`: 1.0 when the completion, stripped, equals the column's value, else 0.0;
+- `number_match(column=answer)`: 1.0 when the completion's last number equals the last number of the column's
+  value (GSM8K's `#### 72`), else 0.0;
+- `regex(pattern="^<think>.*</think>")`: 1.0 when the pattern matches the completion (re.search, DOTALL);
+- `length(target=64)`: −|characters − target| / target, highest (0) at the target length.
+
+Example:
+    rewards = load_reward_functions(["rewards.py:correct", "length(target=64)"])
+    scores = score(rewards, prompts, completions, completion_ids, columns, state)   # (n, functions)
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import inspect
+import math
+import numbers
+import re
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from finetune.errors import FinetuneError
+
+
+class RewardError(FinetuneError):
+    """A reward function could not be loaded, raised, or returned something other than one number per
+    completion."""
+
+
+@dataclass(frozen=True)
+class RewardFunction:
+    name: str
+    """As the recipe wrote it: `rewards.py:correct` or `length(target=64)`; metrics are named after it."""
+    function: Callable[..., Any]
+
+
+@dataclass(frozen=True)
+class TrainerState:
+    """The part of trl's `TrainerState` reward functions read to shape rewards by progress."""
+
+    global_step: int
+    max_steps: int
+    epoch: float
+
+
+def load_reward_functions(entries: Sequence[str]) -> list[RewardFunction]:
+    """The recipe's `train.reward_functions`, each loaded once (RewardError naming the entry otherwise)."""
+    return [RewardFunction(entry, _load(entry)) for entry in entries]
+
+
+def _load(entry: str) -> Callable[..., Any]:
+    builtin = re.fullmatch(r"(\w+)(?:\((.*)\))?", entry.strip(), flags=re.DOTALL)
+    if builtin is not None and builtin.group(1) in BUILTINS:
+        return BUILTINS[builtin.group(1)](**_arguments(entry, builtin.group(2) or ""))
+    path_text, sep, function_name = entry.rpartition(":")
+    if not sep or not path_text.endswith(".py"):
+        raise RewardError(
+            f"train.reward_functions: {entry!r} is neither `path/to/file.py:function` nor a built-in "
+            f"({', '.join(sorted(BUILTINS))})"
+        )
+    path = Path(path_text)
+    if not path.is_file():
+        raise RewardError(f"train.reward_functions: {entry!r}: no file {path} (paths are relative to {Path.cwd()})")
+    module_name = f"finetune_reward_{abs(hash(str(path.resolve())))}"
+    spec = importlib.util.spec_from_file_location(module_name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module  # dataclasses and pickling inside the file find their module
+    try:
+        spec.loader.exec_module(module)
+    except Exception as exc:
+        raise RewardError(f"train.reward_functions: importing {path} raised {type(exc).__name__}: {exc}") from None
+    function = getattr(module, function_name, None)
+    if not callable(function):
+        defined = [name for name, value in vars(module).items() if inspect.isfunction(value)]
+        raise RewardError(
+            f"train.reward_functions: {path} defines no function {function_name!r} (functions: "
+            f"{', '.join(defined) or 'none'})"
+        )
+    return function
+
+
+def _arguments(entry: str, text: str) -> dict[str, Any]:
+    arguments: dict[str, Any] = {}
+    for part in filter(None, (piece.strip() for piece in _split_arguments(text))):
+        key, sep, value = part.partition("=")
+        if not sep:
+            raise RewardError(f"train.reward_functions: {entry!r}: write arguments as key=value, got {part!r}")
+        try:
+            arguments[key.strip()] = ast.literal_eval(value.strip())
+        except (ValueError, SyntaxError):
+            arguments[key.strip()] = value.strip()  # a bare word: exact_match(column=answer)
+    return arguments
+
+
+def _split_arguments(text: str) -> list[str]:
+    """Split at commas outside quotes (a regex may hold commas)."""
+    parts, current, quote = [], "", ""
+    for char in text:
+        if quote:
+            quote = "" if char == quote else quote
+        elif char in "\"'":
+            quote = char
+        elif char == ",":
+            parts.append(current)
+            current = ""
+            continue
+        current += char
+    return [*parts, current]
+
+
+def _text(completion: Any) -> str:
+    """A completion's text: itself, or the content of its assistant message (chat prompts)."""
+    if isinstance(completion, list):
+        return "".join(str(message.get("content") or "") for message in completion)
+    return str(completion)
+
+
+def exact_match(column: str = "answer") -> Callable[..., list[float]]:
+    def reward(completions: list[Any], **columns: Any) -> list[float]:
+        if column not in columns:
+            raise KeyError(f"exact_match: the records have no column {column!r}")
+        return [float(_text(c).strip() == str(v).strip()) for c, v in zip(completions, columns[column])]
+
+    return reward
+
+
+_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
+
+
+def _last_number(text: str) -> float | None:
+    found = _NUMBER.findall(text)
+    return float(found[-1].replace(",", "")) if found else None
+
+
+def number_match(column: str = "answer") -> Callable[..., list[float]]:
+    def reward(completions: list[Any], **columns: Any) -> list[float]:
+        if column not in columns:
+            raise KeyError(f"number_match: the records have no column {column!r}")
+        answers = [_last_number(str(value)) for value in columns[column]]
+        return [
+            float(answer is not None and _last_number(_text(c)) == answer) for c, answer in zip(completions, answers)
+        ]
+
+    return reward
+
+
+def regex(pattern: str) -> Callable[..., list[float]]:
+    compiled = re.compile(pattern, flags=re.DOTALL)
+
+    def reward(completions: list[Any], **_: Any) -> list[float]:
+        return [float(compiled.search(_text(c)) is not None) for c in completions]
+
+    return reward
+
+
+def length(target: int = 64) -> Callable[..., list[float]]:
+    def reward(completions: list[Any], **_: Any) -> list[float]:
+        return [-abs(len(_text(c)) - target) / target for c in completions]
+
+    return reward
+
+
+BUILTINS: dict[str, Callable[..., Callable[..., list[float]]]] = {
+    "exact_match": exact_match,
+    "number_match": number_match,
+    "regex": regex,
+    "length": length,
+}
+
+
+def score(
+    functions: Sequence[RewardFunction],
+    prompts: list[Any],
+    completions: list[Any],
+    completion_ids: list[list[int]],
+    columns: dict[str, list[Any]],
+    state: TrainerState,
+    records: Sequence[str],
+) -> torch.Tensor:
+    """(n, functions) float32 rewards, NaN where a function returned None. `records` says where each
+    completion's prompt came from, for errors.
+
+    Raises:
+        RewardError: a function raised, returned a number of values other than n, or a value that is not a
+            number (or None).
+    """
+    scores = torch.empty(len(completions), len(functions), dtype=torch.float32)
+    for index, reward in enumerate(functions):
+        try:
+            values = reward.function(
+                prompts=prompts,
+                completions=completions,
+                completion_ids=completion_ids,
+                trainer_state=state,
+                log_extra=_ignore,
+                log_metric=_ignore,
+                **columns,
+            )
+        except Exception as exc:  # the user's code: any failure is theirs to fix, named as such
+            raise RewardError(
+                f"reward function {reward.name} raised {type(exc).__name__}: {exc} (on a batch of prompts starting "
+                f"at {records[0]}); fix the function"
+            ) from None
+        values = list(values) if isinstance(values, (list, tuple, torch.Tensor)) else values
+        if not isinstance(values, list) or len(values) != len(completions):
+            got = f"{len(values)} values" if isinstance(values, list) else f"a {type(values).__name__}"
+            raise RewardError(
+                f"reward function {reward.name} returned {got} for {len(completions)} completions (prompts from "
+                f"{records[0]}); return a list with one float (or None) per completion"
+            )
+        for row, value in enumerate(values):
+            scores[row, index] = _number(reward.name, value, records[row])
+    return scores
+
+
+def _number(name: str, value: Any, record: str) -> float:
+    if value is None:
+        return math.nan
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        value = value.item()
+    if not isinstance(value, numbers.Real) or math.isinf(float(value)):
+        raise RewardError(
+            f"reward function {name} returned {value!r} for a completion of {record}; return a finite float "
+            "(or None) per completion"
+        )
+    return float(value)
+
+
+def _ignore(*args: Any, **kwargs: Any) -> None:
+    """trl's `log_extra` / `log_metric` hooks, accepted and not recorded."""

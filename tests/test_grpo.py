@@ -1,0 +1,361 @@
+"""GRPO: settings, reward functions as trl calls them, batched sampling, advantages, the loss against trl's
+GRPOTrainer, and a short run through the CLI (a reward function that fails stops it with one line).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import REPO, greedy_ids
+
+from finetune.errors import RecipeError
+from finetune.generation.sample import SampleSettings, sample_completions
+from finetune.recipe import load_recipe
+from finetune.training.objectives.grpo import advantages_of, nanstd
+from finetune.training.objectives.grpo_loss import LossScale, LossSettings, loss_sum, per_token_loss
+from finetune.training.rewards import RewardError, TrainerState, load_reward_functions, score
+
+GRPO_OVERRIDES = ["train.objective=grpo", "data.format=prompt"]
+
+
+def _recipe_file(tmp_path: Path, base_dir: Path) -> Path:
+    path = tmp_path / "recipe.yaml"
+    path.write_text(
+        f"model:\n  base: {base_dir}\ndata:\n  train: prompts.jsonl\n  format: prompt\noutput:\n  name: grpo-test\n"
+    )
+    return path
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ([], "grpo needs train.reward_functions"),
+        (["train.reward_functions=[a.py:f]", "train.reward_weights=[1.0,2.0]"], "2 values for 1 reward functions"),
+        (["train.reward_functions=[a.py:f]", "train.num_generations=1"], "num_generations"),
+        (["train.objective=sft"], "data.format prompt needs objective grpo"),
+        (["train.objective=dpo", "data.format=preference", "train.num_generations=4"], "num_generations applies to"),
+    ],
+    ids=["no-rewards", "weights", "one-generation", "prompt-with-sft", "setting-of-another-objective"],
+)
+def test_recipe_refuses(tmp_path, tiny_base_dir, overrides, message):
+    with pytest.raises(RecipeError, match=message):
+        load_recipe(_recipe_file(tmp_path, tiny_base_dir), [*GRPO_OVERRIDES, *overrides])
+
+
+def test_recipe_defaults_are_trls(tmp_path, tiny_base_dir):
+    train = load_recipe(_recipe_file(tmp_path, tiny_base_dir), [*GRPO_OVERRIDES, "train.reward_functions=[a.py:f]",
+                                                               "train.scale_rewards=false"]).train  # fmt: skip
+    assert (train.loss_type, train.beta, train.epsilon, train.epsilon_high) == ("dapo", 0.0, 0.2, 0.2)
+    assert (train.num_generations, train.num_iterations, train.scale_rewards) == (8, 1, "none")
+
+
+def _write_rewards(tmp_path: Path) -> Path:
+    path = tmp_path / "rewards.py"
+    path.write_text(
+        "def good(prompts, completions, answer, **kwargs):\n"
+        "    return [float(c == a) for c, a in zip(completions, answer)]\n"
+        "def raises(prompts, completions, **kwargs):\n    raise ValueError('no answer column')\n"
+        "def short(prompts, completions, **kwargs):\n    return [1.0]\n"
+        "def words(prompts, completions, **kwargs):\n    return ['high' for _ in completions]\n"
+        "def maybe(prompts, completions, **kwargs):\n    return [None for _ in completions]\n"
+    )
+    return path
+
+
+def _score(entries: list[str]) -> torch.Tensor:
+    functions = load_reward_functions(entries)
+    completions = ["4", "5"]
+    columns = {"answer": ["4", "4"]}
+    return score(functions, ["2+2=", "2+2="], completions, [[1], [2]], columns, TrainerState(0, 1, 0.0),
+                 ["record 1", "record 1"])  # fmt: skip
+
+
+def test_reward_functions_called_as_trl_calls_them(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    _write_rewards(tmp_path)
+    scores = _score(["rewards.py:good", "exact_match(column=answer)", "regex(pattern='^4$')", "length(target=2)",
+                     "rewards.py:maybe"])  # fmt: skip
+    expected = torch.tensor([[1.0, 1.0, 1.0, -0.5, float("nan")], [0.0, 0.0, 0.0, -0.5, float("nan")]])
+    torch.testing.assert_close(scores, expected, equal_nan=True)
+
+
+@pytest.mark.parametrize(
+    ("entry", "message"),
+    [
+        ("rewards.py:raises", r"reward function rewards.py:raises raised ValueError: no answer column \(on a batch"),
+        ("rewards.py:short", "returned 1 values for 2 completions"),
+        ("rewards.py:words", "returned 'high' for a completion of record 1"),
+        ("rewards.py:missing", "defines no function 'missing'"),
+        ("nofile.py:f", "no file nofile.py"),
+        ("bogus", "neither `path/to/file.py:function` nor a built-in"),
+    ],
+    ids=["raises", "count", "not-a-number", "no-function", "no-file", "unknown"],
+)
+def test_reward_function_errors_name_it(tmp_path, monkeypatch, entry, message):
+    monkeypatch.chdir(tmp_path)
+    _write_rewards(tmp_path)
+    with pytest.raises(RewardError, match=message):
+        _score([entry])
+
+
+def test_advantages_as_trl_computes_them():
+    rewards = torch.tensor([1.0, 0.0, 0.0, 0.0, 2.0, 2.0, float("nan"), 2.0])
+    advantages, std = advantages_of(rewards, 4, "group")
+    first = torch.tensor([0.75, -0.25, -0.25, -0.25]) / (0.5 + 1e-4)
+    torch.testing.assert_close(advantages[:4], first)
+    torch.testing.assert_close(advantages[4:], torch.zeros(4))  # equal rewards; NaN -> 0
+    assert std[0] == pytest.approx(0.5) and std[4] == 0.0
+    batch, _ = advantages_of(rewards[:4], 4, "none")
+    torch.testing.assert_close(batch, torch.tensor([0.75, -0.25, -0.25, -0.25]))
+    assert float(nanstd(rewards)) == pytest.approx(float(rewards[~rewards.isnan()].std()))
+
+
+def test_greedy_sampling_equals_decoding_each_prompt_alone(tiny_base_dir, tiny_tokenizer):
+    """All prompts in one left-padded batch with a KV cache, rows leaving as they stop: each row's tokens are
+    those of a full forward per token on that prompt alone."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_base_dir)
+    prompts = [tiny_tokenizer(text)["input_ids"] for text in ["def add(a, b):", "for i in", "x"]]
+    eos = tiny_tokenizer.eos_token_id
+    model.train()
+    got = sample_completions(model, prompts, SampleSettings(12, temperature=0.0), stop_ids={eos}, pad_token_id=0)
+    assert model.training, "the model's mode is restored"
+    model.eval()
+    assert got == [greedy_ids(model, prompt, 12, eos) for prompt in prompts]
+
+
+def _trl_loss(loss_type: str, beta: float, iterations: int) -> tuple[float, float]:
+    """trl's token-level formulas written out on padded (B, T) tensors (GRPOTrainer._compute_loss)."""
+    torch.manual_seed(0)
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0], [1, 1, 1, 1]], dtype=torch.float32)
+    logps = torch.randn(3, 4) * 0.5 - 1
+    old = logps + (torch.randn(3, 4) * 0.3 if iterations > 1 else 0)
+    ref = logps + torch.randn(3, 4) * 0.2
+    advantages = torch.tensor([1.0, -0.5, 0.25])
+    coef = torch.exp(logps - old)
+    loss = -torch.min(coef * advantages[:, None], coef.clamp(0.8, 1.28) * advantages[:, None])
+    if beta:
+        loss = loss + beta * (torch.exp(ref - logps) - (ref - logps) - 1) * coef  # use_bias_correction_kl
+    if loss_type == "grpo":
+        expected = ((loss * mask).sum(-1) / mask.sum(-1)).mean()
+    elif loss_type == "bnpo":
+        expected = (loss * mask).sum() / mask.sum()
+    elif loss_type == "dr_grpo":
+        expected = (loss * mask).sum() / (3 * 6)
+    else:
+        expected = (loss * mask).sum() / mask.sum()
+    flat = mask.bool()
+    owner = torch.arange(3)[:, None].expand(3, 4)[flat]
+    settings = LossSettings(loss_type, 0.2, 0.28, beta, 6)
+    tokens, _ = per_token_loss(logps[flat], old[flat], ref[flat], advantages[owner], settings)
+    scale = LossScale(3, torch.tensor(3.0), mask.sum())
+    ours = loss_sum(tokens, torch.ones_like(tokens), owner, settings, scale) / 3
+    return float(ours), float(expected)
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo"])
+@pytest.mark.parametrize(("beta", "iterations"), [(0.0, 1), (0.04, 1), (0.0, 2), (0.04, 3)])
+def test_loss_averages_as_trl_defines_them(loss_type, beta, iterations):
+    ours, expected = _trl_loss(loss_type, beta, iterations)
+    assert ours == pytest.approx(expected, rel=1e-6)
+
+
+def _write_grpo_run(tmp_path: Path, base_dir: Path, reward: str) -> Path:
+    prompts = [{"prompt": f"def f{i}(a, b):", "answer": str(i)} for i in range(8)]
+    (tmp_path / "prompts.jsonl").write_text("".join(json.dumps(p) + "\n" for p in prompts))
+    _write_rewards(tmp_path)
+    (tmp_path / "lengths.py").write_text(
+        "def short(prompts, completions, answer, **kwargs):\n"
+        "    assert len(answer) == len(completions)\n"
+        "    return [-len(c) / 40 for c in completions]\n"
+    )
+    recipe = tmp_path / "grpo.yaml"
+    recipe.write_text(
+        f"""
+model:
+  base: {base_dir}
+lora:
+  r: 4
+  alpha: 8
+data:
+  train: prompts.jsonl
+  validation: prompts.jsonl
+  format: prompt
+  max_seq_len: 64
+train:
+  objective: grpo
+  reward_functions: [{reward}]
+  num_generations: 4
+  max_completion_length: 12
+  max_steps: 3
+  micro_batch_size: 2
+  lr: 0.01
+  log_every_steps: 1
+  eval_max_batches: 1
+output:
+  name: grpo-run
+"""
+    )
+    return recipe
+
+
+def _cli(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+    env = {"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
+    import os
+
+    env.update({k: v for k, v in os.environ.items() if k.startswith(("HF_", "FINETUNE_", "TRANSFORMERS_"))})
+    return subprocess.run([sys.executable, "-m", "finetune", *args], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=300)  # fmt: skip
+
+
+@pytest.mark.slow
+def test_a_run_through_the_cli_reports_rewards_and_a_failing_reward_stops_it(tmp_path, tiny_base_dir):
+    recipe = _write_grpo_run(tmp_path, tiny_base_dir, "lengths.py:short")
+    done = _cli(tmp_path, "train", str(recipe))
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = [json.loads(line) for line in (tmp_path / "runs" / "grpo-run" / "metrics.jsonl").read_text().splitlines()]
+    steps = [line for line in lines if "reward" in line]
+    assert len(steps) >= 3 and all(-1.0 <= line["reward"] <= 0.0 for line in steps)
+    assert {"generate_s", "reward_s", "completion_length", "clip_ratio", "entropy"} <= steps[0].keys()
+    assert (tmp_path / "adapters" / "grpo-run" / "adapter_model.safetensors").exists()
+
+    failing = _write_grpo_run(tmp_path, tiny_base_dir, "rewards.py:raises")
+    (tmp_path / "grpo-fail.yaml").write_text(failing.read_text().replace("name: grpo-run", "name: grpo-fail"))
+    broken = _cli(tmp_path, "train", "grpo-fail.yaml")
+    assert broken.returncode == 2, broken.stderr[-2000:]
+    last = broken.stderr.strip().splitlines()[-1]
+    assert "reward function rewards.py:raises raised ValueError: no answer column" in last
+    assert not (tmp_path / "adapters" / "grpo-fail").exists()
+
+
+def _lora_model(base_dir: Path):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(base_dir),
+        LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0),
+    )
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "lora_" in name:
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.2)
+    return model
+
+
+def _lora_grads(model) -> dict[str, torch.Tensor]:
+    return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize(
+    ("loss_type", "beta", "iterations"),
+    [("dapo", 0.0, 1), ("grpo", 0.0, 1), ("grpo", 0.04, 1), ("bnpo", 0.0, 2), ("dr_grpo", 0.04, 3), ("dapo", 0.04, 2)],
+)
+def test_loss_and_gradients_equal_trls(tmp_path, tiny_base_dir, tiny_tokenizer, loss_type, beta, iterations):
+    """The same prompts, completions, advantages, π_old and π_ref through trl 1.16's GRPOTrainer._compute_loss
+    and through ours: loss and LoRA gradients within 1e-5 (clipping active: π_old differs from π)."""
+    trl = pytest.importorskip("trl")
+    from datasets import Dataset
+
+    from finetune.training.objectives.base import CollateOptions, Models
+    from finetune.training.objectives.grpo import GRPO, GRPOSettings
+
+    eos, pad = tiny_tokenizer.eos_token_id, tiny_tokenizer.pad_token_id
+    prompts = [tiny_tokenizer(text)["input_ids"][:5] for text in ["def add(a, b):", "for item in range(3):"]]
+    assert all(len(p) == 5 for p in prompts), "equal prompt lengths: trl passes no position ids"
+    completions = [[40, 41, 42, eos], [43, 44], [45, 46, 47, 48, 49, 50], [51, eos]]
+    prompt_of = [0, 0, 1, 1]
+    advantages = torch.tensor([0.9, -0.9, 0.5, -0.5])
+    width = max(len(c) for c in completions)
+    mask = torch.tensor([[1] * len(c) + [0] * (width - len(c)) for c in completions])
+    generator = torch.Generator().manual_seed(1)
+    old = torch.randn(4, width, generator=generator) * 0.3 - 4.0
+    ref = torch.randn(4, width, generator=generator) * 0.3 - 4.0
+
+    theirs = _lora_model(tiny_base_dir)
+    args = trl.GRPOConfig(
+        output_dir=str(tmp_path / "trl"), per_device_train_batch_size=4, num_generations=2,
+        max_completion_length=8, loss_type=loss_type, beta=beta, num_iterations=iterations, epsilon_high=0.28,
+        temperature=0.7, report_to=[], use_cpu=True, bf16=False, logging_steps=1,
+    )  # fmt: skip
+    trainer = trl.GRPOTrainer(
+        model=theirs, reward_funcs=[lambda completions, **kw: [0.0] * len(completions)], args=args,
+        train_dataset=Dataset.from_list([{"prompt": "x"}] * 4), processing_class=tiny_tokenizer,
+    )  # fmt: skip
+    inputs = {
+        "prompt_ids": torch.tensor([prompts[i] for i in prompt_of]),
+        "prompt_mask": torch.ones(4, 5, dtype=torch.long),
+        "completion_ids": torch.tensor([c + [pad] * (width - len(c)) for c in completions]),
+        "completion_mask": mask,
+        "advantages": advantages,
+        "num_items_in_batch": mask.sum(),
+    }
+    if iterations > 1:
+        inputs["old_per_token_logps"] = old
+    if beta:
+        inputs["ref_per_token_logps"] = ref
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = 1  # set by the Trainer's loop, which this call skips
+    expected = trainer._compute_loss(trainer.model, inputs)
+    expected.backward()
+
+    ours = _lora_model(tiny_base_dir)
+    ours.train()
+    settings = GRPOSettings(2, SampleSettings(8, temperature=0.7), LossSettings(loss_type, 0.2, 0.28, beta, 8),
+                            iterations, "group", False, (1.0,))  # fmt: skip
+    objective = GRPO(CollateOptions(pad, packing=True), settings, tiny_tokenizer, [])
+    state = objective._sequences([prompts[i] for i in prompt_of], completions, [False] * 4, torch.device("cpu"))
+    owner = state["seq/target_sequence"]
+    position = torch.cat([torch.arange(len(c)) for c in completions])  # the packer keeps each sequence's order
+    order = torch.argsort(owner, stable=True)
+    flat_position = torch.empty_like(owner)
+    flat_position[order] = position
+    if iterations > 1:
+        state["old_logps"] = old[owner, flat_position]
+    if beta:
+        state["ref_logps"] = ref[owner, flat_position]
+    count = torch.tensor(4.0, dtype=torch.float64)
+    state.update(advantages=advantages, rewards=torch.zeros(4), scores=torch.zeros(4, 0), std=torch.ones(4),
+                 step_tokens=mask.sum().double(), step_completions=count, timing=torch.zeros(2))  # fmt: skip
+    terms = objective.terms(Models(ours, ours, None), {}, state)
+    loss = terms.losses["completions"] / count
+    loss.backward()
+
+    assert float(loss) == pytest.approx(float(expected), abs=1e-5)
+    theirs_grads, our_grads = _lora_grads(theirs), _lora_grads(ours)
+    assert our_grads.keys() == theirs_grads.keys() and our_grads
+    for name, grad in our_grads.items():
+        torch.testing.assert_close(grad.float(), theirs_grads[name].float(), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_resume_from_a_checkpoint_gives_the_same_adapter_bit_for_bit(tmp_path, tiny_base_dir, monkeypatch):
+    """What a SIGKILL after step 2 leaves (checkpoint 2, no adapter, no later checkpoint), resumed: the sampling
+    RNG travels in the checkpoint, so steps 3 and 4 draw the same completions and write the same adapter."""
+    import shutil
+
+    from safetensors.torch import load_file
+
+    from finetune.training.checkpoint import checkpoint_path
+    from finetune.training.loop import train
+
+    monkeypatch.chdir(tmp_path)
+    recipe = _write_grpo_run(tmp_path, tiny_base_dir, "lengths.py:short")
+    settings = ["train.max_steps=4", "train.save_every_steps=1", "train.keep_checkpoints=4", "train.report_to=[]"]
+    whole, _ = train(recipe, [*settings, "output.name=whole"], log=lambda line: None)
+    expected = load_file(whole / "adapter_model.safetensors")
+    shutil.rmtree(whole)
+    for step in (3, 4):
+        shutil.rmtree(checkpoint_path(tmp_path / "runs" / "whole", step))
+    log: list[str] = []
+    resumed, _ = train(recipe, [*settings, "output.name=whole"], resume=True, log=log.append)
+    assert any(line.startswith("resumed from") and "step 2" in line for line in log), log
+    actual = load_file(resumed / "adapter_model.safetensors")
+    assert expected.keys() == actual.keys() and all(torch.equal(expected[k], actual[k]) for k in expected)
