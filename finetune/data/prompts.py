@@ -1,8 +1,9 @@
 """Prompt records -> rows for online objectives (GRPO): `{prompt, ...}`, as trl's GRPOTrainer takes them.
 
 `prompt` is a string (used as written, after BOS when the tokenizer has one, as the preference formats do)
-or a list of chat messages, rendered with the family's chat template and its generation prompt
-(`finetune.data.formats.render_chat_prompt`), so the model continues as an assistant. Every other field of
+or a list of chat messages (tool calls, tool results and reasoning as `chat` records carry them, and the
+record's `tools`), rendered with the family's chat template and its generation prompt
+(`finetune.data.formats.encode_chat_prompt`), so the model continues as an assistant. Every other field of
 the record is kept, whole, for the reward functions (trl passes each column as a keyword argument), as
 JSON text beside the prompt's token ids: a row is `input_ids` (the prompt) and `columns` (the record).
 
@@ -21,7 +22,7 @@ from typing import Any
 
 import datasets
 
-from finetune.data.formats import _bos, _messages_field, _preview, _tokenize, chat_template_of, render_chat_prompt
+from finetune.data.formats import _bos, _preview, _tokenize, encode_chat_prompt
 from finetune.data.preference import EncodedRecord, Locate
 from finetune.data.sources import iter_records, load_source
 from finetune.errors import DataError
@@ -33,9 +34,10 @@ PROMPT_FEATURES = datasets.Features(
 """Columns of a `prompt` row: the prompt's token ids and the whole record as JSON (for the reward functions)."""
 
 
-def prompt_token_ids(prompt: Any, config: DataConfig, tokenizer: Any, where: str) -> list[int]:
-    """The tokens a completion of `prompt` continues from (a string, or chat messages with the generation
-    prompt)."""
+def prompt_token_ids(prompt: Any, config: DataConfig, tokenizer: Any, where: str, tools: Any = None) -> list[int]:
+    """The tokens a completion of `prompt` continues from: a string, or chat messages in any shape `chat`
+    records take (tool calls, tool results, reasoning; `tools` the record's function schemas), rendered with
+    the generation prompt."""
     if isinstance(prompt, str):
         if not prompt:
             raise DataError(f"{where}: field 'prompt' is empty; give the text the completions continue from")
@@ -45,8 +47,7 @@ def prompt_token_ids(prompt: Any, config: DataConfig, tokenizer: Any, where: str
             f"{where}: field 'prompt' must be a string or a list of {{role, content}} messages, got "
             f"{type(prompt).__name__} {_preview(prompt)}; fix the record"
         )
-    messages = _messages_field({"prompt": prompt}, "prompt", where, "; fix the record")
-    return render_chat_prompt(messages, chat_template_of(config, tokenizer), tokenizer, where)
+    return encode_chat_prompt(prompt, config, tokenizer, where, tools)
 
 
 def encode_prompt_records(
@@ -64,7 +65,7 @@ def encode_prompt_records(
         if "prompt" not in record:
             fields = ", ".join(sorted(record)) or "none"
             raise DataError(f"{where}: no field 'prompt' (fields: {fields}); data.format prompt reads `prompt`")
-        ids = prompt_token_ids(record["prompt"], config, tokenizer, where)
+        ids = prompt_token_ids(record["prompt"], config, tokenizer, where, record.get(config.tools_field))
         too_long = len(ids) > config.max_seq_len
         if too_long and config.overlength == "error":
             raise DataError(
