@@ -160,6 +160,27 @@ def test_a_checkpoint_of_an_earlier_version_resumes_unless_a_setting_added_since
         train("recipe.yaml", overrides, resume=True)
 
 
+def test_resume_compares_settings_one_by_one_after_filling_those_added_since():
+    from finetune.recipe import load_recipe
+    from finetune.training.recipe_digest import recipe_digest, resume_mismatch
+
+    recipe = load_recipe("quickstart")
+    recorded = recipe_digest(recipe)
+    del recorded["lora"]["use_dora"], recorded["train"]["seed"]  # added since: their defaults are the run's
+    assert resume_mismatch(recorded, recipe) is None
+    assert resume_mismatch(recorded, load_recipe("quickstart", ["train.seed=5"])) == (
+        "train.seed is 0 in the checkpoint but 5 now"
+    )
+    assert resume_mismatch(recorded, load_recipe("quickstart", ["train.epochs=9", "train.eval_every_steps=7"])) is None
+    recorded["data"]["max_seq_len"] = 64
+    assert (
+        resume_mismatch(recorded, recipe)
+        == f"data.max_seq_len is 64 in the checkpoint but {recipe.data.max_seq_len} now"
+    )
+    recorded["lora"]["since_removed"] = 3
+    assert resume_mismatch(recorded, recipe) == "lora.since_removed is 3 in the checkpoint but unset now"
+
+
 def test_resume_without_a_checkpoint_is_an_error(workdir):
     with pytest.raises(CheckpointError, match="no checkpoint"):
         train("recipe.yaml", resume=True)
