@@ -3,7 +3,8 @@
 bf16 matmul on a CPU is fast only with bf16 units: x86's `avx512_bf16` (Cooper Lake, Zen 4) or
 `amx_bf16` (Sapphire Rapids and later), Arm's `bf16` (Neoverse V1/N2, Graviton 3). Without them torch
 emulates it: on an AMD EPYC with AVX2 only, bf16 matmul ran at 0.76 GFLOP/s against fp32's 65 (86x
-slower); an Intel Xeon with AMX ran bf16 at 706 GFLOP/s, 3x its fp32. So a recipe written for a GPU
+slower), on an Intel Xeon with AVX-512 and no AMX about 3x slower (6 against 20 GFLOP/s, 1024² on 2
+threads, under load); an Intel Xeon with AMX ran bf16 at 706 GFLOP/s, 3x its fp32. So a recipe written for a GPU
 (`model.dtype: bfloat16`, `train.precision: bf16`) and run on such a CPU is slow for no gain, and
 `finetune train` and `finetune plan` say so, naming the faster settings.
 
@@ -61,6 +62,6 @@ def bf16_cpu_note(dtype: str, precision: str, *, device: str, cpuinfo: str | Non
         return None
     faster = ["model.dtype=float32"] * (dtype == "bfloat16") + ["train.precision=fp32"] * (precision == "bf16")
     return (
-        f"this CPU has no bf16 units ({', '.join(BF16_FLAGS)} absent from /proc/cpuinfo), so bf16 matmul is "
-        f"emulated and far slower than float32 here; {' '.join(asked)} asked for it, {' '.join(faster)} is faster"
+        f"this CPU has no bf16 units ({', '.join(BF16_FLAGS)} absent from /proc/cpuinfo): bf16 matmul is emulated, "
+        f"3x to 86x slower than float32 on such CPUs; {' '.join(asked)} asked for it, {' '.join(faster)} is faster"
     )

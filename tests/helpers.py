@@ -11,6 +11,8 @@ Example:
 
 from __future__ import annotations
 
+import math
+import os
 from pathlib import Path
 
 import torch
@@ -123,6 +125,86 @@ def assert_tensors_equal(expected: dict[str, torch.Tensor], actual: dict[str, to
         assert torch.equal(expected[name], actual[name]), (
             f"{name} differs: max |Δ| {(expected[name].float() - actual[name].float()).abs().max():.3e}"
         )
+
+
+# Tolerances in units in the last place (ulps) of the magnitude compared, each named for why results differ.
+# Summation order differs between CPU kinds (AMX, AVX-512 without AMX, AVX2 only: each has its own matmul
+# and reduction kernels), between packed and padded layouts, and between one micro-batch and several, so
+# float32 results that are the same sum in another order agree to a few tens of ulps, never bit for bit.
+# Figures observed on an Intel Xeon with AVX-512 and no AMX are beside the tests that use them; to measure
+# another CPU, run the tests with FINETUNE_TEST_ULPS_LOG=file: each comparison appends its ulps there.
+ULPS_LOG_ENV = "FINETUNE_TEST_ULPS_LOG"
+REORDERED_ULPS = 64  # the same float32 sums in another order: layouts, micro-batches, CPU kernels, W + ΔW merged
+LIBRARY_ULPS = 512  # the same maths written by another library (trl, peft): other op order (90 seen vs trl)
+SUM_ULPS = 4  # a loss or reward from float32 sums of log-probabilities, in ulps of the largest sum (0.7 seen)
+ROUNDED_ULPS = 4  # one or two roundings apart (x·(1/(1-p)) against x/(1-p), one B·A product)
+PRINTED_3E = 5e-4 + 1e-6  # relative: a figure printed with `:.3e` (4 significant digits) against the float
+
+
+def ulp(x: float | torch.Tensor, dtype: torch.dtype = torch.float32) -> float:
+    """One unit in the last place of `dtype` at the magnitude |x| (a tensor: its largest |element|).
+
+    The spacing of `dtype`'s numbers just above |x|: 2^(exponent of x) * eps. At 131.3 in float32 that is
+    2^7 * 2^-23 = 1.5e-5; at 6.2 it is 4.8e-7. Below `dtype`'s smallest normal it is the subnormal spacing.
+    """
+    magnitude = float(x.detach().abs().max()) if isinstance(x, torch.Tensor) else abs(float(x))
+    info = torch.finfo(dtype)
+    if magnitude < info.tiny:
+        return info.tiny * info.eps
+    _, exponent = math.frexp(magnitude)  # magnitude = m * 2**exponent with 0.5 <= m < 1
+    return math.ldexp(info.eps, exponent - 1)
+
+
+def assert_within_ulps(
+    actual: float | torch.Tensor,
+    expected: float | torch.Tensor,
+    ulps: float,
+    *,
+    dtype: torch.dtype = torch.float32,
+    scale: float | torch.Tensor | None = None,
+    what: str = "",
+) -> None:
+    """`actual` equals `expected` to within `ulps` units in the last place of `dtype` at `scale`.
+
+    `scale` is the magnitude rounding happens at: by default the largest |expected|, so every element of a
+    tensor (a gradient's small entries too) is held to the precision its largest entry is computed with;
+    pass the size of the terms of a sum whose result cancels (a loss difference) so the tolerance is not
+    set by a small result. The message gives the largest difference in ulps, which is what to quote when a
+    tolerance is chosen.
+    """
+    actual_t = torch.as_tensor(actual, dtype=torch.float64)
+    expected_t = torch.as_tensor(expected, dtype=torch.float64)
+    assert actual_t.shape == expected_t.shape, f"{what} shape {tuple(actual_t.shape)} != {tuple(expected_t.shape)}"
+    unit = ulp(expected_t if scale is None else scale, dtype)
+    assert torch.isfinite(actual_t).all() and torch.isfinite(expected_t).all(), f"{what} not finite"
+    difference = (actual_t - expected_t).abs().max().item() if actual_t.numel() else 0.0
+    if os.environ.get(ULPS_LOG_ENV):  # to measure a CPU kind: every comparison's ulps, by test
+        with open(os.environ[ULPS_LOG_ENV], "a") as log:
+            log.write(f"{os.environ.get('PYTEST_CURRENT_TEST', '?')}\t{what}\t{difference / unit:.2f}\t{ulps}\n")
+    assert difference <= ulps * unit, (
+        f"{what} differs by {difference:.3e} = {difference / unit:.1f} ulps of {dtype} at "
+        f"{unit / torch.finfo(dtype).eps:.3g} (allowed {ulps})"
+    )
+
+
+def ulps_apart(
+    actual: float | torch.Tensor, expected: float | torch.Tensor, dtype: torch.dtype = torch.float32
+) -> float:
+    """The largest difference of `actual` from `expected` in ulps of `dtype` at |expected|'s largest entry."""
+    actual_t, expected_t = torch.as_tensor(actual, dtype=torch.float64), torch.as_tensor(expected, dtype=torch.float64)
+    return (actual_t - expected_t).abs().max().item() / ulp(expected_t, dtype)
+
+
+def bnb_weight(layer: torch.nn.Module) -> torch.Tensor:
+    """The fp32 weight a bitsandbytes layer computes with, by bitsandbytes' own definitions, not finetune's:
+    4-bit through `dequantize_4bit` and its quant state; 8-bit as int8 rows times their absmax / 127."""
+    import bitsandbytes as bnb
+
+    if isinstance(layer, bnb.nn.Linear4bit):
+        return bnb.functional.dequantize_4bit(layer.weight.data, layer.weight.quant_state).float()
+    scales = getattr(layer.weight, "SCB", None)
+    scales = layer.state.SCB if scales is None else scales
+    return layer.weight.data.float() * scales.float()[:, None] / 127
 
 
 def read_tensors(model_dir: Path) -> dict[str, torch.Tensor]:

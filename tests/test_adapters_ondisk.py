@@ -5,11 +5,12 @@ subtract/swap from the pristine base equal a fresh merge, the fallback reports a
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import pytest
 import torch
-from helpers import assert_tensors_equal, make_adapter, read_tensors
+from helpers import PRINTED_3E, assert_tensors_equal, bnb_weight, make_adapter, read_tensors
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
@@ -160,10 +161,29 @@ def test_merging_an_adapter_trained_on_a_quantized_base(tmp_path, tiny_base_dir)
 
 @pytest.mark.parametrize("bits", ["4bit", "8bit"])
 def test_requantize_on_request_prints_the_error_it_adds(tmp_path, tiny_base_dir, bits, tiny_tokenizer):
-    pytest.importorskip("bitsandbytes")
+    bnb = pytest.importorskip("bitsandbytes")
     adapter = make_adapter(tiny_base_dir, tmp_path / "q", seed=6, targets=("q_proj", "up_proj"), quantization=bits)
     report = merge_checkpoint(str(tiny_base_dir), [AdapterSpec(str(adapter))], tmp_path / "out", requantize=True)
-    assert f"requantized to {bits}: relative Frobenius error added" in report.summary()
+    # The error the report gives, recomputed from the files: each quantized layer written, read back by
+    # transformers, against the exact dense merge of the same adapter.
+    merge_checkpoint(str(tiny_base_dir), [AdapterSpec(str(adapter))], tmp_path / "dense")
+    dense, requantized = read_tensors(tmp_path / "dense"), AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    errors = {}
+    for name, layer in requantized.named_modules():
+        if isinstance(layer, (bnb.nn.Linear4bit, bnb.nn.Linear8bitLt)):
+            exact = dense[name + ".weight"].float()
+            errors[name] = ((bnb_weight(layer) - exact).norm() / exact.norm()).item()
+    assert len(errors) == 14  # every linear of the 2 blocks; those the adapter changed are rounded anew:
+    assert all(error > 1e-3 for name, error in errors.items() if name.endswith(("q_proj", "up_proj"))), errors
+    worst = max(errors, key=lambda name: errors[name])
+    printed = re.search(
+        rf"requantized to {bits}: relative Frobenius error added (\S+) at worst \((\S+)\), (\S+) on average over 14 ",
+        report.summary(),
+    )
+    assert printed, report.summary()
+    assert printed[2] == worst
+    for figure, recomputed in ((printed[1], errors[worst]), (printed[3], sum(errors.values()) / len(errors))):
+        assert float(figure) == pytest.approx(recomputed, rel=PRINTED_3E)
     assert not list(tmp_path.glob(".out.dense-*"))
     config = json.loads((tmp_path / "out" / "config.json").read_text())
     assert "quantization_config" in config and config[LEDGER_KEY]["adapters"]["q"]["weight"] == 1.0

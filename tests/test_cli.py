@@ -48,6 +48,54 @@ def test_train_eval_generate_as_subprocesses(workdir, tiny_base_dir):
     assert generated.stdout == greedy_text(tiny_base_dir, "adapters/crates", prompt, 5) + "\n"
 
 
+def _plain_perplexity(base_dir: Path, adapter_dir: Path | None, texts: list[str]) -> tuple[float, int]:
+    """Mean next-token loss and its token count over `texts`, one document per forward pass, with plain
+    transformers (+ peft): BOS, the text, EOS; every token after BOS predicted. The reference for `eval`."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(base_dir)
+    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    if adapter_dir is not None:
+        model = PeftModel.from_pretrained(model, str(adapter_dir))
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for text in texts:
+            ids = [tokenizer.bos_token_id, *tokenizer(text, add_special_tokens=False)["input_ids"]]
+            ids = torch.tensor([[*ids, tokenizer.eos_token_id]])
+            logits = model.eval()(input_ids=ids).logits[0, :-1]  # (T-1, vocab): position t predicts t+1
+            total += torch.nn.functional.cross_entropy(logits, ids[0, 1:], reduction="sum").item()
+            count += ids.shape[1] - 1
+    return total / count, count
+
+
+def test_eval_perplexity_equals_a_plain_transformers_and_peft_loop(tmp_path, tiny_base_dir, capsys):
+    """`finetune eval` packs documents into rows of a batch; its loss, perplexity and token count are those of
+    scoring each document alone with plain transformers and peft, to the printed digits."""
+    import json
+    import math
+    import re
+
+    from helpers import LIBRARY_ULPS, tokenizer_corpus, ulp
+
+    texts = tokenizer_corpus()[:19:2] + ["def add(a, b):\n    return a + b\n"]
+    (tmp_path / "held_out.jsonl").write_text("".join(json.dumps({"text": text}) + "\n" for text in texts))
+    adapter = make_adapter(tiny_base_dir, tmp_path / "lively", seed=3, targets=ALL_LINEAR, magnitude=0.3)
+    argv = ["eval", "--base", str(tiny_base_dir), "--adapter", str(adapter), "--data", str(tmp_path / "held_out.jsonl")]
+    assert main([*argv, "--batch-size", "3"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    number = r"([\d.]+)"
+    for line, adapter_dir in zip(lines, (None, adapter)):
+        loss, count = _plain_perplexity(tiny_base_dir, adapter_dir, texts)
+        printed = re.search(rf"perplexity {number} \(loss {number}", line)
+        assert printed, line
+        # printed to 4 decimals (half a unit: 5e-5), from a float32 sum in another order (a few hundred ulps)
+        assert abs(float(printed[2]) - loss) <= 5e-5 + LIBRARY_ULPS * ulp(loss), line
+        assert abs(float(printed[1]) - math.exp(loss)) <= 5e-5 + LIBRARY_ULPS * ulp(math.exp(loss)), line
+    assert f"over {count:,} tokens" in lines[0] and lines[1].startswith("base + adapter: perplexity")
+
+
 @pytest.mark.parametrize("chat", [False, True])
 def test_generate_prints_the_greedy_tokens_of_base_and_adapter(tmp_path, tiny_base_dir, capsys, chat):
     """An adapter on every linear layer with large weights: its tokens vary, depend on the whole prompt (BOS

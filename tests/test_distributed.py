@@ -8,9 +8,12 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import assert_within_ulps
 from safetensors.torch import load_file
 
 from finetune.training.loop import train
+
+ADAM_STEPS_ULPS = 256  # of the largest LoRA weight after 2 steps (4.9 seen on an Intel Xeon without AMX)
 
 
 @pytest.mark.slow
@@ -46,6 +49,7 @@ def test_two_gloo_ranks_match_one_process(workdir):
     expected = load_file(single / "adapter_model.safetensors")
     actual = load_file(Path("adapters/ranks/adapter_model.safetensors"))
     assert expected.keys() == actual.keys()
-    largest = max((expected[k] - actual[k]).abs().max().item() for k in expected)
-    assert largest < 1e-5, largest
+    largest = max(tensor.abs().max().item() for tensor in expected.values())
+    for name in expected:  # two AdamW steps from gradients summed in another order: Adam's 1/sqrt(v) amplifies it
+        assert_within_ulps(actual[name], expected[name], ADAM_STEPS_ULPS, scale=largest, what=name)
     assert any(t.abs().max() > 0 for t in actual.values())

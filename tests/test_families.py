@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import transformers
+from helpers import REORDERED_ULPS, assert_within_ulps
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
@@ -223,7 +224,8 @@ def test_the_head_on_labelled_positions_only_gives_the_full_logits_loss_and_grad
     full = loss_and_grads(lambda: token_loss_sum(model(**inputs, use_cache=False).logits, batch["labels"]))
     selected = loss_and_grads(lambda: forward_loss(model, batch))
     assert selected[1] == full[1] == 10  # 5 + 3 + 2 trained tokens
-    torch.testing.assert_close(selected[0], full[0], rtol=1e-5, atol=1e-5)
+    # The head on fewer rows (another matmul shape, so other kernels and summation orders).
+    assert_within_ulps(selected[0], full[0], REORDERED_ULPS, what="loss")
     for got, expected in zip(selected[2], full[2]):
-        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-6)
+        assert_within_ulps(got, expected, REORDERED_ULPS, what="gradient")
     assert model(**inputs, use_cache=False).logits.shape[:2] == batch["input_ids"].shape  # the hook is gone

@@ -14,6 +14,7 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import REORDERED_ULPS, assert_within_ulps
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 
@@ -127,9 +128,7 @@ def test_packed_batch_matches_documents_one_by_one(single, tiny_base_dir, tiny_t
     (loss_sum / packed_label_tokens).backward()
     packed_grads = _lora_grads(model)
 
-    assert loss_sum.item() / packed_label_tokens.item() == pytest.approx(
-        separate_losses.mean().item(), rel=1e-5, abs=1e-5
-    )
+    assert_within_ulps(loss_sum.item() / packed_label_tokens.item(), separate_losses.mean().item(), REORDERED_ULPS)
     # Token by token too: reorder the separate losses into the packed document order.
     packed_losses = _token_losses(model, batch).detach()
     separate_by_doc = dict(
@@ -141,7 +140,7 @@ def test_packed_batch_matches_documents_one_by_one(single, tiny_base_dir, tiny_t
         )
     )
     reordered = torch.cat([separate_by_doc[document] for document in _by_document(batch)])
-    torch.testing.assert_close(packed_losses, reordered, rtol=1e-5, atol=1e-5)
+    assert_within_ulps(packed_losses, reordered, REORDERED_ULPS, what="token losses")
     assert _relative_error(packed_grads, separate_grads) < 1e-5
 
 
@@ -154,7 +153,7 @@ def test_padded_batch_matches_documents_one_by_one(single, tiny_base_dir, tiny_t
     assert batch["input_ids"].shape == (len(single_rows), max(len(row["input_ids"]) for row in single_rows))
     padded_losses = _token_losses(model, batch)
     (padded_losses.sum() / padded_losses.numel()).backward()
-    torch.testing.assert_close(padded_losses.detach(), separate_losses, rtol=1e-5, atol=1e-5)
+    assert_within_ulps(padded_losses.detach(), separate_losses, REORDERED_ULPS, what="token losses")
     assert _relative_error(_lora_grads(model), separate_grads) < 1e-5
 
 
@@ -180,7 +179,7 @@ def test_packing_leaks_across_documents_when_the_kv_cache_is_on(single, tiny_bas
 def test_packing_changes_speed_not_learning(workdir):
     """One epoch of a small recipe, packed and unpacked: the same optimizer steps over the same documents,
     and the same held-out loss. Dropout is off so the runs differ only by float rounding in attention
-    layouts; tolerance 1e-4 on the loss (measured difference ~1e-6), where the old row-based batches (4-5
+    layouts; relative tolerance 2e-5 on the loss (measured difference ~1e-6), where the old row-based batches (4-5
     documents per packed row) took a third of the steps and ended far apart."""
     from finetune.training.loop import train
 
@@ -195,5 +194,6 @@ def test_packing_changes_speed_not_learning(workdir):
         layout = next(line for line in lines if line.startswith("batches: "))
         assert ("packed into" in layout) is packing, layout
     assert steps[True] == steps[False] == 40 // (4 * 2), steps  # 40 documents, 4 per micro-batch, 2 per step
-    assert losses[True] == pytest.approx(losses[False], abs=1e-4), losses
+    # relative: 8 optimizer steps each rounding differently drift apart by more than one computation does
+    assert losses[True] == pytest.approx(losses[False], rel=2e-5), losses
     assert losses[True] < metrics["base_eval_loss"] - 0.02  # both learned something: the comparison is not vacuous

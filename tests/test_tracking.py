@@ -61,7 +61,8 @@ def _assert_series_equal(recorded: dict[str, list[tuple[int, float]]], expected:
     for key, points in expected.items():
         got = sorted(recorded.get(key, []))
         assert [step for step, _ in got] == [step for step, _ in points], key
-        assert [value for _, value in got] == pytest.approx([value for _, value in points], rel=1e-6), key
+        # TensorBoard stores float32: each value rounded once from the float64 logged
+        assert [value for _, value in got] == pytest.approx([value for _, value in points], rel=2**-24), key
 
 
 def test_mlflow_file_store_holds_the_run_metrics_and_recipe(trained_runs):

@@ -52,11 +52,12 @@ def resume_mismatch(recorded: dict[str, Any], recipe: Recipe) -> str | None:
     """
     current = recipe_digest(recipe)
     for section in SECTIONS:
-        filled = _with_defaults(section, recorded.get(section, {}))
-        for key in dict.fromkeys([*_flatten(current[section]), *_flatten(filled)]):
-            then, now = _flatten(filled).get(key, _ABSENT), _flatten(current[section]).get(key, _ABSENT)
-            if then != now:
-                return f"{section}.{key} is {_show(then)} in the checkpoint but {_show(now)} now"
+        then = _flatten(_with_defaults(section, recorded.get(section, {})))
+        now = _flatten(current[section])
+        for key in dict.fromkeys([*now, *then]):  # today's order first, then settings since removed
+            before, after = then.get(key, _ABSENT), now.get(key, _ABSENT)
+            if before != after:
+                return f"{section}.{key} is {_show(before)} in the checkpoint but {_show(after)} now"
     return None
 
 
@@ -70,14 +71,17 @@ _ABSENT = _Absent()
 
 def _with_defaults(section: str, values: dict[str, Any]) -> dict[str, Any]:
     """A recorded section read through today's schema: settings added since then get their defaults.
-    A section today's schema refuses (a setting since removed) is compared as recorded."""
+    Settings since removed are kept as recorded (and so differ); a section today's schema refuses
+    otherwise is compared as recorded."""
     schema = Recipe.model_fields[section].annotation
     assert isinstance(schema, type) and issubclass(schema, BaseModel), section
+    removed = {key: value for key, value in values.items() if key not in schema.model_fields}
     try:
-        filled = schema.model_validate(values).model_dump(mode="json")
+        filled = schema.model_validate({k: v for k, v in values.items() if k not in removed}).model_dump(mode="json")
     except ValidationError:
         return values
-    return _without_resumable(filled) if section == "train" else filled
+    filled = _without_resumable(filled) if section == "train" else filled
+    return {**filled, **removed}
 
 
 def _without_resumable(train: dict[str, Any]) -> dict[str, Any]:
