@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, Literal
 
-from finetune.data.chat import ChatRecord, TemplateReads, for_template, template_reads
+from finetune.data.chat import ChatRecord, for_template, template_reads
 from finetune.errors import DataError
 
 Reasoning = Literal["template", "every_turn", "none"]
@@ -174,7 +174,7 @@ def render_turns(
     for index, message in enumerate(shown):
         if message["role"] != "assistant" or index < train_from:
             continue
-        marked = render([*shown[:index], _masked(message, reads), *shown[index + 1 :]])
+        marked = render([*shown[:index], _masked(message), *shown[index + 1 :]])
         words = _differing(full, marked)
         if words is None:  # the template renders none of this turn's words (DeepSeek's tool calls with text)
             continue
@@ -193,7 +193,7 @@ def render_turns(
     return full, spans
 
 
-def _masked(message: dict[str, Any], reads: TemplateReads) -> dict[str, Any]:
+def _masked(message: dict[str, Any]) -> dict[str, Any]:
     """The message with its words replaced by sentinels: content, reasoning, call arguments (names kept)."""
     out = dict(message)
     for key in ("content", "reasoning_content", "thinking"):
@@ -290,7 +290,14 @@ class TurnMarks:
 
 
 @lru_cache(maxsize=64)
-def _turn_marks(tokenizer: Any, template: str, kwargs_json: str) -> TurnMarks:
+def turn_marks(tokenizer: Any, template: str, kwargs_json: str = "{}") -> TurnMarks:
+    """The template's `TurnMarks`, probed once per tokenizer, template and template variables (as JSON).
+
+    The generation prompt is what rendering a user turn with `add_generation_prompt` adds; a template
+    without one (Mistral's) has the last special token between a user turn and an answer instead. Its
+    shorter forms (cut after a newline or a special token) are headers too: a template may render less of
+    it in a turn than at inference (DeepSeek-R1's `<think>\n`, Qwen3's empty think block of earlier turns).
+    """
     kwargs = json.loads(kwargs_json)
     user = [{"role": "user", "content": "ft-probe"}]
 
@@ -317,11 +324,6 @@ def _turn_marks(tokenizer: Any, template: str, kwargs_json: str) -> TurnMarks:
     if closer:
         closers.add(closer)
     return TurnMarks(tuple(sorted((h for h in headers if h.strip()), key=len, reverse=True)), tuple(sorted(closers)))
-
-
-def turn_marks(tokenizer: Any, template: str, kwargs_json: str = "{}") -> TurnMarks:
-    """The template's `TurnMarks`, probed once per tokenizer, template and template variables."""
-    return _turn_marks(tokenizer, template, kwargs_json)
 
 
 def _up_to_last_special(text: str, specials: list[str]) -> str:
