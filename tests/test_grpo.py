@@ -223,6 +223,7 @@ def test_a_run_through_the_cli_reports_rewards_and_a_failing_reward_stops_it(tmp
     steps = [line for line in lines if "reward" in line]
     assert len(steps) >= 3 and all(-1.0 <= line["reward"] <= 0.0 for line in steps)
     assert {"generate_s", "reward_s", "completion_length", "clip_ratio", "entropy"} <= steps[0].keys()
+    assert all(0 < line["generate_s"] + line["reward_s"] < line["step_s"] for line in steps)  # seconds of the step
     assert (tmp_path / "adapters" / "grpo-run" / "adapter_model.safetensors").exists()
 
     failing = _write_grpo_run(tmp_path, tiny_base_dir, "rewards.py:raises")

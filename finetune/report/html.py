@@ -42,6 +42,8 @@ PLOT_CAPTIONS = {
     "throughput": "Training throughput (tokens per second) at each logged step.",
     "rewards": "Implicit rewards of the chosen and rejected completions and their margin (left); the share of pairs "
     "whose chosen completion has the higher reward (right; squares: held out).",
+    "sampled_rewards": "Mean reward of each step's sampled completions (left; squares: held-out prompts sampled at "
+    "each evaluation) and their mean length in tokens (right).",
 }
 
 
@@ -138,6 +140,7 @@ ROWS: tuple[tuple[str, Callable[[RunHistory], str]], ...] = (
     ("held-out loss (base → adapter)", lambda run: _held_out(run, "eval_loss", 4)),
     ("held-out reward accuracy (start → adapter)", lambda run: _held_out(run, "eval_reward_accuracy", 3)),
     ("held-out reward margin (start → adapter)", lambda run: _held_out(run, "eval_reward_margin", 3)),
+    ("held-out sampled reward (start → adapter)", lambda run: _held_out(run, "eval_reward", 3)),
     ("last training loss", lambda run: _last(run, "loss", ".4f")),
     ("steps, tokens", lambda run: f"{_last(run, 'step', 'd')} steps, {_last(run, 'tokens_seen', ',.0f')} tokens"),
     (
@@ -152,7 +155,11 @@ ROWS: tuple[tuple[str, Callable[[RunHistory], str]], ...] = (
     ),
 )
 """The run table, row by row: a label and how to describe one run in that row."""
-_WHEN_RECORDED = ("held-out reward accuracy (start → adapter)", "held-out reward margin (start → adapter)")
+_WHEN_RECORDED = (
+    "held-out reward accuracy (start → adapter)",
+    "held-out reward margin (start → adapter)",
+    "held-out sampled reward (start → adapter)",
+)
 """Rows left out of a table whose runs all lack them (the preference metrics of SFT runs)."""
 
 

@@ -31,6 +31,8 @@ if TYPE_CHECKING:
 FIGURE_NAMES = ("loss", "lr", "eval", "throughput")
 PREFERENCE_FIGURE = "rewards"
 """Added to `FIGURE_NAMES` when a run logged preference metrics (`reward_margin`)."""
+ONLINE_FIGURE = "sampled_rewards"
+"""Added when a run logged an online objective's rewards (`reward`: GRPO)."""
 BASE_SUFFIX = ": base model"
 RUN_COLOURS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#17becf")
 _FEW_POINTS = 30  # below this many points a line also gets markers, so single evaluations stay visible
@@ -146,6 +148,24 @@ def _rewards(runs: Sequence[RunHistory]) -> Figure:
     return figure
 
 
+def _sampled_rewards(runs: Sequence[RunHistory]) -> Figure:
+    """GRPO: the mean reward of the step's completions (line) and of held-out samples (squares), left; the
+    completions' mean length, right."""
+    figure, (reward_axes, length_axes) = _new_figure(2)
+    has_data = False
+    for index, run in enumerate(runs):
+        colour = _colour(index)
+        steps, values = run.series("reward")
+        _plot(reward_axes, steps, values, run.name, colour)
+        eval_steps, eval_values = run.series("eval_reward", evaluation=True)
+        reward_axes.plot(eval_steps, eval_values, "s", color=colour, label=f"{run.name}: held out")
+        _plot(length_axes, *run.series("completion_length"), run.name, colour)
+        has_data = has_data or bool(steps)
+    _finish(reward_axes, "reward of sampled completions", "step", "reward", has_data)
+    _finish(length_axes, "completion length", "step", "tokens", has_data)
+    return figure
+
+
 def make_figures(runs: Sequence[RunHistory]) -> dict[str, Figure]:
     """The report's figures by name (`FIGURE_NAMES`, and `rewards` for preference runs), every run overlaid
     in its own colour."""
@@ -157,6 +177,8 @@ def make_figures(runs: Sequence[RunHistory]) -> dict[str, Figure]:
     }
     if any(run.series("reward_margin")[0] for run in runs):
         figures[PREFERENCE_FIGURE] = _rewards(runs)
+    elif any(run.series("reward")[0] for run in runs):
+        figures[ONLINE_FIGURE] = _sampled_rewards(runs)
     return figures
 
 

@@ -243,8 +243,8 @@ class GRPO:
             "clip_ratio": (parts["clipped"] * mask).sum() * per_token,
             "entropy": (entropy * mask).sum() * per_token,
             "nll": nll.sum(),
-            "generate_s": state["timing"][0] * count / scale.step_completions,
-            "reward_s": state["timing"][1] * count / scale.step_completions,
+            "generate_s": state["timing"][0] * count,  # / C: this process's seconds (weighted mean over processes)
+            "reward_s": state["timing"][1] * count,
         }
         for index, function in enumerate(self.reward_functions):
             metrics[f"rewards/{function.name}"] = torch.nansum(state["scores"][:, index])
