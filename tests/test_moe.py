@@ -1,0 +1,152 @@
+"""Mixture of experts: LoRA on the fused 3D expert tensors of tiny random bases of four families, and exact
+arithmetic on them (merge equals plain peft's `merge_and_unload`, subtract returns the base bit for bit,
+swap equals a fresh merge) in memory and on disk, where most families store one tensor per expert."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import assert_tensors_equal, read_tensors
+from transformers import AutoModelForCausalLM, GptOssConfig, MixtralConfig, OlmoeConfig, Qwen3MoeConfig
+
+import finetune
+from finetune.adapters.experts import expert_tensors, peft_target_rewrite_off, routers
+from finetune.adapters.lora import read_adapter
+from finetune.adapters.ondisk import AdapterSpec, merge_checkpoint, subtract_checkpoint, swap_checkpoint
+from finetune.model import describe_targets, wrap_with_lora
+from finetune.recipe import LoraConfig
+
+_COMMON = dict(
+    vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+    max_position_embeddings=512, num_experts_per_tok=2,
+)  # fmt: skip
+FAMILIES = {
+    "qwen3_moe": lambda: Qwen3MoeConfig(**_COMMON, moe_intermediate_size=32, num_experts=4),
+    "mixtral": lambda: MixtralConfig(**_COMMON, intermediate_size=32, num_local_experts=4),
+    "olmoe": lambda: OlmoeConfig(**_COMMON, intermediate_size=32, num_experts=4),
+    "gpt_oss": lambda: GptOssConfig(**_COMMON, intermediate_size=32, num_local_experts=4, head_dim=16),
+}
+"""Tiny configurations of the real classes: 2 layers of 4 experts, top-2 routing."""
+
+
+def build_moe(family: str, out: Path, tokenizer, seed: int = 0) -> Path:
+    """A random-init tiny base of `family`, saved with its tokenizer as transformers saves it."""
+    torch.manual_seed(seed)
+    config = FAMILIES[family]()
+    config.pad_token_id, config.bos_token_id, config.eos_token_id = (
+        tokenizer.pad_token_id, tokenizer.bos_token_id, tokenizer.eos_token_id,
+    )  # fmt: skip
+    AutoModelForCausalLM.from_config(config).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def moe_adapter(base_dir: Path, out: Path, seed: int, r: int = 4) -> Path:
+    """A seeded random LoRA on every linear layer and expert tensor of `base_dir`, as `finetune train` targets."""
+    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    peft_model = wrap_with_lora(model, LoraConfig(r=r, alpha=2 * r, dropout=0.0))
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, parameter in peft_model.named_parameters():
+            if "lora_" in name:
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.2)
+    peft_model.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def moe_base(request, tmp_path_factory, tiny_tokenizer) -> tuple[str, Path]:
+    family = request.param
+    return family, build_moe(family, tmp_path_factory.mktemp(family), tiny_tokenizer)
+
+
+def expert_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {e.name: model.get_parameter(e.name).detach().clone() for e in expert_tensors(model)}
+
+
+def peft_merged(base_dir: Path, adapter_dir: Path) -> torch.nn.Module:
+    """The reference: plain peft loads the adapter and merges it (`merge_and_unload`) in float32."""
+    from peft import PeftModel
+
+    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    with peft_target_rewrite_off():
+        return PeftModel.from_pretrained(model, str(adapter_dir)).merge_and_unload()
+
+
+def test_all_linear_reaches_every_expert_tensor_and_leaves_routers_frozen(moe_base):
+    family, base_dir = moe_base
+    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    experts = expert_tensors(model)
+    router_names = routers(model, experts)
+    assert len(experts) == 2 * 2 and len(router_names) == 2, (experts, router_names)
+    peft_model = wrap_with_lora(model, LoraConfig(r=4, dropout=0.1))
+    wrapped = {
+        (m.get_base_layer().__class__.__name__, m.parameter_name, n.count(".base_layer"))
+        for n, m in peft_model.named_modules()
+        if type(m).__name__ == "ParamWrapper"
+    }
+    assert len(wrapped) == 2  # both expert tensors of each layer, the same way in every layer
+    assert describe_targets(peft_model) == ["LoRA on 8 linear modules and 4 of 4 expert tensors"]
+    trainable = [n for n, p in peft_model.named_parameters() if p.requires_grad]
+    assert not any(router in n for router in router_names for n in trainable)
+    # linear layers keep their dropout although peft's parameter wrappers have none
+    assert {type(m.lora_dropout["default"]).__name__ for m in peft_model.modules() if hasattr(m, "lora_dropout")} == {
+        "UniformDropout",
+        "Identity",
+    }
+    routed = wrap_with_lora(
+        AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32), LoraConfig(r=4, train_router=True)
+    )
+    trainable = [n for n, p in routed.named_parameters() if p.requires_grad]
+    assert all(any(router in n for n in trainable) for router in router_names)
+
+
+def test_merge_equals_peft_and_subtract_returns_the_base_in_memory(moe_base, tmp_path):
+    family, base_dir = moe_base
+    adapter_dir = moe_adapter(base_dir, tmp_path / "a", seed=1)
+    reference = expert_state(peft_merged(base_dir, adapter_dir))
+    m = finetune.load_model(str(base_dir), {"alpha": str(adapter_dir)}, dtype="float32")
+    base = expert_state(m.model)
+    report = m.merge("alpha")
+    merged = expert_state(m.model)
+    for name, expected in reference.items():
+        assert not torch.equal(merged[name], base[name]), f"{name} unchanged by the merge"
+        scale = expected.abs().max()
+        torch.testing.assert_close(merged[name], expected, rtol=0, atol=float(scale) * 1e-6)
+    assert report.tensors_rewritten == 8 + len(reference)
+    m.subtract("alpha")
+    assert_tensors_equal(base, expert_state(m.model))
+
+
+def test_on_disk_merge_subtract_and_swap_are_exact(moe_base, tmp_path):
+    family, base_dir = moe_base
+    a = moe_adapter(base_dir, tmp_path / "one", seed=1)
+    b = moe_adapter(base_dir, tmp_path / "two", seed=2)
+    merge_checkpoint(str(base_dir), [AdapterSpec(str(a))], tmp_path / "merged_a")
+    stored, written = read_tensors(base_dir), read_tensors(tmp_path / "merged_a")
+    assert stored.keys() == written.keys()  # per-expert checkpoints stay per expert
+    m = finetune.load_model(str(base_dir), {"one": str(a)}, dtype="float32")
+    m.merge("one")
+    m.save_merged(tmp_path / "memory_a")
+    assert_tensors_equal(read_tensors(tmp_path / "memory_a"), written)
+    experts = [name for name in stored if "experts" in name and not name.endswith("bias")]
+    assert experts and all(not torch.equal(stored[n], written[n]) for n in experts)
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "merged_a", dtype=torch.float32)
+    assert_tensors_equal(expert_state(m.model), expert_state(reloaded))
+    subtract_checkpoint(str(tmp_path / "merged_a"), AdapterSpec("one"), tmp_path / "back")
+    assert_tensors_equal(stored, read_tensors(tmp_path / "back"))
+    swap_checkpoint(str(tmp_path / "merged_a"), AdapterSpec("one"), AdapterSpec(str(b)), tmp_path / "swapped")
+    merge_checkpoint(str(base_dir), [AdapterSpec(str(b))], tmp_path / "merged_b")
+    assert_tensors_equal(read_tensors(tmp_path / "merged_b"), read_tensors(tmp_path / "swapped"))
+
+
+def test_expert_adapter_reads_with_one_pair_per_expert(moe_base, tmp_path):
+    family, base_dir = moe_base
+    adapter = read_adapter(moe_adapter(base_dir, tmp_path / "a", seed=1))
+    experts = {module: w for module, w in adapter.modules.items() if w.num_experts > 1}
+    assert len(experts) == 4 and {w.num_experts for w in experts.values()} == {4}
+    assert {w.rank for w in adapter.modules.values()} == {4}
+    assert json.loads((tmp_path / "a" / "adapter_config.json").read_text())["lora_dropout"] == 0.0
