@@ -13,9 +13,12 @@ from helpers import assert_tensors_equal, read_tensors
 from transformers import AutoModelForCausalLM, GptOssConfig, MixtralConfig, OlmoeConfig, Qwen3MoeConfig
 
 import finetune
-from finetune.adapters.experts import expert_tensors, peft_target_rewrite_off, routers
+from finetune.adapters.combine import combine_adapters
+from finetune.adapters.experts import expert_tensors, routers
 from finetune.adapters.lora import read_adapter
 from finetune.adapters.ondisk import AdapterSpec, merge_checkpoint, subtract_checkpoint, swap_checkpoint
+from finetune.errors import AdapterError, ExportError
+from finetune.export.gguf_lora import export_lora_gguf
 from finetune.model import describe_targets, wrap_with_lora
 from finetune.recipe import LoraConfig
 
@@ -68,12 +71,11 @@ def expert_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def peft_merged(base_dir: Path, adapter_dir: Path) -> torch.nn.Module:
-    """The reference: plain peft loads the adapter and merges it (`merge_and_unload`) in float32."""
+    """The reference: plain peft, as a user runs it, loads the adapter and merges it (`merge_and_unload`) in float32."""
     from peft import PeftModel
 
     model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
-    with peft_target_rewrite_off():
-        return PeftModel.from_pretrained(model, str(adapter_dir)).merge_and_unload()
+    return PeftModel.from_pretrained(model, str(adapter_dir)).merge_and_unload()
 
 
 def test_all_linear_reaches_every_expert_tensor_and_leaves_routers_frozen(moe_base):
@@ -150,3 +152,71 @@ def test_expert_adapter_reads_with_one_pair_per_expert(moe_base, tmp_path):
     assert len(experts) == 4 and {w.num_experts for w in experts.values()} == {4}
     assert {w.rank for w in adapter.modules.values()} == {4}
     assert json.loads((tmp_path / "a" / "adapter_config.json").read_text())["lora_dropout"] == 0.0
+
+
+def test_combine_cat_equals_the_weighted_sum_and_other_methods_are_refused(moe_base, tmp_path):
+    family, base_dir = moe_base
+    one, two = moe_adapter(base_dir, tmp_path / "one", seed=1), moe_adapter(base_dir, tmp_path / "two", seed=2)
+    combine_adapters([one, two], tmp_path / "both", weights=[1.0, -0.5])
+    m = finetune.load_model(str(base_dir), {"one": str(one), "two": str(two), "both": str(tmp_path / "both")})
+    m.merge("one")
+    m.merge("two", -0.5)
+    separately = expert_state(m.model)
+    m.subtract("one"), m.subtract("two")
+    m.merge("both")
+    for name, expected in separately.items():
+        torch.testing.assert_close(
+            expert_state(m.model)[name], expected, rtol=0, atol=float(expected.abs().max()) * 1e-6
+        )
+    with pytest.raises(AdapterError, match="use --method cat"):
+        combine_adapters([one, two], tmp_path / "svd", method="svd")
+    with pytest.raises(ExportError, match="not supported"):
+        export_lora_gguf(one, tmp_path / "one.gguf")
+
+
+TRAIN_RECIPE = """
+model:
+  base: {base}
+lora:
+  r: 4
+  alpha: 8
+data:
+  train: train.jsonl
+  format: instruction
+  max_seq_len: 128
+train:
+  max_steps: 2
+  micro_batch_size: 4
+  lr: 0.01
+  log_every_steps: 1
+output:
+  name: moe
+"""
+
+
+@pytest.mark.slow
+def test_finetune_train_then_cli_merge_equals_plain_peft(tmp_path, monkeypatch, tiny_tokenizer):
+    """The issue's check on one family, through the CLI: every layer's experts carry LoRA after training,
+    `finetune adapters merge` equals plain peft's merge and changes every expert tensor."""
+    from helpers import instruction_records
+
+    from finetune.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    base_dir = build_moe("qwen3_moe", tmp_path / "base", tiny_tokenizer)
+    records = instruction_records(16)
+    Path("train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    Path("recipe.yaml").write_text(TRAIN_RECIPE.format(base=base_dir))
+    assert main(["train", "recipe.yaml"]) == 0
+    adapter = read_adapter("adapters/moe")
+    experts = [m for m, w in adapter.modules.items() if w.num_experts > 1]
+    assert len(experts) == 2 * 2  # both expert tensors of both layers
+    assert all(adapter.modules[m].B.abs().max() > 0 for m in experts)  # trained away from B = 0
+    assert main(["adapters", "merge", "--base", str(base_dir), "--adapter", "adapters/moe", "--out", "merged"]) == 0
+    reference = expert_state(peft_merged(base_dir, Path("adapters/moe")))
+    merged = expert_state(AutoModelForCausalLM.from_pretrained("merged", dtype=torch.float32))
+    base = expert_state(AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32))
+    for name, expected in reference.items():
+        assert not torch.equal(merged[name], base[name])
+        torch.testing.assert_close(merged[name], expected, rtol=0, atol=float(expected.abs().max()) * 1e-6)
+    assert main(["plan", "recipe.yaml"]) == 0
