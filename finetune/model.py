@@ -15,13 +15,15 @@ import importlib.util
 import json
 import re
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, cast
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from finetune.adapters.experts import ExpertTensor, expert_tensors, peft_target_rewrite_off, routers
+from finetune.adapters.experts import ExpertTensor, expert_tensors, peft_target_rewrite_off, routers, unwrapped
 from finetune.adapters.quantized import keep_float_kernels
 from finetune.embedded import resolve_base_id
 from finetune.errors import ModelError
@@ -335,7 +337,8 @@ def wrap_with_lora(model: PreTrainedModel, config: LoraConfig):
 
     lora_config = peft_lora_config(config, model)
     if getattr(model, "is_loaded_in_4bit", False) or getattr(model, "is_loaded_in_8bit", False):
-        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+        with _experts_kept_in_their_dtype(model):
+            model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
     with peft_target_rewrite_off():
         peft_model = get_peft_model(model, lora_config)
     use_uniform_dropout(peft_model, config.dropout)
@@ -344,6 +347,25 @@ def wrap_with_lora(model: PreTrainedModel, config: LoraConfig):
         if parameter.requires_grad and parameter.dtype != torch.float32:
             parameter.data = parameter.data.float()
     return peft_model
+
+
+@contextmanager
+def _experts_kept_in_their_dtype(model: torch.nn.Module) -> Iterator[None]:
+    """Inside the block, peft's `prepare_model_for_kbit_training` leaves the fused expert tensors as they are.
+
+    It casts every 16-bit parameter bitsandbytes did not quantize to float32; bitsandbytes quantizes only
+    `nn.Linear`, so on a mixture of experts that would double the experts, the model's bulk (Qwen3-30B-A3B:
+    57 GB of bf16 experts). The experts' storage is set aside while it runs (an empty stand-in is what it casts).
+    """
+    parameters = [unwrapped(model.get_submodule(e.owner))._parameters[e.parameter] for e in expert_tensors(model)]
+    kept = [(p, p.data) for p in parameters if p is not None]
+    for parameter, _ in kept:
+        parameter.data = torch.empty(0, dtype=parameter.dtype, device=parameter.device)
+    try:
+        yield
+    finally:
+        for parameter, data in kept:
+            parameter.data = data
 
 
 class UniformDropout(torch.nn.Dropout):

@@ -220,3 +220,48 @@ def test_finetune_train_then_cli_merge_equals_plain_peft(tmp_path, monkeypatch, 
         assert not torch.equal(merged[name], base[name])
         torch.testing.assert_close(merged[name], expected, rtol=0, atol=float(expected.abs().max()) * 1e-6)
     assert main(["plan", "recipe.yaml"]) == 0
+
+
+@pytest.mark.parametrize(
+    ("base", "total", "active", "active_without_embedding"),
+    [
+        # Qwen counts the input embedding in its 3.3B active; OpenAI leaves it out of gpt-oss-20b's 3.61B.
+        ("Qwen/Qwen3-30B-A3B", 30.53e9, 3.35e9, 3.04e9),
+        ("openai/gpt-oss-20b", 20.91e9, 4.19e9, 3.61e9),
+    ],
+)
+def test_plan_counts_total_and_active_parameters_as_published(base, total, active, active_without_embedding):
+    from finetune.plan.memory import estimate
+    from finetune.plan.model_config import find_model_config
+    from finetune.plan.shape import model_shape
+    from finetune.recipe import Recipe
+
+    config, _ = find_model_config(base)
+    recipe = Recipe.model_validate(
+        {"model": {"base": base, "dtype": "bfloat16"}, "lora": {"r": 8}, "data": {"train": "x.jsonl"},
+         "output": {"name": "x"}}
+    )  # fmt: skip
+    shape = model_shape(config, recipe.lora)
+    moe = estimate(recipe, shape, device="cuda").moe
+    assert moe["total_params"] == pytest.approx(total, rel=5e-4)
+    assert moe["active_params"] == pytest.approx(active, rel=5e-3)
+    assert moe["active_params_without_input_embedding"] == pytest.approx(active_without_embedding, rel=5e-3)
+    # every expert tensor of every layer carries a rank-8 pair per expert: experts x 8 x (in + out) each
+    text = config.get_text_config()
+    experts = getattr(text, "num_experts", None) or text.num_local_experts
+    inner = getattr(text, "moe_intermediate_size", None) or text.intermediate_size
+    d = text.hidden_size
+    per_layer = experts * 8 * ((d + 2 * inner) + (inner + d))
+    assert shape.expert_lora_params == per_layer * text.num_hidden_layers
+    assert shape.folded_expert_params == shape.expert_params
+
+
+def test_plan_runs_on_each_tiny_family(moe_base, tmp_path, capsys):
+    from finetune.cli import main
+
+    family, base_dir = moe_base
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(TRAIN_RECIPE.format(base=base_dir))
+    assert main(["plan", str(recipe)]) == 0
+    out = capsys.readouterr().out
+    assert "mixture of experts:" in out and "folded experts" in out

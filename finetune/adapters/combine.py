@@ -107,7 +107,7 @@ def _check_compatible(adapters: list[Adapter]) -> None:
         raise AdapterError(f"the adapters were trained on different bases ({listing}); combine adapters of one base")
     if len({bool(a.config.get("fan_in_fan_out")) for a in adapters}) > 1:
         raise AdapterError("the adapters disagree on fan_in_fan_out; combine adapters of one architecture")
-    shapes: dict[str, tuple[str, tuple[int, int]]] = {}
+    shapes: dict[str, tuple[str, tuple[int, ...]]] = {}
     for adapter in adapters:
         for module, lora in sorted(adapter.modules.items()):
             first = shapes.setdefault(module, (adapter.name, lora.weight_shape))
