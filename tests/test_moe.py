@@ -265,3 +265,21 @@ def test_plan_runs_on_each_tiny_family(moe_base, tmp_path, capsys):
     assert main(["plan", str(recipe)]) == 0
     out = capsys.readouterr().out
     assert "mixture of experts:" in out and "folded experts" in out
+
+
+@pytest.mark.parametrize("name", ["qwen3-30b-a3b-chat", "qwen3-30b-a3b-chat-qlora", "gpt-oss-20b-chat"])
+def test_moe_catalog_recipe_plans_what_its_catalog_entry_says(name):
+    """Each MoE recipe's `memory` line is its `finetune plan` on one GPU, and it trains the experts."""
+    from finetune.catalog import resolve_recipe_path
+    from finetune.plan.memory import GiB, estimate
+    from finetune.plan.model_config import find_model_config
+    from finetune.plan.shape import model_shape
+    from finetune.recipe import load_recipe
+
+    recipe = load_recipe(resolve_recipe_path(name))
+    config, _ = find_model_config(recipe.model.base)
+    shape = model_shape(config, recipe.lora)
+    plan = estimate(recipe, shape, device="cuda")
+    assert recipe.catalog.memory is not None
+    assert recipe.catalog.memory.startswith(f"{plan.peak_bytes / GiB:.1f} GiB")
+    assert shape.expert_lora_params > 0 and shape.folded_expert_params == shape.expert_params
