@@ -35,10 +35,12 @@ FAMILIES = {
 """Tiny configurations of the real classes: 2 layers of 4 experts, top-2 routing."""
 
 
-def build_moe(family: str, out: Path, tokenizer, seed: int = 0) -> Path:
+def build_moe(family: str, out: Path, tokenizer, seed: int = 0, **overrides) -> Path:
     """A random-init tiny base of `family`, saved with its tokenizer as transformers saves it."""
     torch.manual_seed(seed)
     config = FAMILIES[family]()
+    for key, value in overrides.items():
+        setattr(config, key, value)
     config.pad_token_id, config.bos_token_id, config.eos_token_id = (
         tokenizer.pad_token_id, tokenizer.bos_token_id, tokenizer.eos_token_id,
     )  # fmt: skip
@@ -196,18 +198,21 @@ output:
 
 @pytest.mark.slow
 def test_finetune_train_then_cli_merge_equals_plain_peft(tmp_path, monkeypatch, tiny_tokenizer):
-    """The issue's check on one family, through the CLI: every layer's experts carry LoRA after training,
-    `finetune adapters merge` equals plain peft's merge and changes every expert tensor."""
+    """The issue's check on one family, through the CLI: every layer's experts carry LoRA after training (with
+    the load-balancing loss logged), `finetune adapters merge` equals plain peft's merge and changes every
+    expert tensor."""
     from helpers import instruction_records
 
     from finetune.cli import main
 
     monkeypatch.chdir(tmp_path)
-    base_dir = build_moe("qwen3_moe", tmp_path / "base", tiny_tokenizer)
+    base_dir = build_moe("qwen3_moe", tmp_path / "base", tiny_tokenizer, output_router_logits=True)
     records = instruction_records(16)
     Path("train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     Path("recipe.yaml").write_text(TRAIN_RECIPE.format(base=base_dir))
     assert main(["train", "recipe.yaml"]) == 0
+    logged = [json.loads(line) for line in Path("runs/moe/metrics.jsonl").read_text().splitlines()]
+    assert [m["router_aux"] > 0 for m in logged if "loss" in m] == [True, True]  # the config weighs it in
     adapter = read_adapter("adapters/moe")
     experts = [m for m, w in adapter.modules.items() if w.num_experts > 1]
     assert len(experts) == 2 * 2  # both expert tensors of both layers
@@ -283,3 +288,32 @@ def test_moe_catalog_recipe_plans_what_its_catalog_entry_says(name):
     assert recipe.catalog.memory is not None
     assert recipe.catalog.memory.startswith(f"{plan.peak_bytes / GiB:.1f} GiB")
     assert shape.expert_lora_params > 0 and shape.folded_expert_params == shape.expert_params
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_load_balancing_loss_is_added_as_the_config_weighs_it(family, tiny_tokenizer):
+    """With `output_router_logits` on, the SFT loss over a micro-batch equals transformers' own loss
+    (mean cross-entropy + router_aux_loss_coef x aux), and `router_aux` is the aux it added."""
+    from finetune.training.objectives.base import CollateOptions, Models
+    from finetune.training.objectives.sft import SFT
+
+    torch.manual_seed(0)
+    config = FAMILIES[family]()
+    config.output_router_logits, config.router_aux_loss_coef = True, 0.3
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    input_ids = torch.randint(0, 512, (2, 24))
+    labels = input_ids.clone()
+    labels[:, :5] = -100
+    reference = model(input_ids=input_ids, labels=labels)
+    terms = SFT(CollateOptions(pad_token_id=0, packing=False)).terms(
+        Models(model, model, None), {"input_ids": input_ids, "labels": labels}, {}
+    )
+    tokens = int((labels[:, 1:] != -100).sum())
+    torch.testing.assert_close(terms.losses["label_tokens"] / tokens, reference.loss, rtol=1e-6, atol=0)
+    torch.testing.assert_close(terms.metrics["router_aux"] / tokens, reference.aux_loss.detach(), rtol=1e-6, atol=0)
+    assert reference.aux_loss > 0
+    config.output_router_logits = False  # the config's own default: no load-balancing term, no metric
+    terms = SFT(CollateOptions(pad_token_id=0, packing=False)).terms(
+        Models(model, model, None), {"input_ids": input_ids, "labels": labels}, {}
+    )
+    assert "router_aux" not in terms.metrics
