@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import assert_tensors_equal, read_tensors
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM, GptOssConfig, MixtralConfig, OlmoeConfig, Qwen3MoeConfig
 
 import finetune
@@ -317,3 +319,48 @@ def test_load_balancing_loss_is_added_as_the_config_weighs_it(family, tiny_token
         Models(model, model, None), {"input_ids": input_ids, "labels": labels}, {}
     )
     assert "router_aux" not in terms.metrics
+
+
+@pytest.fixture(scope="module")
+def bf16_moe(tmp_path_factory, tiny_tokenizer) -> dict[str, tuple[Path, dict[str, Path]]]:
+    """Per family: a tiny base and three seeded expert adapters (one family stores experts fused, one apart)."""
+    made = {}
+    for family in ("qwen3_moe", "gpt_oss"):
+        root = tmp_path_factory.mktemp(f"{family}-bf16")
+        base_dir = build_moe(family, root / "base", tiny_tokenizer)
+        made[family] = (base_dir, {n: moe_adapter(base_dir, root / n, seed=s) for n, s in (("x1", 1), ("x2", 2))})
+    return made
+
+
+_moe_operation = st.one_of(
+    st.tuples(st.just("merge"), st.sampled_from(["x1", "x2"]), st.sampled_from([1.0, 0.5, -1.0, 2.0])),
+    st.tuples(st.just("subtract"), st.sampled_from(["x1", "x2"]), st.sampled_from([None, 0.5])),
+    st.tuples(st.just("swap"), st.sampled_from(["x1", "x2"]), st.sampled_from(["x1", "x2"])),
+)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(operations=st.lists(_moe_operation, min_size=1, max_size=6))
+def test_invariant_holds_on_expert_tensors_in_bf16(bf16_moe, family, operations):
+    """Whatever the sequence, each expert tensor is round(W_base + Σ w·ΔW) summed in fp32 in name order,
+    read from the base's files (no kept copies, also where they store one tensor per expert)."""
+    base_dir, adapters = bf16_moe[family]
+    m = finetune.load_model(str(base_dir), {n: str(p) for n, p in adapters.items()}, dtype="bfloat16")
+    base = expert_state(m.model)
+    for operation, name, argument in operations:
+        try:
+            getattr(m, operation)(name, argument) if argument is not None else m.subtract(name)
+        except AdapterError:
+            pass  # refused (e.g. subtracting what is not merged): must leave the state consistent
+        expected = {}
+        for tensor_name, tensor in base.items():
+            accumulator = tensor.to(torch.float32)
+            for adapter_name, weight in sorted(m.merged.items()):
+                accumulator = accumulator + m.adapters[adapter_name].modules[tensor_name].delta(weight)
+            expected[tensor_name] = accumulator.to(torch.bfloat16)
+        assert_tensors_equal(expected, expert_state(m.model))
+    for name in list(m.merged):
+        m.subtract(name, negate=True)
+    assert_tensors_equal(base, expert_state(m.model))
+    assert m.pristine_copy_bytes == 0
