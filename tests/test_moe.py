@@ -176,6 +176,19 @@ def test_combine_cat_equals_the_weighted_sum_and_other_methods_are_refused(moe_b
         combine_adapters([one, two], tmp_path / "svd", method="svd")
     with pytest.raises(ExportError, match="not supported"):
         export_lora_gguf(one, tmp_path / "one.gguf")
+    m.subtract("both")
+    m.attach("one")  # unmerged use works; per-row (per-request) use is refused in one line
+    with pytest.raises(AdapterError, match="serve it merged"):
+        m.use_per_row()
+    ids = torch.arange(3, 19).reshape(2, 8)
+    m.use("one")  # generate with it unmerged (the whole batch): the merged model's output
+    with torch.no_grad():
+        unmerged = m.model(input_ids=ids).logits
+    m.use(None)
+    m.merge("one")
+    with torch.no_grad():
+        merged = m.model(input_ids=ids).logits
+    torch.testing.assert_close(unmerged, merged, rtol=1e-5, atol=1e-5)
 
 
 TRAIN_RECIPE = """
