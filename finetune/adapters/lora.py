@@ -5,7 +5,11 @@ This module owns what an adapter *is* for the arithmetic: for every targeted lin
 rsLoRA, per-module r and alpha from `rank_pattern` / `alpha_pattern`: the semantics of peft's
 `LoraLayer.get_delta_weight`, computed in fp32. LoRA on an embedding (peft's `lora_embedding_A` (r, vocab)
 and `lora_embedding_B` (dim, r), whose update is (B·A)ᵀ) is held in the same (A, B) form, transposed, with
-`embedding=True` so that writers give it peft's names back. Everything that cannot be written as such a sum
+`embedding=True` so that writers give it peft's names back. LoRA on a mixture of experts' fused 3D expert
+tensor (peft's `target_parameters`, a `ParamWrapper` with one rank-r pair per expert) is held with
+`num_experts` > 1 and its update ΔW[e] = scale · B[:, :, e]·A[e] is the same `delta` (the layout of peft's
+`ParamWrapper.get_delta_weight`; `experts.bind_experts` names the tensor and its orientation). Merge,
+subtract, swap, combine, on-disk streaming and serving all take updates from `delta`. Everything that cannot be written as such a sum
 is refused with an `AdapterError` rather than merged approximately: DoRA (its update depends on the norm of
 the weight it is merged into, so weighted sums and exact subtraction have no meaning), LoRA biases,
 conv LoRA, `modules_to_save` and trainable tokens (full replacement weights, not updates). Copies of the
