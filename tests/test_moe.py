@@ -377,3 +377,27 @@ def test_invariant_holds_on_expert_tensors_in_bf16(bf16_moe, family, operations)
         m.subtract(name, negate=True)
     assert_tensors_equal(base, expert_state(m.model))
     assert m.pristine_copy_bytes == 0
+
+
+def test_qlora_keeps_the_experts_in_the_model_dtype(moe_base):
+    """bitsandbytes quantizes the linear layers; peft's kbit preparation would upcast the bf16 experts to
+    float32 (twice the model's bulk), which wrap_with_lora prevents."""
+    pytest.importorskip("bitsandbytes")
+    from finetune.model import load_base
+    from finetune.quantization import Quantization
+
+    family, base_dir = moe_base
+    model, _, _ = load_base(str(base_dir), dtype="bfloat16", quantization=Quantization("4bit"))
+    peft_model = wrap_with_lora(model, LoraConfig(r=4))
+    experts = expert_tensors(peft_model)
+    assert len(experts) == 4
+    assert {unwrapped_parameter(peft_model, e.name).dtype for e in experts} == {torch.bfloat16}
+    assert any(type(m).__name__ == "Linear4bit" for m in peft_model.modules())
+    assert describe_targets(peft_model) == ["LoRA on 8 linear modules and 4 of 4 expert tensors"]
+
+
+def unwrapped_parameter(peft_model: torch.nn.Module, name: str) -> torch.Tensor:
+    from finetune.adapters.experts import unwrapped
+
+    owner, _, parameter = name.rpartition(".")
+    return getattr(unwrapped(peft_model.base_model.model.get_submodule(owner)), parameter)
