@@ -242,40 +242,6 @@ def test_finetune_train_then_cli_merge_equals_plain_peft(tmp_path, monkeypatch, 
     assert main(["plan", "recipe.yaml"]) == 0
 
 
-@pytest.mark.parametrize(
-    ("base", "total", "active", "active_without_embedding"),
-    [
-        # Qwen counts the input embedding in its 3.3B active; OpenAI leaves it out of gpt-oss-20b's 3.61B.
-        ("Qwen/Qwen3-30B-A3B", 30.53e9, 3.35e9, 3.04e9),
-        ("openai/gpt-oss-20b", 20.91e9, 4.19e9, 3.61e9),
-    ],
-)
-def test_plan_counts_total_and_active_parameters_as_published(base, total, active, active_without_embedding):
-    from finetune.plan.memory import estimate
-    from finetune.plan.model_config import find_model_config
-    from finetune.plan.shape import model_shape
-    from finetune.recipe import Recipe
-
-    config, _ = find_model_config(base)
-    recipe = Recipe.model_validate(
-        {"model": {"base": base, "dtype": "bfloat16"}, "lora": {"r": 8}, "data": {"train": "x.jsonl"},
-         "output": {"name": "x"}}
-    )  # fmt: skip
-    shape = model_shape(config, recipe.lora)
-    moe = estimate(recipe, shape, device="cuda").moe
-    assert moe["total_params"] == pytest.approx(total, rel=5e-4)
-    assert moe["active_params"] == pytest.approx(active, rel=5e-3)
-    assert moe["active_params_without_input_embedding"] == pytest.approx(active_without_embedding, rel=5e-3)
-    # every expert tensor of every layer carries a rank-8 pair per expert: experts x 8 x (in + out) each
-    text = config.get_text_config()
-    experts = getattr(text, "num_experts", None) or text.num_local_experts
-    inner = getattr(text, "moe_intermediate_size", None) or text.intermediate_size
-    d = text.hidden_size
-    per_layer = experts * 8 * ((d + 2 * inner) + (inner + d))
-    assert shape.expert_lora_params == per_layer * text.num_hidden_layers
-    assert shape.folded_expert_params == shape.expert_params
-
-
 def test_plan_runs_on_each_tiny_family(moe_base, tmp_path, capsys):
     from finetune.cli import main
 
@@ -287,9 +253,18 @@ def test_plan_runs_on_each_tiny_family(moe_base, tmp_path, capsys):
     assert "mixture of experts:" in out and "folded experts" in out
 
 
+PUBLISHED = {
+    # (total, active, active without the input embedding): Qwen counts the input embedding in its 3.3B
+    # active; OpenAI leaves it out of gpt-oss-20b's 3.61B.
+    "Qwen/Qwen3-30B-A3B": (30.53e9, 3.35e9, 3.04e9),
+    "openai/gpt-oss-20b": (20.91e9, 4.19e9, 3.61e9),
+}
+
+
 @pytest.mark.parametrize("name", ["qwen3-30b-a3b-chat", "qwen3-30b-a3b-chat-qlora", "gpt-oss-20b-chat"])
 def test_moe_catalog_recipe_plans_what_its_catalog_entry_says(name):
-    """Each MoE recipe's `memory` line is its `finetune plan` on one GPU, and it trains the experts."""
+    """Each MoE recipe's `memory` line is its `finetune plan` on one GPU; the plan counts total and active
+    parameters as published, and a rank-r pair per expert on every expert tensor."""
     from finetune.catalog import resolve_recipe_path
     from finetune.plan.memory import GiB, estimate
     from finetune.plan.model_config import find_model_config
@@ -302,7 +277,17 @@ def test_moe_catalog_recipe_plans_what_its_catalog_entry_says(name):
     plan = estimate(recipe, shape, device="cuda")
     assert recipe.catalog.memory is not None
     assert recipe.catalog.memory.startswith(f"{plan.peak_bytes / GiB:.1f} GiB")
-    assert shape.expert_lora_params > 0 and shape.folded_expert_params == shape.expert_params
+    total, active, active_without_embedding = PUBLISHED[recipe.model.base]
+    assert plan.moe["total_params"] == pytest.approx(total, rel=5e-4)
+    assert plan.moe["active_params"] == pytest.approx(active, rel=5e-3)
+    assert plan.moe["active_params_without_input_embedding"] == pytest.approx(active_without_embedding, rel=5e-3)
+    text = config.get_text_config()
+    experts = getattr(text, "num_experts", None) or text.num_local_experts
+    inner = getattr(text, "moe_intermediate_size", None) or text.intermediate_size
+    d, r = text.hidden_size, recipe.lora.r
+    per_layer = experts * r * ((d + 2 * inner) + (inner + d))  # gate_up (d -> 2i) and down (i -> d)
+    assert shape.expert_lora_params == per_layer * text.num_hidden_layers
+    assert shape.folded_expert_params == shape.expert_params
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
