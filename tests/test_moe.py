@@ -386,3 +386,17 @@ def unwrapped_parameter(peft_model: torch.nn.Module, name: str) -> torch.Tensor:
 
     owner, _, parameter = name.rpartition(".")
     return getattr(unwrapped(peft_model.base_model.model.get_submodule(owner)), parameter)
+
+
+def test_shared_experts_keep_their_linear_lora_beside_the_routed_experts():
+    """Qwen2-MoE's shared expert is dense (`gate_proj`/`up_proj`/`down_proj` nn.Linear): peft 0.21 would move
+    those names onto the expert tensors for this family; with its rewrite off both carry LoRA."""
+    from transformers import Qwen2MoeConfig
+
+    config = Qwen2MoeConfig(**_COMMON, moe_intermediate_size=32, shared_expert_intermediate_size=64, num_experts=4)
+    peft_model = wrap_with_lora(AutoModelForCausalLM.from_config(config), LoraConfig(r=4))
+    assert describe_targets(peft_model) == ["LoRA on 16 linear modules and 4 of 4 expert tensors"]
+    trainable = {n for n, p in peft_model.named_parameters() if p.requires_grad}
+    for part in ("shared_expert.gate_proj", "shared_expert.up_proj", "shared_expert.down_proj"):
+        assert f"base_model.model.model.layers.0.mlp.{part}.lora_A.default.weight" in trainable
+    assert not any(".mlp.gate." in n for n in trainable)  # the router
