@@ -113,7 +113,7 @@ def _quantization(given: str | None, adapters: list[Adapter]) -> Quantization:
 
 
 def _load_resolved(
-    resolved: ResolvedBase, *, dtype: str, requantize: bool, attn_implementation: str, trust_remote_code: bool
+    resolved: ResolvedBase, *, dtype: str, requantize: bool, attn_implementation: str | None, trust_remote_code: bool
 ) -> LoadedModel:
     """Load the resolved base on its device, quantized as it says, into a `LoadedModel` (no adapters yet)."""
     model, tokenizer, _ = load_base(
@@ -140,7 +140,7 @@ def load_model(
     force: bool = False,
     allow_pickle: bool = False,
     revision: str | None = None,
-    attn_implementation: str = "sdpa",
+    attn_implementation: str | None = None,
     trust_remote_code: bool = False,
     device: str | torch.device | None = "auto",
 ) -> LoadedModel:

@@ -145,6 +145,8 @@ def base_state_items(model) -> list[tuple[str, torch.Tensor]]:
     """(name, tensor) of a model's base weights as `save_pretrained` names them.
 
     Unwraps a peft model (LoRA weights dropped, `base_layer.` removed) and counts tied weights once.
+    Tensors transformers fuses at load time (mixture-of-experts' stacked experts) are split back as it
+    saves them (`revert_weight_conversion`: one tensor per expert for most families).
     """
     inner = model
     if hasattr(inner, "get_base_model"):  # PeftModel
@@ -161,6 +163,10 @@ def base_state_items(model) -> list[tuple[str, torch.Tensor]]:
                 continue  # an alias of a tensor already counted (tied embeddings)
             seen.add(identity)
         items.append((name, tensor))
+    if any(tensor.dim() == 3 for _, tensor in items):
+        from transformers.core_model_loading import revert_weight_conversion
+
+        return list(revert_weight_conversion(inner, dict(items)).items())
     return items
 
 

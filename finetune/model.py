@@ -12,14 +12,18 @@ Example:
 from __future__ import annotations
 
 import importlib.util
+import json
 import re
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, cast
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from finetune.adapters.experts import ExpertTensor, expert_tensors, peft_target_rewrite_off, routers, unwrapped
 from finetune.adapters.quantized import keep_float_kernels
 from finetune.embedded import resolve_base_id
 from finetune.errors import ModelError
@@ -99,7 +103,7 @@ def load_base(
     *,
     dtype: str = "float32",
     revision: str | None = None,
-    attn_implementation: str = "sdpa",
+    attn_implementation: str | None = None,
     trust_remote_code: bool = False,
     quantization: Quantization = NO_QUANTIZATION,
     tokenizer: str | None = None,
@@ -110,11 +114,12 @@ def load_base(
     Returns:
         (model in eval mode, tokenizer, resolved source: the local directory or hub id that was loaded).
     """
+    chosen = {"attn_implementation": attn_implementation} if attn_implementation is not None else {}
     config = ModelConfig(
         base=base,
         dtype=dtype,
         revision=revision,
-        attn_implementation=attn_implementation,
+        **chosen,
         trust_remote_code=trust_remote_code,
         quantization=quantization.method,
         bnb_4bit_quant_type=quantization.quant_type,
@@ -138,10 +143,11 @@ def load_base_from_config(
     if config.trust_remote_code:
         print(f"warning: model.trust_remote_code is on: Python code shipped with {source} will run", file=sys.stderr)
     dtype = DTYPES[config.dtype]
+    files = files_to_load(source, config)
     kwargs: dict[str, Any] = dict(
         dtype=dtype,
         revision=config.revision,
-        attn_implementation=config.attn_implementation,
+        attn_implementation=attention_for(config, files),
         trust_remote_code=config.trust_remote_code,
     )
     quantization = _quantization_config(config, dtype)
@@ -150,7 +156,7 @@ def load_base_from_config(
     if device is not None and device.type != "cpu":
         kwargs["device_map"] = {"": device}  # every module there: one GPU per process, never "auto" sharding
     try:
-        model = AutoModelForCausalLM.from_pretrained(files_to_load(source, config), **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(files, **kwargs)
     except (OSError, ValueError) as exc:
         first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise ModelError(
@@ -161,6 +167,24 @@ def load_base_from_config(
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer_for(config)
     _check_vocabulary_fits(model, tokenizer, config.tokenizer or config.base)
     return model.eval(), tokenizer, source
+
+
+SINK_ATTENTION_FAMILIES = {"gpt_oss"}
+"""Families whose attention has sinks, which sdpa cannot compute (transformers refuses sdpa for them)."""
+
+
+def attention_for(config: ModelConfig, files: str) -> str:
+    """The attention implementation to load with: the recipe's, except that a recipe which does not choose one
+    gets `eager` for a family sdpa cannot run (gpt-oss), instead of a load that fails."""
+    chosen = "attn_implementation" in config.model_fields_set
+    config_file = Path(files) / "config.json"
+    if chosen or config.attn_implementation != "sdpa" or not config_file.is_file():
+        return config.attn_implementation
+    try:
+        model_type = json.loads(config_file.read_text(encoding="utf-8")).get("model_type")
+    except ValueError:
+        return config.attn_implementation
+    return "eager" if model_type in SINK_ATTENTION_FAMILIES else config.attn_implementation
 
 
 def load_tokenizer_for(config: ModelConfig) -> PreTrainedTokenizerBase:
@@ -195,11 +219,13 @@ def files_to_load(source: str, config: ModelConfig) -> str:
     return str(local_model_dir(source, config.revision) or source)
 
 
-def linear_module_names(model: torch.nn.Module) -> list[str]:
-    """Distinct last name parts of the model's linear layers (what `target_modules` can name)."""
-    names = set()
+def linear_module_names(model: torch.nn.Module, skip: frozenset[str] | set[str] = frozenset()) -> list[str]:
+    """Distinct last name parts of the model's linear layers (what `target_modules` can name); a name only
+    the modules in `skip` (full names) have is left out."""
+    names: set[str] = set()
     for name, module in model.named_modules():
-        if isinstance(module, torch.nn.Linear) or type(module).__name__ in ("Linear8bitLt", "Linear4bit"):
+        linear = isinstance(module, torch.nn.Linear) or type(module).__name__ in ("Linear8bitLt", "Linear4bit")
+        if linear and name not in skip:
             names.add(name.rsplit(".", 1)[-1])
     return sorted(names)
 
@@ -229,23 +255,50 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [module for module in model.modules() if type(module).__name__ in names]
 
 
-def _lora_targets(config: LoraConfig, model: PreTrainedModel) -> str | list[str]:
-    """peft's `target_modules`: the recipe's, plus the embeddings/head that `train_*` switches on."""
+def _lora_targets(config: LoraConfig, model: PreTrainedModel, moe: _MoeTargets) -> str | list[str]:
+    """peft's `target_modules`: the recipe's, plus the embeddings/head that `train_*` switches on.
+
+    On a mixture of experts `all-linear` is spelled out as the linear layers' names without the routers
+    (unless `train_router`), since peft's `all-linear` would put LoRA on a router that is an `nn.Linear`.
+    """
     embed_tokens, lm_head = embedding_module_names(model)
     extra = [
         name for name, wanted in ((lm_head, config.train_lm_head), (embed_tokens, config.train_embed_tokens)) if wanted
     ]
-    if not extra:
+    if not extra and not moe.experts:
         return config.target_modules
     if config.target_modules == "all-linear":  # peft's `all-linear` leaves the head out and takes no additions
         head = lm_head.rsplit(".", 1)[-1]
-        blocks = [name for name in linear_module_names(model) if name != head]
+        blocks = [name for name in linear_module_names(model, skip=moe.frozen_routers) if name != head]
     else:
         blocks = list(config.target_modules)
+    if not extra:
+        return blocks
     # One regex (peft full-matches a string against each module name): the blocks' layers by their last name
     # part, the additions by their full name, so `lm_head` cannot match anything inside the blocks.
     suffixes = "|".join(re.escape(name) for name in blocks)
     return "|".join([rf"(?:.*\.)?(?:{suffixes})"] + [re.escape(name) for name in extra])
+
+
+class _MoeTargets:
+    """What `all-linear` adds on a mixture of experts: its expert tensors and, with `train_router`, its routers."""
+
+    def __init__(self, config: LoraConfig, model: torch.nn.Module):
+        self.experts: list[ExpertTensor] = expert_tensors(model) if config.target_modules == "all-linear" else []
+        router_names = routers(model, self.experts)
+        linear = {name for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+        self.frozen_routers = set() if config.train_router else set(router_names)
+        # Routers that are nn.Linear are excluded by full name too, in case another layer shares their last name.
+        self.excluded_routers = sorted(self.frozen_routers & linear)
+        # A router that is not an nn.Linear (a module holding a weight) is reached as a parameter, like the experts.
+        self.router_parameters = [n for n in router_names if n not in linear] if config.train_router else []
+
+    @property
+    def target_parameters(self) -> list[str]:
+        """Suffixes peft matches parameter names against (`experts.down_proj`, `gate.weight`)."""
+        experts = {f"{e.owner.rsplit('.', 1)[-1]}.{e.parameter}" for e in self.experts}
+        router_weights = {f"{name.rsplit('.', 1)[-1]}.weight" for name in self.router_parameters}
+        return sorted(experts | router_weights)
 
 
 def peft_lora_config(config: LoraConfig, model: PreTrainedModel) -> PeftLoraConfig:
@@ -262,13 +315,17 @@ def peft_lora_config(config: LoraConfig, model: PreTrainedModel) -> PeftLoraConf
         "olora": "olora",
     }
     init = inits[config.init]
+    moe = _MoeTargets(config, model)
+    target_parameters = moe.target_parameters
     return PeftLoraConfig(
         task_type="CAUSAL_LM",
         r=config.r,
         lora_alpha=config.alpha,  # type: ignore[arg-type]  # peft annotates int; it computes alpha / r, floats work
-        lora_dropout=config.dropout,
-        target_modules=_lora_targets(config, model),
-        exclude_modules=config.exclude_modules or None,
+        # peft refuses dropout on parameter targets; `wrap_with_lora` gives the linear layers theirs back.
+        lora_dropout=0.0 if target_parameters else config.dropout,
+        target_modules=_lora_targets(config, model, moe),
+        target_parameters=target_parameters or None,
+        exclude_modules=[*config.exclude_modules, *moe.excluded_routers] or None,
         use_rslora=config.use_rslora,
         use_dora=config.use_dora,
         init_lora_weights=init,
@@ -281,15 +338,36 @@ def wrap_with_lora(model: PreTrainedModel, config: LoraConfig):
     peft = import_peft()
     lora_config = peft_lora_config(config, model)
     if getattr(model, "is_loaded_in_4bit", False) or getattr(model, "is_loaded_in_8bit", False):
-        model = peft.prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
-    with bitsandbytes_hidden():  # a no-op on a quantized base, which loaded bitsandbytes already
+        with _experts_kept_in_their_dtype(model):
+            model = peft.prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+    # bitsandbytes hidden: a no-op on a quantized base, which loaded it already
+    with bitsandbytes_hidden(), peft_target_rewrite_off():
         peft_model = peft.get_peft_model(model, lora_config)
-    use_uniform_dropout(peft_model)
+    use_uniform_dropout(peft_model, config.dropout)
     # LoRA weights train in float32 even on a 16-bit base: Adam updates are too small for bf16.
     for parameter in peft_model.parameters():
         if parameter.requires_grad and parameter.dtype != torch.float32:
             parameter.data = parameter.data.float()
     return peft_model
+
+
+@contextmanager
+def _experts_kept_in_their_dtype(model: torch.nn.Module) -> Iterator[None]:
+    """Inside the block, peft's `prepare_model_for_kbit_training` leaves the fused expert tensors as they are.
+
+    It casts every 16-bit parameter bitsandbytes did not quantize to float32; bitsandbytes quantizes only
+    `nn.Linear`, so on a mixture of experts that would double the experts, the model's bulk (Qwen3-30B-A3B:
+    57 GB of bf16 experts). The experts' storage is set aside while it runs (an empty stand-in is what it casts).
+    """
+    parameters = [unwrapped(model.get_submodule(e.owner))._parameters[e.parameter] for e in expert_tensors(model)]
+    kept = [(p, p.data) for p in parameters if p is not None]
+    for parameter, _ in kept:
+        parameter.data = torch.empty(0, dtype=parameter.dtype, device=parameter.device)
+    try:
+        yield
+    finally:
+        for parameter, data in kept:
+            parameter.data = data
 
 
 class UniformDropout(torch.nn.Dropout):
@@ -313,14 +391,42 @@ class UniformDropout(torch.nn.Dropout):
         return torch.where(keep, input * (1.0 / (1.0 - self.p)), 0.0)
 
 
-def use_uniform_dropout(peft_model: torch.nn.Module) -> None:
-    """Replace every LoRA layer's `nn.Dropout` by a `UniformDropout` of the same p, in place."""
+def use_uniform_dropout(peft_model: torch.nn.Module, dropout: float | None = None) -> None:
+    """Replace every LoRA layer's `nn.Dropout` by a `UniformDropout` of the same p, in place.
+
+    `dropout`: give the linear LoRA layers this p where peft left none (its config carries 0 when it also
+    targets expert tensors, whose `ParamWrapper` refuses dropout); the expert tensors stay without.
+    """
     for module in peft_model.modules():
         dropouts = getattr(module, "lora_dropout", None)
-        if isinstance(dropouts, torch.nn.ModuleDict):
-            for name, dropout in dropouts.items():
-                if type(dropout) is torch.nn.Dropout:
-                    dropouts[name] = UniformDropout(dropout.p)
+        if not isinstance(dropouts, torch.nn.ModuleDict):
+            continue
+        for name, layer in dropouts.items():
+            if type(layer) is torch.nn.Dropout:
+                dropouts[name] = UniformDropout(layer.p)
+            elif dropout and isinstance(layer, torch.nn.Identity) and type(module).__name__ != "ParamWrapper":
+                dropouts[name] = UniformDropout(dropout)
+
+
+def describe_targets(peft_model: torch.nn.Module) -> list[str]:
+    """Log lines: what LoRA reached ('LoRA on 12 linear modules and 8 expert tensors'), and a warning when a
+    mixture of experts' expert tensors carry none."""
+    linear = expert = 0
+    for module in peft_model.modules():
+        if not isinstance(getattr(module, "lora_A", None), torch.nn.ModuleDict):
+            continue
+        if type(module).__name__ == "ParamWrapper" and getattr(module, "num_experts", 1) > 1:
+            expert += 1
+        elif type(module).__name__ != "ParamWrapper":
+            linear += 1
+    total = len(expert_tensors(peft_model))
+    lines = [f"LoRA on {linear} linear modules" + (f" and {expert} of {total} expert tensors" if total else "")]
+    if total > expert:
+        lines.append(
+            f"warning: {total - expert} of the base's {total} fused expert tensors carry no LoRA (the model's bulk); "
+            "use lora.target_modules: all-linear to train the experts"
+        )
+    return lines
 
 
 def describe_trainable(model: torch.nn.Module) -> str:

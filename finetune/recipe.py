@@ -99,7 +99,12 @@ class LoraConfig(_Section):
     """Scale numerator: the update is multiplied by alpha / r (alpha / sqrt(r) with rsLoRA)."""
     dropout: float = Field(0.05, ge=0.0, lt=1.0)
     target_modules: Literal["all-linear"] | list[str] = "all-linear"
-    """`all-linear` (every linear layer of the blocks, not the output head) or a list of module-name suffixes."""
+    """`all-linear` (every linear layer of the blocks, not the output head) or a list of module-name suffixes.
+    On a mixture of experts `all-linear` also takes the fused expert tensors (peft's `target_parameters`: one
+    rank-r pair per expert, so experts x r in all per tensor), without dropout there (peft has none for them)."""
+    train_router: bool = False
+    """On a mixture of experts, also put LoRA on the router (the layer that picks experts). Off by default:
+    a moving router shifts which experts see which tokens, and the load balance the base was trained for."""
     train_lm_head: bool = False
     """Also put LoRA on the output head (`lm_head`, whatever the family calls it). A small model on a new
     domain gains most from this: on the quickstart it takes held-out perplexity from 9.2 to about 1.5,

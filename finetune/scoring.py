@@ -57,27 +57,57 @@ def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Te
 
 
 def forward_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Summed next-token loss and label-token count of one collated batch (KV cache off: see packing).
+    """Summed next-token loss and label-token count of one collated batch (see `forward_loss_terms`; without
+    a mixture of experts' load-balancing loss)."""
+    loss_sum, num_label_tokens, _ = forward_loss_terms(model, batch)
+    return loss_sum, num_label_tokens
+
+
+def forward_loss_terms(
+    model: torch.nn.Module, batch: dict[str, torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Summed next-token loss, label-token count, and the router's load-balancing loss of one collated batch.
 
     The output layer runs only at the positions that predict a label: with a prompt masked out (or
     padding) most positions carry none, and for a large vocabulary the head and its softmax are most of
     a small model's step. The loss is the same sum over the same tokens as `token_loss_sum` of all
     logits. The selection happens in a hook on the head, inside the model's forward, so DDP, FSDP and
-    DeepSpeed wrappers see an ordinary forward.
+    DeepSpeed wrappers see an ordinary forward. KV cache off: see packing.
+
+    A mixture of experts whose config sets `output_router_logits` returns its load-balancing loss
+    (transformers' `aux_loss`, one value per micro-batch). Training adds it as transformers' own loss adds
+    it, `router_aux_loss_coef` x aux per token (`router_aux_coef`), so weighted by this micro-batch's label
+    tokens: the step's loss is then the mean cross-entropy plus the coefficient times the token-weighted
+    mean aux. The third value is that aux x label tokens, None for other models; the first is the
+    cross-entropy alone, so scores and perplexities never include it.
     """
     inputs = {k: v for k, v in batch.items() if k != "labels"}
     targets = next_token_targets(batch["labels"])  # (B, T)
     labelled = targets != IGNORE_INDEX
     head = output_head(model)
     if head is None or hasattr(model, "_orig_mod"):  # torch.compile: a shape that changes every batch recompiles
-        return token_loss_sum(model(**inputs, use_cache=False).logits, batch["labels"])
-    handle = head.register_forward_pre_hook(lambda module, args: (args[0][labelled], *args[1:]))
-    try:
-        logits = model(**inputs, use_cache=False).logits  # (N, V): the N labelled positions, in row order
-    finally:
-        handle.remove()
-    loss_sum = F.cross_entropy(logits.float(), targets[labelled], reduction="sum")
-    return loss_sum, labelled.sum()
+        outputs = model(**inputs, use_cache=False)
+        loss_sum, num_label_tokens = token_loss_sum(outputs.logits, batch["labels"])
+    else:
+        handle = head.register_forward_pre_hook(lambda module, args: (args[0][labelled], *args[1:]))
+        try:
+            outputs = model(**inputs, use_cache=False)  # logits (N, V): the N labelled positions, in row order
+        finally:
+            handle.remove()
+        loss_sum = F.cross_entropy(outputs.logits.float(), targets[labelled], reduction="sum")
+        num_label_tokens = labelled.sum()
+    aux = getattr(outputs, "aux_loss", None)
+    if aux is None:
+        return loss_sum, num_label_tokens, None
+    return loss_sum, num_label_tokens, aux.float() * num_label_tokens
+
+
+def router_aux_coef(model: torch.nn.Module) -> float:
+    """The model config's weight of the load-balancing loss (`router_aux_loss_coef`, 0 when it names none)."""
+    for module in model.modules():
+        if isinstance(module, PreTrainedModel):
+            return float(getattr(module.config, "router_aux_loss_coef", 0.0) or 0.0)
+    return 0.0
 
 
 def output_head(model: torch.nn.Module) -> torch.nn.Module | None:

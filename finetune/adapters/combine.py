@@ -1,5 +1,7 @@
 """Combine several LoRA adapters into one whose update approximates (or equals) Σ wᵢ·ΔWᵢ.
 
+LoRA on mixture-of-experts tensors combines by `cat` only (each expert's ranks concatenated).
+
 - `cat`: concatenate ranks. Per module, A = [A₁; A₂; ...] (rows) and B = [c₁B₁, c₂B₂, ...] (columns)
   with cᵢ = wᵢ·scaleᵢ folded into B, and the combined adapter's own scale set to 1 (alpha = r per
   module, via rank_pattern/alpha_pattern). Then B·A = Σ wᵢ·ΔWᵢ exactly, up to fp32 rounding. Signed
@@ -105,7 +107,7 @@ def _check_compatible(adapters: list[Adapter]) -> None:
         raise AdapterError(f"the adapters were trained on different bases ({listing}); combine adapters of one base")
     if len({bool(a.config.get("fan_in_fan_out")) for a in adapters}) > 1:
         raise AdapterError("the adapters disagree on fan_in_fan_out; combine adapters of one architecture")
-    shapes: dict[str, tuple[str, tuple[int, int]]] = {}
+    shapes: dict[str, tuple[str, tuple[int, ...]]] = {}
     for adapter in adapters:
         for module, lora in sorted(adapter.modules.items()):
             first = shapes.setdefault(module, (adapter.name, lora.weight_shape))
@@ -121,6 +123,8 @@ def _combine_module(
     """One module's combination: (exact weighted sum of the ΔW, A, B, the ΔW that A and B give)."""
     tasks = [lora.delta(w) for lora, w in parts]
     exact = torch.stack(tasks).sum(dim=0)
+    if parts[0][0].num_experts > 1:
+        return exact, *_cat_experts(parts)
     if method == "cat":
         A = torch.cat([lora.A for lora, _ in parts], dim=0)
         B = torch.cat([lora.B * (w * lora.scale) for lora, w in parts], dim=1)
@@ -134,6 +138,31 @@ def _combine_module(
         merged = _dare(tasks, density, generator)
     A, B = _low_rank(merged.T if parts[0][0].fan_in_fan_out else merged, target_rank)
     return exact, A, B, (B @ A).T if parts[0][0].fan_in_fan_out else B @ A
+
+
+def _cat_experts(parts: list[tuple[LoraWeights, float]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`cat` for LoRA on an expert tensor: each expert's ranks concatenated, in peft's interleaved layout
+    (A rows expert-major, B columns rank-major; see `LoraWeights.num_experts`)."""
+    experts = parts[0][0].num_experts
+    A = torch.cat([lora.A.reshape(experts, -1, lora.A.shape[-1]) for lora, _ in parts], dim=1)  # (E, Σr, in)
+    B = torch.cat([(lora.B * (w * lora.scale)).reshape(lora.B.shape[0], -1, experts) for lora, w in parts], dim=1)
+    combined = LoraWeights(A.reshape(-1, A.shape[-1]), B.reshape(B.shape[0], -1), 1.0, num_experts=experts)
+    return combined.A, combined.B, combined.delta()
+
+
+def _check_experts(adapters: list[Adapter], method: str) -> None:
+    """Expert LoRA combines by `cat` only, into one rank for every module (peft keys expert ranks by tensor name)."""
+    if not any(w.num_experts > 1 for a in adapters for w in a.modules.values()):
+        return
+    if method != "cat":
+        raise AdapterError(
+            f"combine {method} is not supported for adapters with LoRA on expert tensors; use --method cat"
+        )
+    modules = [{m: w.rank for m, w in a.modules.items()} for a in adapters]
+    if any(len(set(ranks.values())) != 1 for ranks in modules) or len({frozenset(r) for r in modules}) != 1:
+        raise AdapterError(
+            "combine cat of adapters with LoRA on expert tensors needs each adapter at one rank on the same modules"
+        )
 
 
 def combine_adapters(
@@ -160,6 +189,7 @@ def combine_adapters(
             for i, (path, a) in enumerate(zip(paths, adapters))
         ]
     _check_compatible(adapters)
+    _check_experts(adapters, method)
     target_rank = rank or max(max(a.ranks) for a in adapters)
     generator = torch.Generator().manual_seed(seed)
 
@@ -167,6 +197,7 @@ def combine_adapters(
     rank_by_module: dict[str, int] = {}
     error_squared, norm_squared, worst = 0.0, 0.0, ("", 0.0)
     modules = sorted({m for a in adapters for m in a.modules})
+    expert_modules: set[str] = set()  # peft's wrappers of expert tensors: targeted by target_parameters
     for module in modules:
         parts = [(a.modules[module], w) for a, w in zip(adapters, weights) if module in a.modules]
         exact, A, B, combined = _combine_module(parts, method, target_rank, density, generator)
@@ -176,17 +207,20 @@ def combine_adapters(
         if norm > 0 and error / norm >= worst[1]:
             worst = (module, error / norm)
         first = parts[0][0]
-        tensors.update(LoraWeights(A, B, 1.0, first.fan_in_fan_out, first.embedding).peft_tensors(module))
-        rank_by_module[module] = A.shape[0]
+        combined_lora = LoraWeights(A, B, 1.0, first.fan_in_fan_out, first.embedding, num_experts=first.num_experts)
+        tensors.update(combined_lora.peft_tensors(module))
+        rank_by_module[module] = combined_lora.rank
+        expert_modules.update({module} if first.num_experts > 1 else set())
 
-    config = _combined_config(adapters[0].config, rank_by_module)
+    config = _combined_config(adapters[0].config, rank_by_module, expert_modules)
     _write(out, config, tensors, adapters, weights, method)
     relative = math.sqrt(error_squared) / max(math.sqrt(norm_squared), 1e-30)
     return CombineReport(method, Path(out), relative, worst[0], worst[1], rank_by_module)
 
 
-def _combined_config(template: dict, rank_by_module: dict[str, int]) -> dict:
-    """A peft config whose scale is 1 for every module: alpha = r, per module through the patterns."""
+def _combined_config(template: dict, rank_by_module: dict[str, int], expert_modules: set[str]) -> dict:
+    """A peft config whose scale is 1 for every module: alpha = r, per module through the patterns (expert
+    tensors stay targeted by the template's `target_parameters`)."""
     r = max(rank_by_module.values())
     pattern = {re.escape(m): k for m, k in rank_by_module.items() if k != r}
     config = dict(template)
@@ -196,7 +230,7 @@ def _combined_config(template: dict, rank_by_module: dict[str, int]) -> dict:
         use_rslora=False,
         rank_pattern=pattern,
         alpha_pattern=dict(pattern),
-        target_modules=sorted(rank_by_module),
+        target_modules=sorted(set(rank_by_module) - expert_modules),
         lora_dropout=0.0,
         init_lora_weights=True,
         inference_mode=True,

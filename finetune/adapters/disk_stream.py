@@ -30,6 +30,8 @@ if TYPE_CHECKING:
 
 from finetune.adapters.arithmetic import Term, half_ulp, merged_weight, module_terms
 from finetune.adapters.disk_operation import DiskOperation
+from finetune.adapters.expert_files import ExpertLayout
+from finetune.adapters.experts import bind_experts
 from finetune.adapters.fit import check_fits
 from finetune.adapters.ledger import Ledger
 from finetune.adapters.lora import Adapter
@@ -67,18 +69,22 @@ class _ShardWriter:
             if self.exact
             else inexact_weights(operation.source_ledger, operation.target_ledger)
         )
+        architecture = _meta_model(read_dir)  # one per operation: tied names, quantizable weights, expert tensors
+        operation.adapters = {name: bind_experts(a, architecture) for name, a in operation.adapters.items()}
         self.terms = module_terms(weights, operation.adapters)
+        self.terms_of_tensor = {terms[0][2].tensor_name(module): terms for module, terms in self.terms.items()}
         self.read_index = read_index
         self.source_index = read_index if read_dir == operation.source_dir else TensorIndex.of(operation.source_dir)
-        architecture = _meta_model(read_dir)  # one per operation: tied names and quantizable weights
         self.aliases = stored_aliases(architecture, read_index)
         self.untied = _names_to_untie(self.aliases, self.terms)
         quantized = operation.quantization.method != "none"
         self.quantized_weights = _quantizable_weights(architecture) if quantized else set()
         roundtrip = quantization_roundtrip(self.quantized_weights, operation.quantization) if quantized else None
         self.pristine = PristineWeights(
-            read_index, device=operation.base.device, verify=False, aliases=self.aliases, roundtrip=roundtrip
-        )
+            read_index, device=operation.base.device, verify=False, aliases=self.aliases, roundtrip=roundtrip,
+            layout=ExpertLayout(architecture, read_index),
+        )  # fmt: skip
+        self._split: dict[str, torch.Tensor] = {}  # stored part -> its merged values, while its fused tensor is written
         self.dtype = operation.base.dtype
         self.rewritten, self.max_drift_bound = 0, 0.0
 
@@ -92,7 +98,10 @@ class _ShardWriter:
                     adapter.check_base_copy(module, self.read_index.read(stored))
 
     def _stored_shape(self, module: str) -> tuple[int, ...]:
-        stored = self.pristine.stored_name(module + ".weight")
+        layout = self.pristine.layout
+        if layout is not None and module in layout.fused:
+            return layout.fused[module].shape
+        stored = self.pristine.stored_name(module + ".weight") or self.pristine.stored_name(module)
         if stored is None:
             raise KeyError(module)
         return self.read_index[stored].shape
@@ -114,17 +123,31 @@ class _ShardWriter:
         return (self.dtype or stored) if stored.is_floating_point else stored
 
     def _output(self, name: str, out_dtype: torch.dtype) -> torch.Tensor:
+        layout = self.pristine.layout
+        fused = layout.owner_of.get(name) if layout is not None else None
+        if fused is not None and fused in self.terms_of_tensor:  # one expert's share of an updated fused tensor
+            if name not in self._split:
+                self._split.update(layout.split(fused, self._output(fused, out_dtype)))  # type: ignore[union-attr]
+            return self._split.pop(name)
         base = self.pristine.get(name, out_dtype)
-        module = name.removesuffix(".weight")
-        terms: list[Term] = self.terms.get(module, []) if name.endswith(".weight") else []
+        terms: list[Term] = self.terms_of_tensor.get(name, [])
         if not terms:
             return base.to(out_dtype)
-        result = merged_weight(base, terms, out_dtype, module=module)
+        result = merged_weight(base, terms, out_dtype, module=name.removesuffix(".weight"))
         self.rewritten += 1
         if not self.exact:
-            stored = self.read_index.read(name).to(result.device)
+            stored = self._stored(name).to(result.device)
             self.max_drift_bound = max(self.max_drift_bound, (half_ulp(stored) + half_ulp(result)).max().item())
         return result
+
+    def _stored(self, name: str) -> torch.Tensor:
+        """Tensor `name` as the read files store it (a fused expert tensor assembled in its parts' dtype)."""
+        layout = self.pristine.layout
+        if layout is None or name not in layout.fused:
+            return self.read_index.read(name)
+        dtype = self.read_index[layout.parts(name)[0]].torch_dtype
+        assert dtype is not None
+        return layout.read(name, self.read_index.read, dtype)
 
 
 def write_target(operation: DiskOperation, out: str | Path, kind: str) -> ArithmeticResult:

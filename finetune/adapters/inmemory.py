@@ -32,6 +32,7 @@ import torch
 
 from finetune.adapters import quantized
 from finetune.adapters.arithmetic import Term, changed_modules, merged_weight, module_terms
+from finetune.adapters.experts import bind_experts, peft_target_rewrite_off, unwrapped
 from finetune.adapters.fit import check_fits
 from finetune.adapters.ledger import Ledger
 from finetune.adapters.lora import Adapter
@@ -85,7 +86,7 @@ class LoadedModel:
         # A model loaded from a merged checkpoint already holds its ledger's merges: its tensors are not the base's.
         self._tied = tied_parameter_names(model)
         self._pristine = PristineWeights.of(
-            base.pristine_dir, base.device, verify=not self._ledger.entries, aliases=self._tied
+            base.pristine_dir, base.device, model, verify=not self._ledger.entries, aliases=self._tied
         )
         self._untied: dict[str, torch.nn.Parameter] = {}  # module -> the shared weight it held before a merge
         self._ties_on_load = bool(getattr(model.config, TIE_KEY, False))
@@ -146,6 +147,7 @@ class LoadedModel:
         """Make `adapter` available under `adapter.name`, after checking that it fits this base."""
         if adapter.name in self.adapters:
             raise AdapterError(f"an adapter named {adapter.name!r} is already loaded; give the new one another name")
+        adapter = bind_experts(adapter, self.model)
         self._check_fits(adapter)
         self.adapters[adapter.name] = adapter
 
@@ -156,11 +158,24 @@ class LoadedModel:
 
     def _weight_shape(self, module: str) -> tuple[int, ...] | str:
         """The shape an update of `module` must have (see `fit.check_fits`)."""
+        expert = self._expert_parameter(module)
+        if expert is not None:
+            return tuple(expert.shape)
         try:
             layer = self._layer(module)[2]
         except AttributeError:
             raise KeyError(module) from None
         return _weight_shape(layer) or type(layer).__name__
+
+    def _expert_parameter(self, name: str) -> torch.nn.Parameter | None:
+        """The fused 3D expert tensor called `name` (`...mlp.experts.down_proj`), looking through peft's wrappers."""
+        owner_name, _, attribute = name.rpartition(".")
+        try:
+            owner = unwrapped(self.model.get_submodule(owner_name))
+        except AttributeError:
+            return None
+        parameter = owner._parameters.get(attribute)
+        return parameter if parameter is not None and parameter.dim() == 3 else None
 
     def _base_weight(self, module: str, layer: torch.nn.Module) -> torch.Tensor:
         """The base's value of `module`'s weight: pristine if something is merged into it, else the current one."""
@@ -243,6 +258,13 @@ class LoadedModel:
         return bool(self._quantized_originals) or any(quantized.is_quantized_linear(m) for m in self.model.modules())
 
     def _write(self, module: str, terms: list[Term]) -> None:
+        expert = self._expert_parameter(module)
+        if expert is not None:  # a fused expert tensor: its name is the tensor's, it has no layer of its own
+            self._pristine.remember(module, expert.data)
+            new = merged_weight(self._pristine.get(module, expert.dtype), terms, expert.dtype, module=module)
+            with torch.no_grad():
+                expert.data.copy_(new)
+            return
         parent, attribute, layer = self._layer(module)
         if module not in self._quantized_originals and quantized.is_quantized_linear(layer):
             self._quantized_originals[module] = layer
@@ -318,7 +340,8 @@ class LoadedModel:
         if self._ledger.entries and self._quantized_base():
             raise AdapterError("on a quantized base use() needs nothing merged; subtract the merged adapters first")
         peft = import_peft()
-        with warnings.catch_warnings(), bitsandbytes_hidden():  # a no-op on a quantized base
+        # bitsandbytes hidden: a no-op on a quantized base, which loaded it already
+        with warnings.catch_warnings(), bitsandbytes_hidden(), peft_target_rewrite_off():
             warnings.simplefilter("ignore")
             if self._peft is None:
                 self._peft = peft.PeftModel.from_pretrained(
@@ -345,6 +368,14 @@ class LoadedModel:
         """
         if self._peft is None:
             raise AdapterError("no adapter is attached; call attach(name) first")
+        experts = [
+            name for name in self.attached if any(w.num_experts > 1 for w in self.adapters[name].modules.values())
+        ]
+        if experts:
+            raise AdapterError(
+                f"adapter {experts[0]!r} has LoRA on expert tensors, which peft cannot apply per row of a batch "
+                "(its ParamWrapper has no mixed-batch path); serve it merged: finetune serve --merge NAME"
+            )
         if not self._per_row:  # switching costs a walk over every module: once, not per call
             _tuner(self._peft).enable_adapter_layers()
             self._active, self._per_row = None, True

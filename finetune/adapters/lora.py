@@ -5,7 +5,11 @@ This module owns what an adapter *is* for the arithmetic: for every targeted lin
 rsLoRA, per-module r and alpha from `rank_pattern` / `alpha_pattern`: the semantics of peft's
 `LoraLayer.get_delta_weight`, computed in fp32. LoRA on an embedding (peft's `lora_embedding_A` (r, vocab)
 and `lora_embedding_B` (dim, r), whose update is (B·A)ᵀ) is held in the same (A, B) form, transposed, with
-`embedding=True` so that writers give it peft's names back. Everything that cannot be written as such a sum
+`embedding=True` so that writers give it peft's names back. LoRA on a mixture of experts' fused 3D expert
+tensor (peft's `target_parameters`, a `ParamWrapper` with one rank-r pair per expert) is held with
+`num_experts` > 1 and its update ΔW[e] = scale · B[:, :, e]·A[e] is the same `delta` (the layout of peft's
+`ParamWrapper.get_delta_weight`; `experts.bind_experts` names the tensor and its orientation). Merge,
+subtract, swap, combine, on-disk streaming and serving all take updates from `delta`. Everything that cannot be written as such a sum
 is refused with an `AdapterError` rather than merged approximately: DoRA (its update depends on the norm of
 the weight it is merged into, so weighted sums and exact subtraction have no meaning), LoRA biases,
 conv LoRA, `modules_to_save` and trainable tokens (full replacement weights, not updates). Copies of the
@@ -55,7 +59,6 @@ _UNSUPPORTED_CONFIG = {
     "modules_to_save": "modules_to_save replaces whole modules instead of adding an update",
     "trainable_token_indices": "trainable tokens replace embedding rows instead of adding an update",
     "layer_replication": "layer replication changes the model's structure",
-    "target_parameters": "LoRA on raw parameters (target_parameters) is not supported",
     "use_qalora": "QA-LoRA's pooled update is not supported",
     "use_bdlora": "block-diagonal LoRA is not supported",
     "alora_invocation_tokens": "activated LoRA only applies after invocation tokens, it cannot be merged",
@@ -125,16 +128,30 @@ class LoraWeights:
     fan_in_fan_out: bool = False
     embedding: bool = False
     """An embedding's LoRA: A here is peft's `lora_embedding_B`ᵀ (r, dim), B its `lora_embedding_A`ᵀ (vocab, r)."""
+    num_experts: int = 1
+    """> 1: LoRA on a fused 3D expert tensor (peft's `target_parameters`), one rank-r pair per expert held as
+    peft holds it: A (experts·r, in) with row e·r + j, B (out, r·experts) with column j·experts + e."""
+    transposed: bool = False
+    """The expert tensor is stored (experts, in, out) instead of (experts, out, in) (set by `experts.bind_experts`)."""
+    parameter: str | None = None
+    """The expert tensor's parameter name once bound to a model (`down_proj`); None: keyed by peft's wrapper."""
 
     @property
     def rank(self) -> int:
-        return self.A.shape[0]
+        return self.A.shape[0] // self.num_experts
 
     @property
-    def weight_shape(self) -> tuple[int, int]:
+    def weight_shape(self) -> tuple[int, ...]:
         """Shape of the base weight this update is added to."""
         out_features, in_features = self.B.shape[0], self.A.shape[1]
+        if self.num_experts > 1:
+            inner = (in_features, out_features) if self.transposed else (out_features, in_features)
+            return (self.num_experts, *inner)
         return (in_features, out_features) if self.fan_in_fan_out else (out_features, in_features)
+
+    def tensor_name(self, module: str) -> str:
+        """The base tensor this update is added to: `<module>.weight`, or the expert tensor's own name."""
+        return module if self.num_experts > 1 else module + ".weight"
 
     def peft_tensors(self, module: str) -> dict[str, torch.Tensor]:
         """This update under the names peft saves it with (`base_model.model.<module>.lora_A.weight`, ...)."""
@@ -155,9 +172,20 @@ class LoraWeights:
         (no TF32, whatever the process chose): the same inputs on the same device give the same bits.
         """
         A, B = self.A.to(device), self.B.to(device)
+        if self.num_experts > 1:
+            return self._expert_delta(A, B, weight)
         with ieee_fp32_matmuls():
             update = (B * (weight * self.scale)) @ A  # (out, r) @ (r, in) -> (out, in)
         return update.T if self.fan_in_fan_out else update
+
+    def _expert_delta(self, A: torch.Tensor, B: torch.Tensor, weight: float) -> torch.Tensor:
+        """ΔW[e] = scale · B[:, :, e] · A[e] per expert e, peft's `ParamWrapper.get_delta_weight` layout."""
+        experts = self.num_experts
+        A3 = A.reshape(experts, -1, A.shape[-1])  # (E, r, in)
+        B3 = B.reshape(B.shape[0], -1, experts).permute(2, 0, 1)  # (out, r, E) -> (E, out, r)
+        with ieee_fp32_matmuls():
+            update = torch.bmm(B3 * (weight * self.scale), A3)  # (E, out, r) @ (E, r, in) -> (E, out, in)
+        return update.transpose(1, 2) if self.transposed else update
 
 
 @dataclass
@@ -240,6 +268,15 @@ def _scale(config: dict, module: str, rank: int) -> float:
     return alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
 
 
+def _num_experts(path: Path, config: dict, module: str, rows: int) -> int:
+    """How many experts a LoRA pair spans: its A's rows over the rank (1 unless peft's `target_parameters` made it)."""
+    rank_pattern = config.get("rank_pattern") or {}
+    rank = rank_pattern.get(_pattern_key(rank_pattern.keys(), module), config.get("r", 8))
+    if not config.get("target_parameters") or rows == rank or rank <= 0 or rows % rank:
+        return 1
+    return rows // rank
+
+
 def _read_tensors(path: Path, allow_pickle: bool) -> tuple[dict[str, torch.Tensor], str]:
     """The adapter file's tensors and the sha256 of the file."""
     safetensors_file, pickle_file = path / SAFETENSORS_NAME, path / PICKLE_NAME
@@ -306,7 +343,9 @@ def read_adapter(path: str | Path, name: str | None = None, *, allow_pickle: boo
             if not torch.isfinite(tensor).all():
                 raise AdapterError(f"adapter {name!r} ({path}): module {module} {which} holds NaN or Inf; refusing it")
         fan_in_fan_out = bool(config.get("fan_in_fan_out")) and not embedding
-        modules[module] = LoraWeights(A, B, _scale(config, module, A.shape[0]), fan_in_fan_out, embedding)
+        experts = _num_experts(path, config, module, A.shape[0])
+        scale = _scale(config, module, A.shape[0] // experts)
+        modules[module] = LoraWeights(A, B, scale, fan_in_fan_out, embedding, num_experts=experts)
     stray = sorted(set(base_copies) - set(modules))
     if stray:
         raise AdapterError(f"{path}: tensor {stray[0]}.base_layer.weight belongs to no LoRA module of the adapter")

@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 
 from finetune.adapters import quantized
+from finetune.adapters.expert_files import ExpertLayout
 from finetune.adapters.tensor_index import TensorIndex
 from finetune.errors import AdapterWarning
 from finetune.quantization import Quantization
@@ -55,6 +56,7 @@ class PristineWeights:
         verify: bool = True,
         aliases: dict[str, str] | None = None,
         roundtrip: Roundtrip | None = None,
+        layout: ExpertLayout | None = None,
     ):
         """Args:
         index: the base's tensors, or None when it has no files here.
@@ -64,21 +66,27 @@ class PristineWeights:
         aliases: name -> the name the files store its values under (tied weights: `lm_head.weight` ->
             `model.embed_tokens.weight`).
         roundtrip: applied to file tensors (adapters trained on a quantized base; see `quantization_roundtrip`).
+        layout: fused expert tensors the files store one per expert, assembled from their parts when asked for.
         """
         self._index = index
         self._device = device
         self._verify = verify
         self._aliases = dict(aliases or {})
         self._roundtrip = roundtrip
+        self.layout = layout
         self._copies: dict[str, torch.Tensor] = {}
         self._quantized: dict[str, torch.nn.Module] = {}
         self._from_file: set[str] = set()
 
     @classmethod
-    def of(cls, base_dir: str | Path | None, device: torch.device, **options) -> PristineWeights:
-        """The provider for a base directory (None, or a directory without safetensors files: copies only)."""
+    def of(
+        cls, base_dir: str | Path | None, device: torch.device, model: torch.nn.Module | None = None, **options
+    ) -> PristineWeights:
+        """The provider for a base directory (None, or a directory without safetensors files: copies only);
+        `model` (its architecture) tells it how the files store fused expert tensors."""
         index = TensorIndex.of(base_dir) if base_dir is not None and Path(base_dir).is_dir() else None
-        return cls(index, device=device, **options)
+        layout = ExpertLayout(model, index) if model is not None and index else None
+        return cls(index, device=device, layout=layout, **options)
 
     @property
     def copied_bytes(self) -> int:
@@ -88,7 +96,7 @@ class PristineWeights:
         """The name the files hold `name`'s values under, or None when they do not hold it."""
         if self._index is None:
             return None
-        if name in self._index:
+        if name in self._index or (self.layout is not None and name in self.layout.fused):
             return name
         alias = self._aliases.get(name)
         return alias if alias in self._index else None
@@ -98,7 +106,10 @@ class PristineWeights:
         if stored is None:
             return None
         assert self._index is not None
-        tensor = self._index.read(stored).to(device=self._device, dtype=dtype)
+        if self.layout is not None and stored in self.layout.fused:
+            tensor = self.layout.read(stored, self._index.read, dtype, self._device)
+        else:
+            tensor = self._index.read(stored).to(device=self._device, dtype=dtype)
         return self._roundtrip(name, tensor) if self._roundtrip is not None else tensor
 
     def remember(self, name: str, current: torch.Tensor) -> None:

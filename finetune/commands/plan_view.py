@@ -28,7 +28,27 @@ def _header(name: str, recipe: Recipe, source: str, plan: MemoryPlan) -> list[st
         f"{name}: {recipe.model.base} (config: {source}); objective {train.objective}",
         f"{plan.device}, {layout}; micro-batch {records or train.micro_batch_size} x {recipe.data.max_seq_len} tokens, "
         f"gradient checkpointing {'on' if train.gradient_checkpointing else 'off'}, precision {train.precision}",
+        *_moe_lines(recipe, plan),
         "",
+    ]
+
+
+def _billions(count: int) -> str:
+    return f"{count / 1e9:.2f}B" if count >= 1e8 else f"{count / 1e6:.1f}M"
+
+
+def _moe_lines(recipe: Recipe, plan: MemoryPlan) -> list[str]:
+    """Mixture of experts: total and active parameters, experts, router, and where the LoRA is."""
+    if not plan.moe:
+        return []
+    moe = plan.moe
+    router = "trained" if recipe.lora.train_router else "frozen"
+    return [
+        f"mixture of experts: {_billions(moe['total_params'])} parameters, {_billions(moe['active_params'])} active per "
+        f"token ({_billions(moe['active_params_without_input_embedding'])} without the input embedding); experts "
+        f"{_billions(moe['expert_params'])}, router {_billions(moe['router_params'])} ({router})",
+        f"LoRA {_billions(moe['lora_params'])} parameters, {_billions(moe['expert_lora_params'])} of them on expert "
+        f"tensors (a rank-{recipe.lora.r} pair per expert)",
     ]
 
 

@@ -70,6 +70,11 @@ def export_lora_gguf(
 
     check_dtype(dtype)
     adapter = read_adapter(adapter_dir)
+    if any(lora.num_experts > 1 for lora in adapter.modules.values()):
+        raise ExportError(
+            f"{adapter_dir}: GGUF export of LoRA on mixture-of-experts expert tensors is not supported; merge the "
+            "adapter (finetune adapters merge) and export the merged model instead"
+        )
     base_ref = base or adapter.base_path
     if not base_ref:
         raise ExportError(f"{adapter_dir}: the adapter records no base model; pass --base MODEL_DIR")

@@ -78,6 +78,8 @@ class MemoryPlan:
     nproc: int
     strategy: str
     parts: list[Part] = field(default_factory=list)
+    moe: dict[str, int] = field(default_factory=dict)
+    """Mixture of experts: parameter counts (total, active, experts, router, expert LoRA); empty for a dense model."""
 
     @property
     def peak_bytes(self) -> int:
@@ -97,6 +99,7 @@ class MemoryPlan:
             "nproc": self.nproc,
             "strategy": self.strategy,
             "parts": parts,
+            **({"moe": self.moe} if self.moe else {}),
         }
 
 
@@ -159,7 +162,9 @@ def weight_bytes(recipe: Recipe, shape: ModelShape, impl: Implementation) -> int
     else:  # 8-bit: int8 plus one float32 scale per output row
         per_weight = 1 + 4 / shape.hidden_size
     other_bytes = 4 if impl.upcast_unquantized else dtype_bytes
-    return int(shape.quantizable_params * per_weight) + shape.other_params * other_bytes
+    # Expert tensors are not nn.Linear: bitsandbytes leaves them, and training keeps them in the model's dtype.
+    others = (shape.other_params - shape.expert_params) * other_bytes + shape.expert_params * dtype_bytes
+    return int(shape.quantizable_params * per_weight) + others
 
 
 def optimizer_bytes_per_param(recipe: Recipe, impl: Implementation) -> float:
@@ -217,6 +222,16 @@ def activation_bytes(recipe: Recipe, shape: ModelShape, impl: Implementation) ->
     excess = max(0, one_layer - logits_bytes(recipe, shape, impl))
     note = f"checkpointed: {shape.num_layers} layer inputs; 1 layer recomputed later ({one_layer / GiB:.2f} GiB)"
     return int(kept + excess), note
+
+
+def folded_experts_part(recipe: Recipe, shape: ModelShape) -> Part:
+    """W + ΔW of the targeted expert tensors, which peft's `ParamWrapper` computes in each forward and the
+    experts' matmuls keep for backward: every layer's without checkpointing, one layer's with it."""
+    per_element = DTYPE_BYTES[recipe.model.dtype]
+    folded = shape.folded_expert_params * per_element
+    if recipe.train.gradient_checkpointing:
+        return Part("folded experts", folded // shape.num_layers, "device", "W + ΔW of 1 layer's experts, recomputed")
+    return Part("folded experts", folded, "device", f"W + ΔW of {shape.num_layers} layers' experts, kept for backward")
 
 
 def logits_bytes(recipe: Recipe, shape: ModelShape, impl: Implementation) -> int:
@@ -303,6 +318,15 @@ def estimate(
         plan.parts.append(Part("ddp buckets", shape.lora_params * impl.lora_bytes, "device", "all-reduce buffers"))
     activations, note = activation_bytes(recipe, shape, impl)
     plan.parts.append(Part("activations", activations, "device", note))
+    if shape.folded_expert_params:
+        plan.parts.append(folded_experts_part(recipe, shape))
+    if shape.expert_params:
+        plan.moe = {
+            "total_params": shape.base_params, "active_params": shape.active_params,
+            "active_params_without_input_embedding": shape.active_params - shape.input_embedding_params,
+            "expert_params": shape.expert_params, "router_params": shape.router_params,
+            "lora_params": shape.lora_params, "expert_lora_params": shape.expert_lora_params,
+        }  # fmt: skip
     plan.parts.append(Part("logits", logits_bytes(recipe, shape, impl), "device",
                            f"{micro_batch_tokens(recipe)} tokens x {shape.vocab_size:,} vocabulary"))  # fmt: skip
     for extra in (reference_part(recipe), generation_part(recipe, shape)):

@@ -12,12 +12,15 @@ Example:
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from transformers import AutoModelForCausalLM
 
+from finetune.adapters.experts import expert_tensors, routers
 from finetune.errors import ModelError
 from finetune.model import decoder_layers, wrap_with_lora
 from finetune.recipe import LoraConfig
@@ -40,6 +43,19 @@ class ModelShape:
     """One decoder layer: what FSDP gathers at a time."""
     lora_params: int
     """Trainable LoRA parameters (A, B and DoRA magnitudes) as peft creates them."""
+    expert_params: int = 0
+    """Mixture of experts: the fused 3D expert tensors (in `other_params`: bitsandbytes quantizes only
+    `nn.Linear`, and training keeps them in the model's dtype)."""
+    active_params: int = 0
+    """Parameters one token computes with: all but the experts it is not routed to (k of E per layer)."""
+    router_params: int = 0
+    input_embedding_params: int = 0
+    """The input embedding: a lookup, which some publishers leave out of active counts (OpenAI's gpt-oss)."""
+    expert_lora_params: int = 0
+    """The part of `lora_params` on expert tensors (one rank-r pair per expert)."""
+    folded_expert_params: int = 0
+    """Elements of the targeted expert tensors: peft's `ParamWrapper` folds W + ΔW into a new tensor of that
+    size per forward, which the experts' matmuls keep for backward."""
 
     @property
     def base_params(self) -> int:
@@ -63,9 +79,15 @@ def model_shape(config: Any, lora: LoraConfig) -> ModelShape:
     )
     total = _unique_numel(model.parameters())
     layer_params = max(_unique_numel(layer.parameters()) for layer in layers)
-    peft_model = wrap_with_lora(model, lora)
-    lora_params = sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    experts = expert_tensors(model)
+    expert_params = sum(math.prod(e.shape) for e in experts)
+    routed = _experts_per_token(text) / experts[0].num_experts if experts else 1.0
+    router_params = sum(p.numel() for name in routers(model, experts) for p in model.get_submodule(name).parameters())
+    with torch.device("meta"):  # LoRA weights with shapes only: initialising 0.6B of them for real takes a minute
+        peft_model = wrap_with_lora(model, lora)
+    lora_params = sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
+    expert_lora, folded = _expert_lora(peft_model)
     return ModelShape(
         hidden_size=text.hidden_size,
         intermediate_size=getattr(text, "intermediate_size", 4 * text.hidden_size),
@@ -76,4 +98,32 @@ def model_shape(config: Any, lora: LoraConfig) -> ModelShape:
         other_params=total - quantizable,
         layer_params=layer_params,
         lora_params=lora_params,
+        expert_params=expert_params,
+        active_params=total - round(expert_params * (1 - routed)),
+        router_params=router_params,
+        input_embedding_params=model.get_input_embeddings().weight.numel(),
+        expert_lora_params=expert_lora,
+        folded_expert_params=folded,
     )
+
+
+def _experts_per_token(text: Any) -> int:
+    """k of top-k routing, whatever the family calls it."""
+    for key in ("num_experts_per_tok", "experts_per_token", "moe_topk", "top_k"):
+        value = getattr(text, key, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    raise ModelError(f"{type(text).__name__} has experts but names no number of experts per token; cannot plan it")
+
+
+def _expert_lora(peft_model: torch.nn.Module) -> tuple[int, int]:
+    """(LoRA parameters on expert tensors, elements of the expert tensors they target)."""
+    lora = folded = 0
+    for module in peft_model.modules():
+        if type(module).__name__ == "ParamWrapper" and getattr(module, "num_experts", 1) > 1:
+            lora += sum(
+                p.numel() for name, p in module.named_parameters() if "lora_" in name and "base_layer" not in name
+            )
+            wrapped = cast(Callable[[], torch.Tensor], module.get_param)  # ParamWrapper: the tensor it wraps
+            folded += wrapped().numel()
+    return lora, folded

@@ -51,12 +51,14 @@ def evaluate(
     autocast = accelerator.autocast if accelerator else nullcontext
     names = sorted([f"loss/{unit}" for unit in objective.loss_units] + list(objective.metric_units))
     sums = {name: torch.zeros((), dtype=torch.float64, device=device) for name in names}
+    reported: set[str] = set()  # metrics the model gives (router_aux only for a mixture of experts)
     counts = [0] * len(objective.count_units)
     for batch_indices, counted in lockstep_batches(len(rows), micro_batch_size, rank, processes, max_batches):
         host_batch = collate([rows[i] for i in batch_indices])
         batch = to_device(host_batch, device)
         with autocast():
             terms = objective.terms(models, batch, objective.prepare(models, [batch], reduce=False)[0])
+        reported.update(terms.metrics)  # every rank runs every lockstep batch, counted or not: the same names
         if counted:
             batch_counts = objective.counts(host_batch)
             counts = [total + batch_counts[unit] for total, unit in zip(counts, objective.count_units)]
@@ -68,7 +70,8 @@ def evaluate(
     )
     totals = (accelerator.reduce(local, reduction="sum") if accelerator is not None else local).tolist()
     count_of = dict(zip(objective.count_units, totals[len(names) :]))
-    result = summarise(objective, dict(zip(names, totals)), count_of)
+    kept = {name: total for name, total in zip(names, totals) if name in reported or name.startswith("loss/")}
+    result = summarise(objective, kept, count_of)
     tokens_unit = objective.metric_units["nll"]
     return {"eval_loss": result.pop("loss"), "eval_ppl": result.pop("ppl", math.nan),
             "eval_tokens": int(count_of[tokens_unit]), **{f"eval_{name}": value for name, value in result.items()}}  # fmt: skip

@@ -39,6 +39,7 @@ from finetune.data.sampler import MicroBatchStream
 from finetune.errors import CheckpointError, RecipeError
 from finetune.model import (
     DTYPES,
+    describe_targets,
     describe_trainable,
     embedding_module_names,
     load_base_from_config,
@@ -270,6 +271,8 @@ def _wrap_for_training(recipe: Recipe, model: Any, say: Say) -> Any:
     peft_model = wrap_with_lora(model, recipe.lora)
     if recipe.train.gradient_checkpointing:
         peft_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    for line in describe_targets(peft_model):
+        say(line)
     say(describe_trainable(peft_model))
     return peft_model
 

@@ -95,7 +95,7 @@ def summarise(objective: Objective, sums: Mapping[str, float], counts: Mapping[s
     loss = sum(sums[f"loss/{unit}"] / max(counts[unit], 1) for unit in objective.loss_units)
     result = {"loss": loss}
     for name, unit in objective.metric_units.items():
-        if counts[unit] > 0:
+        if counts[unit] > 0 and name in sums:  # a metric some models do not report (router_aux) is left out
             result[name] = sums[name] / counts[unit]
     if "nll" in result:
         result["ppl"] = math.exp(min(result.pop("nll"), 50.0))

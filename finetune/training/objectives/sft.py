@@ -20,14 +20,15 @@ import torch
 
 from finetune.data.collate import collate_batch
 from finetune.data.labels import IGNORE_INDEX
-from finetune.scoring import forward_loss
+from finetune.scoring import forward_loss_terms, router_aux_coef
 from finetune.training.objectives.base import CollateOptions, Models, Terms
 
 
 class SFT:
     name: str = "sft"
     loss_units: tuple[str, ...] = ("label_tokens",)
-    metric_units: Mapping[str, str] = {"nll": "label_tokens"}
+    metric_units: Mapping[str, str] = {"nll": "label_tokens", "router_aux": "label_tokens"}
+    """`router_aux`: a mixture of experts' load-balancing loss, mean per label token (absent for other models)."""
     count_units: tuple[str, ...] = ("label_tokens",)
 
     def __init__(self, options: CollateOptions):
@@ -44,8 +45,11 @@ class SFT:
         return [{} for _ in batches]
 
     def terms(self, models: Models, batch: dict[str, torch.Tensor], prepared: dict) -> Terms:
-        loss_sum, _ = forward_loss(models.step, batch)
-        return Terms({"label_tokens": loss_sum}, {"nll": loss_sum.detach()})
+        loss_sum, _, router_aux = forward_loss_terms(models.step, batch)
+        if router_aux is None:
+            return Terms({"label_tokens": loss_sum}, {"nll": loss_sum.detach()})
+        loss = loss_sum + router_aux_coef(models.step) * router_aux
+        return Terms({"label_tokens": loss}, {"nll": loss_sum.detach(), "router_aux": router_aux.detach()})
 
 
 BATCH_SFT = SFT(CollateOptions(pad_token_id=None, packing=True))

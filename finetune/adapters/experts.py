@@ -1,0 +1,176 @@
+"""Fused mixture-of-experts tensors: finding them in a model by structure, and naming an adapter's LoRA on them.
+
+transformers 5 stores each MoE layer's experts fused, as 3D parameters of one module
+(`mlp.experts.gate_up_proj`: experts x out x in, or experts x in x out where the module says `is_transposed`,
+as gpt-oss does). They are not `nn.Linear`, so LoRA reaches them only through peft's `target_parameters`,
+which wraps the owning module in a `ParamWrapper`; several targeted parameters of one module give nested
+wrappers, and peft saves their LoRA under the owner's name with one `.base_layer` per level
+(`mlp.experts.lora_A.weight`, `mlp.experts.base_layer.lora_A.weight`). Experts are found by structure,
+not by family name: a 3D parameter is a stack of experts. The router is the sibling module whose weight
+has one row per expert (`mlp.gate`, `mlp.router`).
+
+Example:
+    experts = expert_tensors(model)             # [ExpertTensor('model.layers.0.mlp.experts', 'down_proj', ...), ...]
+    adapter = bind_experts(read_adapter("adapters/moe"), model)
+    adapter.modules["model.layers.0.mlp.experts.down_proj"].delta()   # (experts, out, in) in fp32
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+
+import torch
+
+from finetune.adapters.lora import Adapter, LoraWeights
+from finetune.errors import AdapterError
+
+BASE_LAYER = ".base_layer"
+
+
+@dataclass(frozen=True)
+class ExpertTensor:
+    """One fused expert parameter: `owner.parameter`, of shape `shape`."""
+
+    owner: str
+    """The module holding it (`model.layers.0.mlp.experts`)."""
+    parameter: str
+    shape: tuple[int, ...]
+    transposed: bool
+    """Stored (experts, in, out) rather than (experts, out, in) (the module's `is_transposed`, peft reads it too)."""
+
+    @property
+    def name(self) -> str:
+        return f"{self.owner}.{self.parameter}"
+
+    @property
+    def num_experts(self) -> int:
+        return self.shape[0]
+
+
+def unwrapped(module: torch.nn.Module) -> torch.nn.Module:
+    """`module` with peft's wrappers (`base_layer` chains, `ParamWrapper` nesting) taken off."""
+    while hasattr(module, "base_layer") and isinstance(module.base_layer, torch.nn.Module):
+        module = module.base_layer
+    return module
+
+
+def expert_tensors(model: torch.nn.Module) -> list[ExpertTensor]:
+    """Every 3D parameter of `model` (peft's own LoRA layers and wrappers looked through), in module order."""
+    found: list[ExpertTensor] = []
+    for name, module in model.named_modules():
+        if "lora_" in name or BASE_LAYER.lstrip(".") in name.split("."):
+            continue
+        owner = unwrapped(module)
+        for parameter, tensor in owner.named_parameters(recurse=False):
+            shape = tuple(getattr(tensor, "ds_shape", tensor.shape))
+            if len(shape) == 3:
+                transposed = bool(getattr(owner, "is_transposed", False))
+                found.append(ExpertTensor(_clean(name), parameter, shape, transposed))
+    return found
+
+
+def _clean(name: str) -> str:
+    """A module name without peft's prefix and wrapper levels (`base_model.model.x.base_layer` -> `x`)."""
+    name = name.removeprefix("base_model.model.")
+    while name.endswith(BASE_LAYER):
+        name = name.removesuffix(BASE_LAYER)
+    return name
+
+
+def routers(model: torch.nn.Module, experts: list[ExpertTensor]) -> list[str]:
+    """Names of the routers: siblings of an experts module whose weight has one row per expert."""
+    names = {name: module for name, module in model.named_modules()}
+    found: list[str] = []
+    for owner in sorted({(e.owner, e.num_experts) for e in experts}):
+        parent_name, _, own = owner[0].rpartition(".")
+        parent = names.get(parent_name) if parent_name else model
+        if parent is None:
+            continue
+        for child_name, child in parent.named_children():
+            weight = getattr(unwrapped(child), "weight", None)
+            if child_name != own and isinstance(weight, torch.Tensor) and weight.dim() == 2:
+                if tuple(getattr(weight, "ds_shape", weight.shape))[0] == owner[1]:
+                    found.append(f"{parent_name}.{child_name}" if parent_name else child_name)
+    return sorted(set(found))
+
+
+def matches_target(name: str, targets: list[str]) -> bool:
+    """peft's rule for `target_parameters`: the full name, or a suffix after a dot."""
+    return any(name == target or name.endswith("." + target) for target in targets)
+
+
+def nesting_order(owner_parameters: list[str], targets: list[str], owner: str) -> list[str]:
+    """The targeted parameters of one module from the innermost wrapper to the outermost, as peft creates them.
+
+    peft walks the module's parameters in registration order and wraps each match around the previous
+    wrapper, so the first one registered is innermost (deepest `.base_layer` chain in the saved names).
+    """
+    return [p for p in owner_parameters if matches_target(f"{owner}.{p}", targets)]
+
+
+def bind_experts(adapter: Adapter, model: torch.nn.Module) -> Adapter:
+    """`adapter` with its LoRA on expert tensors keyed by the tensors' names and told their layout.
+
+    Modules of other kinds are kept as they are. Raises `AdapterError` when a saved wrapper key names no
+    targeted expert tensor of `model` (another architecture) or its expert count differs.
+    """
+    if not any(lora.num_experts > 1 for lora in adapter.modules.values()):
+        return adapter
+    targets = list(adapter.config.get("target_parameters") or [])
+    by_owner: dict[str, list[ExpertTensor]] = {}
+    for tensor in expert_tensors(model):
+        by_owner.setdefault(tensor.owner, []).append(tensor)
+    modules: dict[str, LoraWeights] = {}
+    for key, lora in adapter.modules.items():
+        if lora.num_experts == 1:
+            modules[key] = lora
+            continue
+        tensor = _wrapped_tensor(adapter, key, by_owner, targets)
+        if tensor.num_experts != lora.num_experts:
+            raise AdapterError(
+                f"adapter {adapter.name!r} ({adapter.path}): {tensor.name} has {tensor.num_experts} experts in the base "
+                f"but the adapter's LoRA has {lora.num_experts}: it was trained on another base"
+            )
+        modules[tensor.name] = replace(lora, transposed=tensor.transposed, parameter=tensor.parameter)
+    return replace(adapter, modules=modules)
+
+
+def _wrapped_tensor(
+    adapter: Adapter, key: str, by_owner: dict[str, list[ExpertTensor]], targets: list[str]
+) -> ExpertTensor:
+    """The expert tensor a saved wrapper key (`owner` + `.base_layer` x depth) holds LoRA for."""
+    depth = len(re.findall(re.escape(BASE_LAYER) + "(?=$|\\.)", key))
+    owner = _clean(key)
+    tensors = by_owner.get(owner, [])
+    order = nesting_order([t.parameter for t in tensors], targets, owner)
+    if depth >= len(order):
+        raise AdapterError(
+            f"adapter {adapter.name!r} ({adapter.path}) holds expert LoRA for {key}, which names no targeted expert "
+            "tensor of the base: it was trained on another architecture"
+        )
+    parameter = order[len(order) - 1 - depth]
+    return next(t for t in tensors if t.parameter == parameter)
+
+
+@contextmanager
+def peft_target_rewrite_off() -> Iterator[None]:
+    """Inside the block, peft takes `target_modules` and `target_parameters` as given.
+
+    peft 0.21 rewrites the targets of families whose checkpoints transformers 5 converts (Mixtral, Qwen2-MoE
+    and those mapped to them): any target named `gate`, `gate_proj`, `up_proj` or `down_proj` becomes an
+    expert parameter (`convert_peft_config_for_transformers`, meant for adapters trained under transformers 4).
+    On a model whose dense MLPs or shared experts use those names (DeepSeek-style, Qwen2-MoE), that moves
+    LoRA off the dense layers and onto the experts or the router. Our targets are computed for this model,
+    so the rewrite is switched off while peft wraps it.
+    """
+    import peft.utils.transformers_weight_conversion as conversion
+
+    original = conversion.convert_peft_config_for_transformers
+    conversion.convert_peft_config_for_transformers = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        conversion.convert_peft_config_for_transformers = original
