@@ -16,7 +16,7 @@ PACKAGE_DIR = Path(__file__).resolve().parents[1] / "finetune"
 # nothing below imports anything above, and two parts of one layer do not import each other.
 LAYERS: list[set[str]] = [
     {"errors", "version", "paths", "console", "signals"},
-    {"atomic", "tensorfile", "catalog", "quantization", "device", "prompting", "fingerprint"},
+    {"atomic", "tensorfile", "catalog", "quantization", "device", "prompting", "fingerprint", "chunked_loss"},
     {"recipe", "embedded"},
     {"manifest", "data"},
     {"adapters"},

@@ -22,6 +22,8 @@ from finetune.data.collate import collate_batch
 from finetune.data.labels import IGNORE_INDEX
 from finetune.training.loss import forward_loss
 from finetune.training.objectives.base import CollateOptions, Models, Terms
+from finetune.training.objectives.logprobs import add_targets
+from finetune.training.target_loss import target_losses
 
 
 class SFT:
@@ -35,7 +37,8 @@ class SFT:
 
     def collate(self, rows: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
         options = self.options
-        return collate_batch(rows, options.pad_token_id, packing=options.packing, layout=options.layout)
+        batch = collate_batch(rows, options.pad_token_id, options.packing, options.layout, document_index=True)
+        return add_targets(batch)  # positions and documents found on the host: the step never syncs
 
     def counts(self, batch: dict[str, torch.Tensor]) -> dict[str, int]:
         return {"label_tokens": int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())}
@@ -44,7 +47,10 @@ class SFT:
         return [{} for _ in batches]
 
     def terms(self, models: Models, batch: dict[str, torch.Tensor], prepared: dict) -> Terms:
-        loss_sum, _ = forward_loss(models.step, batch)
+        if "target_index" in batch:  # collated here: positions found on the host, logits in chunks
+            loss_sum = target_losses(models.step, batch).sum()
+        else:  # a batch collated elsewhere (`BATCH_SFT`)
+            loss_sum, _ = forward_loss(models.step, batch)
         return Terms({"label_tokens": loss_sum}, {"nll": loss_sum.detach()})
 
 
