@@ -129,7 +129,11 @@ def make_optimizer(recipe: Recipe, groups: list[dict[str, Any]]) -> torch.optim.
         lr=train.lr, betas=(train.adam_beta1, train.adam_beta2), eps=train.adam_eps, weight_decay=train.weight_decay
     )
     if train.optimizer == "adamw":
-        return torch.optim.AdamW(groups, **kwargs)
+        # Fused: a handful of kernels for all tensors (a loop: several per tensor), and it can skip a non-finite
+        # step on the device (`finetune.training.device_schedule`). On every device torch has it for (CPU too).
+        devices = {p.device.type for group in groups for p in group["params"]}
+        fused = devices <= {"cpu", "cuda", "xpu", "mps"}
+        return torch.optim.AdamW(groups, **kwargs, fused=fused)
     import bitsandbytes as bnb  # only for the 8-bit optimizers: importing it is slow and chatty
 
     optimizer_class = bnb.optim.PagedAdamW8bit if train.optimizer == "paged_adamw_8bit" else bnb.optim.AdamW8bit
@@ -200,15 +204,14 @@ class TrainingRun:
             for k in range(accumulation)
         ]
 
-    def advance(self, micro_batches: list[dict[str, torch.Tensor]]) -> None:
-        """Count one optimizer step over `micro_batches` (their documents' tokens, summed over the processes:
-        ranks hold documents of different lengths)."""
+    def advance(self, micro_batches: list[dict[str, torch.Tensor]]) -> int:
+        """Count one optimizer step over `micro_batches`; return their documents' tokens on this process (the
+        loop sums them over the processes on the device and adds them to `tokens_seen` when it reads the step)."""
         positions = range(self.position, self.position + len(micro_batches))
         tokens = sum(self.row_tokens[i] for p in positions for i in self.stream.indices(p))
         self.step += 1
         self.position += len(micro_batches)
-        local = torch.tensor(tokens, dtype=torch.int64, device=self.accelerator.device)
-        self.tokens_seen += int(self.accelerator.reduce(local, reduction="sum"))
+        return tokens
 
     def evaluate(self) -> dict[str, float]:
         """Held-out loss and perplexity of the model as it is now; {} without validation data."""
