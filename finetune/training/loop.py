@@ -14,8 +14,13 @@ lives in `finetune.training.run` (the `TrainingRun` state), reporting in `finetu
    · num_processes: the result is exactly the gradient of the mean loss over the whole global batch,
    however its tokens or pairs fall into micro-batches; the step's loss and metrics are summed as
    tensors and reduced once, at the end of the step;
-5. clip; stop (or skip, if the recipe allows) on a NaN/Inf loss or gradient; step, schedule;
-6. report the step, evaluate and checkpoint on their intervals; on SIGINT/SIGTERM checkpoint and stop.
+5. clip; step fused AdamW, which skips a step whose loss or gradient norm is NaN/Inf on the device, and
+   advance the learning-rate schedule on the device by the steps actually taken
+   (`finetune.training.device_schedule`): nothing in a step waits on the device (`tests/test_host_sync.py`);
+6. read the queued steps' metrics in one copy at the logging interval (and before an evaluation, a
+   checkpoint or a stop, and at the end): stop there on a NaN/Inf step beyond `train.nonfinite_skips`
+   (nothing was updated by it), report each step, evaluate and checkpoint on their intervals; on
+   SIGINT/SIGTERM checkpoint and stop (with several processes, at the next read).
 
 Example:
     result = train("recipes/quickstart.yaml", ["train.max_steps=20"])
