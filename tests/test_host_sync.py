@@ -103,3 +103,26 @@ def test_the_detector_catches_every_kind_of_sync():
         x.new_zeros(2).index_add(0, torch.tensor([0, 1, 1]), x[:3])
         torch.repeat_interleave(torch.tensor([1, 2]), output_size=3)
     assert detector.found == []
+
+
+def test_a_poisoned_step_changes_nothing_on_the_device_and_the_schedule_does_not_advance():
+    from transformers import get_scheduler
+
+    weights = torch.nn.Parameter(torch.randn(5, generator=torch.Generator().manual_seed(0)))
+    optimizer = torch.optim.AdamW([weights], lr=0.1, fused=True)
+    scheduler = get_scheduler("cosine", optimizer, num_warmup_steps=1, num_training_steps=6)
+    schedule = DeviceSchedule(optimizer, scheduler, total_steps=6, device=torch.device("cpu"))
+    weights.grad = torch.ones(5)
+    schedule.step(optimizer, torch.tensor(1.0), torch.tensor(1.0))
+    before = (weights.detach().clone(), {k: v.clone() for k, v in optimizer.state[weights].items()})
+    rate, applied = optimizer.param_groups[0]["lr"].clone(), schedule.applied.clone()
+    weights.grad = torch.full((5,), float("nan"))
+    with HostSyncDetector() as detector:
+        skipped = schedule.step(optimizer, torch.tensor(float("nan")), torch.tensor(float("nan")))
+    assert detector.found == [] and skipped.item() == 1.0
+    assert torch.equal(weights.detach(), before[0])
+    assert all(torch.equal(optimizer.state[weights][k], v) for k, v in before[1].items())
+    assert torch.equal(optimizer.param_groups[0]["lr"], rate) and torch.equal(schedule.applied, applied)
+    schedule.close()
+    assert scheduler.last_epoch == 1 and optimizer.param_groups[0]["lr"] == scheduler.get_last_lr()[0]
+    assert scheduler.get_last_lr()[0] == pytest.approx(0.1 * scheduler.lr_lambdas[0](1))
