@@ -14,6 +14,8 @@ Parts (`--only` picks some):
   and drift after merge/unmerge cycles, on a 58M-parameter Llama.
 - `merge`: bench/streaming_merge.py, peak memory of the streaming on-disk merge against peft's, on a
   sharded 0.7 GB checkpoint.
+- `host`: bench/host_work.py, aten ops and host-syncing ops per optimizer step and distinct shapes per epoch,
+  ours against the HF Trainer + peft on the same micro-batches (a tiny Llama; about 2 minutes).
 
 Models are built under `--scratch` (reused on the next run). Timing figures depend on what else runs:
 the summary says so when the load average exceeded half the cores during a part.
@@ -72,6 +74,7 @@ PARTS: dict[str, dict[str, Any]] = {
         "full": "--hidden 1024 --layers 8 --intermediate 2816 --shard-size 100MB",
         "quick": "--hidden 128 --layers 2 --intermediate 256 --shard-size 2MB",
     },
+    "host": {"script": "host_work.py", "full": "--steps 6 --warmup-steps 2", "quick": "--steps 2 --warmup-steps 1"},
 }
 
 

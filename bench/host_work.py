@@ -199,6 +199,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup-steps", type=int, default=2)
     parser.add_argument("--records", type=int, default=400)
     parser.add_argument("--json", type=Path)
+    parser.add_argument(
+        "--scratch", type=Path, help="accepted for `python -m bench`; the models are built in a temporary directory"
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:

@@ -53,6 +53,7 @@ from finetune.training.fsdp import FsdpSharding
 from finetune.training.objectives import Objective, objective_for
 from finetune.training.objectives.base import Models, describe_rewards
 from finetune.training.preference_setup import initial_adapter, precomputed_reference
+from finetune.training.regional_compile import compile_layers
 from finetune.training.sharding import (
     DdpSharding,
     DistributedInfo,
@@ -329,7 +330,7 @@ def start_run(recipe: Recipe, *, resume: bool, say: Say) -> TrainingRun:
     model_for_step, optimizer = sharding.prepare(accelerator, peft_model, optimizer)
     distributed = _measure_distribution(sharding, peft_model, accelerator, say)  # ZeRO-3 partitions in prepare
     if recipe.train.compile:
-        model_for_step = torch.compile(model_for_step)
+        compile_layers(peft_model, quantized=recipe.model.quantization != "none", say=say)
     objective = objective_for(recipe, tokenizer)
     models = Models(model_for_step, peft_model, accelerator)
     data = precomputed_reference(recipe, objective, models, data, resume=resume_from is not None, say=say)
