@@ -81,13 +81,13 @@ def _peak_rss_of_training(recipe_path) -> int:
 
 
 @pytest.mark.slow
-def test_estimate_is_within_25_percent_of_a_measured_cpu_run(measured_base, capsys):
+def test_estimate_is_within_10_percent_of_a_measured_cpu_run(measured_base, capsys):
     recipe = measured_base / "recipe.yaml"
     measured = _peak_rss_of_training(recipe)
     plan = _plan_json(capsys, str(recipe), "--device", "cpu")
-    # Measured here: 1905 MiB peak (3 steps) against an estimate of 1700 MiB; with checkpointing 1471 against 1220.
+    # Measured here: 1643 MiB peak against an estimate of 1642 MiB with the chunked loss (before it: 1905 against 1700).
     print(f"measured peak RSS {measured / 2**20:.0f} MiB, estimated {plan['peak_bytes'] / 2**20:.0f} MiB")
-    assert abs(plan["peak_bytes"] - measured) <= 0.25 * measured, (plan["peak_bytes"], measured)
+    assert abs(plan["peak_bytes"] - measured) <= 0.10 * measured, (plan["peak_bytes"], measured)
     # The chunked loss: 1,048 rows of 32,000 logits fit a chunk, so the micro-batch's 1,024 are one chunk (10 bytes a
     # logit), and the float32 hidden states' gradient and its scaled copy (2 x 1,024 x 512 x 4 bytes).
     assert plan["parts"]["logits"]["bytes"] == 4 * 256 * MEASURED_VOCAB * 10 + 2 * 4 * 256 * 512 * 4
