@@ -16,6 +16,8 @@ Parts (`--only` picks some):
   sharded 0.7 GB checkpoint.
 - `startup`: bench/startup.py, `finetune --help`, `finetune generate` of 40 tokens with an adapter, and
   the import seconds of a one-step `finetune train`, each the median of fresh processes.
+- `host`: bench/host_work.py, aten ops and host-syncing ops per optimizer step and distinct shapes per epoch,
+  ours against the HF Trainer + peft on the same micro-batches (a tiny Llama; about 2 minutes).
 
 Models are built under `--scratch` (reused on the next run). Timing figures depend on what else runs:
 the summary says so when the load average exceeded half the cores during a part.
@@ -75,6 +77,7 @@ PARTS: dict[str, dict[str, Any]] = {
         "quick": "--hidden 128 --layers 2 --intermediate 256 --shard-size 2MB",
     },
     "startup": {"script": "startup.py", "full": "--repeats 5", "quick": "--repeats 1"},
+    "host": {"script": "host_work.py", "full": "--steps 6 --warmup-steps 2", "quick": "--steps 2 --warmup-steps 1"},
 }
 
 

@@ -281,11 +281,24 @@ def startup_section(figures: dict[str, Any]) -> list[str]:
     )
 
 
+def host_section(figures: dict[str, Any]) -> list[str]:
+    rows = [[name, f"{f['aten_ops_per_step']:,.0f}", f"{f['syncs_per_step']:.1f}", str(f["shapes_per_epoch"])]
+            for name, f in figures.items()]  # fmt: skip
+    lines = table(["arm", "aten ops/step", "syncs/step", "shapes/epoch"], rows)
+    ours, theirs = figures.get("ours"), figures.get("hf-trainer + peft")
+    if ours and theirs:
+        ratio = ours["aten_ops_per_step"] / theirs["aten_ops_per_step"]
+        lines += ["", f"ours / Trainer, aten ops per step: {ratio:.2f}x (goal: 0.3x); ours reads its metrics once per "
+                  f"logging interval ({ours.get('syncs_per_logging_read', 0)} syncing ops per read)"]  # fmt: skip
+    return lines
+
+
 SECTIONS = {
     "train": ("Training throughput and utilisation (bench/train_throughput.py)", train_section),
     "swap": ("Adapter swap and drift (bench/adapter_swap.py)", swap_section),
     "merge": ("Streaming merge (bench/streaming_merge.py)", merge_section),
     "startup": ("Start-up (bench/startup.py)", startup_section),
+    "host": ("Host work per optimizer step, ours against the HF Trainer + peft (bench/host_work.py)", host_section),
 }
 
 

@@ -26,6 +26,7 @@ LAYERS: list[set[str]] = [
         "prompting",
         "fingerprint",
         "peft_import",
+        "chunked_loss",
     },
     {"recipe", "embedded"},
     {"manifest", "data"},

@@ -46,14 +46,19 @@ class Implementation:
     """With a quantized base, peft's `prepare_model_for_kbit_training` casts every weight bitsandbytes left
     unquantized (embeddings, output head, norms) to float32."""
     logits_bytes: float
-    """Bytes per logit (B·T·V) at the peak of the loss. finetune's loss (`finetune.scoring.forward_loss`)
-    computes logits only at labelled positions (all of them for `text` data, the plan's bound; a masked
-    prompt needs less), upcast to float32 for cross-entropy, which keeps its float32 log-softmax
-    for backward; the backward of that holds the incoming gradient, the saved output and the outgoing
-    gradient at once: 3 x 4 bytes. (Forward: 16-bit logits + float32 copy + log-softmax = 10 at most.)"""
+    """Bytes per logit alive at the peak of the loss, for the logits it holds at once (all B·T of them, or a
+    chunk of `chunk_logits`). finetune's loss (`finetune.chunked_loss`) computes the logits only at labelled
+    positions (all of them for `text` data, the plan's bound), a chunk of about 2^25 at a time: 10 bytes per
+    logit of the chunk as torch's MemTracker measured it (tests/test_chunked_loss.py): the chunk in the head's
+    dtype, its float32 copy rewritten in place into the softmax gradient, and that gradient cast back for the matmul."""
+    chunk_logits: int = 0
+    """Logits computed at once (0: all B·T·V). A chunked loss also keeps the hidden states' gradient, (B·T, H)."""
 
 
-FINETUNE = Implementation("finetune", lora_bytes=4, upcast_unquantized=True, logits_bytes=12.0)
+FINETUNE = Implementation("finetune", lora_bytes=4, upcast_unquantized=True, logits_bytes=10.0, chunk_logits=1 << 25)
+WHOLE_LOGITS = Implementation("finetune before chunking", lora_bytes=4, upcast_unquantized=True, logits_bytes=12.0)
+"""finetune's loss before `finetune.chunked_loss`: the (B·T, V) logits upcast to float32, the float32 log-softmax kept
+for backward, and the backward holding the incoming gradient, the saved output and the outgoing one: 3 x 4 bytes."""
 TORCHTUNE = Implementation(
     "torchtune (bf16 LoRA weights, chunked cross-entropy, compiled)",
     lora_bytes=2,
@@ -234,9 +239,23 @@ def folded_experts_part(recipe: Recipe, shape: ModelShape) -> Part:
     return Part("folded experts", folded, "device", f"W + ΔW of {shape.num_layers} layers' experts, kept for backward")
 
 
+def logits_rows(recipe: Recipe, shape: ModelShape, impl: Implementation) -> int:
+    """Positions whose logits are alive at once at the peak of the loss: the micro-batch's, or one chunk's."""
+    tokens = micro_batch_tokens(recipe)
+    if not impl.chunk_logits:
+        return tokens
+    return min(tokens, max(1, impl.chunk_logits // shape.vocab_size))
+
+
 def logits_bytes(recipe: Recipe, shape: ModelShape, impl: Implementation) -> int:
-    """The (B, T, V) logits and their cross-entropy at the peak of the loss (see `Implementation.logits_bytes`)."""
-    return int(micro_batch_tokens(recipe) * shape.vocab_size * impl.logits_bytes)
+    """The logits and their cross-entropy at the peak of the loss (see `Implementation.logits_bytes`); with a
+    chunked loss, also the (B·T, H) gradient of the hidden states it computes in the forward, and its scaled copy
+    in the backward."""
+    logits = logits_rows(recipe, shape, impl) * shape.vocab_size * impl.logits_bytes
+    hidden_gradient = (
+        2 * micro_batch_tokens(recipe) * shape.hidden_size * _compute_bytes(recipe) if impl.chunk_logits else 0
+    )
+    return int(logits + hidden_gradient)
 
 
 @dataclass(frozen=True)
@@ -327,8 +346,10 @@ def estimate(
             "expert_params": shape.expert_params, "router_params": shape.router_params,
             "lora_params": shape.lora_params, "expert_lora_params": shape.expert_lora_params,
         }  # fmt: skip
+    rows, tokens = logits_rows(recipe, shape, impl), micro_batch_tokens(recipe)
+    chunks = f"chunks of {rows} of {tokens} tokens" if rows < tokens else f"{tokens} tokens"
     plan.parts.append(Part("logits", logits_bytes(recipe, shape, impl), "device",
-                           f"{micro_batch_tokens(recipe)} tokens x {shape.vocab_size:,} vocabulary"))  # fmt: skip
+                           f"{chunks} x {shape.vocab_size:,} vocabulary"))  # fmt: skip
     for extra in (reference_part(recipe), generation_part(recipe, shape)):
         if extra is not None:
             plan.parts.append(extra)

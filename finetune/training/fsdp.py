@@ -59,10 +59,10 @@ class FsdpSharding:
     def backward(self, accelerator: Any, loss: torch.Tensor) -> None:
         accelerator.backward(loss)
 
-    def clip_grad_norm(self, accelerator: Any, parameters: list[torch.nn.Parameter], max_norm: float) -> float:
+    def clip_grad_norm(self, accelerator: Any, parameters: list[torch.nn.Parameter], max_norm: float) -> Any:
         accelerator.unscale_gradients()
         norm = torch.nn.utils.clip_grad_norm_(parameters, max_norm)
-        return float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+        return norm.full_tensor() if isinstance(norm, DTensor) else norm  # on the device: nothing waits for it
 
 
 def _decoder_layers(causal_lm: torch.nn.Module) -> list[torch.nn.Module]:

@@ -14,9 +14,13 @@ lives in `finetune.training.run` (the `TrainingRun` state), reporting in `finetu
    · num_processes: the result is exactly the gradient of the mean loss over the whole global batch,
    however its tokens or pairs fall into micro-batches; the step's loss and metrics are summed as
    tensors and reduced once, at the end of the step;
-5. clip; stop (or skip, if the recipe allows: then the schedule waits too) on a NaN/Inf loss or gradient;
-   step, schedule;
-6. report the step, evaluate and checkpoint on their intervals; on SIGINT/SIGTERM checkpoint and stop.
+5. clip; step fused AdamW, which skips a step whose loss or gradient norm is NaN/Inf on the device, and
+   advance the learning-rate schedule on the device by the steps actually taken
+   (`finetune.training.device_schedule`): nothing in a step waits on the device (`tests/test_host_sync.py`);
+6. read the queued steps' metrics in one copy at the logging interval (and before an evaluation, a
+   checkpoint or a stop, and at the end): stop there on a NaN/Inf step beyond `train.nonfinite_skips`
+   (nothing was updated by it), report each step, evaluate and checkpoint on their intervals; on
+   SIGINT/SIGTERM checkpoint and stop (with several processes, at the next read).
 
 Example:
     result = train("recipes/quickstart.yaml", ["train.max_steps=20"])
@@ -42,6 +46,7 @@ from finetune.recipe import Recipe, load_recipe
 from finetune.report import report_finished_run
 from finetune.signals import StopRequest
 from finetune.training import checkpoint as ckpt
+from finetune.training.device_schedule import DeviceSchedule
 from finetune.training.finish import finish_run
 from finetune.training.interrupt import TrainingInterrupted, graceful_stop, stop_agreed
 from finetune.training.objectives.base import Models, Objective, summarise
@@ -129,48 +134,147 @@ def _recorded_metrics(adapter_dir: Path) -> dict[str, Any]:
 
 
 def run_steps(run: TrainingRun, stop: StopRequest, on_step: StepCallback) -> dict[str, float]:
-    """Optimizer steps until the run's length; returns the metrics of the last step and evaluation."""
+    """Optimizer steps until the run's length; returns the metrics of the last step and evaluation.
+
+    Each step is queued without reading anything back (`device_step`); its metrics stay on the device until
+    the loop reads them all at once (`PendingSteps.read`): at the logging interval, before an evaluation, a
+    checkpoint or a stop, and at the end. Only then are `on_step` and the log called, once per step, in order.
+    """
     train_config = run.recipe.train
     run.model_for_step.train()
-    start_time, skipped_steps = time.perf_counter(), 0
-    last: dict[str, float] = {}
-    while run.step < run.length.total_steps:
-        step_started = time.perf_counter()
-        micro_batches = run.next_micro_batches()
-        loss, step_metrics = accumulate_gradients(
-            run.model_for_step, micro_batches, run.accelerator, run.sharding, run.objective, run.peft_model
-        )
-        max_norm = train_config.max_grad_norm or math.inf  # inf: measure the norm (for the NaN check), clip nothing
-        grad_norm = run.sharding.clip_grad_norm(run.accelerator, run.trainable_parameters, max_norm)
-        if not (math.isfinite(loss) and math.isfinite(grad_norm)):
-            skipped_steps += 1
-            _refuse_nonfinite(run, loss, grad_norm, skipped_steps)
-        else:  # a skipped step changes nothing: not the weights, not Adam's state, not the schedule
+    steps = PendingSteps(run, on_step, device_schedule(run))
+    try:
+        while run.step < run.length.total_steps:
+            inputs = step_inputs(run, run.next_micro_batches())
+            steps.add(device_step(run, inputs, steps.schedule), inputs.epoch)
+            _test_hook_slow_step()
+            is_final = run.step == run.length.total_steps
+            evaluates = not is_final and train_config.eval_every_steps and run.step % train_config.eval_every_steps == 0
+            saves = is_final or (train_config.save_every_steps and run.step % train_config.save_every_steps == 0)
+            single_stop = run.accelerator.num_processes == 1 and stop.requested
+            if is_final or evaluates or saves or single_stop or run.step % train_config.log_every_steps == 0:
+                steps.read(run.evaluate() if evaluates else {})
+                if saves:
+                    run.save_checkpoint()
+                if not is_final and stop_agreed(stop, run.accelerator):  # a collective: only where all read
+                    path = run.save_checkpoint()
+                    raise TrainingInterrupted(
+                        f"interrupted at step {run.step} of {run.length.total_steps}; checkpoint {path} written; run "
+                        "the same `finetune train` command with --resume to continue",
+                        stop.signal_number or 2,
+                    )
+    finally:
+        if steps.schedule is not None:
+            steps.schedule.close()
+    return steps.last
+
+
+class StepInputs(NamedTuple):
+    """What the host prepares for one optimizer step: its micro-batches on the device, each unit's count over
+    the step and the processes (on the device), the documents' tokens (this process), and the epoch."""
+
+    batches: list[dict[str, torch.Tensor]]
+    counts: dict[str, torch.Tensor]
+    tokens: int
+    epoch: float
+
+
+def step_inputs(run: TrainingRun, micro_batches: list[dict[str, torch.Tensor]]) -> StepInputs:
+    """Count on the host, copy to the device (nothing here waits for the device); advance the run's position."""
+    counts = _step_counts(run.objective, micro_batches, run.accelerator)
+    batches = [to_device(batch, run.accelerator.device) for batch in micro_batches]
+    tokens = run.advance(micro_batches)
+    return StepInputs(batches, counts, tokens, run.stream.epoch_of(run.position))
+
+
+class QueuedStep(NamedTuple):
+    """One optimizer step's results, still on the device: `values` holds `names` in order (float64)."""
+
+    step: int
+    names: list[str]
+    values: torch.Tensor
+    elapsed_s: float
+
+
+def device_step(run: TrainingRun, inputs: StepInputs, schedule: DeviceSchedule | None) -> QueuedStep:
+    """Forward, backward, clip, optimizer and schedule step of one optimizer step, read nothing back (with a
+    `schedule`; without one, the optimizer cannot skip on the device and the loss is read here)."""
+    sums = step_sums(run.model_for_step, inputs, run.accelerator, run.sharding, run.objective, run.peft_model)
+    max_norm = run.recipe.train.max_grad_norm or math.inf  # inf: measure the norm (for the NaN check), clip nothing
+    grad_norm = torch.as_tensor(
+        run.sharding.clip_grad_norm(run.accelerator, run.trainable_parameters, max_norm), device=sums.values.device
+    )
+    loss = sums.loss()
+    if schedule is not None:
+        skipped = schedule.step(run.optimizer, loss, grad_norm)
+        lr = schedule.lr()
+    else:  # read on the host: bitsandbytes' optimizers, DeepSpeed, fp16
+        finite = math.isfinite(float(loss)) and math.isfinite(float(grad_norm))
+        if finite:  # a skipped step changes nothing: not the weights, not Adam's state, not the schedule
             run.optimizer.step()
             run.scheduler.step()
-        run.optimizer.zero_grad(set_to_none=True)
-        run.advance(micro_batches)
+        skipped, lr = torch.tensor(0.0 if finite else 1.0), torch.tensor(run.scheduler.get_last_lr()[0])
+    run.optimizer.zero_grad(set_to_none=True)
+    tokens = run.accelerator.reduce(
+        torch.tensor(inputs.tokens, dtype=torch.float64, device=sums.values.device), reduction="sum"
+    )
+    device = sums.values.device
+    extra = torch.stack([grad_norm.to(device, torch.float64), skipped.to(device, torch.float64),
+                         lr.to(device, torch.float64), tokens])  # fmt: skip
+    names = [*sums.names, *(f"count/{unit}" for unit in sums.count_units), "grad_norm", "skipped", "lr", "tokens"]
+    values = torch.cat([sums.values, sums.counts, extra])
+    return QueuedStep(run.step, names, values, time.perf_counter())
 
-        last = {**last, **step_metrics, "loss": loss, "grad_norm": grad_norm, "lr": run.scheduler.get_last_lr()[0]}
-        last.update(tokens_seen=run.tokens_seen, epoch=run.stream.epoch_of(run.position))
-        last.update(elapsed_s=time.perf_counter() - start_time, skipped_steps=skipped_steps)
-        last.update(step_s=time.perf_counter() - step_started)
-        is_final = run.step == run.length.total_steps
-        if not is_final and train_config.eval_every_steps and run.step % train_config.eval_every_steps == 0:
-            last.update(run.evaluate())
-        on_step(run.step, last)
-        _test_hook_slow_step()
-        last = {k: v for k, v in last.items() if not k.startswith("eval_")}  # an evaluation is reported once
-        if is_final or (train_config.save_every_steps and run.step % train_config.save_every_steps == 0):
-            run.save_checkpoint()
-        if not is_final and stop_agreed(stop, run.accelerator):
-            path = run.save_checkpoint()
-            raise TrainingInterrupted(
-                f"interrupted at step {run.step} of {run.length.total_steps}; checkpoint {path} written; run the same "
-                "`finetune train` command with --resume to continue",
-                stop.signal_number or 2,
-            )
-    return last
+
+def device_schedule(run: TrainingRun) -> DeviceSchedule | None:
+    """The on-device schedule where the optimizer can skip on the device (see `finetune.training.device_schedule`)."""
+    if not DeviceSchedule.usable(run.optimizer, run.scheduler, run.recipe.train.precision, run.sharding.name):
+        return None
+    return DeviceSchedule(run.optimizer, run.scheduler, run.length.total_steps, run.accelerator.device)
+
+
+class PendingSteps:
+    """Steps queued on the device and not read yet; `read` reads them in one transfer and reports each."""
+
+    def __init__(self, run: TrainingRun, on_step: StepCallback, schedule: DeviceSchedule | None) -> None:
+        self.run, self.on_step, self.schedule = run, on_step, schedule
+        self.queued: list[tuple[QueuedStep, float]] = []
+        self.last: dict[str, float] = {}
+        self.skipped_steps = 0
+        self.start_time = self.previous_end = time.perf_counter()
+
+    def add(self, step: QueuedStep, epoch: float) -> None:
+        self.queued.append((step, epoch))
+
+    def read(self, evaluation: dict[str, float]) -> None:
+        """Read every queued step (one device-to-host copy), refuse a non-finite one beyond the allowed skips,
+        and report each to `on_step`, the last with `evaluation`."""
+        if not self.queued:
+            return
+        rows = torch.stack([step.values for step, _ in self.queued]).tolist()
+        if self.schedule is not None:
+            self.schedule.sync_host()
+        run, objective = self.run, self.run.objective
+        for number, ((step, epoch), row) in enumerate(zip(self.queued, rows)):
+            value = dict(zip(step.names, row))
+            counts = {unit: value[f"count/{unit}"] for unit in objective.count_units}
+            reported = summarise(objective, value, counts)
+            loss = reported.pop("loss")
+            run.tokens_seen += int(value["tokens"])
+            self.skipped_steps += int(value["skipped"])
+            if value["skipped"]:
+                _refuse_nonfinite(run, step.step, loss, value["grad_norm"], self.skipped_steps)
+            metrics = {name: v for name, v in reported.items() if name != "ppl"}
+            last = {**self.last, **metrics, "loss": loss, "grad_norm": value["grad_norm"], "lr": value["lr"]}
+            last.update(tokens_seen=run.tokens_seen, epoch=epoch)
+            last.update(elapsed_s=step.elapsed_s - self.start_time, skipped_steps=self.skipped_steps)
+            last.update(step_s=step.elapsed_s - self.previous_end)  # host seconds from the step before to this one
+            self.previous_end = step.elapsed_s
+            if number == len(self.queued) - 1:
+                last.update(evaluation)
+            self.on_step(step.step, last)
+            self.last = {k: v for k, v in last.items() if not k.startswith("eval_")}  # an evaluation is reported once
+        self.queued = []
 
 
 def _test_hook_slow_step() -> None:
@@ -180,7 +284,7 @@ def _test_hook_slow_step() -> None:
         time.sleep(seconds)
 
 
-def _refuse_nonfinite(run: TrainingRun, loss: float, grad_norm: float, skipped_steps: int) -> None:
+def _refuse_nonfinite(run: TrainingRun, step: int, loss: float, grad_norm: float, skipped_steps: int) -> None:
     """Stop on a NaN/Inf step, unless the recipe allows skipping it (then nothing is updated)."""
     allowed = run.recipe.train.nonfinite_skips
     if skipped_steps <= allowed:
@@ -189,7 +293,7 @@ def _refuse_nonfinite(run: TrainingRun, loss: float, grad_norm: float, skipped_s
     last_good = ckpt.latest_checkpoint(run.run_dir)
     where = f"the last good checkpoint is {last_good}" if last_good else "no checkpoint was written yet"
     raise TrainingError(
-        f"step {run.step + 1}: loss {loss} and gradient norm {grad_norm} are not finite (after {skipped_steps - 1} "
+        f"step {step}: loss {loss} and gradient norm {grad_norm} are not finite (after {skipped_steps - 1} "
         f"allowed skips); no adapter was written; {where}; lower train.lr, use train.precision=fp32, or allow "
         "skips with train.nonfinite_skips"
     )
@@ -201,6 +305,24 @@ class StepLoss(NamedTuple):
     """The objective's metrics over the step (means over their units, all processes): {} for SFT."""
 
 
+class StepSums(NamedTuple):
+    """One step's loss and metric sums over all processes, and each unit's count, on the device (float64)."""
+
+    names: list[str]
+    values: torch.Tensor
+    count_units: tuple[str, ...]
+    counts: torch.Tensor
+    objective: Objective
+
+    def loss(self) -> torch.Tensor:
+        """Σ_u sum_u / N_u, a 0-d tensor on the device (what the backward took the gradient of)."""
+        total = self.values.new_zeros(())
+        for unit in self.objective.loss_units:
+            total = total + self.values[self.names.index(f"loss/{unit}")] / self.counts[
+                self.count_units.index(unit)].clamp(min=1)  # fmt: skip
+        return total
+
+
 def accumulate_gradients(
     model: Any,
     micro_batches: list[dict[str, torch.Tensor]],
@@ -209,7 +331,30 @@ def accumulate_gradients(
     objective: Objective | None = None,
     peft_model: Any = None,
 ) -> StepLoss:
-    """Backward every micro-batch of one optimizer step; return the step's loss and metrics.
+    """Backward every micro-batch of one optimizer step; return the step's loss and metrics, read on the host.
+
+    The loop itself uses `step_sums`, which reads nothing back; this is it plus one read.
+    """
+    objective = objective if objective is not None else BATCH_SFT
+    counts = _step_counts(objective, micro_batches, accelerator)
+    batches = [to_device(batch, accelerator.device) for batch in micro_batches]
+    sums = step_sums(model, StepInputs(batches, counts, 0, 0.0), accelerator, sharding, objective, peft_model)
+    values = torch.cat([sums.values, sums.counts]).tolist()  # one sync
+    reported = summarise(
+        objective, dict(zip(sums.names, values)), dict(zip(sums.count_units, values[len(sums.names) :]))
+    )
+    return StepLoss(reported.pop("loss"), {name: value for name, value in reported.items() if name != "ppl"})
+
+
+def step_sums(
+    model: Any,
+    inputs: StepInputs,
+    accelerator: Any,
+    sharding: Sharding | None = None,
+    objective: Objective | None = None,
+    peft_model: Any = None,
+) -> StepSums:
+    """Backward every micro-batch of one optimizer step; return its sums, on the device.
 
     Each micro-batch's loss, summed over each normalisation unit of the objective (label tokens for SFT,
     the default), is divided by that unit's count over the whole step, summed over processes, and
@@ -220,8 +365,7 @@ def accumulate_gradients(
     sharding = sharding or DdpSharding()
     objective = objective if objective is not None else BATCH_SFT
     models = Models(model, model if peft_model is None else peft_model, accelerator)
-    counts = _step_counts(objective, micro_batches, accelerator)  # on the device: nothing waits for them
-    batches = [to_device(batch, accelerator.device) for batch in micro_batches]
+    counts, batches = inputs.counts, inputs.batches
     with accelerator.autocast():
         prepared = objective.prepare(models, batches, reduce=True)
     sums: dict[str, torch.Tensor] = {}
@@ -241,9 +385,8 @@ def accumulate_gradients(
             sums[name] = sums.get(name, 0) + value.detach().double()
     names = sorted(sums)
     totals = accelerator.reduce(torch.stack([sums[name] for name in names]), reduction="sum")
-    values = torch.cat([totals, torch.stack([counts[unit] for unit in objective.count_units])]).tolist()  # one sync
-    reported = summarise(objective, dict(zip(names, values)), dict(zip(objective.count_units, values[len(names) :])))
-    return StepLoss(reported.pop("loss"), {name: value for name, value in reported.items() if name != "ppl"})
+    unit_counts = torch.stack([counts[unit] for unit in objective.count_units])
+    return StepSums(names, totals, tuple(objective.count_units), unit_counts, objective)
 
 
 def _step_counts(objective: Objective, micro_batches: list[dict[str, torch.Tensor]], accelerator: Any) -> dict:

@@ -1,6 +1,7 @@
 """What a training run reports as it goes: one `on_step(step, metrics)` callback, and its standard consumer.
 
-The loop in `finetune.training.loop` calls `on_step` once per optimizer step with that step's metrics (`loss`,
+The loop in `finetune.training.loop` calls `on_step` once per optimizer step, in order, when it reads the steps'
+metrics (at the logging interval, before an evaluation or checkpoint, and at the end), with that step's metrics (`loss`,
 `lr`, `grad_norm`, `tokens_seen`, `epoch`, `elapsed_s`, the objective's own (a preference objective's
 `rewards_chosen`, `reward_accuracy`, ...), and `eval_loss`/`eval_ppl` (and `eval_reward_accuracy`, ...)
 after an evaluation). Everything that reports progress consumes that one stream: `TrainingLog` (metrics.jsonl,

@@ -56,6 +56,7 @@ from finetune.training.objectives import Objective, objective_for
 from finetune.training.objectives.base import Models, describe_rewards
 from finetune.training.preference_setup import initial_adapter, precomputed_reference
 from finetune.training.recipe_digest import recipe_digest, resume_mismatch
+from finetune.training.regional_compile import compile_layers
 from finetune.training.sharding import (
     DdpSharding,
     DistributedInfo,
@@ -113,7 +114,11 @@ def make_optimizer(recipe: Recipe, groups: list[dict[str, Any]]) -> torch.optim.
         lr=train.lr, betas=(train.adam_beta1, train.adam_beta2), eps=train.adam_eps, weight_decay=train.weight_decay
     )
     if train.optimizer == "adamw":
-        return torch.optim.AdamW(groups, **kwargs)
+        # Fused: a handful of kernels for all tensors (a loop: several per tensor), and it can skip a non-finite
+        # step on the device (`finetune.training.device_schedule`). On every device torch has it for (CPU too).
+        devices = {p.device.type for group in groups for p in group["params"]}
+        fused = devices <= {"cpu", "cuda", "xpu", "mps"}
+        return torch.optim.AdamW(groups, **kwargs, fused=fused)
     import bitsandbytes as bnb  # only for the 8-bit optimizers: importing it is slow and chatty
 
     optimizer_class = bnb.optim.PagedAdamW8bit if train.optimizer == "paged_adamw_8bit" else bnb.optim.AdamW8bit
@@ -189,16 +194,15 @@ class TrainingRun:
             for k in range(accumulation)
         ]
 
-    def advance(self, micro_batches: list[dict[str, torch.Tensor]]) -> None:
-        """Count one optimizer step over `micro_batches` (their documents' tokens, summed over the processes:
-        ranks hold documents of different lengths)."""
+    def advance(self, micro_batches: list[dict[str, torch.Tensor]]) -> int:
+        """Count one optimizer step over `micro_batches`; return their documents' tokens on this process (the
+        loop sums them over the processes on the device and adds them to `tokens_seen` when it reads the step)."""
         positions = range(self.position, self.position + len(micro_batches))
         tokens = sum(self.row_tokens[i] for p in positions for i in self.stream.indices(p))
         self.step += 1
         if self.step % self.steps_per_batch == 0:
             self.position += len(micro_batches)
-        local = torch.tensor(tokens, dtype=torch.int64, device=self.accelerator.device)
-        self.tokens_seen += int(self.accelerator.reduce(local, reduction="sum"))
+        return tokens
 
     def evaluate(self) -> dict[str, float]:
         """Held-out loss and perplexity of the model as it is now; {} without validation data."""
@@ -323,7 +327,7 @@ def start_run(recipe: Recipe, *, resume: bool, say: Say) -> TrainingRun:
     model_for_step, optimizer = sharding.prepare(accelerator, peft_model, optimizer)
     distributed = _measure_distribution(sharding, peft_model, accelerator, say)  # ZeRO-3 partitions in prepare
     if recipe.train.compile:
-        model_for_step = torch.compile(model_for_step)
+        compile_layers(peft_model, quantized=recipe.model.quantization != "none", say=say)
     objective = objective_for(recipe, tokenizer)
     models = Models(model_for_step, peft_model, accelerator)
     data = precomputed_reference(recipe, objective, models, data, resume=resume_from is not None, say=say)

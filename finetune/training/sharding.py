@@ -80,7 +80,8 @@ class Sharding(Protocol):
 
     def backward(self, accelerator: Any, loss: torch.Tensor) -> None: ...
 
-    def clip_grad_norm(self, accelerator: Any, parameters: list[torch.nn.Parameter], max_norm: float) -> float: ...
+    def clip_grad_norm(self, accelerator: Any, parameters: list[torch.nn.Parameter], max_norm: float) -> Any:
+        """The gradients' global norm before clipping: a 0-d tensor on the device, or a float."""
 
 
 class DdpSharding:
@@ -104,8 +105,8 @@ class DdpSharding:
     def backward(self, accelerator: Any, loss: torch.Tensor) -> None:
         accelerator.backward(loss)
 
-    def clip_grad_norm(self, accelerator: Any, parameters: list[torch.nn.Parameter], max_norm: float) -> float:
-        return float(accelerator.clip_grad_norm_(parameters, max_norm))
+    def clip_grad_norm(self, accelerator: Any, parameters: list[torch.nn.Parameter], max_norm: float) -> Any:
+        return accelerator.clip_grad_norm_(parameters, max_norm)  # a tensor on the device: nothing waits for it
 
 
 class GatheredState:

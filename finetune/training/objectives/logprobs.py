@@ -10,8 +10,8 @@ collation time, so the forward pass never waits on the host:
 - `target_ids` (N,): the label each predicts; `target_sequence` (N,): whose sequence it is (0..S-1);
 - `sequence_tokens` (S,): labelled tokens per sequence (for length-normalised objectives).
 
-The output head runs only at the N positions (a hook on the head, as `finetune.scoring.forward_loss`
-does for SFT), and the per-sequence sums are one `index_add_` of the N token log-probs: no boolean-mask
+The output head runs only at the N positions, in chunks (`finetune.training.target_loss`), and the
+per-sequence sums are one `index_add_` of the N token log-probs: no boolean-mask
 indexing, no `.item()`, shapes known before the forward.
 
 Example:
@@ -25,14 +25,12 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 import torch
-import torch.nn.functional as F
 
 from finetune.data.collate import collate_batch
 from finetune.data.labels import IGNORE_INDEX
 from finetune.scoring import next_token_targets, output_head
-
-MODEL_INPUTS = ("input_ids", "position_ids", "attention_mask")
-"""The keys of a sequence batch that go to the model; the rest index the outputs."""
+from finetune.training.document_mask import model_inputs
+from finetune.training.target_loss import target_losses
 
 
 def collate_sequences(
@@ -44,28 +42,41 @@ def collate_sequences(
     """Lay out S sequences (`input_ids`, `labels`) as one micro-batch plus the indices that score them.
 
     Returns:
-        The model inputs of `collate_batch` (no `labels`), and `target_index`, `target_ids`,
+        The model inputs of `collate_batch` (no `labels`), `document_index` (R, T) for the attention mask
+        (`finetune.training.document_mask`), and `target_index`, `target_ids`,
         `target_sequence` (N,) and `sequence_tokens` (S,), all int64 on the host.
     """
-    batch = collate_batch(sequences, pad_token_id, packing, layout, document_index=True)
-    targets = next_token_targets(batch.pop("labels")).reshape(-1)  # (R·T,): position t predicts label t+1
-    owners = batch.pop("document_index").reshape(-1)  # a target is its own sequence's: first labels are -100
-    target_index = (targets != IGNORE_INDEX).nonzero().squeeze(1)  # host tensors: no device sync
-    target_sequence = owners[target_index]
-    batch["target_index"] = target_index
-    batch["target_ids"] = targets[target_index]
+    batch = add_targets(collate_batch(sequences, pad_token_id, packing, layout, document_index=True))
+    del batch["labels"]
+    owners = batch["document_index"].reshape(-1)  # a target is its own sequence's: first labels are -100
+    target_sequence = owners[batch["target_index"]]
     batch["target_sequence"] = target_sequence
     batch["sequence_tokens"] = torch.bincount(target_sequence, minlength=len(sequences))
     return batch
 
 
+def add_targets(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`batch` with `target_index` and `target_ids` (N,) added, found from its `labels` on the host."""
+    targets = next_token_targets(batch["labels"]).reshape(-1)  # (R·T,): position t predicts label t+1
+    target_index = (targets != IGNORE_INDEX).nonzero().squeeze(1)  # host tensors: no device sync
+    return {**batch, "target_index": target_index, "target_ids": targets[target_index]}
+
+
+def sequence_logps(model: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """(S,) Σ log π(label) over each sequence's labelled tokens, in float32 (logits upcast before the softmax)."""
+    token_logps = -target_losses(model, batch)  # (N,)
+    sums = token_logps.new_zeros(batch["sequence_tokens"].shape[0])
+    return sums.index_add(0, batch["target_sequence"], token_logps)
+
+
 def logits_at(model: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """(N, V) logits at `batch["target_index"]` only, the head run on those positions alone (KV cache off).
+    """(N, V) logits at `batch["target_index"]` only, the head run on those positions alone (KV cache off), for
+    objectives that need the logits themselves (GRPO: a sampling temperature, the entropy), not only losses.
 
     Under `torch.compile` (a shape changing every batch would recompile the graph) or without a transformers
     model inside, all logits are computed and the N rows taken from them.
     """
-    inputs = {key: batch[key] for key in MODEL_INPUTS if key in batch}
+    inputs = model_inputs(model, batch)
     index = batch["target_index"]
     head = output_head(model)
     if head is None or hasattr(model, "_orig_mod"):
@@ -81,10 +92,3 @@ def logits_at(model: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         return model(**inputs, use_cache=False).logits  # (N, V)
     finally:
         handle.remove()
-
-
-def sequence_logps(model: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """(S,) Σ log π(label) over each sequence's labelled tokens, in float32 (logits upcast before the softmax)."""
-    token_logps = -F.cross_entropy(logits_at(model, batch).float(), batch["target_ids"], reduction="none")  # (N,)
-    sums = token_logps.new_zeros(batch["sequence_tokens"].shape[0])
-    return sums.index_add(0, batch["target_sequence"], token_logps)

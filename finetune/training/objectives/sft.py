@@ -22,6 +22,8 @@ from finetune.data.collate import collate_batch
 from finetune.data.labels import IGNORE_INDEX
 from finetune.scoring import forward_loss_terms, router_aux_coef
 from finetune.training.objectives.base import CollateOptions, Models, Terms
+from finetune.training.objectives.logprobs import add_targets
+from finetune.training.target_loss import target_losses_and_aux
 
 
 class SFT:
@@ -36,7 +38,8 @@ class SFT:
 
     def collate(self, rows: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
         options = self.options
-        return collate_batch(rows, options.pad_token_id, packing=options.packing, layout=options.layout)
+        batch = collate_batch(rows, options.pad_token_id, options.packing, options.layout, document_index=True)
+        return add_targets(batch)  # positions and documents found on the host: the step never syncs
 
     def counts(self, batch: dict[str, torch.Tensor]) -> dict[str, int]:
         return {"label_tokens": int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())}
@@ -45,9 +48,14 @@ class SFT:
         return [{} for _ in batches]
 
     def terms(self, models: Models, batch: dict[str, torch.Tensor], prepared: dict) -> Terms:
-        loss_sum, _, router_aux = forward_loss_terms(models.step, batch)
+        if "target_index" in batch:  # collated here: positions found on the host, logits in chunks
+            losses, aux = target_losses_and_aux(models.step, batch)
+            loss_sum, router_aux = losses.sum(), None if aux is None else aux.float() * losses.shape[0]
+        else:  # a batch collated elsewhere (`BATCH_SFT`)
+            loss_sum, _, router_aux = forward_loss_terms(models.step, batch)
         if router_aux is None:
             return Terms({"label_tokens": loss_sum}, {"nll": loss_sum.detach()})
+        # A mixture of experts' load-balancing loss, as transformers adds it: coefficient x aux per label token.
         loss = loss_sum + router_aux_coef(models.step) * router_aux
         return Terms({"label_tokens": loss}, {"nll": loss_sum.detach(), "router_aux": router_aux.detach()})
 

@@ -1,0 +1,96 @@
+"""On a CUDA device: the chunked loss against whole logits (memory, time, values) and a sync-free step.
+
+Loads `finetune/chunked_loss.py` and `finetune/training/host_sync.py` by path (they import torch only), so it
+runs on a GPU machine without the project's other dependencies:
+
+1. Llama-3's 128,256-word head at 2 x 2048 tokens in bf16: peak memory above the inputs
+   (`torch.cuda.max_memory_allocated`), time of forward + backward, and the losses and hidden-state gradients
+   of `token_losses` against `F.cross_entropy(head(hidden).float())`;
+2. under `HostSyncDetector`: that loss, its backward, clipping and fused AdamW skipping a non-finite step
+   through `found_inf` with a tensor learning rate find no sync; `.item()` and `.cpu()` are caught.
+
+Example:
+    python3 bench/gpu_chunked_loss.py
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def load(name: str, path: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+chunked_loss = load("chunked_loss", "finetune/chunked_loss.py")
+host_sync = load("host_sync", "finetune/training/host_sync.py")
+
+
+def whole(head, hidden, targets):
+    return F.cross_entropy(head(hidden).float(), targets, reduction="none")
+
+
+def measure(function, head, hidden, targets, weights):
+    hidden = hidden.detach().clone().requires_grad_(True)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    start_bytes = torch.cuda.memory_allocated()
+    start = time.perf_counter()
+    losses = function(head, hidden, targets)
+    (losses * weights).sum().backward()
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    return losses.detach(), hidden.grad, torch.cuda.max_memory_allocated() - start_bytes, seconds
+
+
+def main() -> None:
+    device = torch.device("cuda")
+    print(torch.cuda.get_device_name(), torch.__version__)
+    tokens, vocab, size = 2 * 2048, 128_256, 4096
+    generator = torch.Generator(device=device).manual_seed(0)
+    head = torch.nn.Linear(size, vocab, bias=False, device=device, dtype=torch.bfloat16).requires_grad_(False)
+    hidden = torch.randn(tokens, size, device=device, dtype=torch.bfloat16, generator=generator)
+    targets = torch.randint(0, vocab, (tokens,), device=device, generator=generator)
+    weights = torch.rand(tokens, device=device, generator=generator) + 0.5
+    for _ in range(2):  # warm-up, then measured
+        results = {name: measure(fn, head, hidden, targets, weights)
+                   for name, fn in (("whole", whole), ("chunked", chunked_loss.token_losses))}  # fmt: skip
+    for name, (_, _, peak, seconds) in results.items():
+        print(f"{name:>8}: loss peak {peak / 2**20:,.0f} MiB, forward+backward {seconds * 1e3:.1f} ms")
+    (l0, g0, _, _), (l1, g1, _, _) = results["whole"], results["chunked"]
+    print(f"losses: max relative difference {((l1 - l0).abs() / l0.abs()).max().item():.2e}")
+    print(f"hidden gradients: max difference {(g1 - g0).abs().max().item():.2e} of max {g0.abs().max().item():.2e}")
+
+    lora = torch.nn.Parameter(torch.zeros(size, 8, device=device))
+    optimizer = torch.optim.AdamW([lora], lr=1e-3, fused=True)
+    optimizer.param_groups[0]["lr"] = torch.tensor(1e-3, dtype=torch.float64, device=device)
+    optimizer.found_inf = torch.zeros((), device=device)
+    x = hidden[:512].float().requires_grad_(False)
+    with host_sync.HostSyncDetector() as detector:
+        for _ in range(2):
+            h = (x + (x @ lora) @ torch.ones(8, size, device=device)).to(torch.bfloat16)
+            loss = chunked_loss.token_losses(head, h, targets[:512]).sum()
+            loss.backward()
+            norm = torch.nn.utils.clip_grad_norm_([lora], 1.0)
+            optimizer.found_inf.copy_((~(torch.isfinite(loss) & torch.isfinite(norm))).float())
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    print(f"sync-free step on CUDA: {detector.found or 'no sync'}")
+    with host_sync.HostSyncDetector() as detector:
+        loss.item()
+        loss.cpu()
+    print(f"caught: {detector.found}")
+
+
+if __name__ == "__main__":
+    main()

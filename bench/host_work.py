@@ -1,0 +1,232 @@
+"""Host work per optimizer step: aten operations, host-syncing operations and distinct shapes, ours against
+the HF Trainer + peft on the same micro-batches.
+
+On a GPU every aten operation is at least one kernel launch queued by the host, and every host-syncing
+operation (`.item()`, `nonzero`, boolean-mask indexing, a device-to-host copy) makes the host wait until the
+device has run everything queued. A host-bound step (what the H100 measurement found) gets faster with fewer
+of both, so they are counted here on the CPU, where the same operations are dispatched:
+
+- `aten ops/step`: every aten operation dispatched from the start of one optimizer step to the next
+  (forward, backward, clipping, optimizer, schedule, the Trainer's logging reads and ours' one read at the
+  logging interval), counted by a `TorchDispatchMode`, averaged over the measured steps after warm-up steps.
+  Collation is left out of both (host tensors: no kernel on a GPU): ours' `step_inputs`, the Trainer's collator;
+- `syncs/step`: the operations `finetune.training.host_sync.HostSyncDetector` flags, over the same steps
+  (ours: inside the steps; its one read per logging interval is given apart, `syncs_per_logging_read`);
+- `shapes/epoch`: distinct (rows, columns) of the micro-batches of one epoch.
+
+Ours runs eager: dynamo refuses to compile under a user dispatch mode ("non-infra torch dispatch mode present"),
+so counting `train.compile`'s operations needs torch.profiler instead (not done yet).
+
+Both arms train LoRA r=16 on every linear layer (dropout 0.05) of the same tiny Llama, on the same documents
+in the same micro-batches of 8: ours through `finetune.training.loop` (packed rows, chunked loss, fused AdamW),
+the Trainer through `Trainer.train` with `DataCollatorForSeq2Seq` padding each micro-batch (its usual path).
+
+Example:
+    PYTHONPATH=. python bench/host_work.py --steps 6 --warmup-steps 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+
+from finetune.training.host_sync import HostSyncDetector
+
+MICRO_BATCH = 8
+LORA = dict(r=16, alpha=32, dropout=0.05)
+WORDS = "crate shelf amber violet teal ochre warehouse north south ledger parcel route depot count".split()
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts every aten operation dispatched inside it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+class Meter:
+    """Ops and syncs between marks; `per_step` averages the measured window."""
+
+    def __init__(self) -> None:
+        self.ops, self.syncs = OpCounter(), HostSyncDetector()
+        self.marks: list[tuple[int, int]] = []
+
+    def __enter__(self) -> Meter:
+        self.syncs.__enter__()
+        self.ops.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.ops.__exit__(*exc)
+        self.syncs.__exit__(*exc)
+
+    def mark(self) -> None:
+        self.marks.append((self.ops.count, len(self.syncs.found)))
+
+    def per_step(self, warmup: int) -> tuple[float, float]:
+        (ops0, syncs0), (ops1, syncs1) = self.marks[warmup], self.marks[-1]
+        steps = len(self.marks) - 1 - warmup
+        return (ops1 - ops0) / steps, (syncs1 - syncs0) / steps
+
+
+def records(count: int, seed: int = 0) -> list[dict[str, str]]:
+    rng = random.Random(seed)
+    out = []
+
+    def words(n: int) -> str:
+        return " ".join(rng.choice(WORDS) for _ in range(n))
+
+    for index in range(count):
+        out.append({"instruction": f"Where is crate {index}? {words(rng.randint(3, 20))}",
+                    "input": "", "output": words(rng.randint(5, 60))})  # fmt: skip
+    return out
+
+
+def build_base(workdir: Path, data: list[dict[str, str]]) -> Path:
+    from finetune.embedded.tiny import build_tiny_llama
+    from finetune.embedded.tokenizer import train_tokenizer
+
+    tokenizer = train_tokenizer([r["instruction"] + " " + r["output"] for r in data], vocab_size=600)
+    base = workdir / "base"
+    build_tiny_llama(tokenizer, seed=0).save_pretrained(base)
+    tokenizer.save_pretrained(base)
+    return base
+
+
+def run_ours(workdir: Path, base: Path, steps: int, warmup: int) -> dict[str, Any]:
+    from finetune.recipe import load_recipe
+    from finetune.training.loop import PendingSteps, device_schedule, device_step, step_inputs
+    from finetune.training.run import start_run
+
+    (workdir / "ours.yaml").write_text(f"""
+model: {{base: {base}, attn_implementation: sdpa}}
+lora: {{r: {LORA["r"]}, alpha: {LORA["alpha"]}, dropout: {LORA["dropout"]}, target_modules: all-linear}}
+data: {{train: {workdir / "train.jsonl"}, format: instruction, max_seq_len: 256}}
+train: {{max_steps: {steps + warmup + 1}, micro_batch_size: {MICRO_BATCH}, log_every_steps: {steps + warmup + 1},
+         report_to: []}}
+output: {{name: ours, dir: {workdir / "adapter"}, run_dir: {workdir / "run"}, report: false}}
+""")
+    run = start_run(load_recipe(workdir / "ours.yaml"), resume=False, say=lambda line: None)
+    shapes = {tuple(run.collate([run.data.train[i] for i in run.stream.indices(p)])["input_ids"].shape)
+              for p in range(run.length.micro_batches_per_epoch)}  # fmt: skip
+    run.model_for_step.train()
+    pending = PendingSteps(run, lambda step, metrics: None, device_schedule(run))
+    with Meter() as meter:
+        meter.mark()
+        for _ in range(warmup + steps):
+            with _disable_current_modes():  # collation and counting on the host: not counted (see the docstring)
+                inputs = step_inputs(run, run.next_micro_batches())
+            pending.add(device_step(run, inputs, pending.schedule), 0.0)
+            if run.step == warmup + steps:
+                before = len(meter.syncs.found)
+                pending.read({})  # the read of the logging interval: once per interval, its ops counted in
+                read_syncs = len(meter.syncs.found) - before
+            meter.mark()
+    ops, syncs = meter.per_step(warmup)
+    return {"aten_ops_per_step": ops, "syncs_per_step": syncs - read_syncs / steps, "shapes_per_epoch": len(shapes),
+            "syncs_per_logging_read": read_syncs, "sync_ops": sorted(set(meter.syncs.found))}  # fmt: skip
+
+
+def run_trainer(workdir: Path, base: Path, steps: int, warmup: int) -> dict[str, Any]:
+    from datasets import Dataset
+    from peft import LoraConfig, get_peft_model
+    from transformers import (
+        AutoModelForCausalLM,
+        AutoTokenizer,
+        DataCollatorForSeq2Seq,
+        Trainer,
+        TrainerCallback,
+        TrainingArguments,
+    )
+
+    from finetune.data import build_datasets
+    from finetune.recipe import load_recipe
+
+    recipe = load_recipe(workdir / "ours.yaml")
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    rows = build_datasets(recipe.data, tokenizer, seed=0).train  # the same documents, tokenized the same way
+    model = AutoModelForCausalLM.from_pretrained(base, attn_implementation="sdpa")
+    model.config.use_cache = False
+    lora = LoraConfig(r=LORA["r"], lora_alpha=LORA["alpha"], lora_dropout=LORA["dropout"], target_modules="all-linear",
+                      task_type="CAUSAL_LM")  # fmt: skip
+    model = get_peft_model(model, lora)
+    padder = DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=-100)
+
+    def collator(features: list[dict]) -> dict:
+        with _disable_current_modes():  # collation on the host: not counted (see the docstring)
+            return padder(features)
+
+    shapes = {tuple(collator([dict(rows[i]) for i in range(s, min(s + MICRO_BATCH, len(rows)))])["input_ids"].shape)
+              for s in range(0, len(rows), MICRO_BATCH)}  # fmt: skip
+    meter = Meter()
+
+    class Marks(TrainerCallback):
+        def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            if state.global_step == 0:
+                meter.mark()
+
+        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            meter.mark()
+
+    arguments = TrainingArguments(
+        output_dir=str(workdir / "trainer"), per_device_train_batch_size=MICRO_BATCH, max_steps=warmup + steps,
+        learning_rate=1e-3, logging_steps=warmup + steps, save_strategy="no", report_to=[], use_cpu=True,
+        dataloader_num_workers=0, remove_unused_columns=False, disable_tqdm=True,
+    )  # fmt: skip
+    dataset = Dataset.from_list([{"input_ids": r["input_ids"], "labels": r["labels"]} for r in rows])
+    trainer = Trainer(model=model, args=arguments, train_dataset=dataset, data_collator=collator,
+                      processing_class=tokenizer, callbacks=[Marks()])  # fmt: skip
+    with meter:
+        trainer.train()
+    ops, syncs = meter.per_step(warmup)
+    return {"aten_ops_per_step": ops, "syncs_per_step": syncs, "shapes_per_epoch": len(shapes),
+            "sync_ops": sorted(set(meter.syncs.found))}  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=6, help="measured optimizer steps")
+    parser.add_argument("--warmup-steps", type=int, default=2)
+    parser.add_argument("--records", type=int, default=400)
+    parser.add_argument("--json", type=Path)
+    parser.add_argument(
+        "--scratch", type=Path, help="accepted for `python -m bench`; the models are built in a temporary directory"
+    )
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory() as tmp:
+        workdir = Path(tmp)
+        data = records(args.records)
+        (workdir / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in data))
+        base = build_base(workdir, data)
+        results = {"ours": run_ours(workdir, base, args.steps, args.warmup_steps),
+                   "hf-trainer + peft": run_trainer(workdir, base, args.steps, args.warmup_steps)}  # fmt: skip
+    ours, theirs = results["ours"], results["hf-trainer + peft"]
+    print(f"{'arm':<20}{'aten ops/step':>15}{'syncs/step':>12}{'shapes/epoch':>14}")
+    for name, result in results.items():
+        print(f"{name:<20}{result['aten_ops_per_step']:>15,.0f}{result['syncs_per_step']:>12.1f}"
+              f"{result['shapes_per_epoch']:>14}")  # fmt: skip
+    print(f"ours / Trainer, aten ops per step: {ours['aten_ops_per_step'] / theirs['aten_ops_per_step']:.2f}x")
+    for name, result in results.items():
+        print(f"{name} syncing ops: {', '.join(result['sync_ops']) or 'none'}")
+    print(f"ours reads its metrics once per logging interval: {ours['syncs_per_logging_read']} syncing ops per read")
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,65 @@
+"""Token losses at a batch's labelled positions, indexed on the host, the logits computed in chunks.
+
+Every objective scores the same thing: −log π(label) at the positions that predict a label. The collator
+computes on the host where those are (`target_index`, the flattened row · T + t positions, and `target_ids`,
+the labels; `finetune.training.objectives.logprobs.collate_sequences`), so the forward selects them with
+`index_select`: no boolean mask, no `nonzero`, no device-to-host sync, and the shapes are known before the
+forward. A forward pre-hook on the output head takes the hidden states, selects the N labelled rows, computes
+their losses through `finetune.chunked_loss` (never the whole (N, V) logits) and hands the head zero rows:
+the loss is computed inside the model's forward, where DDP, FSDP and DeepSpeed have the head's weight at hand.
+The attention mask comes from the collator's document ids (`finetune.training.document_mask`).
+
+Example:
+    losses = target_losses(model, batch)            # (N,) float32, differentiable
+    loss_sum = losses.sum()
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from finetune.chunked_loss import token_losses
+from finetune.scoring import output_head
+from finetune.training.document_mask import model_inputs
+
+
+def target_losses(model: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """(N,) float32 −log π(target_ids) at `batch["target_index"]`, in that order (KV cache off: see packing)."""
+    return target_losses_and_aux(model, batch)[0]
+
+
+def target_losses_and_aux(model: Any, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`target_losses`, and the load-balancing loss a mixture of experts returns (`aux_loss`, when its config
+    sets `output_router_logits`; None for other models).
+
+    Under a whole-model `torch.compile` (a hook inside the compiled graph would break it) or without a
+    transformers model inside, the model computes all logits and the N rows are taken from them.
+    """
+    inputs = model_inputs(model, batch)
+    index, targets = batch["target_index"], batch["target_ids"]
+    head = output_head(model)
+    if head is None or hasattr(model, "_orig_mod"):
+        outputs = model(**inputs, use_cache=False)
+        logits = outputs.logits  # (R, T, V)
+        selected = logits.reshape(-1, logits.size(-1)).index_select(0, index)
+        return F.cross_entropy(selected.float(), targets, reduction="none"), getattr(outputs, "aux_loss", None)
+    found: list[torch.Tensor] = []
+
+    def losses_in_head(module: torch.nn.Module, args: tuple) -> tuple | None:
+        if found:  # the loss calling the head on a chunk: let it through
+            return None
+        hidden = args[0]  # (R, T, H)
+        selected = hidden.reshape(-1, hidden.size(-1)).index_select(0, index)  # (N, H)
+        found.append(selected)  # marks the call as taken while the chunks go through the head
+        found[0] = token_losses(module, selected, targets)
+        return (selected[:0], *args[1:])  # the head itself runs on no rows
+
+    handle = head.register_forward_pre_hook(losses_in_head)
+    try:
+        outputs = model(**inputs, use_cache=False)
+    finally:
+        handle.remove()
+    return found[0], getattr(outputs, "aux_loss", None)

@@ -1,0 +1,79 @@
+"""`train.compile` compiles each decoder layer with fullgraph=True: no graph break, no recompilation once the
+shapes are warm, and the same losses and gradients as eager.
+
+Slow (compiling takes minutes on a loaded 2-core CPU): run with `-m slow`.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from finetune.data.collate import collate_batch
+from finetune.training.objectives.logprobs import add_targets
+from finetune.training.regional_compile import compile_layers
+from finetune.training.target_loss import target_losses
+
+pytestmark = pytest.mark.slow
+
+
+def _model(base_dir, dropout: float):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32, attn_implementation="sdpa")
+    model.config.use_cache = False
+    torch.manual_seed(0)
+    lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=dropout, target_modules="all-linear")
+    model = get_peft_model(model, lora).train()
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "lora_B" in name:
+                parameter.normal_(std=0.1)
+    return model
+
+
+def _batch(rng: random.Random, length: int) -> dict[str, torch.Tensor]:
+    documents = []
+    for size in (length, length // 2, length // 3):
+        ids = [rng.randrange(5, 250) for _ in range(size)]
+        documents.append({"input_ids": ids, "labels": [-100] * (size // 3) + ids[size // 3 :]})
+    return add_targets(collate_batch(documents, 0, packing=True, document_index=True))
+
+
+def _step(model, batch) -> tuple[float, list[torch.Tensor]]:
+    model.zero_grad()
+    loss = target_losses(model, batch).sum()
+    loss.backward()
+    return loss.item(), [p.grad.clone() for p in model.parameters() if p.requires_grad]
+
+
+def test_compiled_layers_equal_eager_without_graph_breaks_or_recompiles(tiny_base_dir):
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    rng = random.Random(0)
+    lengths = [64, 96, 128]
+    batches = [_batch(rng, n) for n in lengths]
+    eager, compiled = _model(tiny_base_dir, 0.0), _model(tiny_base_dir, 0.0)
+    assert compile_layers(compiled, quantized=False, say=lambda line: None) == 2
+    for batch in batches:  # warm-up: each shape once (the second one makes the graphs dynamic)
+        _step(compiled, batch)
+    warm = dict(counters["stats"])
+    for batch in batches:  # the same shapes again: nothing new compiles, and eager agrees
+        expected_loss, expected_grads = _step(eager, batch)
+        loss, grads = _step(compiled, batch)
+        assert loss == pytest.approx(expected_loss, rel=1e-5)
+        for ours, theirs in zip(grads, expected_grads):  # inductor fuses and orders sums its own way
+            torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5 * theirs.abs().max().item())
+    assert dict(counters["stats"]) == warm, "recompiled after warm-up"
+    assert not counters["graph_break"], dict(counters["graph_break"])
+
+    dropout = _model(tiny_base_dir, 0.05)  # LoRA dropout inside the compiled graph: still one graph per layer
+    compile_layers(dropout, quantized=False, say=lambda line: None)
+    for batch in batches + batches:
+        _step(dropout, batch)
+    assert not counters["graph_break"], dict(counters["graph_break"])
