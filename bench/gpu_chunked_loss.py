@@ -73,7 +73,7 @@ def main() -> None:
 
     lora = torch.nn.Parameter(torch.zeros(size, 8, device=device))
     optimizer = torch.optim.AdamW([lora], lr=1e-3, fused=True)
-    optimizer.param_groups[0]["lr"] = torch.tensor(1e-3, dtype=torch.float64, device=device)
+    optimizer.param_groups[0]["lr"] = torch.tensor(1e-3, dtype=torch.float32, device=device)  # CUDA: float32 only
     optimizer.found_inf = torch.zeros((), device=device)
     x = hidden[:512].float().requires_grad_(False)
     with host_sync.HostSyncDetector() as detector:

@@ -92,7 +92,13 @@ def test_a_skipped_step_leaves_weights_adam_state_and_schedule_unchanged_bit_for
         snapshots[step] = (weights, optimizer, copy.deepcopy(run.scheduler.state_dict()), metrics["lr"])
         poisoned["on"] = step == 2
 
-    overrides = ["train.nonfinite_skips=1", "train.max_steps=4", "train.eval_every_steps=null"]
+    # Read every step (log_every_steps 1): on_step then runs before the next step is queued, and can poison it.
+    overrides = [
+        "train.nonfinite_skips=1",
+        "train.max_steps=4",
+        "train.eval_every_steps=null",
+        "train.log_every_steps=1",
+    ]
     _, metrics = train("recipe.yaml", [*overrides, "train.schedule=linear"], log=quiet, on_step=on_step)
     assert metrics["skipped_steps"] == 1 and sorted(snapshots) == [1, 2, 3, 4]
     (weights, optimizer, scheduler, lr), after = snapshots[2], snapshots[3]

@@ -109,7 +109,10 @@ def test_fsdp_shards_resumes_and_trains_the_ddp_adapter(sharded_workdir):
     assert _distributed("fsdp")["strategy"] == "fsdp" and _distributed("fsdp")["world_size"] == 2
     assert _distributed("fsdp")["max_rank_param_share"] <= 0.6, _distributed("fsdp")
     _train(*fsdp, "train.max_steps=3", "--resume")  # ... which resumes (weights and Adam moments) to step 3
-    _assert_same_adapter("adapters/ddp", "adapters/fsdp")
+    # FSDP computes the loss from whole logits (a sharded head: `finetune.training.target_loss`), DDP in chunks:
+    # the same sums in another order, which Adam's 1/sqrt(v) magnifies on weights whose gradient is near zero
+    # (measured: 3.4e-4 at most, 2.8e-4 relative to a tensor's norm), as for ZeRO below.
+    _assert_same_adapter("adapters/ddp", "adapters/fsdp", max_abs=1e-3, max_relative=1e-3)
 
 
 @pytest.mark.slow

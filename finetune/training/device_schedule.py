@@ -9,8 +9,9 @@ Here that decision stays on the device:
   the step counters untouched where it is 1: a skipped step changes nothing, bit for bit.
 - The schedule is a table of every step's learning rate per parameter group, computed once from the
   transformers scheduler's own lambdas, on the device. `applied`, the count of steps actually taken (a 0-d
-  int64), picks each step's rate (`index_select`) into the groups' `lr`, 0-d tensors that fused AdamW reads:
-  a skipped step does not advance the schedule, as if it had not happened.
+  int64), picks each step's rate (`index_select`) into the groups' `lr`, 0-d float32 tensors that fused AdamW
+  reads (its CUDA kernel takes no other dtype: "expected scalar type Float but found Double" on an H100): a
+  skipped step does not advance the schedule, as if it had not happened. The rate reported is the table's.
 - `sync_host` writes `applied` back into the scheduler (its `last_epoch` and last rates) when the loop reads
   its metrics anyway (logging, evaluation, checkpoint): the checkpoint format does not change.
 
@@ -54,8 +55,9 @@ class DeviceSchedule:
         self.table = torch.tensor(rates, dtype=torch.float64, device=device)  # (groups, steps + 1)
         self.applied = torch.tensor(scheduler.last_epoch, dtype=torch.int64, device=device)
         self.found_inf = torch.zeros((), dtype=torch.float32, device=device)
+        self.taken = self.table[0, scheduler.last_epoch].clone()  # the first group's rate, as `lr()` reports it
         for index, group in enumerate(self.optimizer.param_groups):
-            group["lr"] = self.table[index, scheduler.last_epoch].clone()  # its own tensor: checkpoints save it
+            group["lr"] = self.table[index, scheduler.last_epoch].to(torch.float32)  # its own tensor
         self.optimizer.found_inf = self.found_inf
 
     @staticmethod
@@ -77,11 +79,13 @@ class DeviceSchedule:
         position = self.applied.view(1)
         for index, group in enumerate(self.optimizer.param_groups):
             group["lr"].copy_(self.table[index].index_select(0, position).squeeze(0))
+        self.taken = self.table[0].index_select(0, position).squeeze(0)
         return bad
 
     def lr(self) -> torch.Tensor:
-        """The first group's learning rate of the step just taken (0-d float64 on the device)."""
-        return self.optimizer.param_groups[0]["lr"]
+        """The first group's learning rate after the step just taken, as the host scheduler's `get_last_lr`
+        reports it (0-d float64 on the device: the table's value, not the float32 the optimizer reads)."""
+        return self.taken
 
     def sync_host(self) -> None:
         """Write the steps taken into the host scheduler (a read of one device scalar)."""

@@ -33,7 +33,10 @@ def model_inputs(model: Any, batch: dict[str, torch.Tensor]) -> dict[str, torch.
     documents = batch.get("document_index")
     inner = _transformers_model(model)
     implementation = getattr(inner.config, "_attn_implementation", None) if inner is not None else None
-    if documents is None or implementation not in MASKED_IMPLEMENTATIONS:
+    # A mixture of experts returning its load-balancing loss reads `attention_mask` as the (R, T) padding mask
+    # (transformers' `load_balancing_loss_func` flattens it per token): it keeps the position-ids path.
+    router_loss = inner is not None and bool(getattr(inner.config, "output_router_logits", False))
+    if documents is None or implementation not in MASKED_IMPLEMENTATIONS or router_loss:
         if "attention_mask" in batch:
             inputs["attention_mask"] = batch["attention_mask"]
         return inputs

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 
 from finetune.chunked_loss import token_losses
 from finetune.scoring import output_head
@@ -41,7 +42,7 @@ def target_losses_and_aux(model: Any, batch: dict[str, torch.Tensor]) -> tuple[t
     inputs = model_inputs(model, batch)
     index, targets = batch["target_index"], batch["target_ids"]
     head = output_head(model)
-    if head is None or hasattr(model, "_orig_mod"):
+    if head is None or hasattr(model, "_orig_mod") or _sharded(head):
         outputs = model(**inputs, use_cache=False)
         logits = outputs.logits  # (R, T, V)
         selected = logits.reshape(-1, logits.size(-1)).index_select(0, index)
@@ -63,3 +64,11 @@ def target_losses_and_aux(model: Any, batch: dict[str, torch.Tensor]) -> tuple[t
     finally:
         handle.remove()
     return found[0], getattr(outputs, "aux_loss", None)
+
+
+def _sharded(head: torch.nn.Module) -> bool:
+    """Whether the head's weight is sharded: FSDP2's `DTensor` (the loss inside its forward hook crashed the
+    backward, SIGSEGV on 2 CPU ranks, torch 2.13) or a ZeRO-3 partition (`ds_id`: its backward hooks found no
+    active submodule, the head's own output being unused). The whole logits are computed there instead."""
+    weight = getattr(head, "weight", None)
+    return isinstance(weight, DTensor) or hasattr(weight, "ds_id")
