@@ -40,7 +40,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import time
@@ -49,6 +48,7 @@ from typing import Any
 
 from bench.presets import PRESETS
 from bench.report import format_markdown
+from bench.startup import cpu_model
 from bench.train_throughput import versions
 
 BENCH_DIR = Path(__file__).resolve().parent
@@ -93,16 +93,10 @@ def machine() -> dict[str, Any]:
 
     import torch
 
-    cpu_model = platform.processor() or platform.machine()
-    with open("/proc/cpuinfo") as handle:
-        for line in handle:
-            if line.startswith("model name"):
-                cpu_model = line.split(":", 1)[1].strip()
-                break
     with open("/proc/meminfo") as handle:
         mem_kib = next(int(line.split()[1]) for line in handle if line.startswith("MemTotal:"))
     return {
-        "cpu": cpu_model,
+        "cpu": cpu_model(),
         "cores": os.cpu_count(),
         "memory_gib": round(mem_kib / 2**20, 1),
         "gpu": torch.cuda.is_available(),

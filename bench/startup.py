@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
 import shutil
 import statistics
 import subprocess
@@ -36,11 +37,12 @@ NEW_TOKENS = 40
 
 
 def cpu_model() -> str:
+    """The processor's name as /proc/cpuinfo gives it (`python -m bench` records it too)."""
     with open("/proc/cpuinfo") as handle:
         for line in handle:
             if line.startswith("model name"):
                 return line.split(":", 1)[1].strip()
-    return "unknown CPU"
+    return platform.processor() or platform.machine()
 
 
 def _environment(scratch: Path) -> dict[str, str]:
