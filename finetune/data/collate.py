@@ -35,6 +35,7 @@ Example:
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping, Sequence
 from typing import Literal
 
@@ -64,7 +65,10 @@ def collate_batch(
         row_len: with packing in `rows`, the most tokens a row holds; default (and at least) the longest
             document, so the batch is never wider than the padded one.
         document_index: also return `document_index`, (R, T): which of `documents` each position holds
-            (-1 for padding); not a model input. Objectives that score whole sequences sum by it.
+            (-1 for padding); not a model input. Objectives that score whole sequences sum by it. With it
+            come the boundaries varlen attention reads (`finetune.training.varlen_attention`): `cu_seq_lens`,
+            int32, the cumulative lengths of the flattened (R·T) positions' documents, a row's padding tail
+            a document of its own; and `max_length`, the longest of them, a Python int (known on the host).
 
     Returns:
         `input_ids`, `labels`, `position_ids`, all (R, T) int64, and with packing=False also
@@ -116,6 +120,9 @@ def _padded_rows(rows: Sequence[Document], pad_token_id: int, with_mask: bool) -
         batch["attention_mask"] = torch.zeros((len(rows), max_len), dtype=torch.long)
     if "document_index" in rows[0]:
         batch["document_index"] = torch.full((len(rows), max_len), -1, dtype=torch.long)
+        segments = [length for row in rows for length in _segment_lengths(row["position_ids"], max_len)]
+        batch["cu_seq_lens"] = torch.tensor([0, *itertools.accumulate(segments)], dtype=torch.int32)
+        batch["max_length"] = max(segments)  # type: ignore[assignment]
     for index, row in enumerate(rows):
         length = len(row["input_ids"])
         if "document_index" in row:
@@ -128,6 +135,13 @@ def _padded_rows(rows: Sequence[Document], pad_token_id: int, with_mask: bool) -
         else:
             batch["position_ids"][index, length:] = torch.arange(max_len - length)
     return batch
+
+
+def _segment_lengths(positions: Sequence[int], row_len: int) -> list[int]:
+    """The lengths of a row's documents (each starts where its position is 0), then its padding tail's."""
+    starts = [index for index, position in enumerate(positions) if position == 0]
+    lengths = [end - start for start, end in zip(starts, [*starts[1:], len(positions)])]
+    return lengths + ([row_len - len(positions)] if len(positions) < row_len else [])
 
 
 def describe_layout(

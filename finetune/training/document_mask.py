@@ -10,8 +10,9 @@ same way (whether any token is masked). The collator knows which document each p
 
 a (R, 1, T, T) boolean for `sdpa` (True attends), additive (0 or the dtype's lowest) for `eager`, which adds
 it to the scores. A 4D mask is used by transformers as given. Padding is a document of its own (positions
-attend to padding only), so no row of the mask is empty. Other attention implementations (flash attention,
-which reads the documents from `position_ids`) get the inputs unchanged.
+attend to padding only), so no row of the mask is empty. A model switched to varlen attention
+(`finetune.training.varlen_attention`) gets the documents' boundaries instead of a mask. Other attention
+implementations (flash attention, which reads the documents from `position_ids`) get the inputs unchanged.
 
 Example:
     outputs = model(**model_inputs(model, batch), use_cache=False)
@@ -24,15 +25,20 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
+from finetune.training.varlen_attention import VARLEN_ATTENTION, boundary_inputs
+
 MASKED_IMPLEMENTATIONS = ("sdpa", "eager")
 
 
-def model_inputs(model: Any, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The inputs of `model` for `batch`: ids and positions, and a 4D document mask where one applies."""
-    inputs: dict[str, torch.Tensor] = {key: batch[key] for key in ("input_ids", "position_ids") if key in batch}
+def model_inputs(model: Any, batch: dict[str, Any]) -> dict[str, Any]:
+    """The inputs of `model` for `batch`: ids and positions, and a 4D document mask (or the documents'
+    boundaries, under varlen attention) where one applies."""
+    inputs: dict[str, Any] = {key: batch[key] for key in ("input_ids", "position_ids") if key in batch}
     documents = batch.get("document_index")
     inner = _transformers_model(model)
     implementation = getattr(inner.config, "_attn_implementation", None) if inner is not None else None
+    if implementation == VARLEN_ATTENTION and "cu_seq_lens" in batch:
+        return inputs | boundary_inputs(batch, batch["input_ids"].device)
     # A mixture of experts returning its load-balancing loss reads `attention_mask` as the (R, T) padding mask
     # (transformers' `load_balancing_loss_func` flattens it per token): it keeps the position-ids path.
     router_loss = inner is not None and bool(getattr(inner.config, "output_router_logits", False))

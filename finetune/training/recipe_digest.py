@@ -32,6 +32,8 @@ RESUMABLE_TRAIN_KEYS = (
     "eval_max_batches",
     "report_to",
     "tracker_project",
+    "compile",  # how a step is computed, not what it computes
+    "varlen_attention",
 )
 
 

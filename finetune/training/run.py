@@ -56,7 +56,7 @@ from finetune.training.objectives import Objective, objective_for
 from finetune.training.objectives.base import Models, describe_rewards
 from finetune.training.preference_setup import initial_adapter, precomputed_reference
 from finetune.training.recipe_digest import recipe_digest, resume_mismatch
-from finetune.training.regional_compile import compile_layers
+from finetune.training.regional_compile import compile_layers, compile_wanted
 from finetune.training.sharding import (
     DdpSharding,
     DistributedInfo,
@@ -66,6 +66,7 @@ from finetune.training.sharding import (
     trainable_names,
 )
 from finetune.training.tracking import log_with
+from finetune.training.varlen_attention import choose_attention
 
 Say = Callable[[str], None]
 
@@ -281,6 +282,14 @@ def _wrap_for_training(recipe: Recipe, model: Any, say: Say) -> Any:
     return peft_model
 
 
+def _fit_to_device(recipe: Recipe, model: Any, device: torch.device, say: Say) -> None:
+    """What the device decides before LoRA wraps the base: a bf16-on-this-CPU note, and the attention."""
+    bf16_note = bf16_cpu_note(recipe.model.dtype, recipe.train.precision, device=device.type)
+    if bf16_note is not None:
+        say(bf16_note)
+    choose_attention(recipe.train.varlen_attention, model, device, say)
+
+
 def start_run(recipe: Recipe, *, resume: bool, say: Say) -> TrainingRun:
     """Build everything the loop needs; with `resume`, continue from the newest checkpoint."""
     if not resume:
@@ -300,9 +309,7 @@ def start_run(recipe: Recipe, *, resume: bool, say: Say) -> TrainingRun:
     # Every process at once: under ZeRO-3, transformers partitions the weights while loading (a collective).
     model, tokenizer, _ = load_base_from_config(recipe.model, tokenizer, device=base.device)
     say(f"base {recipe.model.base} ({base.source}, on {base.device}); data: {data.stats}")
-    bf16_note = bf16_cpu_note(recipe.model.dtype, recipe.train.precision, device=torch.device(base.device).type)
-    if bf16_note is not None:
-        say(bf16_note)
+    _fit_to_device(recipe, model, torch.device(base.device), say)
     peft_model = _wrap_for_training(recipe, model, say)
     initial_adapter(recipe, peft_model, base, say)
     sharding = _shard(recipe, peft_model, accelerator)
@@ -326,8 +333,9 @@ def start_run(recipe: Recipe, *, resume: bool, say: Say) -> TrainingRun:
     scheduler = make_scheduler(recipe, optimizer, length)
     model_for_step, optimizer = sharding.prepare(accelerator, peft_model, optimizer)
     distributed = _measure_distribution(sharding, peft_model, accelerator, say)  # ZeRO-3 partitions in prepare
-    if recipe.train.compile:
-        compile_layers(peft_model, quantized=recipe.model.quantization != "none", say=say)
+    quantized = recipe.model.quantization != "none"
+    if compile_wanted(recipe.train.compile, torch.device(base.device), quantized):
+        compile_layers(peft_model, quantized=quantized, say=say)
     objective = objective_for(recipe, tokenizer)
     models = Models(model_for_step, peft_model, accelerator)
     data = precomputed_reference(recipe, objective, models, data, resume=resume_from is not None, say=say)

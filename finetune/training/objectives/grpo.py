@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from finetune.data.labels import IGNORE_INDEX
+from finetune.device import to_device
 from finetune.generation.sample import SampleSettings, sample_completions
 from finetune.training.objectives.base import CollateOptions, Models, Terms
 from finetune.training.objectives.grpo_loss import LossScale, LossSettings, loss_sum, per_token_loss
@@ -187,7 +188,7 @@ class GRPO:
         ]
         batch = collate_sequences(sequences, self.options.pad_token_id, packing=True, layout=self.options.layout)
         keep = torch.tensor([0.0 if cut and self.settings.mask_truncated_completions else 1.0 for cut in truncated])
-        batch = {f"{SEQUENCE_PREFIX}{key}": value.to(device) for key, value in batch.items()}
+        batch = {f"{SEQUENCE_PREFIX}{key}": value for key, value in to_device(batch, device).items()}
         owner = batch[f"{SEQUENCE_PREFIX}target_sequence"]
         lengths = torch.tensor([float(len(completion)) for completion in completions], device=device)
         return {**batch, "mask": keep.to(device)[owner], "lengths": lengths,
