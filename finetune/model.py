@@ -379,11 +379,16 @@ class UniformDropout(torch.nn.Dropout):
     step on an 8M-parameter Llama (torch.profiler, one thread). Drawing 64-bit integers and reading each
     as four 16-bit ones needs a quarter of the generator calls. The random stream differs from
     `nn.Dropout`'s: runs are reproducible with this class, not bit-identical to plain peft with dropout.
+
+    On a GPU, and inside `torch.compile` (whose tracer does not take the in-place `random_`), torch's own
+    dropout is used instead: one fused kernel there, where these bits would be five.
     """
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         if not self.training or self.p == 0.0:
             return input
+        if input.device.type != "cpu" or torch.compiler.is_compiling():
+            return torch.nn.functional.dropout(input, self.p, training=True)
         count = input.numel()
         bits = torch.empty((count + 3) // 4, dtype=torch.int64, device=input.device).random_(-(2**63), 2**63 - 1)
         uniform16 = bits.view(torch.int16)[:count].view(input.shape)  # each in [-32768, 32767], uniform
