@@ -46,7 +46,7 @@ PRESETS: dict[str, Preset] = {
     "llama-3.2-1b-lora": Preset(
         base_config="meta-llama/Llama-3.2-1B",
         quantization="none",
-        micro_batch_size=4,  # finetune plan estimates 35.8 GiB (logits 11.7, activations 21.1); not measured
+        micro_batch_size=4,  # finetune plan: 17.47 GiB (activations 14.6); measured 17.55 compiled on an H100
         grad_accum=2,
         gradient_checkpointing=False,
         steps=12,

@@ -205,3 +205,18 @@ def test_the_deepspeed_config_we_build_passes_deepspeeds_own_parser(tmp_path, op
     assert parsed.zero_config.offload_optimizer.device == zero["offload_optimizer"]
     if "offload_param" in zero:
         assert parsed.zero_config.offload_param.device == zero["offload_param"]
+
+
+@pytest.mark.parametrize(
+    ("override", "device", "quantized", "compiles"),
+    [
+        ([], "cuda", False, True),  # auto: compiled layers where they were measured to pay
+        ([], "cuda", True, False),  # a bitsandbytes base does not compile whole
+        ([], "cpu", False, False),  # the first step would compile for minutes
+        (["train.compile=false"], "cuda", False, False),
+        (["train.compile=true"], "cpu", False, True),
+    ],
+)
+def test_train_compile_auto_resolves_by_device_and_base(tmp_path, override, device, quantized, compiles):
+    train = load_recipe(write(tmp_path, MINIMAL), override).train
+    assert train.compiles(device, quantized) is compiles

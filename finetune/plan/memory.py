@@ -186,28 +186,42 @@ def _compute_bytes(recipe: Recipe) -> int:
     return 4
 
 
-def layer_activation_bytes_per_token(recipe: Recipe, shape: ModelShape, tokens_per_row: int) -> float:
+def layer_activation_bytes_per_token(
+    recipe: Recipe, shape: ModelShape, tokens_per_row: int, device: Literal["cpu", "cuda"] = "cuda"
+) -> float:
     """Bytes one decoder layer saves for backward per token, LoRA on a frozen base.
 
-    The coefficients were counted on a Llama decoder layer traced on the meta device with
-    `torch.autograd.graph.saved_tensors_hooks` (distinct storages, weights excluded), at several hidden and
-    intermediate sizes: 33·d + 16·i bytes in float32, 44.5·d + 10·i in 16 bits (RMSNorm computes in
-    float32 and keeps its float32 input and output whatever the model's dtype); LoRA dropout keeps a dropped copy and a mask per targeted
-    layer: 36·d + 4·i more (24·d + 4·i in 16 bits). Eager attention also keeps the (heads, T, T) scores;
-    sdpa's fused kernels keep only a log-sum-exp per row.
+    The coefficients were counted on a Llama decoder layer with LoRA on every linear layer, traced with
+    `torch.autograd.graph.saved_tensors_hooks` (distinct storages, weights excluded), at three pairs of hidden
+    and intermediate sizes (d, i) = (1024, 2048), (2048, 2048), (2048, 8192):
+    - float32: 33·d + 16·i bytes;
+    - a 16-bit base under bf16/fp16 autocast: 25.7·d + 8.2·i (RMSNorm keeps its float32 input and output);
+    - a 16-bit base without autocast: 37·d + 10·i (peft casts each LoRA input to the float32 LoRA weights).
+    LoRA dropout adds a dropped copy and a mask per targeted layer's input where torch's dropout runs (CUDA,
+    uncompiled): 36·d + 4·i in float32, 24·d + 4·i in 16 bits; on the CPU `UniformDropout` adds its masks
+    only, 6·d + i; compiled layers (inductor recomputes the mask from the random seed) added nothing on an
+    H100 (a 1B Llama LoRA with dropout 0.05 measured 120.5 kB per token and layer, the traced 16-bit figure
+    without dropout 120.1 kB). Eager attention also keeps the (heads, T, T) scores; sdpa's fused kernels and
+    varlen attention keep only a log-sum-exp per row.
     """
     d, i = shape.hidden_size, shape.intermediate_size
     per_token: float
+    dropout = recipe.lora.dropout > 0 and not recipe.train.compiles(device, recipe.model.quantization != "none")
     if _compute_bytes(recipe) == 4:
-        per_token = 33 * d + 16 * i + (36 * d + 4 * i if recipe.lora.dropout > 0 else 0)
+        per_token = 33 * d + 16 * i + (36 * d + 4 * i if dropout else 0)
     else:
-        per_token = 44.5 * d + 10 * i + (24 * d + 4 * i if recipe.lora.dropout > 0 else 0)
+        autocast = recipe.train.precision != "fp32"
+        per_token = 25.7 * d + 8.2 * i if autocast else 37 * d + 10 * i
+        if dropout:
+            per_token += 24 * d + 4 * i if device == "cuda" else 6 * d + i
     if recipe.model.attn_implementation == "eager":
         per_token += shape.num_heads * tokens_per_row * (4 + _compute_bytes(recipe))
     return per_token
 
 
-def activation_bytes(recipe: Recipe, shape: ModelShape, impl: Implementation) -> tuple[int, str]:
+def activation_bytes(
+    recipe: Recipe, shape: ModelShape, impl: Implementation, device: Literal["cpu", "cuda"] = "cuda"
+) -> tuple[int, str]:
     """Saved activations of the decoder layers at the peak, at `micro_batch_size` x `max_seq_len` tokens (twice
     that for preference pairs: both completions go through one forward).
 
@@ -218,7 +232,7 @@ def activation_bytes(recipe: Recipe, shape: ModelShape, impl: Implementation) ->
     """
     seq_len = recipe.data.max_seq_len
     tokens = micro_batch_tokens(recipe)
-    one_layer = layer_activation_bytes_per_token(recipe, shape, seq_len) * tokens
+    one_layer = layer_activation_bytes_per_token(recipe, shape, seq_len, device) * tokens
     if not recipe.train.gradient_checkpointing:
         return int(one_layer * shape.num_layers), f"{shape.num_layers} layers x {tokens} tokens"
     quantized = recipe.model.quantization != "none"
@@ -335,7 +349,7 @@ def estimate(
     plan = MemoryPlan(device=device, nproc=nproc, strategy=strategy, parts=_state_parts(recipe, shape, impl, how))
     if nproc > 1 and recipe.distributed.strategy == "ddp":  # DDP's flat gradient buckets, a copy of the gradients
         plan.parts.append(Part("ddp buckets", shape.lora_params * impl.lora_bytes, "device", "all-reduce buffers"))
-    activations, note = activation_bytes(recipe, shape, impl)
+    activations, note = activation_bytes(recipe, shape, impl, device)
     plan.parts.append(Part("activations", activations, "device", note))
     if shape.folded_expert_params:
         plan.parts.append(folded_experts_part(recipe, shape))

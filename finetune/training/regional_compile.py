@@ -21,18 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import torch
-
 from finetune.model import decoder_layers
-
-
-def compile_wanted(setting: bool | str, device: torch.device, quantized: bool) -> bool:
-    """`train.compile` resolved: `auto` compiles where it was measured to pay, CUDA with a 16-bit base (a 1B
-    Llama LoRA on an H100: 52k tokens/s compiled, 29k eager, 40 s of compiling); not on the CPU, where the
-    first step compiles for minutes, nor on a bitsandbytes base, whose layers cannot compile whole."""
-    if setting == "auto":
-        return device.type == "cuda" and not quantized
-    return bool(setting)
 
 
 def compile_layers(model: Any, *, quantized: bool, say: Callable[[str], None]) -> int:

@@ -56,7 +56,7 @@ from finetune.training.objectives import Objective, objective_for
 from finetune.training.objectives.base import Models, describe_rewards
 from finetune.training.preference_setup import initial_adapter, precomputed_reference
 from finetune.training.recipe_digest import recipe_digest, resume_mismatch
-from finetune.training.regional_compile import compile_layers, compile_wanted
+from finetune.training.regional_compile import compile_layers
 from finetune.training.sharding import (
     DdpSharding,
     DistributedInfo,
@@ -334,7 +334,7 @@ def start_run(recipe: Recipe, *, resume: bool, say: Say) -> TrainingRun:
     model_for_step, optimizer = sharding.prepare(accelerator, peft_model, optimizer)
     distributed = _measure_distribution(sharding, peft_model, accelerator, say)  # ZeRO-3 partitions in prepare
     quantized = recipe.model.quantization != "none"
-    if compile_wanted(recipe.train.compile, torch.device(base.device), quantized):
+    if recipe.train.compiles(torch.device(base.device).type, quantized):
         compile_layers(peft_model, quantized=quantized, say=say)
     objective = objective_for(recipe, tokenizer)
     models = Models(model_for_step, peft_model, accelerator)
