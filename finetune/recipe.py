@@ -312,9 +312,11 @@ class TrainConfig(_Section):
     def compiles(self, device_type: str, quantized: bool) -> bool:
         """`compile` resolved: `auto` compiles where it was measured to pay, CUDA with a 16-bit base (a 1B
         Llama LoRA on an H100: 52k tokens/s compiled, 29k eager, 40 s of compiling); not on the CPU, where the
-        first step compiles for minutes, nor on a bitsandbytes base, whose layers do not compile whole."""
+        first step compiles for minutes, nor on a bitsandbytes base, whose layers do not compile whole, nor
+        with gradient checkpointing (inductor's partitioner failed on a checkpointed 8B Llama layer, torch
+        2.11 on an H100: "Node add_697 was invalid, but is output")."""
         if self.compile == "auto":
-            return device_type == "cuda" and not quantized
+            return device_type == "cuda" and not quantized and not self.gradient_checkpointing
         return bool(self.compile)
 
     epochs: float | None = Field(1.0, gt=0)
@@ -358,8 +360,8 @@ class TrainConfig(_Section):
     compile: bool | Literal["auto"] = "auto"
     """`torch.compile` each decoder layer (`finetune.training.regional_compile`): the first steps of each shape
     compile (about 40 s for a 1B Llama on an H100, 80 s for a tiny model on a loaded 2-core CPU), later ones
-    run the compiled layers. `auto` (`compiles`): on for a 16-bit base on CUDA, off on the CPU and for a 4-bit
-    or 8-bit base."""
+    run the compiled layers. `auto` (`compiles`): on for a 16-bit base on CUDA without gradient checkpointing,
+    off on the CPU, for a 4-bit or 8-bit base and with gradient checkpointing."""
     seed: int = 0
     log_every_steps: int = Field(10, ge=1)
     eval_every_steps: int | None = Field(None, ge=1)

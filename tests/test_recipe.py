@@ -213,6 +213,7 @@ def test_the_deepspeed_config_we_build_passes_deepspeeds_own_parser(tmp_path, op
         ([], "cuda", False, True),  # auto: compiled layers where they were measured to pay
         ([], "cuda", True, False),  # a bitsandbytes base does not compile whole
         ([], "cpu", False, False),  # the first step would compile for minutes
+        (["train.gradient_checkpointing=true"], "cuda", False, False),  # inductor failed on it (torch 2.11)
         (["train.compile=false"], "cuda", False, False),
         (["train.compile=true"], "cpu", False, True),
     ],
