@@ -12,7 +12,8 @@ of both, so they are counted here on the CPU, where the same operations are disp
   Collation is left out of both (host tensors: no kernel on a GPU): ours' `step_inputs`, the Trainer's collator;
 - `syncs/step`: the operations `finetune.training.host_sync.HostSyncDetector` flags, over the same steps
   (ours: inside the steps; its one read per logging interval is given apart, `syncs_per_logging_read`);
-- `shapes/epoch`: distinct (rows, columns) of the micro-batches of one epoch.
+- `shapes/epoch`: distinct (rows, columns) of the micro-batches of one epoch (ours also under `bucketed_rows`,
+  the layout of varlen attention on CUDA: widths rounded up to a multiple of 128).
 
 Ours runs eager: dynamo refuses to compile under a user dispatch mode ("non-infra torch dispatch mode present"),
 so counting `train.compile`'s operations needs torch.profiler instead (not done yet).
@@ -107,6 +108,7 @@ def build_base(workdir: Path, data: list[dict[str, str]]) -> Path:
 
 
 def run_ours(workdir: Path, base: Path, steps: int, warmup: int) -> dict[str, Any]:
+    from finetune.data.collate import collate_batch
     from finetune.recipe import load_recipe
     from finetune.training.loop import PendingSteps, device_schedule, device_step, step_inputs
     from finetune.training.run import start_run
@@ -122,6 +124,14 @@ output: {{name: ours, dir: {workdir / "adapter"}, run_dir: {workdir / "run"}, re
     run = start_run(load_recipe(workdir / "ours.yaml"), resume=False, say=lambda line: None)
     shapes = {tuple(run.collate([run.data.train[i] for i in run.stream.indices(p)])["input_ids"].shape)
               for p in range(run.length.micro_batches_per_epoch)}  # fmt: skip
+    bucketed = {  # the widths varlen attention gets on CUDA (`bucketed_rows`); the CPU keeps `rows`
+        tuple(
+            collate_batch([run.data.train[i] for i in run.stream.indices(p)], 0, True, "bucketed_rows")[
+                "input_ids"
+            ].shape
+        )
+        for p in range(run.length.micro_batches_per_epoch)
+    }
     run.model_for_step.train()
     pending = PendingSteps(run, lambda step, metrics: None, device_schedule(run))
     with Meter() as meter:
@@ -137,6 +147,7 @@ output: {{name: ours, dir: {workdir / "adapter"}, run_dir: {workdir / "run"}, re
             meter.mark()
     ops, syncs = meter.per_step(warmup)
     return {"aten_ops_per_step": ops, "syncs_per_step": syncs - read_syncs / steps, "shapes_per_epoch": len(shapes),
+            "shapes_per_epoch_bucketed": len(bucketed),
             "syncs_per_logging_read": read_syncs, "sync_ops": sorted(set(meter.syncs.found))}  # fmt: skip
 
 
@@ -223,6 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, result in results.items():
         print(f"{name} syncing ops: {', '.join(result['sync_ops']) or 'none'}")
     print(f"ours reads its metrics once per logging interval: {ours['syncs_per_logging_read']} syncing ops per read")
+    print(f"ours' shapes per epoch in bucketed rows (varlen attention on CUDA): {ours['shapes_per_epoch_bucketed']}")
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
     return 0

@@ -181,3 +181,22 @@ def test_cuda_varlen_training_forward_equals_the_document_mask_in_bf16(tiny_base
     for ours, theirs in zip(grads, expected_grads):
         cosine = torch.nn.functional.cosine_similarity(ours.float().flatten(), theirs.float().flatten(), dim=0)
         assert cosine > 0.98, cosine
+
+
+def test_bucketed_rows_come_in_few_widths_and_leave_the_losses_unchanged(tiny_base_dir):
+    from finetune.data.collate import ROW_BUCKET
+
+    rng = random.Random(4)
+    batches = [_documents(rng, [rng.randrange(10, 400) for _ in range(8)]) for _ in range(40)]
+    widths = {collate_batch(b, 0, packing=True, document_index=True)["input_ids"].shape[1] for b in batches}
+    bucketed = [collate_batch(b, 0, packing=True, layout="bucketed_rows", document_index=True) for b in batches]
+    assert {b["input_ids"].shape[1] % ROW_BUCKET for b in bucketed} == {0}
+    assert len({b["input_ids"].shape[1] for b in bucketed}) <= 400 // ROW_BUCKET + 1 < len(widths)
+
+    model = _model(tiny_base_dir)
+    use_varlen_attention(model)
+    documents = batches[0]
+    plain, _ = _losses_and_grads(model, add_targets(collate_batch(documents, 0, packing=True, document_index=True)))
+    wide = add_targets(collate_batch(documents, 0, packing=True, layout="bucketed_rows", document_index=True))
+    losses, _ = _losses_and_grads(model, wide)
+    torch.testing.assert_close(losses, plain, rtol=1e-5, atol=1e-6)  # each document attends alone either way

@@ -20,6 +20,10 @@ how they are laid out, so it changes speed, never what a step learns.
   - `one_sequence`: every document concatenated into (1, total_len), no padding at all. This is the
     layout for varlen kernels (flash_attention_2 reads document boundaries from the positions of a
     batch of one); with sdpa/eager it computes a (total_len)² mask and is slower.
+  - `bucketed_rows`: `rows`, with T rounded up to a multiple of `ROW_BUCKET` (the tail of every row is
+    padding, a document of its own). Under varlen attention (`finetune.training.varlen_attention`) the
+    padding costs no attention across documents, and an epoch sees a few widths instead of one per
+    longest document: each new shape is a new compiled graph (`train.compile`) or kernel plan.
 - No packing: one row per document, padded on the right to the longest with `pad_token_id`, with an
   `attention_mask`, labels -100 on the padding and position ids 0..n-1. Padding is told apart by
   position, never by comparing ids with `pad_token_id`, so EOS stays a trained label even with a
@@ -45,13 +49,16 @@ from finetune.data.labels import IGNORE_INDEX
 from finetune.data.packing import pack_document_lengths
 
 Document = Mapping[str, Sequence[int]]
+Layout = Literal["rows", "one_sequence", "bucketed_rows"]
+ROW_BUCKET = 128
+"""`bucketed_rows`: row widths are multiples of this (at most 127 padding tokens a row; 16 widths up to 2048)."""
 
 
 def collate_batch(
     documents: Sequence[Document],
     pad_token_id: int | None,
     packing: bool,
-    layout: Literal["rows", "one_sequence"] = "rows",
+    layout: Layout = "rows",
     row_len: int | None = None,
     document_index: bool = False,
 ) -> dict[str, torch.Tensor]:
@@ -61,7 +68,8 @@ def collate_batch(
         documents: dicts with `input_ids` and `labels` (as `build_datasets` makes them, one per row).
         pad_token_id: token written into padding (needed without packing; a packed row's tail uses it, or 0).
         packing: pack the documents into rows, told apart by their position ids (no attention mask).
-        layout: with packing, `rows` (R, T) or `one_sequence` (1, total_len), see the module docstring.
+        layout: `rows` (R, T), `one_sequence` (1, total_len, with packing) or `bucketed_rows` (T a multiple
+            of `ROW_BUCKET`), see the module docstring.
         row_len: with packing in `rows`, the most tokens a row holds; default (and at least) the longest
             document, so the batch is never wider than the padded one.
         document_index: also return `document_index`, (R, T): which of `documents` each position holds
@@ -77,19 +85,20 @@ def collate_batch(
     assert documents, "a micro-batch needs at least one document"
     if document_index:
         documents = [{**d, "document_index": [i] * len(d["input_ids"])} for i, d in enumerate(documents)]
+    bucket = ROW_BUCKET if layout == "bucketed_rows" else 1
     if packing and layout == "one_sequence":
         return _padded_rows([_concatenated(documents)], pad_token_id or 0, with_mask=False)
     if packing:
         lengths = [len(document["input_ids"]) for document in documents]
         capacity = max(row_len or 0, *lengths)
         rows = [_concatenated([documents[i] for i in group]) for group in pack_document_lengths(lengths, capacity)]
-        return _padded_rows(rows, pad_token_id or 0, with_mask=False)
+        return _padded_rows(rows, pad_token_id or 0, with_mask=False, bucket=bucket)
     if pad_token_id is None:
         raise ValueError("collate_batch(packing=False) needs a pad_token_id; give the tokenizer a pad token")
     with_positions: list[Document] = [
         {**document, "position_ids": range(len(document["input_ids"]))} for document in documents
     ]
-    return _padded_rows(with_positions, pad_token_id, with_mask=True)
+    return _padded_rows(with_positions, pad_token_id, with_mask=True, bucket=bucket)
 
 
 def _concatenated(documents: Sequence[Document]) -> dict[str, list[int]]:
@@ -106,10 +115,13 @@ def _concatenated(documents: Sequence[Document]) -> dict[str, list[int]]:
     }
 
 
-def _padded_rows(rows: Sequence[Document], pad_token_id: int, with_mask: bool) -> dict[str, torch.Tensor]:
-    """(R, T) tensors, T the longest row. A shorter row's tail is padding: with `with_mask`, masked out by
-    `attention_mask`; without, laid out as a document of its own (positions 0.., labels -100)."""
-    max_len = max(len(row["input_ids"]) for row in rows)
+def _padded_rows(
+    rows: Sequence[Document], pad_token_id: int, with_mask: bool, bucket: int = 1
+) -> dict[str, torch.Tensor]:
+    """(R, T) tensors, T the longest row rounded up to a multiple of `bucket`. A shorter row's tail is
+    padding: with `with_mask`, masked out by `attention_mask`; without, laid out as a document of its own
+    (positions 0.., labels -100)."""
+    max_len = -(-max(len(row["input_ids"]) for row in rows) // bucket) * bucket
     batch = {
         "input_ids": torch.full((len(rows), max_len), pad_token_id, dtype=torch.long),  # (R, T)
         "labels": torch.full((len(rows), max_len), IGNORE_INDEX, dtype=torch.long),
@@ -145,7 +157,12 @@ def _segment_lengths(positions: Sequence[int], row_len: int) -> list[int]:
 
 
 def describe_layout(
-    lengths: Sequence[Sequence[int]], stream, packing: bool, sample: int = 2000, unit: str = "documents"
+    lengths: Sequence[Sequence[int]],
+    stream,
+    packing: bool,
+    sample: int = 2000,
+    unit: str = "documents",
+    bucket: int = 1,
 ) -> str:
     """One line on how micro-batches are laid out: rows per micro-batch, and the padding computed packed or not.
 
@@ -154,7 +171,12 @@ def describe_layout(
         stream: the `MicroBatchStream` training draws from; its first `sample` micro-batches are measured.
         packing: whether this run packs (the other layout's padding is given beside it).
         unit: what a row is, for the line (`documents`, `pairs`, `examples`).
+        bucket: rows are widened to a multiple of this (`bucketed_rows`); the padding counted includes it.
     """
+
+    def width(tokens: int) -> int:
+        return -(-tokens // bucket) * bucket
+
     num_rows = padded = packed = real = sequences = 0
     count = min(stream.micro_batches_per_epoch, sample)
     for position in range(count):
@@ -163,8 +185,8 @@ def describe_layout(
         num_rows += len(groups)
         sequences += len(batch)
         real += sum(batch)
-        padded += len(batch) * max(batch)
-        packed += len(groups) * max(sum(batch[i] for i in group) for group in groups)
+        padded += len(batch) * width(max(batch))
+        packed += len(groups) * width(max(sum(batch[i] for i in group) for group in groups))
     padding_packed, padding_padded = 1 - real / packed, 1 - real / padded
     per_batch = f"{stream.micro_batch_size} {unit} per micro-batch"
     if len(lengths[0]) > 1:

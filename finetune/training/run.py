@@ -33,7 +33,7 @@ from finetune.adapters.lora import PEFT_PREFIX
 from finetune.adapters.resolved_base import ResolvedBase, resolve_base
 from finetune.cpu_features import bf16_cpu_note
 from finetune.data import build_datasets
-from finetune.data.collate import describe_layout
+from finetune.data.collate import ROW_BUCKET, describe_layout
 from finetune.data.packing import sequence_lengths
 from finetune.data.sampler import MicroBatchStream
 from finetune.errors import CheckpointError, RecipeError
@@ -282,12 +282,13 @@ def _wrap_for_training(recipe: Recipe, model: Any, say: Say) -> Any:
     return peft_model
 
 
-def _fit_to_device(recipe: Recipe, model: Any, device: torch.device, say: Say) -> None:
-    """What the device decides before LoRA wraps the base: a bf16-on-this-CPU note, and the attention."""
+def _fit_to_device(recipe: Recipe, model: Any, device: torch.device, say: Say) -> bool:
+    """What the device decides before LoRA wraps the base: a bf16-on-this-CPU note, and the attention
+    (returns whether it is varlen)."""
     bf16_note = bf16_cpu_note(recipe.model.dtype, recipe.train.precision, device=device.type)
     if bf16_note is not None:
         say(bf16_note)
-    choose_attention(recipe.train.varlen_attention, model, device, say)
+    return choose_attention(recipe.train.varlen_attention, model, device, say)
 
 
 def start_run(recipe: Recipe, *, resume: bool, say: Say) -> TrainingRun:
@@ -309,7 +310,7 @@ def start_run(recipe: Recipe, *, resume: bool, say: Say) -> TrainingRun:
     # Every process at once: under ZeRO-3, transformers partitions the weights while loading (a collective).
     model, tokenizer, _ = load_base_from_config(recipe.model, tokenizer, device=base.device)
     say(f"base {recipe.model.base} ({base.source}, on {base.device}); data: {data.stats}")
-    _fit_to_device(recipe, model, torch.device(base.device), say)
+    varlen = _fit_to_device(recipe, model, torch.device(base.device), say)
     peft_model = _wrap_for_training(recipe, model, say)
     initial_adapter(recipe, peft_model, base, say)
     sharding = _shard(recipe, peft_model, accelerator)
@@ -326,7 +327,7 @@ def start_run(recipe: Recipe, *, resume: bool, say: Say) -> TrainingRun:
     unit = {"preference": "pairs", "unpaired_preference": "examples", "prompt": "prompts"}.get(
         recipe.data.format, "documents"
     )
-    say(describe_layout(lengths, stream, recipe.data.packing, unit=unit))
+    say(describe_layout(lengths, stream, recipe.data.packing, unit=unit, bucket=ROW_BUCKET if varlen else 1))
     groups = parameter_groups(recipe, peft_model)
     trainable_parameters = [parameter for group in groups for parameter in group["params"]]
     optimizer = make_optimizer(recipe, groups)
@@ -336,7 +337,7 @@ def start_run(recipe: Recipe, *, resume: bool, say: Say) -> TrainingRun:
     quantized = recipe.model.quantization != "none"
     if recipe.train.compiles(torch.device(base.device).type, quantized):
         compile_layers(peft_model, quantized=quantized, say=say)
-    objective = objective_for(recipe, tokenizer)
+    objective = objective_for(recipe, tokenizer, varlen)
     models = Models(model_for_step, peft_model, accelerator)
     data = precomputed_reference(recipe, objective, models, data, resume=resume_from is not None, say=say)
     run = TrainingRun(

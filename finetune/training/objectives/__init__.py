@@ -17,8 +17,9 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any
 
+from finetune.data.collate import Layout
 from finetune.generation.sample import SampleSettings
 from finetune.recipe import Recipe
 from finetune.training.objectives.base import CollateOptions, Objective
@@ -32,18 +33,22 @@ from finetune.training.objectives.simpo import SimPO
 from finetune.training.rewards import load_reward_functions
 
 
-def collate_options(recipe: Recipe, tokenizer: Any) -> CollateOptions:
-    """The recipe's packing and layout (varlen kernels want one padding-free sequence; sdpa/eager are faster
-    on (R, T) packed rows), the tokenizer's pad token and the length limit."""
-    layout: Literal["rows", "one_sequence"] = (
-        "one_sequence" if recipe.model.attn_implementation == "flash_attention_2" else "rows"
-    )
+def collate_options(recipe: Recipe, tokenizer: Any, varlen: bool = False) -> CollateOptions:
+    """The recipe's packing and layout (flash_attention_2 wants one padding-free sequence; sdpa/eager are
+    faster on (R, T) packed rows; under `varlen` attention rows of a few bucketed widths), the tokenizer's pad
+    token and the length limit."""
+    layout: Layout = "rows"
+    if recipe.model.attn_implementation == "flash_attention_2":
+        layout = "one_sequence"
+    elif varlen:
+        layout = "bucketed_rows"
     return CollateOptions(tokenizer.pad_token_id, recipe.data.packing, layout, recipe.data.max_seq_len)
 
 
-def objective_for(recipe: Recipe, tokenizer: Any) -> Objective:
-    """The objective `train.objective` names, set up with its `train` settings."""
-    options, train = collate_options(recipe, tokenizer), recipe.train
+def objective_for(recipe: Recipe, tokenizer: Any, varlen: bool = False) -> Objective:
+    """The objective `train.objective` names, set up with its `train` settings; `varlen`: the model runs
+    varlen attention (`finetune.training.varlen_attention`), whose rows come in bucketed widths."""
+    options, train = collate_options(recipe, tokenizer, varlen), recipe.train
     if train.objective == "dpo":
         assert train.beta is not None and train.dpo_loss is not None and train.rpo_alpha is not None
         return DPO(options, beta=train.beta, loss_type=train.dpo_loss, precomputed=bool(train.precompute_reference),

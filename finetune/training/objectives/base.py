@@ -26,9 +26,11 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import Any, Protocol
 
 import torch
+
+from finetune.data.collate import Layout
 
 
 @dataclass(frozen=True)
@@ -48,7 +50,7 @@ class CollateOptions:
 
     pad_token_id: int | None
     packing: bool
-    layout: Literal["rows", "one_sequence"] = "rows"
+    layout: Layout = "rows"
     max_seq_len: int = 512
 
 

@@ -22,11 +22,11 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
-from finetune.data.collate import collate_batch
+from finetune.data.collate import Layout, collate_batch
 from finetune.data.labels import IGNORE_INDEX
 from finetune.scoring import next_token_targets, output_head
 from finetune.training.document_mask import model_inputs
@@ -37,7 +37,7 @@ def collate_sequences(
     sequences: Sequence[Mapping[str, Sequence[int]]],
     pad_token_id: int | None,
     packing: bool,
-    layout: Literal["rows", "one_sequence"] = "rows",
+    layout: Layout = "rows",
 ) -> dict[str, torch.Tensor]:
     """Lay out S sequences (`input_ids`, `labels`) as one micro-batch plus the indices that score them.
 
