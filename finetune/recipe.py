@@ -50,8 +50,9 @@ class ModelConfig(_Section):
     """Hub revision (branch, tag or commit) when `base` is a hub id."""
     tokenizer: str | None = None
     """Tokenizer directory or hub id; defaults to `base`."""
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    """Dtype the frozen base weights are loaded in. LoRA weights are always trained in float32."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "float32"
+    """Dtype the frozen base weights are loaded in. LoRA weights are always trained in float32. `auto`
+    (`Recipe.for_device`): bfloat16 on a GPU and on a CPU with bf16 units, float32 on other CPUs."""
     attn_implementation: Literal["eager", "sdpa", "flash_attention_2", "flex_attention"] = "sdpa"
     """Attention kernel; packing isolates documents in all of them (position ids restart per document)."""
     trust_remote_code: bool = False
@@ -350,8 +351,9 @@ class TrainConfig(_Section):
     """Optimizer steps with a NaN/Inf loss or gradient that may be skipped (no update of the weights, Adam's
     state or the schedule) before the run stops with an error naming the step; 0 stops at the first one.
     No adapter is written when the run stops."""
-    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
-    """Autocast precision of the forward pass (mixed precision); trainable weights stay float32."""
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = "fp32"
+    """Autocast precision of the forward pass (mixed precision); trainable weights stay float32. `auto`: bf16
+    where `model.dtype: auto` picks bfloat16, else fp32."""
     gradient_checkpointing: bool = False
     varlen_attention: bool | Literal["auto"] = "auto"
     """Attention over packed rows from the documents' boundaries, no mask (`finetune.training.varlen_attention`):
@@ -608,6 +610,23 @@ class Recipe(_Section):
     train: TrainConfig = TrainConfig()
     distributed: DistributedConfig = DistributedConfig()
     output: OutputConfig
+
+    def for_device(self, device_type: str, bf16_units: bool | None = None) -> Recipe:
+        """This recipe with `model.dtype: auto` and `train.precision: auto` resolved for `device_type`: 16-bit
+        where it is fast (a GPU, a CPU with bf16 units), 32-bit on a CPU that emulates bf16 (86x slower than
+        float32 on an AVX2-only EPYC, `finetune.cpu_features`). `bf16_units`: the CPU's, when already known."""
+        if "auto" not in (self.model.dtype, self.train.precision):
+            return self
+        if device_type == "cpu" and bf16_units is None:
+            from finetune.cpu_features import has_bf16_units
+
+            bf16_units = bool(has_bf16_units())
+        fast = device_type != "cpu" or bool(bf16_units)
+        model = {"dtype": "bfloat16" if fast else "float32"} if self.model.dtype == "auto" else {}
+        train = {"precision": "bf16" if fast else "fp32"} if self.train.precision == "auto" else {}
+        return self.model_copy(
+            update={"model": self.model.model_copy(update=model), "train": self.train.model_copy(update=train)}
+        )
 
     @model_validator(mode="after")
     def _deepspeed_steps_itself(self) -> Recipe:

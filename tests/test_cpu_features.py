@@ -71,3 +71,30 @@ def test_the_training_log_says_it_on_this_cpu(workdir):
     notes = [line for line in lines if "no bf16 units" in line]
     assert len(notes) == (has_bf16_units() is False), lines
     assert all(note.endswith("model.dtype=float32 is faster") for note in notes)
+
+
+@pytest.mark.parametrize(
+    ("device", "units", "dtype", "precision"),
+    [("cpu", False, "float32", "fp32"), ("cpu", True, "bfloat16", "bf16"), ("cuda", None, "bfloat16", "bf16")],
+)
+def test_auto_picks_16_bits_only_where_they_are_fast(workdir, device, units, dtype, precision):
+    from finetune.recipe import load_recipe
+
+    recipe = load_recipe("recipe.yaml", ["model.dtype=auto", "train.precision=auto"])
+    resolved = recipe.for_device(device, bf16_units=units)
+    assert (resolved.model.dtype, resolved.train.precision) == (dtype, precision)
+    explicit = load_recipe("recipe.yaml", ["model.dtype=bfloat16"]).for_device(device, bf16_units=units)
+    assert explicit.model.dtype == "bfloat16" and explicit.train.precision == "fp32"  # what a recipe says stays
+
+
+def test_a_run_with_auto_trains_in_what_this_cpu_computes_fast(workdir, capsys):
+    from finetune.manifest import read_manifest
+    from finetune.training.loop import train
+
+    adapter, _ = train("recipe.yaml", ["model.dtype=auto", "train.precision=auto", "train.max_steps=1"],
+                       log=lambda line: None)  # fmt: skip
+    expected = "bfloat16" if has_bf16_units() else "float32"
+    assert read_manifest(adapter).recipe["model"]["dtype"] == expected
+    assert main(["plan", "recipe.yaml", "model.dtype=auto", "--device", "cpu", "--json"]) == 0
+    weights = json.loads(capsys.readouterr().out)["parts"]["weights"]["note"]
+    assert weights.endswith(expected)

@@ -64,6 +64,7 @@ def run_plan(args: argparse.Namespace) -> int:
         import torch
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
+    recipe = recipe.for_device(device)
     plan = estimate(recipe, shape, device=device, nproc=args.nproc)
     notes = [note for note in (bf16_cpu_note(recipe.model.dtype, recipe.train.precision, device=device),) if note]
     found = []

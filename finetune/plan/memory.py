@@ -344,6 +344,7 @@ def estimate(
     impl: Implementation = FINETUNE,
 ) -> MemoryPlan:
     """The peak memory of one rank of `recipe`'s run on `nproc` processes of `device`."""
+    recipe = recipe.for_device(device)
     how = sharding(recipe, nproc)
     strategy = recipe.distributed.strategy if nproc > 1 else "single process"
     plan = MemoryPlan(device=device, nproc=nproc, strategy=strategy, parts=_state_parts(recipe, shape, impl, how))

@@ -293,6 +293,7 @@ def _fit_to_device(recipe: Recipe, model: Any, device: torch.device, say: Say) -
 
 def start_run(recipe: Recipe, *, resume: bool, say: Say) -> TrainingRun:
     """Build everything the loop needs; with `resume`, continue from the newest checkpoint."""
+    recipe = recipe.for_device("cuda" if torch.cuda.is_available() else "cpu")
     if not resume:
         check_output_free(recipe)
     resume_from = ckpt.latest_checkpoint(recipe.output.run_path) if resume else None
