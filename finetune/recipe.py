@@ -24,6 +24,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from finetune.catalog import resolve_recipe_path
+from finetune.cpu_features import has_bf16_units
 from finetune.errors import RecipeError
 from finetune.quantization import Method, Quantization, QuantType
 
@@ -618,8 +619,6 @@ class Recipe(_Section):
         if "auto" not in (self.model.dtype, self.train.precision):
             return self
         if device_type == "cpu" and bf16_units is None:
-            from finetune.cpu_features import has_bf16_units
-
             bf16_units = bool(has_bf16_units())
         fast = device_type != "cpu" or bool(bf16_units)
         model = {"dtype": "bfloat16" if fast else "float32"} if self.model.dtype == "auto" else {}

@@ -15,6 +15,7 @@ from finetune.data.collate import collate_batch
 from finetune.training.objectives.logprobs import add_targets
 from finetune.training.regional_compile import compile_layers
 from finetune.training.target_loss import target_losses
+from finetune.training.varlen_attention import use_varlen_attention
 
 pytestmark = pytest.mark.slow
 
@@ -35,12 +36,12 @@ def _model(base_dir, dropout: float):
     return model
 
 
-def _batch(rng: random.Random, length: int) -> dict[str, torch.Tensor]:
+def _batch(rng: random.Random, length: int, sizes=None, layout="rows") -> dict[str, torch.Tensor]:
     documents = []
-    for size in (length, length // 2, length // 3):
+    for size in sizes or (length, length // 2, length // 3):
         ids = [rng.randrange(5, 250) for _ in range(size)]
         documents.append({"input_ids": ids, "labels": [-100] * (size // 3) + ids[size // 3 :]})
-    return add_targets(collate_batch(documents, 0, packing=True, document_index=True))
+    return add_targets(collate_batch(documents, 0, packing=True, layout=layout, document_index=True))
 
 
 def _step(model, batch) -> tuple[float, list[torch.Tensor]]:
@@ -72,8 +73,19 @@ def test_compiled_layers_equal_eager_without_graph_breaks_or_recompiles(tiny_bas
     assert dict(counters["stats"]) == warm, "recompiled after warm-up"
     assert not counters["graph_break"], dict(counters["graph_break"])
 
-    dropout = _model(tiny_base_dir, 0.05)  # LoRA dropout inside the compiled graph: still one graph per layer
+    # LoRA dropout and varlen attention (its compiled CPU path) inside the graph, over an epoch of bucketed rows:
+    # still one graph per layer, and nothing compiles again once each width was seen twice
+    dropout = _model(tiny_base_dir, 0.05)
+    use_varlen_attention(dropout)
     compile_layers(dropout, quantized=False, say=lambda line: None)
-    for batch in batches + batches:
+    epoch = [_batch(rng, 0, [rng.randrange(8, 250) for _ in range(rng.randrange(2, 7))], "bucketed_rows")
+             for _ in range(12)]  # fmt: skip
+    widths = {batch["input_ids"].shape for batch in epoch}
+    assert len(widths) > 2
+    for batch in epoch[:6]:
         _step(dropout, batch)
+    warm = dict(counters["stats"])
+    for batch in epoch[6:]:
+        _step(dropout, batch)
+    assert dict(counters["stats"]) == warm, f"recompiled within an epoch of {len(widths)} shapes"
     assert not counters["graph_break"], dict(counters["graph_break"])

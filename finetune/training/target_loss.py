@@ -7,7 +7,7 @@ the labels; `finetune.training.objectives.logprobs.collate_sequences`), so the f
 forward. A forward pre-hook on the output head takes the hidden states, selects the N labelled rows, computes
 their losses through `finetune.chunked_loss` (never the whole (N, V) logits) and hands the head zero rows:
 the loss is computed inside the model's forward, where DDP, FSDP and DeepSpeed have the head's weight at hand.
-The attention mask comes from the collator's document ids (`finetune.training.document_mask`).
+The attention mask comes from the collator's document ids (`finetune.training.model_inputs`).
 
 Example:
     losses = target_losses(model, batch)            # (N,) float32, differentiable
@@ -24,7 +24,7 @@ from torch.distributed.tensor import DTensor
 
 from finetune.chunked_loss import token_losses
 from finetune.scoring import output_head
-from finetune.training.document_mask import model_inputs
+from finetune.training.model_inputs import model_inputs
 
 
 def target_losses(model: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:

@@ -17,13 +17,13 @@ packed documents in `position_ids`, which waits on the device). A forward withou
 inside a GRPO step) gets transformers' own SDPA mask and attention, so the model generates as before.
 
 Where the CUDA kernel is missing (the CPU, torch < 2.10) the same boundaries run an exact path: one causal
-SDPA per document. `train.varlen_attention: auto` turns varlen on where it is fast (CUDA with the kernel, a
+SDPA per document, or inside `torch.compile` the document mask built from them on the device. `train.varlen_attention: auto` turns varlen on where it is fast (CUDA with the kernel, a
 16-bit base) and keeps the mask path on the CPU; `true` asks for it anywhere (the CPU tests use it), `false`
 keeps the mask.
 
 Example:
     use_varlen_attention(peft_model)                  # once, after loading
-    outputs = model(**model_inputs(model, batch))     # model_inputs passes the boundaries
+    outputs = model(**model_inputs(model, batch))     # `finetune.training.model_inputs` passes the boundaries
 """
 
 from __future__ import annotations
@@ -37,6 +37,8 @@ import torch.nn.functional as F
 from transformers import AttentionInterface, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+from finetune.training.document_mask import document_mask
 
 VARLEN_ATTENTION = "finetune_varlen"
 BOUNDARY_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
@@ -101,20 +103,18 @@ def use_varlen_attention(model: Any) -> PreTrainedModel:
     AttentionInterface.register(VARLEN_ATTENTION, varlen_attention_forward)
     ALL_MASK_ATTENTION_FUNCTIONS.register(VARLEN_ATTENTION, sdpa_mask)  # forwards without boundaries
     inner = transformers_model(model)
+    if inner is None:
+        raise TypeError(f"{type(model).__name__} holds no transformers model")
     inner.set_attn_implementation(VARLEN_ATTENTION)
     return inner
 
 
-def uses_varlen_attention(model: Any) -> bool:
-    inner = transformers_model(model)
-    return getattr(inner.config, "_attn_implementation", None) == VARLEN_ATTENTION
-
-
-def transformers_model(model: Any) -> PreTrainedModel:
+def transformers_model(model: Any) -> PreTrainedModel | None:
+    """The first transformers model inside `model` (itself, or the base of a PeftModel), if any."""
     for module in model.modules():
         if isinstance(module, PreTrainedModel):
             return module
-    raise TypeError(f"{type(model).__name__} holds no transformers model")
+    return None
 
 
 def boundary_inputs(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
@@ -150,6 +150,8 @@ def varlen_attention_forward(
     longest = int(kwargs["max_length_q"])
     if query.device.type == "cuda" and varlen_kernel() is not None:
         out = _flash_varlen(flat_q, flat_k, flat_v, boundaries, longest, scaling)
+    elif torch.compiler.is_compiling():
+        return _masked_sdpa(query, key, value, boundaries, scaling), None
     else:
         out = _per_document_sdpa(flat_q, flat_k, flat_v, boundaries, scaling)
     return out.reshape(batch, length, heads, dim), None
@@ -178,6 +180,19 @@ def _flash_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, boundaries:
 
 def _parameters(function: Callable[..., Any]) -> frozenset[str]:
     return frozenset(inspect.signature(function).parameters)
+
+
+def _masked_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, boundaries: torch.Tensor,
+                 scaling: float | None) -> torch.Tensor:  # fmt: skip
+    """The exact path inside `torch.compile` without the kernel: the document mask from the boundaries, on the
+    device (reading them on the host, as the per-document loop does, would break the graph). (B, T, H, D)."""
+    batch, _, length, _ = query.shape
+    positions = torch.arange(batch * length, device=query.device)
+    documents = torch.searchsorted(boundaries[1:], positions.to(boundaries.dtype), right=True).view(batch, length)
+    mask = document_mask(documents)
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling,
+                                         enable_gqa=key.shape[1] != query.shape[1])  # fmt: skip
+    return out.transpose(1, 2)
 
 
 def _per_document_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, boundaries: torch.Tensor,

@@ -29,7 +29,7 @@ import torch
 from finetune.data.collate import Layout, collate_batch
 from finetune.data.labels import IGNORE_INDEX
 from finetune.scoring import next_token_targets, output_head
-from finetune.training.document_mask import model_inputs
+from finetune.training.model_inputs import model_inputs
 from finetune.training.target_loss import target_losses
 
 
@@ -43,7 +43,7 @@ def collate_sequences(
 
     Returns:
         The model inputs of `collate_batch` (no `labels`), `document_index` (R, T) for the attention mask
-        (`finetune.training.document_mask`), and `target_index`, `target_ids`,
+        (`finetune.training.model_inputs`), and `target_index`, `target_ids`,
         `target_sequence` (N,) and `sequence_tokens` (S,), all int64 on the host.
     """
     batch = add_targets(collate_batch(sequences, pad_token_id, packing, layout, document_index=True))
