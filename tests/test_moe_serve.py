@@ -37,7 +37,9 @@ def load(base_dir: Path, adapters: dict[str, Path], dtype: str = "float32") -> f
         return finetune.load_model(str(base_dir), {n: str(p) for n, p in adapters.items()}, dtype=dtype)
 
 
-def merged_logits(m: finetune.LoadedModel, names: list[str | None], ids: torch.Tensor) -> dict[str | None, torch.Tensor]:
+def merged_logits(
+    m: finetune.LoadedModel, names: list[str | None], ids: torch.Tensor
+) -> dict[str | None, torch.Tensor]:
     """name -> the logits of the model with that adapter merged (None: the base), one forward each."""
     out = {}
     for name in names:

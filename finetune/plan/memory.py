@@ -199,6 +199,8 @@ def layer_activation_bytes_per_token(recipe: Recipe, shape: ModelShape, tokens_p
     """
     d, i = shape.hidden_size, shape.intermediate_size
     dropout = recipe.lora.dropout > 0
+    per_token: float
+    mlp: float
     if _compute_bytes(recipe) == 4:
         per_token, mlp = 33 * d + (36 * d if dropout else 0), 16 * i + (4 * i if dropout else 0)
     else:
@@ -224,6 +226,7 @@ def expert_activation_bytes_per_token(recipe: Recipe, shape: ModelShape) -> floa
     4.25·d, 8·i (14.5·i), 36 and 18·E. A dense shared expert counts as a dense MLP of its width.
     """
     d, i, k, experts = shape.hidden_size, shape.expert_intermediate_size, shape.experts_per_token, shape.num_experts
+    per_pair: float
     if _compute_bytes(recipe) == 4:
         per_pair = 8 * d + (28 if shape.own_expert_gate else 16) * i + 36
         router, shared = 4 * experts, 16 * shape.shared_intermediate_size
