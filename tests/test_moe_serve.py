@@ -96,7 +96,8 @@ def test_rows_with_linear_and_expert_lora_and_something_merged_underneath(tmp_pa
 def served(tmp_path_factory, tiny_tokenizer) -> tuple[Path, dict[str, Path]]:
     root = tmp_path_factory.mktemp("moe-serve")
     base_dir = build_moe("qwen3_moe", root / "base", tiny_tokenizer)
-    return base_dir, {n: moe_adapter(base_dir, root / n, seed=s) for n, s in (("one", 1), ("two", 2))}
+    seeds = (("one", 1), ("two", 2), ("three", 3))  # three: loaded while the server runs
+    return base_dir, {n: moe_adapter(base_dir, root / n, seed=s) for n, s in seeds}
 
 
 def merged_greedy(base_dir: Path, adapters: dict[str, Path], name: str | None, prompt: str) -> list[int]:
@@ -114,9 +115,8 @@ def merged_greedy(base_dir: Path, adapters: dict[str, Path], name: str | None, p
 
 def test_serve_answers_each_request_as_its_adapter_merged(served):
     base_dir, adapters = served
-    settings = ServeSettings(
-        base=str(base_dir), adapters={n: str(p) for n, p in adapters.items()}, base_name="base", port=0, max_wait_ms=50
-    )
+    at_start = {n: str(adapters[n]) for n in ("one", "two")}
+    settings = ServeSettings(base=str(base_dir), adapters=at_start, base_name="base", port=0, max_wait_ms=50)
     jobs = [(model, prompt) for model in ("base", "one", "two") for prompt in PROMPTS[:2]]
     with ServerThread(settings) as server, httpx.Client(base_url=server.url, timeout=120) as client:
         body = {"max_tokens": MAX_TOKENS, "temperature": 0, "return_token_ids": True}
@@ -129,6 +129,9 @@ def test_serve_answers_each_request_as_its_adapter_merged(served):
         with ThreadPoolExecutor(len(jobs)) as pool:
             answers = dict(zip(jobs, pool.map(complete, jobs)))
         stats = client.get("/stats").json()
+        added = client.post("/v1/load_lora_adapter", json={"lora_name": "three", "lora_path": str(adapters["three"])})
+        assert added.status_code == 200, added.text
+        answers["three", PROMPTS[0]] = complete(("three", PROMPTS[0]))
     assert stats["forwards_by_model_count"].get("3", 0) > 0  # base, one and two rows in one forward
     for (model, prompt), tokens in answers.items():
         assert tokens == merged_greedy(base_dir, adapters, None if model == "base" else model, prompt), model
