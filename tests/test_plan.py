@@ -116,8 +116,8 @@ def test_moe_estimate_is_within_10_percent_of_a_measured_cpu_run(measured_base, 
     of every expert tensor, and the rest as for the dense model, on the dense run's data and recipe.
 
     Measured here (Intel Xeon 2.5 GHz, AVX-512, 2 cores): 2176 MiB peak RSS against an estimate of 2020 MiB
-    (1922 MiB before the experts' activations were counted apart: 11.7% under). Of the measured RSS, about
-    300 MiB are pages of the base's safetensors file, which transformers keeps mapped after assembling the
+    (1922 MiB before the experts' activations were counted apart: 11.7% under). Right after loading, 302 MiB
+    of RSS were pages of the base's safetensors file, which transformers keeps mapped after assembling the
     fused expert tensors from their per-expert parts (clean file pages, reclaimable, not counted by the plan).
     """
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
