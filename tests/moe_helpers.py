@@ -42,14 +42,17 @@ def build_moe(family: str, out: Path, tokenizer, seed: int = 0, **overrides) -> 
     return out
 
 
-def moe_adapter(base_dir: Path, out: Path, seed: int, r: int = 4, *, linear: bool = True) -> Path:
-    """A seeded random LoRA on every linear layer and expert tensor of `base_dir`, as `finetune train` targets.
+def moe_adapter(
+    base_dir: Path, out: Path, seed: int, r: int = 4, *, linear: bool = True, train_router: bool = False
+) -> Path:
+    """A seeded random LoRA on every linear layer and expert tensor of `base_dir`, as `finetune train` targets
+    (and on the routers with `train_router`).
 
     `linear=False`: the linear layers' LoRA has B = 0 (their update is exactly zero, merged or not), so only
-    the experts change the model.
+    the experts (and routers) change the model.
     """
     model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
-    peft_model = wrap_with_lora(model, LoraConfig(r=r, alpha=2 * r, dropout=0.0))
+    peft_model = wrap_with_lora(model, LoraConfig(r=r, alpha=2 * r, dropout=0.0, train_router=train_router))
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, parameter in peft_model.named_parameters():

@@ -89,6 +89,27 @@ def test_merge_equals_peft_and_subtract_returns_the_base_in_memory(moe_base, tmp
     assert_tensors_equal(base, expert_state(m.model))
 
 
+def test_router_lora_merges_as_peft_does_and_subtracts_exactly(moe_base, tmp_path):
+    """`lora.train_router`: no family's router is an nn.Linear, so peft reaches its weight as a raw parameter;
+    merged in memory and on disk it equals plain peft's merge, and subtracting returns the base bit for bit."""
+    family, base_dir = moe_base
+    adapter_dir = moe_adapter(base_dir, tmp_path / "routed", seed=1, train_router=True)
+    reference = peft_merged(base_dir, adapter_dir)
+    m = finetune.load_model(str(base_dir), {"routed": str(adapter_dir)}, dtype="float32")
+    names = routers(m.model, expert_tensors(m.model))
+    base = {n: m.model.get_submodule(n).weight.detach().clone() for n in names}
+    m.merge("routed")
+    for name in names:
+        merged, expected = m.model.get_submodule(name).weight, reference.get_submodule(name).weight
+        assert not torch.equal(merged, base[name])
+        torch.testing.assert_close(merged, expected, rtol=0, atol=float(expected.abs().max()) * 1e-6)
+    m.save_merged(tmp_path / "memory")
+    merge_checkpoint(str(base_dir), [AdapterSpec(str(adapter_dir))], tmp_path / "disk")
+    assert_tensors_equal(read_tensors(tmp_path / "memory"), read_tensors(tmp_path / "disk"))
+    m.subtract("routed")
+    assert_tensors_equal(base, {n: m.model.get_submodule(n).weight for n in names})
+
+
 def test_on_disk_merge_subtract_and_swap_are_exact(moe_base, tmp_path):
     family, base_dir = moe_base
     a = moe_adapter(base_dir, tmp_path / "one", seed=1)

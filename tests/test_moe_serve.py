@@ -20,6 +20,7 @@ from helpers import REORDERED_ULPS, ROUNDED_ULPS, assert_within_ulps
 from moe_helpers import FAMILIES, build_moe, moe_adapter
 
 import finetune
+from finetune.adapters.experts import expert_tensors, routers
 from finetune.cli import main
 from finetune.prompting import prompt_ids
 from finetune.serve.server import ServerThread
@@ -53,10 +54,14 @@ def merged_logits(
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_each_row_computes_with_its_adapter_merged_on_the_experts(family, tmp_path, tiny_tokenizer):
+def test_each_row_computes_with_its_adapter_merged_on_experts_and_router(family, tmp_path, tiny_tokenizer):
+    """LoRA on the experts and on the router (`lora.train_router`; no family's router is an nn.Linear, so
+    peft reaches it as a raw parameter too); the linear layers' LoRA is zero."""
     base_dir = build_moe(family, tmp_path / "base", tiny_tokenizer)
-    adapters = {n: moe_adapter(base_dir, tmp_path / n, seed=s, linear=False) for n, s in (("one", 1), ("two", 2))}
+    seeds = (("one", 1), ("two", 2))
+    adapters = {n: moe_adapter(base_dir, tmp_path / n, seed=s, linear=False, train_router=True) for n, s in seeds}
     m = load(base_dir, adapters, "bfloat16")
+    assert set(routers(m.model, expert_tensors(m.model))) <= set(m.adapters["one"].modules)
     ids = torch.arange(3, 3 + 8 * len(ROWS)).reshape(len(ROWS), 8)
     expected = merged_logits(m, [None, "one", "two"], ids)
     assert not torch.equal(expected["one"], expected[None]) and not torch.equal(expected["two"], expected[None])
