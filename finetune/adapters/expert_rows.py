@@ -6,13 +6,13 @@ the weight in the model's dtype, for the whole batch, and refuses a batch whose 
 ("does not support mixed batch inference"). So `finetune serve` could not give each request its own MoE
 adapter, and in bf16 an unmerged forward rounded differently from the merged model.
 
-Here the outermost wrapper of each such module (experts, router) gets its own `forward` (an attribute of that one module
-object, gone with it when peft unloads): the tokens are grouped by the adapter their row names (peft's
-`adapter_names`, which its forward hook hands every LoRA layer; "__base__" for none), and each group runs
-the plain experts module (`torch.func.functional_call`) with the expert tensors that merging its adapter
-would write (`tensor_for`, see `LoadedModel`). A row's experts (and router) therefore compute with
-bit-for-bit the merged model's tensors; rows without an adapter use the model's own. Without `adapter_names` every row
-gets what peft has switched on (`use(name)`), or the base's tensors when adapters are disabled.
+Here the outermost wrapper of each such module (experts, router) gets its own `forward` (an attribute of
+that one module object, gone with it when peft unloads): the tokens are grouped by the adapter their row
+names (peft's `adapter_names`, which its forward hook hands every LoRA layer; "__base__" for none), and
+each group runs the plain module (`torch.func.functional_call`) with the tensors that merging its adapter
+would write (`tensor_for`, see `LoadedModel`). A row's experts (and router) therefore compute with the
+merged model's tensors bit for bit; rows without an adapter use the model's own. Without `adapter_names`
+every row gets what peft has switched on (`use(name)`), or the base's tensors when adapters are disabled.
 
 Rows map to tokens because every MoE block of transformers 5 flattens its input row-major,
 (batch, seq, hidden) -> (batch·seq, hidden) before its router and experts, and passes per-token routing

@@ -383,12 +383,13 @@ class LoadedModel:
 
     def _raw_parameter(self, name: str) -> tuple[str, torch.nn.Parameter]:
         """(the adapters' key, the parameter) of a tensor peft reaches as a raw parameter: a fused expert
-        tensor, keyed by its own name, or a router's weight (`...mlp.gate.weight`), keyed by the router."""
+        tensor, keyed by its own name, or a module's weight (a router's `...mlp.gate.weight`), keyed by it."""
         expert = self._expert_parameter(name)
         if expert is not None:
             return name, expert
+        if not name.endswith(".weight"):
+            raise AdapterError(f"LoRA on the parameter {name} is not supported unmerged; merge the adapter instead")
         module = name.removesuffix(".weight")
-        assert module in self._routers, f"{name} is an expert tensor or a router's weight"
         return module, _weight(self._layer(module)[2])
 
     def use_per_row(self) -> torch.nn.Module:
