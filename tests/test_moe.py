@@ -12,7 +12,8 @@ import torch
 from helpers import assert_tensors_equal, read_tensors
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from transformers import AutoModelForCausalLM, GptOssConfig, MixtralConfig, OlmoeConfig, Qwen3MoeConfig
+from moe_helpers import FAMILIES, MOE_SHAPE, build_moe, moe_adapter
+from transformers import AutoModelForCausalLM
 
 import finetune
 from finetune.adapters.combine import combine_adapters
@@ -23,45 +24,6 @@ from finetune.errors import AdapterError, ExportError
 from finetune.export.gguf_lora import export_lora_gguf
 from finetune.model import describe_targets, wrap_with_lora
 from finetune.recipe import LoraConfig
-
-_COMMON = dict(
-    vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-    max_position_embeddings=512, num_experts_per_tok=2,
-)  # fmt: skip
-FAMILIES = {
-    "qwen3_moe": lambda: Qwen3MoeConfig(**_COMMON, moe_intermediate_size=32, num_experts=4),
-    "mixtral": lambda: MixtralConfig(**_COMMON, intermediate_size=32, num_local_experts=4),
-    "olmoe": lambda: OlmoeConfig(**_COMMON, intermediate_size=32, num_experts=4),
-    "gpt_oss": lambda: GptOssConfig(**_COMMON, intermediate_size=32, num_local_experts=4, head_dim=16),
-}
-"""Tiny configurations of the real classes: 2 layers of 4 experts, top-2 routing."""
-
-
-def build_moe(family: str, out: Path, tokenizer, seed: int = 0, **overrides) -> Path:
-    """A random-init tiny base of `family`, saved with its tokenizer as transformers saves it."""
-    torch.manual_seed(seed)
-    config = FAMILIES[family]()
-    for key, value in overrides.items():
-        setattr(config, key, value)
-    config.pad_token_id, config.bos_token_id, config.eos_token_id = (
-        tokenizer.pad_token_id, tokenizer.bos_token_id, tokenizer.eos_token_id,
-    )  # fmt: skip
-    AutoModelForCausalLM.from_config(config).save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    return out
-
-
-def moe_adapter(base_dir: Path, out: Path, seed: int, r: int = 4) -> Path:
-    """A seeded random LoRA on every linear layer and expert tensor of `base_dir`, as `finetune train` targets."""
-    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
-    peft_model = wrap_with_lora(model, LoraConfig(r=r, alpha=2 * r, dropout=0.0))
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, parameter in peft_model.named_parameters():
-            if "lora_" in name:
-                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.2)
-    peft_model.save_pretrained(out)
-    return out
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
@@ -127,6 +89,27 @@ def test_merge_equals_peft_and_subtract_returns_the_base_in_memory(moe_base, tmp
     assert_tensors_equal(base, expert_state(m.model))
 
 
+def test_router_lora_merges_as_peft_does_and_subtracts_exactly(moe_base, tmp_path):
+    """`lora.train_router`: no family's router is an nn.Linear, so peft reaches its weight as a raw parameter;
+    merged in memory and on disk it equals plain peft's merge, and subtracting returns the base bit for bit."""
+    family, base_dir = moe_base
+    adapter_dir = moe_adapter(base_dir, tmp_path / "routed", seed=1, train_router=True)
+    reference = peft_merged(base_dir, adapter_dir)
+    m = finetune.load_model(str(base_dir), {"routed": str(adapter_dir)}, dtype="float32")
+    names = routers(m.model, expert_tensors(m.model))
+    base = {n: m.model.get_submodule(n).weight.detach().clone() for n in names}
+    m.merge("routed")
+    for name in names:
+        merged, expected = m.model.get_submodule(name).weight, reference.get_submodule(name).weight
+        assert not torch.equal(merged, base[name])
+        torch.testing.assert_close(merged, expected, rtol=0, atol=float(expected.abs().max()) * 1e-6)
+    m.save_merged(tmp_path / "memory")
+    merge_checkpoint(str(base_dir), [AdapterSpec(str(adapter_dir))], tmp_path / "disk")
+    assert_tensors_equal(read_tensors(tmp_path / "memory"), read_tensors(tmp_path / "disk"))
+    m.subtract("routed")
+    assert_tensors_equal(base, {n: m.model.get_submodule(n).weight for n in names})
+
+
 def test_on_disk_merge_subtract_and_swap_are_exact(moe_base, tmp_path):
     family, base_dir = moe_base
     a = moe_adapter(base_dir, tmp_path / "one", seed=1)
@@ -177,18 +160,6 @@ def test_combine_cat_equals_the_weighted_sum_and_other_methods_are_refused(moe_b
     with pytest.raises(ExportError, match="not supported"):
         export_lora_gguf(one, tmp_path / "one.gguf")
     m.subtract("both")
-    m.attach("one")  # unmerged use works; per-row (per-request) use is refused in one line
-    with pytest.raises(AdapterError, match="serve it merged"):
-        m.use_per_row()
-    ids = torch.arange(3, 19).reshape(2, 8)
-    m.use("one")  # generate with it unmerged (the whole batch): the merged model's output
-    with torch.no_grad():
-        unmerged = m.model(input_ids=ids).logits
-    m.use(None)
-    m.merge("one")
-    with torch.no_grad():
-        merged = m.model(input_ids=ids).logits
-    torch.testing.assert_close(unmerged, merged, rtol=1e-5, atol=1e-5)
 
 
 TRAIN_RECIPE = """
@@ -393,7 +364,7 @@ def test_shared_experts_keep_their_linear_lora_beside_the_routed_experts():
     those names onto the expert tensors for this family; with its rewrite off both carry LoRA."""
     from transformers import Qwen2MoeConfig
 
-    config = Qwen2MoeConfig(**_COMMON, moe_intermediate_size=32, shared_expert_intermediate_size=64, num_experts=4)
+    config = Qwen2MoeConfig(**MOE_SHAPE, moe_intermediate_size=32, shared_expert_intermediate_size=64, num_experts=4)
     peft_model = wrap_with_lora(AutoModelForCausalLM.from_config(config), LoraConfig(r=4))
     assert describe_targets(peft_model) == ["LoRA on 16 linear modules and 4 of 4 expert tensors"]
     trainable = {n for n, p in peft_model.named_parameters() if p.requires_grad}

@@ -99,8 +99,9 @@ class _ShardWriter:
 
     def _stored_shape(self, module: str) -> tuple[int, ...]:
         layout = self.pristine.layout
-        if layout is not None and module in layout.fused:
-            return layout.fused[module].shape
+        for name in (module, module + ".weight"):  # a fused expert tensor, or a router's weight stored renamed
+            if layout is not None and name in layout.fused:
+                return layout.fused[name].shape
         stored = self.pristine.stored_name(module + ".weight") or self.pristine.stored_name(module)
         if stored is None:
             raise KeyError(module)

@@ -2,7 +2,8 @@
 
 transformers 5 fuses experts when it loads (`mlp.experts.gate_up_proj`, experts x 2i x d) and, for most
 families (Qwen3-MoE, Mixtral, OLMoE, DeepSeek-style), splits them back when it saves
-(`mlp.experts.3.gate_proj.weight`, Mixtral's `block_sparse_moe.experts.3.w1.weight`). Adapter arithmetic
+(`mlp.experts.3.gate_proj.weight`, Mixtral's `block_sparse_moe.experts.3.w1.weight`; Mixtral's router
+`mlp.gate.weight` is renamed `block_sparse_moe.gate.weight` too, so routers are mapped the same way). Adapter arithmetic
 works on the fused tensor, so this module maps one to the other with transformers' own reverse conversion
 (`revert_weight_conversion`), applied once to a tensor whose values are their own flat positions: each
 stored tensor then says exactly which elements of the fused one it holds, whatever renames, stacking and
@@ -24,7 +25,7 @@ from collections.abc import Mapping
 
 import torch
 
-from finetune.adapters.experts import ExpertTensor, expert_tensors
+from finetune.adapters.experts import ExpertTensor, expert_tensors, routers, unwrapped
 
 
 class ExpertLayout:
@@ -36,7 +37,7 @@ class ExpertLayout:
         self.fused: dict[str, ExpertTensor] = {}
         """fused name -> the expert tensor, for those the checkpoint does not store under their own name."""
         self._parts: dict[str, list[str]] = {}
-        for tensor in expert_tensors(model):
+        for tensor in _expert_and_router_tensors(model):
             if tensor.name in index:
                 continue
             parts = sorted(self._reverted(tensor.name, torch.empty(tensor.shape, device="meta")))
@@ -80,3 +81,15 @@ class ExpertLayout:
             part: flat[positions.flatten().to(flat.device)].reshape(positions.shape).contiguous()
             for part, positions in self._positions(name).items()
         }
+
+
+def _expert_and_router_tensors(model: torch.nn.Module) -> list[ExpertTensor]:
+    """The fused expert tensors and the routers' weights: the conversion renames both (Mixtral's
+    `mlp.gate.weight` is stored as `block_sparse_moe.gate.weight`), and LoRA can reach both."""
+    experts = expert_tensors(model)
+    found = list(experts)
+    for name in routers(model, experts):
+        weight = unwrapped(model.get_submodule(name)).weight
+        assert isinstance(weight, torch.Tensor), f"{name} holds a weight"
+        found.append(ExpertTensor(name, "weight", tuple(getattr(weight, "ds_shape", weight.shape)), False))
+    return found

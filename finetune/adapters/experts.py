@@ -68,11 +68,11 @@ def expert_tensors(model: torch.nn.Module) -> list[ExpertTensor]:
             shape = tuple(getattr(tensor, "ds_shape", tensor.shape))
             if len(shape) == 3:
                 transposed = bool(getattr(owner, "is_transposed", False))
-                found.append(ExpertTensor(_clean(name), parameter, shape, transposed))
+                found.append(ExpertTensor(clean_name(name), parameter, shape, transposed))
     return found
 
 
-def _clean(name: str) -> str:
+def clean_name(name: str) -> str:
     """A module name without peft's prefix and wrapper levels (`base_model.model.x.base_layer` -> `x`)."""
     name = name.removeprefix("base_model.model.")
     while name.endswith(BASE_LAYER):
@@ -143,7 +143,7 @@ def _wrapped_tensor(
 ) -> ExpertTensor:
     """The expert tensor a saved wrapper key (`owner` + `.base_layer` x depth) holds LoRA for."""
     depth = len(re.findall(re.escape(BASE_LAYER) + "(?=$|\\.)", key))
-    owner = _clean(key)
+    owner = clean_name(key)
     tensors = by_owner.get(owner, [])
     order = nesting_order([t.parameter for t in tensors], targets, owner)
     if depth >= len(order):

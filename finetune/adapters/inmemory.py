@@ -10,6 +10,9 @@ the operation raises: a failed operation leaves the model as it was.
 `use(name)` switches an *unmerged* adapter on for every forward (peft's multi-adapter mode, loaded on
 first use); `use(None)` switches it off. `attach(name)` loads one without switching it on, and
 `use_per_row()` lets each row of a batch name its own attached adapter (how `finetune serve` batches).
+On a mixture of experts, unmerged LoRA on the fused expert tensors (and on a router peft reaches as a raw
+parameter) is applied by `expert_rows` in both modes: each row's experts compute with the tensors a merge
+of its adapter writes (bit for bit).
 Rules: an adapter cannot be both merged and in use (that would count it twice), so `use` refuses a
 merged adapter and `merge`/`swap` refuse the adapter in use; other adapters may be merged underneath
 the one in use (its LoRA adds on top of the merged weights). On a quantized base, `use` and merges
@@ -32,7 +35,8 @@ import torch
 
 from finetune.adapters import quantized
 from finetune.adapters.arithmetic import Term, changed_modules, merged_weight, module_terms
-from finetune.adapters.experts import bind_experts, peft_target_rewrite_off, unwrapped
+from finetune.adapters.expert_rows import ExpertRows
+from finetune.adapters.experts import bind_experts, expert_tensors, peft_target_rewrite_off, routers, unwrapped
 from finetune.adapters.fit import check_fits
 from finetune.adapters.ledger import Ledger
 from finetune.adapters.lora import Adapter
@@ -95,6 +99,8 @@ class LoadedModel:
         self._peft: PeftModel | None = None
         self._active: str | None = None
         self._per_row = False  # use_per_row() is on: adapter layers enabled for calls with adapter_names
+        self._expert_rows = ExpertRows(self._row_tensor)
+        self._routers = set(routers(model, expert_tensors(model)))  # LoRA on them is a plain update of their weight
 
     @property
     def base_source(self) -> str:
@@ -165,6 +171,9 @@ class LoadedModel:
             layer = self._layer(module)[2]
         except AttributeError:
             raise KeyError(module) from None
+        if module in self._routers:  # a module holding a (experts, hidden) weight, reached as a raw parameter
+            rows, columns = _weight(layer).shape
+            return (rows, columns)
         return _weight_shape(layer) or type(layer).__name__
 
     def _expert_parameter(self, name: str) -> torch.nn.Parameter | None:
@@ -351,14 +360,47 @@ class LoadedModel:
                 self._per_row = False
             elif name not in self._peft.peft_config:
                 self._peft.load_adapter(str(adapter.path), adapter_name=name, is_trainable=False)
+        self._expert_rows.install(self._peft)
+
+    def _row_tensor(self, name: str, adapters: tuple[str, ...]) -> torch.Tensor:
+        """Tensor `name` (an expert tensor or a router's weight) as merging `adapters` (weight 1 each) over
+        what is merged would write it.
+
+        The same `merged_weight` over the same terms (sorted by name) as `merge`, so bit for bit the merged
+        model's tensor; the model's own tensor when none of `adapters` has LoRA on it (see `expert_rows`).
+        """
+        key, parameter = self._raw_parameter(name)
+        weights = self._ledger.weights
+        if not any(key in self.adapters[a].modules for a in adapters):
+            return parameter
+        for adapter in adapters:
+            weights[adapter] = weights.get(adapter, 0.0) + 1.0
+        holding = [a for a in sorted(weights) if key in self.adapters[a].modules]
+        terms = [(a, weights[a], self.adapters[a].modules[key]) for a in holding]
+        merged_here = any(key in self.adapters[a].modules for a in self._ledger.entries)
+        base = self._pristine.get(name, parameter.dtype) if merged_here else parameter.detach()
+        return merged_weight(base, terms, parameter.dtype, module=key)
+
+    def _raw_parameter(self, name: str) -> tuple[str, torch.nn.Parameter]:
+        """(the adapters' key, the parameter) of a tensor peft reaches as a raw parameter: a fused expert
+        tensor, keyed by its own name, or a module's weight (a router's `...mlp.gate.weight`), keyed by it."""
+        expert = self._expert_parameter(name)
+        if expert is not None:
+            return name, expert
+        if not name.endswith(".weight"):
+            raise AdapterError(f"LoRA on the parameter {name} is not supported unmerged; merge the adapter instead")
+        module = name.removesuffix(".weight")
+        return module, _weight(self._layer(module)[2])
 
     def use_per_row(self) -> torch.nn.Module:
         """Switch every attached adapter on for calls that name one adapter per row of a batch.
 
         Returns peft's model: call it with `adapter_names=[...]`, one attached adapter per row and
         "__base__" for base rows (peft's mixed-batch inference; DoRA, which peft refuses there, is
-        refused by `read_adapter` already). Each row then gets what `use(name)` gives it alone. What is
-        merged stays underneath every row, so name no merged adapter. Until `use(...)` ends this mode, a
+        refused by `read_adapter` already). Each row then gets what `use(name)` gives it alone; LoRA on
+        fused expert tensors, which peft cannot apply per row, goes through `expert_rows`: each row's
+        experts compute with the tensors merging its adapter writes. What is merged stays underneath
+        every row, so name no merged adapter. Until `use(...)` ends this mode, a
         call without `adapter_names` applies peft's active adapter: always pass them. Adapters attached
         later take part too.
 
@@ -368,14 +410,6 @@ class LoadedModel:
         """
         if self._peft is None:
             raise AdapterError("no adapter is attached; call attach(name) first")
-        experts = [
-            name for name in self.attached if any(w.num_experts > 1 for w in self.adapters[name].modules.values())
-        ]
-        if experts:
-            raise AdapterError(
-                f"adapter {experts[0]!r} has LoRA on expert tensors, which peft cannot apply per row of a batch "
-                "(its ParamWrapper has no mixed-batch path); serve it merged: finetune serve --merge NAME"
-            )
         if not self._per_row:  # switching costs a walk over every module: once, not per call
             _tuner(self._peft).enable_adapter_layers()
             self._active, self._per_row = None, True

@@ -202,21 +202,49 @@ def layer_activation_bytes_per_token(
     only, 6·d + i; compiled layers (inductor recomputes the mask from the random seed) added nothing on an
     H100 (a 1B Llama LoRA with dropout 0.05 measured 120.5 kB per token and layer, the traced 16-bit figure
     without dropout 120.1 kB). Eager attention also keeps the (heads, T, T) scores; sdpa's fused kernels and
-    varlen attention keep only a log-sum-exp per row.
+    varlen attention keep only a log-sum-exp per row. On a mixture of experts the MLP's share (the i terms)
+    is that of its experts (`expert_activation_bytes_per_token`), averaged with any dense layers.
     """
     d, i = shape.hidden_size, shape.intermediate_size
-    per_token: float
     dropout = recipe.lora.dropout > 0 and not recipe.train.compiles(device, recipe.model.quantization != "none")
+    per_token: float
+    mlp: float
     if _compute_bytes(recipe) == 4:
-        per_token = 33 * d + 16 * i + (36 * d + 4 * i if dropout else 0)
+        per_token, mlp = 33 * d + (36 * d if dropout else 0), 16 * i + (4 * i if dropout else 0)
     else:
         autocast = recipe.train.precision != "fp32"
-        per_token = 25.7 * d + 8.2 * i if autocast else 37 * d + 10 * i
+        per_token, mlp = (25.7 * d, 8.2 * i) if autocast else (37 * d, 10 * i)
         if dropout:
-            per_token += 24 * d + 4 * i if device == "cuda" else 6 * d + i
+            per_token, mlp = (per_token + 24 * d, mlp + 4 * i) if device == "cuda" else (per_token + 6 * d, mlp + i)
+    if shape.moe_layers:
+        dense_layers = shape.num_layers - shape.moe_layers
+        experts = expert_activation_bytes_per_token(recipe, shape)
+        mlp = (shape.moe_layers * experts + dense_layers * mlp) / shape.num_layers
+    per_token += mlp
     if recipe.model.attn_implementation == "eager":
         per_token += shape.num_heads * tokens_per_row * (4 + _compute_bytes(recipe))
     return per_token
+
+
+def expert_activation_bytes_per_token(recipe: Recipe, shape: ModelShape) -> float:
+    """Bytes a mixture-of-experts block saves for backward per token (the folded W + ΔW apart).
+
+    Traced as the dense layer was (saved_tensors_hooks, weights and the folded expert tensors excluded) on
+    Qwen3-MoE and gpt-oss blocks with LoRA on the experts, transformers' grouped_mm experts path, at several
+    d, i, experts and k. Per token and each of its k experts: its gathered input and its down projection's
+    output (8·d in float32), the gate/up output, the gated and the activation (16·i; 28·i for gpt-oss's
+    clamped gate), and the routing indices (36); the router keeps its probabilities (4·E). In 16 bits:
+    4.25·d, 8·i (14.5·i), 36 and 18·E. A dense shared expert counts as a dense MLP of its width.
+    """
+    d, i, k, experts = shape.hidden_size, shape.expert_intermediate_size, shape.experts_per_token, shape.num_experts
+    per_pair: float
+    if _compute_bytes(recipe) == 4:
+        per_pair = 8 * d + (28 if shape.own_expert_gate else 16) * i + 36
+        router, shared = 4 * experts, 16 * shape.shared_intermediate_size
+    else:
+        per_pair = 4.25 * d + (14.5 if shape.own_expert_gate else 8) * i + 36
+        router, shared = 18 * experts, 10 * shape.shared_intermediate_size
+    return k * per_pair + router + shared
 
 
 def activation_bytes(

@@ -20,7 +20,7 @@ from typing import Any, cast
 import torch
 from transformers import AutoModelForCausalLM
 
-from finetune.adapters.experts import expert_tensors, routers
+from finetune.adapters.experts import ExpertTensor, expert_tensors, routers, unwrapped
 from finetune.errors import ModelError
 from finetune.model import decoder_layers, wrap_with_lora
 from finetune.recipe import LoraConfig
@@ -56,6 +56,16 @@ class ModelShape:
     folded_expert_params: int = 0
     """Elements of the targeted expert tensors: peft's `ParamWrapper` folds W + ΔW into a new tensor of that
     size per forward, which the experts' matmuls keep for backward."""
+    moe_layers: int = 0
+    """Decoder layers whose MLP is a mixture of experts (the others, if any, are dense)."""
+    num_experts: int = 0
+    experts_per_token: int = 0
+    expert_intermediate_size: int = 0
+    """One expert's intermediate width (`moe_intermediate_size`, else `intermediate_size`)."""
+    shared_intermediate_size: int = 0
+    """Width of the dense shared expert every token also goes through (Qwen2-MoE, DeepSeek); 0 without one."""
+    own_expert_gate: bool = False
+    """The experts gate with their own function (gpt-oss's clamped SwiGLU), which keeps more for backward."""
 
     @property
     def base_params(self) -> int:
@@ -89,6 +99,7 @@ def model_shape(config: Any, lora: LoraConfig) -> ModelShape:
     lora_params = sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
     expert_lora, folded = _expert_lora(peft_model)
     return ModelShape(
+        **_moe_widths(text, model, experts),
         hidden_size=text.hidden_size,
         intermediate_size=getattr(text, "intermediate_size", 4 * text.hidden_size),
         num_layers=len(layers),
@@ -104,6 +115,26 @@ def model_shape(config: Any, lora: LoraConfig) -> ModelShape:
         input_embedding_params=model.get_input_embeddings().weight.numel(),
         expert_lora_params=expert_lora,
         folded_expert_params=folded,
+    )
+
+
+def _moe_widths(text: Any, model: torch.nn.Module, experts: list[ExpertTensor]) -> dict[str, Any]:
+    """The sizes a mixture of experts' activations depend on (see `plan.memory.expert_activation_bytes_per_token`)."""
+    if not experts:
+        return {}
+    owners = sorted({e.owner for e in experts})
+    expert_width = getattr(text, "moe_intermediate_size", None) or text.intermediate_size
+    shared = getattr(text, "shared_expert_intermediate_size", None) or 0
+    shared = shared or (getattr(text, "n_shared_experts", None) or 0) * expert_width
+    # transformers gives every experts class a gate: its own (`_apply_gate` in the class) or the default SwiGLU
+    gate = getattr(type(unwrapped(model.get_submodule(owners[0]))), "_apply_gate", None)
+    return dict(
+        moe_layers=len(owners),
+        num_experts=experts[0].num_experts,
+        experts_per_token=_experts_per_token(text),
+        expert_intermediate_size=expert_width,
+        shared_intermediate_size=shared,
+        own_expert_gate=gate is not None and gate.__name__ != "_default_apply_gate",
     )
 
 

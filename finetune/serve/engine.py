@@ -3,7 +3,9 @@
 Two modes over one `LoadedModel` (`finetune.load_model`):
 - **per-row adapters** (default): every adapter is attached unmerged, and one forward serves rows of
   different models: peft's mixed-batch inference gives each row its own adapter (`adapter_names`,
-  `"__base__"` for base rows), so a row gets what `use(name)` gives it alone.
+  `"__base__"` for base rows), so a row gets what `use(name)` gives it alone. On a mixture of experts
+  the expert tensors' LoRA, which peft cannot apply per row, is applied by `adapters.expert_rows`:
+  each row's experts compute with the tensors the merged model holds.
 - **merged** (`merge=NAME`): one adapter is merged into the weights exactly (`LoadedModel.merge`) and the
   plain model runs, with no LoRA layers in the way; loading another adapter swaps it in exactly
   (`LoadedModel.swap`: the weights then equal a fresh base with that adapter merged). Only that adapter
