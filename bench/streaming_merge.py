@@ -64,6 +64,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="dtype the checkpoint is stored in",
     )
     parser.add_argument("--shard-size", default="500MB", help="max_shard_size of the base (and the baseline's output)")
+    parser.add_argument(
+        "--moe",
+        type=int,
+        default=0,
+        metavar="EXPERTS",
+        help="a Qwen3-MoE base of this many experts per layer (top-4, expert width --intermediate) with LoRA on "
+        "every expert tensor too, instead of a Llama",
+    )
     parser.add_argument("--scratch", type=Path, default=Path("/tmp/bench-models"), help="where models are built")
     parser.add_argument("--keep", action="store_true", help="keep the two merged outputs (deleted by default)")
     parser.add_argument("--json", type=Path, default=None, help="also write the figures as JSON here")
@@ -95,6 +103,8 @@ def build(args: argparse.Namespace) -> tuple[Path, Path]:
     """The checkpoint and its adapter, built once and reused (building is not measured)."""
     from transformers import AutoModelForCausalLM
 
+    if args.moe:
+        return build_moe(args)
     stem = f"llama-h{args.hidden}-l{args.layers}-i{args.intermediate}-{args.dtype}-shard{args.shard_size}"
     base = build_base(
         args.scratch / stem,
@@ -109,6 +119,44 @@ def build(args: argparse.Namespace) -> tuple[Path, Path]:
         model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)  # LoRA weights in fp32
         build_adapter(base, adapter, seed=1, model=model)
         del model
+    return base, adapter
+
+
+def build_moe(args: argparse.Namespace) -> tuple[Path, Path]:
+    """A random Qwen3-MoE checkpoint (fused 3D experts, as transformers 5 holds them) and a LoRA on every linear
+    layer and expert tensor, as `finetune train` targets them (`finetune.model.wrap_with_lora`)."""
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    from finetune.embedded.tokenizer import train_tokenizer
+    from finetune.model import wrap_with_lora
+    from finetune.recipe import LoraConfig
+
+    stem = (
+        f"qwen3moe-h{args.hidden}-l{args.layers}-e{args.moe}-i{args.intermediate}-{args.dtype}-shard{args.shard_size}"
+    )
+    base, adapter = args.scratch / stem, args.scratch / f"{stem}-lora"
+    if not (base / "config.json").is_file():
+        tokenizer = train_tokenizer(["The quick brown fox jumps.\n"] * 50, vocab_size=300)
+        config = Qwen3MoeConfig(
+            vocab_size=32000, hidden_size=args.hidden, num_hidden_layers=args.layers, num_attention_heads=16,
+            num_key_value_heads=4, head_dim=args.hidden // 16, moe_intermediate_size=args.intermediate,
+            num_experts=args.moe, num_experts_per_tok=4, tie_word_embeddings=False,
+        )  # fmt: skip
+        torch.manual_seed(0)
+        AutoModelForCausalLM.from_config(config, dtype=getattr(torch, args.dtype)).save_pretrained(
+            base, max_shard_size=args.shard_size
+        )
+        tokenizer.save_pretrained(base)
+    if not (adapter / "adapter_model.safetensors").is_file():
+        model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+        peft_model = wrap_with_lora(model, LoraConfig(r=16, alpha=32, dropout=0.0))
+        generator = torch.Generator().manual_seed(1)
+        with torch.no_grad():
+            for name, parameter in peft_model.named_parameters():
+                if "lora_" in name:
+                    parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.01)
+        peft_model.save_pretrained(adapter)
+        del model, peft_model
     return base, adapter
 
 

@@ -9,7 +9,7 @@ works on the fused tensor, so this module maps one to the other with transformer
 stored tensor then says exactly which elements of the fused one it holds, whatever renames, stacking and
 concatenation the family's conversion does. No family is named here.
 
-The position maps are computed when a fused tensor is touched and not kept (8 bytes per element while one
+The position maps are computed when a fused tensor is touched and not kept (4 bytes per element while one
 tensor is assembled or split), so the cost stays that of one expert tensor at a time.
 
 Example:
@@ -59,12 +59,12 @@ class ExpertLayout:
         return {part: value for part, value in reverted.items() if part != name}
 
     def _positions(self, name: str) -> dict[str, torch.Tensor]:
-        """stored name -> the flat positions in fused tensor `name` of its elements (int64, in its own shape)."""
+        """stored name -> the flat positions in fused tensor `name` of its elements, in its own shape: int32
+        where they fit (4 bytes per element: a 30B MoE's fused tensor is half a GB of positions even so)."""
         shape = self.fused[name].shape
         numel = int(torch.Size(shape).numel())
-        assert numel < 2**53, "float64 holds positions exactly up to 2**53"
-        positions = self._reverted(name, torch.arange(numel, dtype=torch.float64).reshape(shape))
-        return {part: values.to(torch.int64) for part, values in positions.items()}
+        dtype = torch.int32 if numel < 2**31 else torch.int64
+        return self._reverted(name, torch.arange(numel, dtype=dtype).reshape(shape))
 
     def read(self, name: str, read_part, dtype: torch.dtype, device: torch.device | str | None = None) -> torch.Tensor:
         """Fused tensor `name` assembled from its stored parts (`read_part(stored name)` reads one) in `dtype`."""
