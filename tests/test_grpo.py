@@ -116,18 +116,43 @@ def test_advantages_as_trl_computes_them():
 
 
 def test_greedy_sampling_equals_decoding_each_prompt_alone(tiny_base_dir, tiny_tokenizer):
-    """All prompts in one left-padded batch with a KV cache, rows leaving as they stop: each row's tokens are
-    those of a full forward per token on that prompt alone."""
+    """All prompts in one left-padded batch with a KV cache (in place, with room), a repeated prompt sharing
+    its prefill, rows leaving as they stop: each row's tokens are those of a full forward per token on that
+    prompt alone."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(tiny_base_dir)
-    prompts = [tiny_tokenizer(text)["input_ids"] for text in ["def add(a, b):", "for i in", "x"]]
-    eos = tiny_tokenizer.eos_token_id
+    texts = ["def add(a, b):", "for i in", "x", "for i in"]
+    prompts = [tiny_tokenizer(text)["input_ids"] for text in texts]
     model.train()
-    got = sample_completions(model, prompts, SampleSettings(12, temperature=0.0), stop_ids={eos}, pad_token_id=0)
+    alone = SampleSettings(12, temperature=0.0)
+    got = sample_completions(model, prompts, alone, stop_ids={tiny_tokenizer.eos_token_id}, pad_token_id=0)
     assert model.training, "the model's mode is restored"
     model.eval()
-    assert got == [greedy_ids(model, prompt, 12, eos) for prompt in prompts]
+    assert got == [greedy_ids(model, prompt, 12, tiny_tokenizer.eos_token_id) for prompt in prompts]
+    stop = got[1][4]  # a token the second row writes at its fifth step: rows stop at different steps
+    cut = [tokens[: tokens.index(stop) + 1] if stop in tokens else tokens for tokens in got]
+    assert len({len(tokens) for tokens in cut}) > 1
+    assert sample_completions(model, prompts, alone, stop_ids={stop}, pad_token_id=0) == cut
+
+
+def test_draws_follow_the_filtered_distribution_and_a_seed_repeats_them():
+    """One uniform number per row, inverted through the cumulative distribution: token frequencies over
+    40,000 rows are the softmax's (within 4 standard errors), top-k and top-p never draw a filtered-out token,
+    and the same seed gives the same tokens."""
+    from finetune.generation.sample import draw, filtered_scores
+
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, -3.0]]).repeat(40_000, 1)
+    for settings in (SampleSettings(1, 1.0), SampleSettings(1, 0.7, top_k=3), SampleSettings(1, 1.3, top_p=0.8)):
+        expected = filtered_scores(logits[:1], settings).softmax(-1)[0]
+        torch.manual_seed(0)
+        drawn = draw(logits, settings)
+        frequencies = torch.bincount(drawn, minlength=6).double() / len(drawn)
+        error = (expected.double() * (1 - expected.double()) / len(drawn)).sqrt()
+        assert ((frequencies - expected.double()).abs() <= 4 * error + 1e-12).all(), (settings, frequencies)
+        assert (frequencies[expected == 0] == 0).all()
+        torch.manual_seed(0)
+        assert torch.equal(draw(logits, settings), drawn)
 
 
 def _trl_loss(loss_type: str, beta: float, iterations: int) -> tuple[float, float]:
