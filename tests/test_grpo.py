@@ -385,3 +385,33 @@ def test_resume_from_a_checkpoint_gives_the_same_adapter_bit_for_bit(tmp_path, t
     assert any(line.startswith("resumed from") and "step 2" in line for line in log), log
     actual = load_file(resumed / "adapter_model.safetensors")
     assert expected.keys() == actual.keys() and all(torch.equal(expected[k], actual[k]) for k in expected)
+
+
+def test_lean_lora_layers_give_pefts_outputs_bit_for_bit(tiny_base_dir):
+    """While sampling, plain LoRA linear layers skip peft's bookkeeping: the logits are peft's exactly, every
+    LoRA layer of the model is replaced, and peft's forward is back afterwards."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from finetune.generation.lean_lora import lean_lora
+
+    torch.manual_seed(0)
+    config = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=0.1)
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_base_dir), config)
+    for name, parameter in model.named_parameters():
+        if "lora_B" in name:
+            parameter.data.normal_(0, 0.05)  # a trained adapter: B is not zero
+    ids = torch.randint(3, 100, (3, 9))
+    model.eval()
+    with torch.no_grad():
+        expected = model(input_ids=ids).logits
+        with lean_lora(model) as replaced:
+            got = model(input_ids=ids).logits
+        again = model(input_ids=ids).logits
+    layers = sum(1 for module in model.modules() if type(module).__qualname__ == "Linear" and hasattr(module, "lora_A"))
+    assert replaced == layers > 0
+    assert torch.equal(got, expected) and torch.equal(again, expected)
+    assert not any("forward" in module.__dict__ for module in model.modules())
+    model.train()  # dropout on: training-mode layers keep peft's forward
+    with lean_lora(model) as replaced:
+        assert replaced == 0

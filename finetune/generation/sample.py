@@ -1,18 +1,20 @@
 """Batched sampling with a KV cache from a model as it is now: every row of a batch decoded together.
 
 All prompts (GRPO: every prompt of a step, each repeated `num_generations` times) are decoded in one
-left-padded batch (`KVBatch`): a prefill forward, then one token per row per forward. A row that has written a stop token
-(or reached `max_new_tokens`) leaves the batch (`KVBatch.select`), so late steps run on the rows still
-writing. Filters are applied as transformers' `generate` applies them: temperature, then top-k, then top-p
-(the smallest set of tokens whose probability reaches `top_p`). Draws use the process's global torch RNG
-on the model's device, so a checkpoint that holds the RNG state resumes the same samples.
+left-padded batch (`KVBatch`): a prefill forward, then one token per row per forward. Rows that have
+written a stop token leave the batch (`KVBatch.select`, one copy of the cache) once they are a quarter
+of it, so late steps run on the rows still writing. Filters are applied as transformers' `generate`
+applies them: temperature, then top-k, then top-p (the smallest set of tokens whose probability reaches
+`top_p`). Draws use the process's global torch RNG on the model's device, so a checkpoint that holds
+the RNG state resumes the same samples.
 
 Per token the host does little: the cache writes one column in place (`KVBatch` with `room`), the token
 is drawn with one random number per row (`draw`) and written into a device table, and the host reads one
-flag (did any row stop?). Rows that share a prompt (GRPO's group) share its prefill.
+count (how many rows have stopped?). Rows that share a prompt (GRPO's group) share its prefill. peft's
+LoRA layers run as plain matrix products meanwhile (`lean_lora`, the same outputs bit for bit).
 
 The model runs in eval mode (no dropout: the samples come from the policy the loss scores) under
-`torch.no_grad`; its training mode is restored after. No copy of the weights is made: a LoRA model
+`torch.inference_mode`; its training mode is restored after. No copy of the weights is made: a LoRA model
 generates with its adapter as it stands.
 
 Example:
@@ -29,6 +31,7 @@ from typing import Any
 import torch
 
 from finetune.generation.kvbatch import KVBatch
+from finetune.generation.lean_lora import lean_lora
 
 
 @dataclass(frozen=True)
@@ -85,7 +88,8 @@ def sample_completions(
     was_training = model.training
     model.eval()
     try:
-        with torch.no_grad():
+        # inference_mode: no autograd bookkeeping per op (cheaper than no_grad); no tensor of it escapes
+        with lean_lora(model), torch.inference_mode():
             return _decode(model, prompts, settings, stop_ids, pad_token_id, device)
     finally:
         model.train(was_training)
@@ -110,18 +114,20 @@ def _decode(model, prompts, settings, stop_ids, pad_token_id, device) -> list[li
     stops = torch.tensor(sorted(stop_ids), dtype=torch.long, device=device)
     table = torch.full((len(prompts), settings.max_new_tokens), -1, dtype=torch.long, device=device)
     rows = torch.arange(len(prompts), device=device)  # which prompt each batch row decodes
+    done = torch.zeros(len(prompts), dtype=torch.bool, device=device)  # per batch row: has written a stop
     for step in range(settings.max_new_tokens):
         chosen = draw(logits, settings)  # (B_t,)
-        table[rows, step] = chosen
+        table[rows, step] = chosen  # a finished row's later tokens come after its stop: never read
         if step + 1 == settings.max_new_tokens:
             break
-        finished = torch.isin(chosen, stops)
-        if bool(finished.any()):  # the one host read per step
-            keep = (~finished).nonzero().squeeze(-1)
-            if not len(keep):
-                break
+        done |= torch.isin(chosen, stops)
+        finished = int(done.sum())  # the one host read per step
+        if finished == len(done):
+            break
+        if finished * 4 >= len(done):  # drop finished rows once they are a quarter of the batch (one copy)
+            keep = (~done).nonzero().squeeze(-1)
             batch.select(keep.tolist())
-            rows, chosen = rows[keep], chosen[keep]
+            rows, chosen, done = rows[keep], chosen[keep], done[keep]
         logits = model(input_ids=chosen[:, None], logits_to_keep=1, **batch.forward_kwargs()).logits[:, -1]
         batch.advance()
     return [_until_stop(row, stop_ids) for row in table.tolist()]
