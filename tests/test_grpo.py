@@ -116,18 +116,43 @@ def test_advantages_as_trl_computes_them():
 
 
 def test_greedy_sampling_equals_decoding_each_prompt_alone(tiny_base_dir, tiny_tokenizer):
-    """All prompts in one left-padded batch with a KV cache, rows leaving as they stop: each row's tokens are
-    those of a full forward per token on that prompt alone."""
+    """All prompts in one left-padded batch with a KV cache (in place, with room), a repeated prompt sharing
+    its prefill, rows leaving as they stop: each row's tokens are those of a full forward per token on that
+    prompt alone."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(tiny_base_dir)
-    prompts = [tiny_tokenizer(text)["input_ids"] for text in ["def add(a, b):", "for i in", "x"]]
-    eos = tiny_tokenizer.eos_token_id
+    texts = ["def add(a, b):", "for i in", "x", "for i in"]
+    prompts = [tiny_tokenizer(text)["input_ids"] for text in texts]
     model.train()
-    got = sample_completions(model, prompts, SampleSettings(12, temperature=0.0), stop_ids={eos}, pad_token_id=0)
+    alone = SampleSettings(12, temperature=0.0)
+    got = sample_completions(model, prompts, alone, stop_ids={tiny_tokenizer.eos_token_id}, pad_token_id=0)
     assert model.training, "the model's mode is restored"
     model.eval()
-    assert got == [greedy_ids(model, prompt, 12, eos) for prompt in prompts]
+    assert got == [greedy_ids(model, prompt, 12, tiny_tokenizer.eos_token_id) for prompt in prompts]
+    stop = got[1][4]  # a token the second row writes at its fifth step: rows stop at different steps
+    cut = [tokens[: tokens.index(stop) + 1] if stop in tokens else tokens for tokens in got]
+    assert len({len(tokens) for tokens in cut}) > 1
+    assert sample_completions(model, prompts, alone, stop_ids={stop}, pad_token_id=0) == cut
+
+
+def test_draws_follow_the_filtered_distribution_and_a_seed_repeats_them():
+    """One uniform number per row, inverted through the cumulative distribution: token frequencies over
+    40,000 rows are the softmax's (within 4 standard errors), top-k and top-p never draw a filtered-out token,
+    and the same seed gives the same tokens."""
+    from finetune.generation.sample import draw, filtered_scores
+
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, -3.0]]).repeat(40_000, 1)
+    for settings in (SampleSettings(1, 1.0), SampleSettings(1, 0.7, top_k=3), SampleSettings(1, 1.3, top_p=0.8)):
+        expected = filtered_scores(logits[:1], settings).softmax(-1)[0]
+        torch.manual_seed(0)
+        drawn = draw(logits, settings)
+        frequencies = torch.bincount(drawn, minlength=6).double() / len(drawn)
+        error = (expected.double() * (1 - expected.double()) / len(drawn)).sqrt()
+        assert ((frequencies - expected.double()).abs() <= 4 * error + 1e-12).all(), (settings, frequencies)
+        assert (frequencies[expected == 0] == 0).all()
+        torch.manual_seed(0)
+        assert torch.equal(draw(logits, settings), drawn)
 
 
 def _trl_loss(loss_type: str, beta: float, iterations: int) -> tuple[float, float]:
@@ -360,3 +385,33 @@ def test_resume_from_a_checkpoint_gives_the_same_adapter_bit_for_bit(tmp_path, t
     assert any(line.startswith("resumed from") and "step 2" in line for line in log), log
     actual = load_file(resumed / "adapter_model.safetensors")
     assert expected.keys() == actual.keys() and all(torch.equal(expected[k], actual[k]) for k in expected)
+
+
+def test_lean_lora_layers_give_pefts_outputs_bit_for_bit(tiny_base_dir):
+    """While sampling, plain LoRA linear layers skip peft's bookkeeping: the logits are peft's exactly, every
+    LoRA layer of the model is replaced, and peft's forward is back afterwards."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from finetune.generation.lean_lora import lean_lora
+
+    torch.manual_seed(0)
+    config = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=0.1)
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_base_dir), config)
+    for name, parameter in model.named_parameters():
+        if "lora_B" in name:
+            parameter.data.normal_(0, 0.05)  # a trained adapter: B is not zero
+    ids = torch.randint(3, 100, (3, 9))
+    model.eval()
+    with torch.no_grad():
+        expected = model(input_ids=ids).logits
+        with lean_lora(model) as replaced:
+            got = model(input_ids=ids).logits
+        again = model(input_ids=ids).logits
+    layers = sum(1 for module in model.modules() if type(module).__qualname__ == "Linear" and hasattr(module, "lora_A"))
+    assert replaced == layers > 0
+    assert torch.equal(got, expected) and torch.equal(again, expected)
+    assert not any("forward" in module.__dict__ for module in model.modules())
+    model.train()  # dropout on: training-mode layers keep peft's forward
+    with lean_lora(model) as replaced:
+        assert replaced == 0

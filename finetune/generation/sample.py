@@ -1,14 +1,20 @@
 """Batched sampling with a KV cache from a model as it is now: every row of a batch decoded together.
 
-All prompts (GRPO: every prompt of a step, each repeated `num_generations` times) are prefilled in one
-left-padded forward (`KVBatch`), then one token per row per forward. A row that has written a stop token
-(or reached `max_new_tokens`) leaves the batch (`KVBatch.select`), so late steps run on the rows still
-writing. Filters are applied as transformers' `generate` applies them: temperature, then top-k, then top-p
-(the smallest set of tokens whose probability reaches `top_p`). Draws use the process's global torch RNG
-on the model's device, so a checkpoint that holds the RNG state resumes the same samples.
+All prompts (GRPO: every prompt of a step, each repeated `num_generations` times) are decoded in one
+left-padded batch (`KVBatch`): a prefill forward, then one token per row per forward. Rows that have
+written a stop token leave the batch (`KVBatch.select`, one copy of the cache) once they are a quarter
+of it, so late steps run on the rows still writing. Filters are applied as transformers' `generate`
+applies them: temperature, then top-k, then top-p (the smallest set of tokens whose probability reaches
+`top_p`). Draws use the process's global torch RNG on the model's device, so a checkpoint that holds
+the RNG state resumes the same samples.
+
+Per token the host does little: the cache writes one column in place (`KVBatch` with `room`), the token
+is drawn with one random number per row (`draw`) and written into a device table, and the host reads one
+count (how many rows have stopped?). Rows that share a prompt (GRPO's group) share its prefill. peft's
+LoRA layers run as plain matrix products meanwhile (`lean_lora`, the same outputs bit for bit).
 
 The model runs in eval mode (no dropout: the samples come from the policy the loss scores) under
-`torch.no_grad`; its training mode is restored after. No copy of the weights is made: a LoRA model
+`torch.inference_mode`; its training mode is restored after. No copy of the weights is made: a LoRA model
 generates with its adapter as it stands.
 
 Example:
@@ -25,6 +31,7 @@ from typing import Any
 import torch
 
 from finetune.generation.kvbatch import KVBatch
+from finetune.generation.lean_lora import lean_lora
 
 
 @dataclass(frozen=True)
@@ -53,11 +60,18 @@ def filtered_scores(logits: torch.Tensor, settings: SampleSettings) -> torch.Ten
 
 
 def draw(logits: torch.Tensor, settings: SampleSettings) -> torch.Tensor:
-    """One token id per row of `logits` (B, V), as a (B,) tensor on the logits' device."""
+    """One token id per row of `logits` (B, V), as a (B,) tensor on the logits' device.
+
+    A draw inverts each row's cumulative distribution at one uniform number: B random numbers per step, where
+    `torch.multinomial` or the exponential race draw B x V (on a CPU, drawing the randoms of a 2,048-word
+    vocabulary for 32 rows cost more than the tiny base's forward). The cumulative sum is float64, so its
+    rounding is far below any token's probability; filtered-out tokens (probability 0) add nothing to it
+    and are never the first index past the drawn point."""
     if settings.temperature == 0.0:
         return logits.argmax(dim=-1)
-    probabilities = filtered_scores(logits, settings).softmax(dim=-1)
-    return torch.multinomial(probabilities, 1).squeeze(-1)
+    cumulative = filtered_scores(logits, settings).softmax(dim=-1).double().cumsum(dim=-1)  # (B, V)
+    point = torch.rand(len(cumulative), 1, dtype=torch.float64, device=cumulative.device) * cumulative[:, -1:]
+    return torch.searchsorted(cumulative, point, right=True).squeeze(-1).clamp_(max=cumulative.shape[-1] - 1)
 
 
 def sample_completions(
@@ -74,34 +88,58 @@ def sample_completions(
     was_training = model.training
     model.eval()
     try:
-        with torch.no_grad():
+        # inference_mode: no autograd bookkeeping per op (cheaper than no_grad); no tensor of it escapes
+        with lean_lora(model), torch.inference_mode():
             return _decode(model, prompts, settings, stop_ids, pad_token_id, device)
     finally:
         model.train(was_training)
 
 
 def _decode(model, prompts, settings, stop_ids, pad_token_id, device) -> list[list[int]]:
-    batch = KVBatch.from_prompts(prompts, ["policy"] * len(prompts), pad_token_id, device)
+    """Prefill each distinct prompt once, copy its cache to the rows that share it, then decode.
+
+    Tokens stay on the device in an (N, max_new_tokens) table; the host reads one flag per step (did a row
+    stop?) and the table once at the end."""
+    distinct: dict[tuple[int, ...], int] = {}
+    source = [distinct.setdefault(tuple(prompt), len(distinct)) for prompt in prompts]
+    batch = KVBatch.from_prompts([list(p) for p in distinct], ["policy"] * len(distinct), pad_token_id, device,
+                                 room=settings.max_new_tokens)  # fmt: skip
+    logits = model(input_ids=batch.input_ids, logits_to_keep=1, **batch.forward_kwargs()).logits[:, -1]
+    batch.advance()
+    if len(distinct) < len(prompts):  # each row of the decoding batch from its prompt's prefill
+        index = torch.tensor(source, dtype=torch.long, device=device)
+        batch.cache.batch_select_indices(index)
+        batch.mask, batch.positions, logits = batch.mask[index], batch.positions[index], logits[index]
+        batch.models = ["policy"] * len(prompts)
     stops = torch.tensor(sorted(stop_ids), dtype=torch.long, device=device)
-    completions: list[list[int]] = [[] for _ in prompts]
-    rows = list(range(len(prompts)))  # which prompt each batch row decodes
-    tokens = batch.input_ids
+    table = torch.full((len(prompts), settings.max_new_tokens), -1, dtype=torch.long, device=device)
+    rows = torch.arange(len(prompts), device=device)  # which prompt each batch row decodes
+    done = torch.zeros(len(prompts), dtype=torch.bool, device=device)  # per batch row: has written a stop
     for step in range(settings.max_new_tokens):
-        output = model(input_ids=tokens, logits_to_keep=1, **batch.forward_kwargs())
-        batch.advance()
-        chosen = draw(output.logits[:, -1], settings)  # (B_t,)
-        finished = torch.isin(chosen, stops)
-        chosen_list, finished_list = chosen.tolist(), finished.tolist()
-        for row, token in zip(rows, chosen_list):
-            completions[row].append(token)
+        chosen = draw(logits, settings)  # (B_t,)
+        table[rows, step] = chosen  # a finished row's later tokens come after its stop: never read
         if step + 1 == settings.max_new_tokens:
             break
-        if any(finished_list):
-            keep = [index for index, done in enumerate(finished_list) if not done]
-            if not keep:
-                break
-            batch.select(keep)
-            rows = [rows[index] for index in keep]
-            chosen = chosen[keep]
-        tokens = chosen[:, None]
-    return completions
+        done |= torch.isin(chosen, stops)
+        finished = int(done.sum())  # the one host read per step
+        if finished == len(done):
+            break
+        if finished * 4 >= len(done):  # drop finished rows once they are a quarter of the batch (one copy)
+            keep = (~done).nonzero().squeeze(-1)
+            batch.select(keep.tolist())
+            rows, chosen, done = rows[keep], chosen[keep], done[keep]
+        logits = model(input_ids=chosen[:, None], logits_to_keep=1, **batch.forward_kwargs()).logits[:, -1]
+        batch.advance()
+    return [_until_stop(row, stop_ids) for row in table.tolist()]
+
+
+def _until_stop(tokens: list[int], stop_ids: set[int] | frozenset[int]) -> list[int]:
+    """A table row's tokens up to and including its first stop token (-1 marks steps it did not decode)."""
+    out: list[int] = []
+    for token in tokens:
+        if token < 0:
+            break
+        out.append(token)
+        if token in stop_ids:
+            break
+    return out
