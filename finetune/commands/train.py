@@ -71,7 +71,19 @@ def run_train(args: argparse.Namespace) -> int:
     adapter_dir, _ = train(recipe, resume=args.resume)
     if os.environ.get("RANK", "0") == "0":  # one line per run, not per process
         print(f"adapter: {adapter_dir}")
+    _leave_process_group()
     return 0
+
+
+def _leave_process_group() -> None:
+    """A launched rank ends its process group before it exits. Left to interpreter exit, gloo's threads
+    were torn down mid-flight once: a rank that had finished and written the adapter died with "terminate
+    called without an active exception" (SIGABRT), and the launch failed (a CI run of the DDP test)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 def run_validate(args: argparse.Namespace) -> int:
