@@ -44,13 +44,22 @@ VARLEN_ATTENTION = "finetune_varlen"
 BOUNDARY_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 
 
+_kernel: Callable[..., Any] | None = None
+_kernel_parameters: frozenset[str] = frozenset()
+
+
 def varlen_kernel() -> Callable[..., Any] | None:
-    """torch's varlen FlashAttention, or None where this torch has none (< 2.10)."""
-    try:
-        from torch.nn.attention.varlen import varlen_attn
-    except ImportError:
-        return None
-    return varlen_attn
+    """torch's varlen FlashAttention, or None where this torch has none (< 2.10). Imported on first use
+    (2 s of imports a CPU run never needs), then kept with its parameter names: every attention call of every
+    layer asks, and an uncompiled step should not pay for an import lookup and a signature each time."""
+    global _kernel, _kernel_parameters
+    if _kernel is None:
+        try:
+            from torch.nn.attention.varlen import varlen_attn
+        except ImportError:
+            return None
+        _kernel, _kernel_parameters = varlen_attn, frozenset(inspect.signature(varlen_attn).parameters)
+    return _kernel
 
 
 def unsupported_reason(model: PreTrainedModel, device: torch.device) -> str | None:
@@ -163,7 +172,7 @@ def _flash_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, boundaries:
     or `window_size=(-1, 0)` (later); grouped-query heads as `enable_gqa` or repeated here."""
     kernel = varlen_kernel()
     assert kernel is not None
-    parameters = _parameters(kernel)
+    parameters = _kernel_parameters
     options: dict[str, Any] = {"scale": scaling}
     if "is_causal" in parameters:
         options["is_causal"] = True
@@ -176,10 +185,6 @@ def _flash_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, boundaries:
             group = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     return kernel(q, k, v, boundaries, boundaries, longest, longest, **options)
-
-
-def _parameters(function: Callable[..., Any]) -> frozenset[str]:
-    return frozenset(inspect.signature(function).parameters)
 
 
 def _masked_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, boundaries: torch.Tensor,
