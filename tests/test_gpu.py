@@ -8,6 +8,7 @@ serving in `test_serve.py`.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -16,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from safetensors.torch import load_file
 
 import finetune
@@ -120,3 +122,74 @@ def test_eval_and_generate_run_on_the_gpu_and_agree_with_the_cpu(workdir, capsys
 def test_more_processes_than_gpus_is_refused_before_any_launch(workdir, capsys):
     assert main(["train", "recipe.yaml", "--nproc", str(torch.cuda.device_count() + 1)]) == 2
     assert "GPU(s) are visible" in capsys.readouterr().err
+
+
+def test_grpo_samples_and_trains_on_the_gpu(tmp_path, tiny_base_dir, tiny_tokenizer, monkeypatch):
+    """GRPO's sampler on CUDA (in-place KV cache, shared prefill, lean LoRA layers): greedy rows equal a full
+    forward per token on each prompt alone; then a bf16 GRPO run samples, scores and updates there."""
+    from test_grpo import _write_grpo_run
+    from transformers import AutoModelForCausalLM
+
+    from finetune.generation.sample import SampleSettings, sample_completions
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_base_dir).to("cuda").eval()
+    prompts = [tiny_tokenizer(text)["input_ids"] for text in ("def add(a, b):", "for i in", "x", "for i in")]
+    got = sample_completions(model, prompts, SampleSettings(12, temperature=0.0), stop_ids=set(), pad_token_id=0)
+    for prompt, tokens in zip(prompts, got, strict=True):
+        ids = torch.tensor([prompt], device="cuda")
+        with torch.no_grad():
+            for _ in range(12):
+                ids = torch.cat([ids, model(input_ids=ids, use_cache=False).logits[:, -1:].argmax(-1)], dim=1)
+        assert tokens == ids[0, len(prompt) :].tolist()
+
+    monkeypatch.chdir(tmp_path)
+    recipe = _write_grpo_run(tmp_path, tiny_base_dir, "lengths.py:short")
+    adapter_dir, _ = train(recipe, ["model.dtype=bfloat16", "train.precision=bf16", "train.report_to=[]"],
+                           log=lambda m: None)  # fmt: skip
+    lines = [json.loads(line) for line in (tmp_path / "runs" / "grpo-run" / "metrics.jsonl").read_text().splitlines()]
+    steps = [line for line in lines if "reward" in line]
+    assert len(steps) == 3 and all(-1.0 <= line["reward"] <= 0.0 and line["generate_s"] > 0 for line in steps)
+    assert read_manifest(adapter_dir).metrics["peak_memory_bytes_per_rank"][0] > 0  # CUDA memory: it ran there
+
+
+def test_moe_rows_on_the_gpu_compute_with_their_adapter_merged(tmp_path, tiny_tokenizer):
+    """Per-request MoE adapters (`finetune serve`) on CUDA in bf16: the whole batch with one adapter in use is
+    the merged model bit for bit; each row of a mixed batch is within a few ulps of its merged model."""
+    from helpers import ROUNDED_ULPS, assert_within_ulps
+    from moe_helpers import build_moe, moe_adapter
+
+    from finetune.serve.settings import BASE_ROW
+
+    base_dir = build_moe("qwen3_moe", tmp_path / "base", tiny_tokenizer)
+    adapters = {n: str(moe_adapter(base_dir, tmp_path / n, seed=s, linear=False)) for n, s in (("one", 1), ("two", 2))}
+    m = finetune.load_model(str(base_dir), adapters, dtype="bfloat16", device="cuda", force=True)
+    rows = ["two", BASE_ROW, "one", "two"]
+    ids = torch.arange(3, 3 + 8 * len(rows), device="cuda").reshape(len(rows), 8)
+    expected = {}
+    for name in (None, "one", "two"):
+        if name is not None:
+            m.merge(name)
+        with torch.no_grad():
+            expected[name] = m.model(input_ids=ids).logits
+        if name is not None:
+            m.subtract(name)
+    m.use("one")
+    with torch.no_grad():
+        assert torch.equal(m.model(input_ids=ids).logits, expected["one"])
+    m.attach("two")
+    with torch.no_grad():
+        logits = m.use_per_row()(input_ids=ids, adapter_names=rows).logits
+    assert logits.is_cuda
+    for row, name in enumerate(rows):
+        reference = expected[None if name == BASE_ROW else name][row]
+        assert_within_ulps(logits[row], reference, ROUNDED_ULPS, dtype=torch.bfloat16, what=f"row {row} ({name})")
+
+
+def test_auto_dtype_and_precision_train_in_bf16_on_the_gpu(workdir):
+    """`model.dtype: auto` and `train.precision: auto` resolve to bf16 on a bf16-capable GPU, and say so."""
+    log: list[str] = []
+    adapter_dir, _ = train("recipe.yaml", ["model.dtype=auto", "train.precision=auto", "train.max_steps=4",
+                                           "output.name=auto"], log=log.append)  # fmt: skip
+    recipe = yaml.safe_load((adapter_dir / "recipe.yaml").read_text())
+    assert recipe["model"]["dtype"] == "bfloat16" and recipe["train"]["precision"] == "bf16", recipe
+    _learned(adapter_dir)
