@@ -72,6 +72,16 @@ def test_compiled_layers_equal_eager_without_graph_breaks_or_recompiles(tiny_bas
             torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5 * theirs.abs().max().item())
     assert dict(counters["stats"]) == warm, "recompiled after warm-up"
     assert not counters["graph_break"], dict(counters["graph_break"])
+    # Forwards that record no gradients (evaluation, reference log-probabilities, sampling) run the eager layers:
+    # new shapes and another grad mode compile nothing (on an H100 they hit torch's recompile limit), same logits
+    for width in (17, 33, 1):
+        ids = torch.randint(5, 250, (2, width))
+        with torch.no_grad():
+            expected = eager(input_ids=ids).logits
+            assert torch.equal(compiled(input_ids=ids).logits, expected)
+        with torch.inference_mode():
+            assert torch.equal(compiled(input_ids=ids).logits, expected)
+    assert dict(counters["stats"]) == warm, "compiled a forward that records no gradients"
 
     # LoRA dropout and varlen attention (its compiled CPU path) inside the graph, over an epoch of bucketed rows:
     # still one graph per layer, and nothing compiles again once each width was seen twice

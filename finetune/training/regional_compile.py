@@ -12,6 +12,12 @@ of `finetune.training.document_mask`: no graph break, the first step compiling f
 With a bitsandbytes (4/8-bit) base the layers hold bitsandbytes' own matmuls, which dynamo does not trace
 whole: they are compiled without `fullgraph` (graph breaks around each quantized matmul), and the log says so.
 
+Only forwards that record gradients (the training step's) run compiled; forwards under `no_grad` or
+`inference_mode` (evaluation, reference log-probabilities, sampling) run the eager layer. Each of those is
+another grad mode and other shapes (every decoding step of GRPO's sampler is one), and torch's limit of 8
+compilations per code object is shared by all the layers: on an H100 (torch 2.11) a tiny Llama's base
+evaluation and first steps, and GRPO's first sampling, hit it, which under `fullgraph` is an error.
+
 Example:
     compile_layers(peft_model, quantized=False, say=print)   # in place; the model's forward is unchanged
 """
@@ -21,6 +27,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 from finetune.model import decoder_layers
 
 
@@ -29,6 +37,19 @@ def compile_layers(model: Any, *, quantized: bool, say: Callable[[str], None]) -
     layers = decoder_layers(model)
     for layer in layers:
         layer.compile(fullgraph=not quantized)
+        # nn.Module.compile sets `_compiled_call_impl`, which `Module.__call__` runs when it is set.
+        compiled = layer._compiled_call_impl
+        assert compiled is not None, "nn.Module.compile no longer sets _compiled_call_impl"
+        layer._compiled_call_impl = _compiled_while_recording_gradients(compiled, layer._call_impl)
     graphs = "graph breaks allowed around the quantized matmuls" if quantized else "fullgraph"
     say(f"compile: {len(layers)} decoder layers compiled one by one ({graphs}); the first steps of each shape compile")
     return len(layers)
+
+
+def _compiled_while_recording_gradients(compiled: Callable[..., Any], eager: Callable[..., Any]) -> Callable[..., Any]:
+    """A layer's call: `compiled` where autograd records (the training step), `eager` elsewhere."""
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        return (compiled if torch.is_grad_enabled() else eager)(*args, **kwargs)
+
+    return call
