@@ -316,9 +316,13 @@ class TrainConfig(_Section):
         Llama LoRA on an H100: 52k tokens/s compiled, 29k eager, 40 s of compiling); not on the CPU, where the
         first step compiles for minutes, nor on a bitsandbytes base, whose layers do not compile whole, nor
         with gradient checkpointing (inductor's partitioner failed on a checkpointed 8B Llama layer, torch
-        2.11 on an H100: "Node add_697 was invalid, but is output")."""
+        2.11 on an H100: "Node add_697 was invalid, but is output"), nor for GRPO, whose step is mostly
+        sampling (eager) and whose update forwards change shape every step (a bf16 GRPO run on an H100 hit
+        torch's recompile limit; `compile: true` still asks for it)."""
         if self.compile == "auto":
-            return device_type == "cuda" and not quantized and not self.gradient_checkpointing
+            return (
+                device_type == "cuda" and not quantized and not self.gradient_checkpointing and self.objective != "grpo"
+            )
         return bool(self.compile)
 
     epochs: float | None = Field(1.0, gt=0)

@@ -156,9 +156,8 @@ def varlen_attention_forward(
                                       **kwargs)  # fmt: skip
     batch, heads, length, dim = query.shape
     flat_q, flat_k, flat_v = (t.transpose(1, 2).reshape(batch * length, t.shape[1], dim) for t in (query, key, value))
-    longest = int(kwargs["max_length_q"])
     if query.device.type == "cuda" and varlen_kernel() is not None:
-        out = _flash_varlen(flat_q, flat_k, flat_v, boundaries, longest, scaling)
+        out = _flash_varlen(flat_q, flat_k, flat_v, boundaries, int(kwargs["max_length_q"]), scaling)
     elif torch.compiler.is_compiling():
         return _masked_sdpa(query, key, value, boundaries, scaling), None
     else:
