@@ -139,7 +139,7 @@ def child(corpus: str, tokenizer_dir: str, cache: str, num_proc: int) -> None:
     """Runs in the subprocess: load the tokenizer, then time `build_datasets` alone."""
     from transformers import AutoTokenizer
 
-    from finetune.data import build_datasets
+    from finetune.data.pipeline import build_datasets
     from finetune.recipe import DataConfig
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)

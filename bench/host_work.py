@@ -163,7 +163,7 @@ def run_trainer(workdir: Path, base: Path, steps: int, warmup: int) -> dict[str,
         TrainingArguments,
     )
 
-    from finetune.data import build_datasets
+    from finetune.data.pipeline import build_datasets
     from finetune.recipe import load_recipe
 
     recipe = load_recipe(workdir / "ours.yaml")

@@ -44,7 +44,8 @@ VARIANTS = {  # name: (label-only head, uniform dropout)
 
 def prepare(workdir: Path, micro_batch_size: int, micro_batches: int) -> tuple[dict, list[dict[str, torch.Tensor]]]:
     """The `python -m bench` training model and data, and the packed micro-batches finetune would train on."""
-    from finetune.data import build_datasets, collate_batch
+    from finetune.data.collate import collate_batch
+    from finetune.data.pipeline import build_datasets
     from finetune.data.sampler import MicroBatchStream
     from finetune.model import load_tokenizer
     from finetune.recipe import DataConfig

@@ -348,7 +348,8 @@ def run_ours(spec: dict[str, Any], arm: str) -> dict[str, Any]:
     import torch.utils.tensorboard  # noqa: F401
     import transformers.models.llama.modeling_llama  # noqa: F401
 
-    from finetune.data import build_datasets, collate_batch
+    from finetune.data.collate import collate_batch
+    from finetune.data.pipeline import build_datasets
     from finetune.data.sampler import MicroBatchStream
     from finetune.model import load_tokenizer
     from finetune.training.loop import train

@@ -25,7 +25,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 
 from finetune.adapters.experts import ExpertTensor, expert_tensors, peft_target_rewrite_off, routers, unwrapped
 from finetune.adapters.quantized import keep_float_kernels
-from finetune.embedded import resolve_base_id
+from finetune.embedded.cache import resolve_base_id
 from finetune.errors import ModelError
 from finetune.paths import local_model_dir
 from finetune.peft_import import bitsandbytes_hidden, import_peft

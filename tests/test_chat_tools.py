@@ -322,7 +322,7 @@ def test_gpt_oss_takes_a_tool_call_turn_with_both_text_and_reasoning_as_one_anal
 
 
 def test_the_data_cache_tells_reasoning_and_tools_field_apart(tmp_path):
-    from finetune.data import data_fingerprint
+    from finetune.data.cache import data_fingerprint
 
     tokenizer = family_tokenizer(FAMILIES[0])
     (tmp_path / "chat.jsonl").write_text(json.dumps(RECORD) + "\n")

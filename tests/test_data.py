@@ -19,9 +19,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import finetune.data.pipeline as pipeline
-from finetune.data import build_datasets, collate_batch, data_fingerprint
+from finetune.data.cache import data_fingerprint
+from finetune.data.collate import collate_batch
 from finetune.data.labels import IGNORE_INDEX
 from finetune.data.packing import pack_document_lengths
+from finetune.data.pipeline import build_datasets
 from finetune.embedded.tokenizer import CHAT_TEMPLATE, train_tokenizer
 from finetune.errors import DataError
 from finetune.recipe import DataConfig

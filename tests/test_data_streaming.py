@@ -17,9 +17,9 @@ import pytest
 
 import finetune.data.pipeline as pipeline
 import finetune.data.sources as sources
-from finetune.data import build_datasets
 from finetune.data.formats import encode_records
 from finetune.data.overlength import fit_to_length
+from finetune.data.pipeline import build_datasets
 from finetune.data.rowfiles import RowCounter
 from finetune.errors import DataError
 from finetune.recipe import DataConfig

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -45,6 +46,8 @@ def test_two_gloo_ranks_match_one_process(workdir):
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "2 process(es)" in result.stderr
+    distributed = json.loads(Path("adapters/ranks/manifest.json").read_text())["distributed"]
+    assert distributed == {"strategy": "ddp", "world_size": 2, "max_rank_param_share": 1.0}
 
     expected = load_file(single / "adapter_model.safetensors")
     actual = load_file(Path("adapters/ranks/adapter_model.safetensors"))

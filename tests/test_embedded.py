@@ -21,7 +21,7 @@ from helpers import TEST_SHAPE
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from finetune.embedded import build, embedded_base_dir, ensure_embedded_base, resolve_base_id, shipped
+from finetune.embedded import build, shipped
 from finetune.embedded.build import (
     BUILD_FORMAT_VERSION,
     EMBEDDED_BASES,
@@ -30,6 +30,7 @@ from finetune.embedded.build import (
     BuildSettings,
     settings_record,
 )
+from finetune.embedded.cache import embedded_base_dir, ensure_embedded_base, resolve_base_id
 from finetune.embedded.pretrain import PretrainSettings
 from finetune.embedded.quickstart_data import bulletin_fields, generate_records, write_dataset
 from finetune.embedded.shipped import file_sha256, shipped_base_dir

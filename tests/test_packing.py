@@ -18,8 +18,9 @@ from helpers import REORDERED_ULPS, assert_within_ulps
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 
-from finetune.data import build_datasets, collate_batch
+from finetune.data.collate import collate_batch
 from finetune.data.labels import IGNORE_INDEX
+from finetune.data.pipeline import build_datasets
 from finetune.recipe import DataConfig
 from finetune.scoring import token_loss_sum
 

@@ -344,7 +344,7 @@ def test_dpo_resumes_after_sigkill_bit_for_bit_and_plain_peft_reads_its_rewards(
     assert expected.keys() == actual.keys() and all(torch.equal(expected[k], actual[k]) for k in expected)
 
     # The manifest's held-out rewards, recomputed with nothing but peft and torch (the reference: the base).
-    from finetune.data import build_datasets
+    from finetune.data.pipeline import build_datasets
     from finetune.recipe import load_recipe
 
     recipe = load_recipe("pref.yaml")

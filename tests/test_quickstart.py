@@ -6,6 +6,8 @@ greedy bulletins at least as faithful as the quickstart adapter's."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import re
@@ -62,7 +64,7 @@ def test_quickstart_cuts_held_out_perplexity_by_30_percent(quickstart):
     assert f"adapter: {adapter}" in result.stdout
 
 
-def fields_right(adapter: Path, capsys) -> dict[str, int]:
+def fields_right(adapter: Path) -> dict[str, int]:
     """How many of the first held-out bulletins `finetune generate` (greedy) writes with the input's town, sky
     phrase, wind and high/low figures."""
     template = DataConfig.model_fields["prompt_with_input_template"].default
@@ -71,24 +73,30 @@ def fields_right(adapter: Path, capsys) -> dict[str, int]:
     right = dict.fromkeys(("city", "sky", "wind", "figures"), 0)
     for record in records:
         prompt = template.format(prompt=record["instruction"], input=record["input"])
-        assert main(["generate", "--adapter", str(adapter), "--max-new-tokens", "160", prompt]) == 0
-        generated, expected = bulletin_fields(capsys.readouterr().out), bulletin_fields(record["output"])
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):
+            assert main(["generate", "--adapter", str(adapter), "--max-new-tokens", "160", prompt]) == 0
+        generated, expected = bulletin_fields(printed.getvalue()), bulletin_fields(record["output"])
         for name in right:
             right[name] += generated[name] == expected[name]
     return right
 
 
+@pytest.fixture(scope="module")
+def quickstart_fields(quickstart) -> dict[str, int]:
+    """The quickstart adapter's `fields_right`, generated once for the tests that read it."""
+    return fields_right(quickstart[1])
+
+
 @pytest.mark.slow
-def test_quickstart_adapter_follows_the_input_of_held_out_bulletins(quickstart, capsys):
+def test_quickstart_adapter_follows_the_input_of_held_out_bulletins(quickstart_fields):
     """`finetune generate` (greedy) on held-out bulletins gets the town, sky phrase, wind and high/low figures
     right in at least 4 of 5: the adapter reads its input, it does not just write the house style."""
-    _, adapter = quickstart
-    right = fields_right(adapter, capsys)
-    assert min(right.values()) >= 4, right
+    assert min(quickstart_fields.values()) >= 4, quickstart_fields
 
 
 @pytest.mark.slow
-def test_quickstart_dpo_prefers_the_faithful_bulletin_and_writes_as_faithfully(quickstart, tmp_path, capsys):
+def test_quickstart_dpo_prefers_the_faithful_bulletin_and_writes_as_faithfully(quickstart, quickstart_fields, tmp_path):
     """`recipes/quickstart-dpo.yaml` on the quickstart's adapter, as the README runs it: the held-out chosen
     bulletin gets the higher implicit reward in at least 95% of pairs, its likelihood does not fall, and
     the greedy bulletins are right at least as often as the quickstart adapter's, field by field."""
@@ -102,5 +110,5 @@ def test_quickstart_dpo_prefers_the_faithful_bulletin_and_writes_as_faithfully(q
     metrics = json.loads((tmp_path / "adapter" / "manifest.json").read_text())["metrics"]
     assert metrics["eval_reward_accuracy"] >= 0.95, metrics
     assert metrics["eval_ppl"] <= 1.05 * metrics["base_eval_ppl"], metrics  # the chosen bulletins stay likely
-    sft, dpo = fields_right(sft_adapter, capsys), fields_right(tmp_path / "adapter", capsys)
+    sft, dpo = quickstart_fields, fields_right(tmp_path / "adapter")
     assert all(dpo[name] >= sft[name] for name in sft), (dpo, sft)

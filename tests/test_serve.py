@@ -43,8 +43,8 @@ MAX_PENDING = 16
 
 @pytest.fixture(scope="module")
 def serve_base(tmp_path_factory, tiny_tokenizer) -> Path:
-    from finetune.embedded import embedded_base_dir
     from finetune.embedded.build import EMBEDDED_BASES
+    from finetune.embedded.cache import embedded_base_dir
     from finetune.embedded.shipped import RECORD_FILE
     from finetune.embedded.tiny import build_tiny_llama
 

@@ -94,7 +94,8 @@ def test_train_writes_a_complete_adapter_that_plain_peft_loads(workdir):
     model = PeftModel.from_pretrained(base, adapter_dir).eval()
     from transformers import AutoTokenizer
 
-    from finetune.data import build_datasets, collate_batch
+    from finetune.data.collate import collate_batch
+    from finetune.data.pipeline import build_datasets
     from finetune.recipe import load_recipe
     from finetune.scoring import token_loss_sum
 

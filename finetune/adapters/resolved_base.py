@@ -27,7 +27,7 @@ import torch
 
 from finetune.adapters.ledger import Ledger, read_ledger
 from finetune.device import resolve_device
-from finetune.embedded import resolve_base_id
+from finetune.embedded.cache import resolve_base_id
 from finetune.errors import AdapterError, ModelError
 from finetune.fingerprint import fingerprint_model_dir, weight_files
 from finetune.paths import local_model_dir

@@ -64,7 +64,8 @@ def _load(args: argparse.Namespace):
 
 
 def run_eval(args: argparse.Namespace) -> int:
-    from finetune.data import build_datasets, collate_batch
+    from finetune.data.collate import collate_batch
+    from finetune.data.pipeline import build_datasets
     from finetune.recipe import DataConfig
     from finetune.scoring import perplexity as score
 

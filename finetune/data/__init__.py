@@ -6,15 +6,13 @@ labels), `overlength` (a record longer than max_seq_len → pieces, or cut, or a
 order; one document per row), `collate` (a micro-batch of documents → tensors, packed or padded),
 `sampler` (which documents form which micro-batch on which process, resumable).
 
+Nothing is imported here: `python -m finetune.data.quickstart_pairs` needs none of the pipeline.
+
 Example:
+    from finetune.data.collate import collate_batch
+    from finetune.data.pipeline import build_datasets
     bundle = build_datasets(recipe.data, tokenizer, seed=recipe.train.seed, log=print)
     batch = collate_batch([bundle.train[0], bundle.train[1]], pad_token_id=tokenizer.pad_token_id,
                           packing=recipe.data.packing, max_seq_len=recipe.data.max_seq_len)
     logits = model(**{k: v for k, v in batch.items() if k != "labels"}, use_cache=False).logits
 """
-
-from finetune.data.cache import data_fingerprint
-from finetune.data.collate import collate_batch
-from finetune.data.pipeline import DataBundle, build_datasets
-
-__all__ = ["DataBundle", "build_datasets", "collate_batch", "data_fingerprint"]

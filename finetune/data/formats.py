@@ -28,15 +28,16 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal, overload
-
-from transformers import PreTrainedTokenizerBase
+from typing import TYPE_CHECKING, Any, Literal, overload
 
 from finetune.data.chat import ChatRecord, normalize_messages, normalize_record, normalize_tools
 from finetune.data.chat_turns import apply_template, render_chat, render_chat_prompt, render_every_turn
 from finetune.data.labels import IGNORE_INDEX
 from finetune.errors import DataError
 from finetune.recipe import DataConfig
+
+if TYPE_CHECKING:  # the quickstart pairs' generator renders prompts without loading transformers (3 s)
+    from transformers import PreTrainedTokenizerBase
 
 _PLACEHOLDER = re.compile(r"\{(prompt|input)\}")
 

@@ -5,11 +5,10 @@ One job per module: `cache` (where a base lives: shipped, or built once under a 
 `tokenizer`, `tiny` (the model config, the wired previous-token head), `pretrain` (the pretraining loop),
 `quickstart_data` (the generated domain data).
 
+Nothing is imported here: the quickstart's data generator (`python -m finetune.embedded.quickstart_data`)
+needs none of the build stack, which `cache` pulls in (torch, transformers: 10 s of start-up).
+
 Example:
-    from finetune.embedded import resolve_base_id
+    from finetune.embedded.cache import resolve_base_id
     resolve_base_id("embedded:tiny-llama")   # the shipped model directory (finetune/embedded/base/tiny-llama)
 """
-
-from finetune.embedded.cache import EMBEDDED_PREFIX, embedded_base_dir, ensure_embedded_base, resolve_base_id
-
-__all__ = ["EMBEDDED_PREFIX", "embedded_base_dir", "ensure_embedded_base", "resolve_base_id"]

@@ -31,9 +31,9 @@ from accelerate.utils import DistributedType, InitProcessGroupKwargs, gather_obj
 from finetune.adapters.lora import PEFT_PREFIX
 from finetune.adapters.resolved_base import ResolvedBase, resolve_base
 from finetune.cpu_features import bf16_cpu_note
-from finetune.data import build_datasets
 from finetune.data.collate import ROW_BUCKET, describe_layout
 from finetune.data.packing import sequence_lengths
+from finetune.data.pipeline import build_datasets
 from finetune.data.sampler import MicroBatchStream
 from finetune.errors import CheckpointError, RecipeError
 from finetune.model import (
