@@ -3,7 +3,7 @@ train the single-process adapter, and resume.
 
 The strategies are launched as users launch them (`finetune train ... --nproc 2`), on the same data,
 batches and seed, without dropout: they differ only in how gradients are reduced, so the adapters agree
-to float rounding. A killed rank must end the launch, whatever the strategy.
+to float rounding. A killed rank must end the launch.
 """
 
 from __future__ import annotations
@@ -194,10 +194,11 @@ def _rank_pid(token: str, rank: int, deadline: float) -> int:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_a_killed_rank_ends_the_launch(workdir, strategy):  # the tiny base: what is tested is the launch
-    token = f"{os.getpid()}-{strategy}"
-    args = (f"distributed.strategy={strategy}", "train.max_steps=60", "train.log_every_steps=1", "output.name=killed")
+def test_a_killed_rank_ends_the_launch(workdir):  # the tiny base: what is tested is the launch
+    # DDP: torch's elastic agent ends every launch the same way, whatever the strategy (FSDP passed this too,
+    # when both were run; one launch is kept for the suite's time)
+    token = f"{os.getpid()}-ddp"
+    args = ("train.max_steps=60", "train.log_every_steps=1", "output.name=killed")
     process = _launch(*args, env={SLOW_STEP_ENV: "1", "TEST_LAUNCH": token})
     try:
         deadline = time.monotonic() + 300
