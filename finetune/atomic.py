@@ -5,7 +5,8 @@ never take a half-written one for a whole one, whatever kills the writer (an exc
 disk). Everything is written into a hidden `.<name>.partial-<pid>` sibling (same filesystem, so the
 final `rename` is atomic), its files are flushed to disk, and only then is it renamed to the target. A
 failure deletes the staging directory; a SIGKILL leaves only a hidden `.partial-*` sibling, which the
-next writer of the same target removes.
+next writer of the same target removes. Deleting goes the other way (`remove_directory`): renamed to a
+hidden `.<name>.old-<pid>` sibling first, so a kill mid-delete never leaves a half-deleted directory in view.
 
 Single files (a GGUF export, a report page) go the same way through `atomic_file`.
 
@@ -30,6 +31,7 @@ from pathlib import Path
 from finetune.errors import FinetuneError, OutputError
 
 STAGING_MARK = ".partial-"
+SET_ASIDE_MARK = ".old-"
 _RUST_OS_ERROR = re.compile(r"\(os error (\d+)\)")
 _USER_FIXABLE_ERRNOS = {
     errno.ENOSPC: "free disk space (nothing was left behind) and run again",
@@ -47,9 +49,22 @@ def staging_path(final: Path) -> Path:
 
 
 def remove_stale_staging(final: Path) -> None:
-    """Delete staging siblings of `final` left by writers that were killed."""
-    for stale in final.parent.glob(f".{final.name}{STAGING_MARK}*"):
-        shutil.rmtree(stale, ignore_errors=True)
+    """Delete hidden siblings of `final` (staging or set aside) left by writers that were killed."""
+    for mark in (STAGING_MARK, SET_ASIDE_MARK):
+        for stale in final.parent.glob(f".{final.name}{mark}*"):
+            shutil.rmtree(stale, ignore_errors=True)
+
+
+def remove_directory(path: Path) -> None:
+    """Delete `path` so that no reader sees part of it: one rename out of view, then the deletion."""
+    shutil.rmtree(_set_aside(path), ignore_errors=True)
+
+
+def _set_aside(final: Path) -> Path:
+    """Rename `final` to a hidden sibling (atomic: from here a reader finds no `final`, never a partial one)."""
+    old = final.parent / f".{final.name}{SET_ASIDE_MARK}{os.getpid()}"
+    os.rename(final, old)
+    return old
 
 
 def _flush_to_disk(directory: Path) -> None:
@@ -118,8 +133,7 @@ def _publish(staging: Path, final: Path, *, replace: bool, error: type[FinetuneE
         return
     if not replace:
         raise error(f"{final} appeared while it was being written; {hint}")
-    old = final.parent / f".{final.name}.old-{os.getpid()}"
-    os.rename(final, old)  # from here until the next rename, a reader finds no `final`: never a partial one
+    old = _set_aside(final)
     os.rename(staging, final)
     shutil.rmtree(old, ignore_errors=True)
 

@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file
 
 from finetune.tensorfile import safetensors_problem
-from finetune.training.checkpoint import list_checkpoints
+from finetune.training.checkpoint import list_checkpoints, save_checkpoint
 from finetune.training.loop import SLOW_STEP_ENV, train
 
 REPO = Path(__file__).resolve().parents[1]
@@ -150,3 +150,34 @@ def test_sigkill_at_random_moments_then_resume_gives_the_uninterrupted_adapter(w
     reference, _ = train("recipe.yaml", [*args[:1], "output.name=reference"], log=lambda message: None)
     assert_same_tensors(adapter_tensors(reference), adapter_tensors(workdir / "adapters" / "killed"))
     assert list_checkpoints(workdir / "runs" / "killed")[-1].name == "checkpoint-000100"
+
+
+def test_a_kill_while_an_old_checkpoint_is_deleted_leaves_none_half_deleted_in_view(tmp_path, monkeypatch):
+    """Pruning renames a checkpoint out of view before deleting it: a kill mid-delete (found by the random
+    SIGKILLs above: a visible checkpoint without its weights) leaves only a hidden sibling, which the next
+    checkpoint write removes. The kill is a deletion that stops after its first file."""
+    import shutil
+
+    scheduler = torch.optim.lr_scheduler.LambdaLR(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))]), lambda s: 1)
+
+    def save(step: int) -> None:
+        trainable = {"w": torch.full((2,), float(step))}
+        save_checkpoint(tmp_path, step=step, trainable=trainable, optimizer_state={"state": {}, "param_groups": []},
+                        scheduler=scheduler, state={}, keep=1)  # fmt: skip
+
+    class Killed(BaseException):
+        pass
+
+    def killed_midway(path, ignore_errors=False):
+        next(p for p in Path(path).iterdir() if p.is_file()).unlink()
+        raise Killed
+
+    save(1)
+    with monkeypatch.context() as patched:
+        patched.setattr(shutil, "rmtree", killed_midway)
+        with pytest.raises(Killed):
+            save(2)  # writes checkpoint 2, then dies deleting checkpoint 1
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["checkpoint-000002"]
+    assert len(list(tmp_path.glob(".checkpoint-000001.old-*"))) == 1  # out of view, not yet deleted
+    save(3)
+    assert [p.name for p in tmp_path.iterdir()] == ["checkpoint-000003"]

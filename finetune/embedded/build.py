@@ -25,6 +25,7 @@ import torch
 import transformers
 from transformers.utils import logging as hf_logging
 
+from finetune.atomic import remove_directory
 from finetune.embedded.corpus import stdlib_corpus
 from finetune.embedded.pretrain import PretrainResult, PretrainSettings, pretrain, token_rows
 from finetune.embedded.shipped import (
@@ -233,7 +234,7 @@ def _build_beside(target: Path, settings: BuildSettings, progress: Callable[[str
     try:
         record = build_embedded_base(work_dir, settings, progress)
         if target.exists():
-            shutil.rmtree(target)
+            remove_directory(target)  # out of view first: never a half-deleted base in view
         os.rename(work_dir, target)
     except BaseException:
         shutil.rmtree(work_dir, ignore_errors=True)

@@ -32,6 +32,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from finetune.atomic import remove_directory
 from finetune.embedded.build import (
     BUILD_FORMAT_VERSION,
     EMBEDDED_BASES,
@@ -133,7 +134,7 @@ def _build_into(final_dir: Path, name: str, settings: BuildSettings, report: Cal
     for stale in final_dir.parent.glob(f".{final_dir.name}.tmp-*"):
         shutil.rmtree(stale, ignore_errors=True)
     if final_dir.exists():  # neither complete nor ours to trust
-        shutil.rmtree(final_dir)
+        remove_directory(final_dir)
     report(f"building embedded base {EMBEDDED_PREFIX}{name} into {final_dir} (first use only)")
     start_seconds = time.perf_counter()
     work_dir = Path(tempfile.mkdtemp(prefix=f".{final_dir.name}.tmp-", dir=final_dir.parent))

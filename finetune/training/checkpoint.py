@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from finetune.atomic import atomic_directory
+from finetune.atomic import SET_ASIDE_MARK, atomic_directory, remove_directory
 from finetune.errors import CheckpointError
 from finetune.tensorfile import check_safetensors
 
@@ -117,7 +117,10 @@ def save_checkpoint(
         document = {**state, "step": step, "optimizer": optimizer_structure, "scheduler": scheduler.state_dict()}
         (tmp / STATE_FILE).write_text(json.dumps(document))
     for old in list_checkpoints(run_dir)[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
+        # out of view first: a SIGKILL in the middle of deleting left a checkpoint without its weights in view
+        remove_directory(old)
+    for stale in run_dir.glob(f".{PREFIX}*{SET_ASIDE_MARK}*"):  # what such a kill left, hidden
+        shutil.rmtree(stale, ignore_errors=True)
     return final
 
 
