@@ -86,6 +86,13 @@ output:
     return tmp_path
 
 
+def pytest_xdist_auto_num_workers(config):
+    """`-n auto` starts one worker more than the cores: many tests wait on a subprocess that sleeps between steps,
+    on a launcher, on a signal or on a server, and the extra worker fills those waits. On 2 Intel Xeon cores the
+    suite took 9 min 25 s with 3 workers against 10 min 46 s with 2 (a heavier run: one launch more)."""
+    return len(os.sched_getaffinity(0)) + 1 if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1) + 1
+
+
 def pytest_collection_modifyitems(config, items):
     """`gpu`-marked tests skip where no CUDA device is visible, saying so (they run on GPU machines)."""
     import torch
