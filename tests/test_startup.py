@@ -71,3 +71,12 @@ def test_inference_commands_load_no_training(tmp_path, tiny_base_dir, adapter_di
     assert "finetune.scoring" in loaded["eval"] and "peft" in loaded["generate"]  # they ran what they say
     assert (tmp_path / "merged").is_dir()
     assert {name: training_modules(modules) for name, modules in loaded.items()} == {name: [] for name in commands}
+
+
+def test_training_an_unquantized_base_loads_no_bitsandbytes_or_deepspeed(workdir):
+    """bitsandbytes (which imports torch's inductor) only for a 4-/8-bit base or an 8-bit optimizer, deepspeed only
+    for its strategy: seconds of every training process's start (transformers' scheduler module imported peft,
+    and with it bitsandbytes, before finetune could hide it)."""
+    modules = loaded_modules(workdir, "train", "recipe.yaml", "train.max_steps=1", "output.name=one")
+    assert "finetune.training.loop" in modules and (workdir / "adapters" / "one").is_dir()  # it trained
+    assert sorted(m for m in modules if m.split(".")[0] in ("bitsandbytes", "deepspeed")) == []
