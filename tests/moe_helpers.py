@@ -63,3 +63,17 @@ def moe_adapter(
                 module.lora_B["default"].weight.zero_()  # a linear layer's LoRA, not a ParamWrapper's
     peft_model.save_pretrained(out)
     return out
+
+
+def merged_logits(m, names: list[str | None], ids: torch.Tensor) -> dict[str | None, torch.Tensor]:
+    """name -> the logits of `m` (a `finetune.LoadedModel`) with that adapter merged (None: the base), one
+    forward each; `m` is left as it was."""
+    out = {}
+    for name in names:
+        if name is not None:
+            m.merge(name)
+        with torch.no_grad():
+            out[name] = m.model(input_ids=ids).logits
+        if name is not None:
+            m.subtract(name)
+    return out

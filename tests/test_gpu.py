@@ -127,7 +127,7 @@ def test_more_processes_than_gpus_is_refused_before_any_launch(workdir, capsys):
 def test_grpo_samples_and_trains_on_the_gpu(tmp_path, tiny_base_dir, tiny_tokenizer, monkeypatch):
     """GRPO's sampler on CUDA (in-place KV cache, shared prefill, lean LoRA layers): greedy rows equal a full
     forward per token on each prompt alone; then a bf16 GRPO run samples, scores and updates there."""
-    from test_grpo import _write_grpo_run
+    from grpo_helpers import write_grpo_run
     from transformers import AutoModelForCausalLM
 
     from finetune.generation.sample import SampleSettings, sample_completions
@@ -143,7 +143,7 @@ def test_grpo_samples_and_trains_on_the_gpu(tmp_path, tiny_base_dir, tiny_tokeni
         assert tokens == ids[0, len(prompt) :].tolist()
 
     monkeypatch.chdir(tmp_path)
-    recipe = _write_grpo_run(tmp_path, tiny_base_dir, "lengths.py:short")
+    recipe = write_grpo_run(tmp_path, tiny_base_dir, "lengths.py:short")
     adapter_dir, _ = train(recipe, ["model.dtype=bfloat16", "train.precision=bf16", "train.report_to=[]"],
                            log=lambda m: None)  # fmt: skip
     lines = [json.loads(line) for line in (tmp_path / "runs" / "grpo-run" / "metrics.jsonl").read_text().splitlines()]
@@ -156,7 +156,7 @@ def test_moe_rows_on_the_gpu_compute_with_their_adapter_merged(tmp_path, tiny_to
     """Per-request MoE adapters (`finetune serve`) on CUDA in bf16: the whole batch with one adapter in use is
     the merged model bit for bit; each row of a mixed batch is within a few ulps of its merged model."""
     from helpers import ROUNDED_ULPS, assert_within_ulps
-    from moe_helpers import build_moe, moe_adapter
+    from moe_helpers import build_moe, merged_logits, moe_adapter
 
     from finetune.serve.settings import BASE_ROW
 
@@ -165,14 +165,7 @@ def test_moe_rows_on_the_gpu_compute_with_their_adapter_merged(tmp_path, tiny_to
     m = finetune.load_model(str(base_dir), adapters, dtype="bfloat16", device="cuda", force=True)
     rows = ["two", BASE_ROW, "one", "two"]
     ids = torch.arange(3, 3 + 8 * len(rows), device="cuda").reshape(len(rows), 8)
-    expected = {}
-    for name in (None, "one", "two"):
-        if name is not None:
-            m.merge(name)
-        with torch.no_grad():
-            expected[name] = m.model(input_ids=ids).logits
-        if name is not None:
-            m.subtract(name)
+    expected = merged_logits(m, [None, "one", "two"], ids)
     m.use("one")
     with torch.no_grad():
         assert torch.equal(m.model(input_ids=ids).logits, expected["one"])

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from grpo_helpers import write_grpo_run, write_rewards
 from helpers import REPO, greedy_ids
 
 from finetune.errors import RecipeError
@@ -54,19 +55,6 @@ def test_recipe_defaults_are_trls(tmp_path, tiny_base_dir):
     assert (train.num_generations, train.num_iterations, train.scale_rewards) == (8, 1, "none")
 
 
-def _write_rewards(tmp_path: Path) -> Path:
-    path = tmp_path / "rewards.py"
-    path.write_text(
-        "def good(prompts, completions, answer, **kwargs):\n"
-        "    return [float(c == a) for c, a in zip(completions, answer)]\n"
-        "def raises(prompts, completions, **kwargs):\n    raise ValueError('no answer column')\n"
-        "def short(prompts, completions, **kwargs):\n    return [1.0]\n"
-        "def words(prompts, completions, **kwargs):\n    return ['high' for _ in completions]\n"
-        "def maybe(prompts, completions, **kwargs):\n    return [None for _ in completions]\n"
-    )
-    return path
-
-
 def _score(entries: list[str]) -> torch.Tensor:
     functions = load_reward_functions(entries)
     completions = ["4", "5"]
@@ -77,7 +65,7 @@ def _score(entries: list[str]) -> torch.Tensor:
 
 def test_reward_functions_called_as_trl_calls_them(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    _write_rewards(tmp_path)
+    write_rewards(tmp_path)
     scores = _score(["rewards.py:good", "exact_match(column=answer)", "regex(pattern='^4$')", "length(target=2)",
                      "rewards.py:maybe"])  # fmt: skip
     expected = torch.tensor([[1.0, 1.0, 1.0, -0.5, float("nan")], [0.0, 0.0, 0.0, -0.5, float("nan")]])
@@ -98,7 +86,7 @@ def test_reward_functions_called_as_trl_calls_them(tmp_path, monkeypatch):
 )
 def test_reward_function_errors_name_it(tmp_path, monkeypatch, entry, message):
     monkeypatch.chdir(tmp_path)
-    _write_rewards(tmp_path)
+    write_rewards(tmp_path)
     with pytest.raises(RewardError, match=message):
         _score([entry])
 
@@ -191,45 +179,6 @@ def test_loss_averages_as_trl_defines_them(loss_type, beta, iterations):
     assert ours == pytest.approx(expected, rel=1e-6)
 
 
-def _write_grpo_run(tmp_path: Path, base_dir: Path, reward: str) -> Path:
-    prompts = [{"prompt": f"def f{i}(a, b):", "answer": str(i)} for i in range(8)]
-    (tmp_path / "prompts.jsonl").write_text("".join(json.dumps(p) + "\n" for p in prompts))
-    _write_rewards(tmp_path)
-    (tmp_path / "lengths.py").write_text(
-        "def short(prompts, completions, answer, **kwargs):\n"
-        "    assert len(answer) == len(completions)\n"
-        "    return [-len(c) / 40 for c in completions]\n"
-    )
-    recipe = tmp_path / "grpo.yaml"
-    recipe.write_text(
-        f"""
-model:
-  base: {base_dir}
-lora:
-  r: 4
-  alpha: 8
-data:
-  train: prompts.jsonl
-  validation: prompts.jsonl
-  format: prompt
-  max_seq_len: 64
-train:
-  objective: grpo
-  reward_functions: [{reward}]
-  num_generations: 4
-  max_completion_length: 12
-  max_steps: 3
-  micro_batch_size: 2
-  lr: 0.01
-  log_every_steps: 1
-  eval_max_batches: 1
-output:
-  name: grpo-run
-"""
-    )
-    return recipe
-
-
 def _cli(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
     env = {"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
     import os
@@ -241,7 +190,7 @@ def _cli(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
 
 @pytest.mark.slow
 def test_a_run_through_the_cli_reports_rewards_and_a_failing_reward_stops_it(tmp_path, tiny_base_dir):
-    recipe = _write_grpo_run(tmp_path, tiny_base_dir, "lengths.py:short")
+    recipe = write_grpo_run(tmp_path, tiny_base_dir, "lengths.py:short")
     done = _cli(tmp_path, "train", str(recipe))
     assert done.returncode == 0, done.stderr[-2000:]
     lines = [json.loads(line) for line in (tmp_path / "runs" / "grpo-run" / "metrics.jsonl").read_text().splitlines()]
@@ -251,7 +200,7 @@ def test_a_run_through_the_cli_reports_rewards_and_a_failing_reward_stops_it(tmp
     assert all(0 < line["generate_s"] + line["reward_s"] < line["step_s"] for line in steps)  # seconds of the step
     assert (tmp_path / "adapters" / "grpo-run" / "adapter_model.safetensors").exists()
 
-    failing = _write_grpo_run(tmp_path, tiny_base_dir, "rewards.py:raises")
+    failing = write_grpo_run(tmp_path, tiny_base_dir, "rewards.py:raises")
     (tmp_path / "grpo-fail.yaml").write_text(failing.read_text().replace("name: grpo-run", "name: grpo-fail"))
     broken = _cli(tmp_path, "train", "grpo-fail.yaml")
     assert broken.returncode == 2, broken.stderr[-2000:]
@@ -373,7 +322,7 @@ def test_resume_from_a_checkpoint_gives_the_same_adapter_bit_for_bit(tmp_path, t
     from finetune.training.loop import train
 
     monkeypatch.chdir(tmp_path)
-    recipe = _write_grpo_run(tmp_path, tiny_base_dir, "lengths.py:short")
+    recipe = write_grpo_run(tmp_path, tiny_base_dir, "lengths.py:short")
     settings = ["train.max_steps=4", "train.save_every_steps=1", "train.keep_checkpoints=4", "train.report_to=[]"]
     whole, _ = train(recipe, [*settings, "output.name=whole"], log=lambda line: None)
     expected = load_file(whole / "adapter_model.safetensors")

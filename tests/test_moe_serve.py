@@ -17,7 +17,7 @@ import httpx
 import pytest
 import torch
 from helpers import REORDERED_ULPS, ROUNDED_ULPS, assert_within_ulps
-from moe_helpers import FAMILIES, build_moe, moe_adapter
+from moe_helpers import FAMILIES, build_moe, merged_logits, moe_adapter
 
 import finetune
 from finetune.adapters.experts import expert_tensors, routers
@@ -36,21 +36,6 @@ def load(base_dir: Path, adapters: dict[str, Path], dtype: str = "float32") -> f
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the seeded adapters have no manifest: nothing to check the base with
         return finetune.load_model(str(base_dir), {n: str(p) for n, p in adapters.items()}, dtype=dtype)
-
-
-def merged_logits(
-    m: finetune.LoadedModel, names: list[str | None], ids: torch.Tensor
-) -> dict[str | None, torch.Tensor]:
-    """name -> the logits of the model with that adapter merged (None: the base), one forward each."""
-    out = {}
-    for name in names:
-        if name is not None:
-            m.merge(name)
-        with torch.no_grad():
-            out[name] = m.model(input_ids=ids).logits
-        if name is not None:
-            m.subtract(name)
-    return out
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
