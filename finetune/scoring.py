@@ -102,21 +102,26 @@ def forward_loss_terms(
     return loss_sum, num_label_tokens, aux.float() * num_label_tokens
 
 
-def router_aux_coef(model: torch.nn.Module) -> float:
-    """The model config's weight of the load-balancing loss (`router_aux_loss_coef`, 0 when it names none)."""
+def transformers_model(model: torch.nn.Module) -> PreTrainedModel | None:
+    """The first transformers model inside `model` (itself, or what a wrapper holds: peft, DDP, FSDP,
+    DeepSpeed); None when there is none."""
     for module in model.modules():
         if isinstance(module, PreTrainedModel):
-            return float(getattr(module.config, "router_aux_loss_coef", 0.0) or 0.0)
-    return 0.0
+            return module
+    return None
+
+
+def router_aux_coef(model: torch.nn.Module) -> float:
+    """The model config's weight of the load-balancing loss (`router_aux_loss_coef`, 0 when it names none)."""
+    inner = transformers_model(model)
+    return 0.0 if inner is None else float(getattr(inner.config, "router_aux_loss_coef", 0.0) or 0.0)
 
 
 def output_head(model: torch.nn.Module) -> torch.nn.Module | None:
     """The output layer (hidden states -> logits) of the causal LM inside `model`, under any wrapper
     (peft, DDP, FSDP, DeepSpeed); None when there is no transformers model inside."""
-    for module in model.modules():
-        if isinstance(module, PreTrainedModel):
-            return module.get_output_embeddings()
-    return None
+    inner = transformers_model(model)
+    return None if inner is None else inner.get_output_embeddings()
 
 
 @torch.no_grad()

@@ -121,7 +121,7 @@ def _padded_rows(
     """(R, T) tensors, T the longest row rounded up to a multiple of `bucket`. A shorter row's tail is
     padding: with `with_mask`, masked out by `attention_mask`; without, laid out as a document of its own
     (positions 0.., labels -100)."""
-    max_len = -(-max(len(row["input_ids"]) for row in rows) // bucket) * bucket
+    max_len = bucketed_width(max(len(row["input_ids"]) for row in rows), bucket)
     batch = {
         "input_ids": torch.full((len(rows), max_len), pad_token_id, dtype=torch.long),  # (R, T)
         "labels": torch.full((len(rows), max_len), IGNORE_INDEX, dtype=torch.long),
@@ -149,6 +149,11 @@ def _padded_rows(
     return batch
 
 
+def bucketed_width(tokens: int, bucket: int) -> int:
+    """A row of `tokens` widened to the next multiple of `bucket` (1: unchanged)."""
+    return -(-tokens // bucket) * bucket
+
+
 def _segment_lengths(positions: Sequence[int], row_len: int) -> list[int]:
     """The lengths of a row's documents (each starts where its position is 0), then its padding tail's."""
     starts = [index for index, position in enumerate(positions) if position == 0]
@@ -173,10 +178,6 @@ def describe_layout(
         unit: what a row is, for the line (`documents`, `pairs`, `examples`).
         bucket: rows are widened to a multiple of this (`bucketed_rows`); the padding counted includes it.
     """
-
-    def width(tokens: int) -> int:
-        return -(-tokens // bucket) * bucket
-
     num_rows = padded = packed = real = sequences = 0
     count = min(stream.micro_batches_per_epoch, sample)
     for position in range(count):
@@ -185,8 +186,8 @@ def describe_layout(
         num_rows += len(groups)
         sequences += len(batch)
         real += sum(batch)
-        padded += len(batch) * width(max(batch))
-        packed += len(groups) * width(max(sum(batch[i] for i in group) for group in groups))
+        padded += len(batch) * bucketed_width(max(batch), bucket)
+        packed += len(groups) * bucketed_width(max(sum(batch[i] for i in group) for group in groups), bucket)
     padding_packed, padding_padded = 1 - real / packed, 1 - real / padded
     per_batch = f"{stream.micro_batch_size} {unit} per micro-batch"
     if len(lengths[0]) > 1:

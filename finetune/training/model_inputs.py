@@ -22,8 +22,9 @@ from typing import Any
 
 import torch
 
+from finetune.scoring import transformers_model
 from finetune.training.document_mask import additive, document_mask
-from finetune.training.varlen_attention import VARLEN_ATTENTION, boundary_inputs, transformers_model
+from finetune.training.varlen_attention import VARLEN_ATTENTION, boundary_inputs
 
 MASKED_IMPLEMENTATIONS = ("sdpa", "eager")
 

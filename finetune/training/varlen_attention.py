@@ -38,6 +38,7 @@ from transformers import AttentionInterface, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
+from finetune.scoring import transformers_model
 from finetune.training.document_mask import document_mask
 
 VARLEN_ATTENTION = "finetune_varlen"
@@ -116,14 +117,6 @@ def use_varlen_attention(model: Any) -> PreTrainedModel:
         raise TypeError(f"{type(model).__name__} holds no transformers model")
     inner.set_attn_implementation(VARLEN_ATTENTION)
     return inner
-
-
-def transformers_model(model: Any) -> PreTrainedModel | None:
-    """The first transformers model inside `model` (itself, or the base of a PeftModel), if any."""
-    for module in model.modules():
-        if isinstance(module, PreTrainedModel):
-            return module
-    return None
 
 
 def boundary_inputs(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
