@@ -132,6 +132,29 @@ def test_on_disk_merge_subtract_and_swap_are_exact(moe_base, tmp_path):
     assert_tensors_equal(read_tensors(tmp_path / "merged_b"), read_tensors(tmp_path / "swapped"))
 
 
+def test_stored_experts_are_read_and_split_one_expert_at_a_time(moe_base):
+    """Where a family stores one tensor per expert, each lies in one expert's slice of the fused tensor: read
+    expert by expert it assembles what transformers loads, and split it gives back the stored tensors."""
+    from finetune.adapters.expert_files import ExpertLayout
+    from finetune.adapters.tensor_index import TensorIndex
+
+    family, base_dir = moe_base
+    index = TensorIndex.of(base_dir)
+    loaded = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    layout = ExpertLayout(loaded, index)
+    stored = read_tensors(base_dir)
+    fused = [tensor.name for tensor in expert_tensors(loaded) if tensor.name in layout.fused]
+    assert bool(fused) == (family != "gpt_oss")  # gpt-oss stores its experts fused
+    for name in fused:
+        assert layout.experts_apart(name)
+        whole = loaded.get_parameter(name).detach()
+        for expert in range(whole.shape[0]):
+            assert torch.equal(layout.read_expert(name, expert, index.read, torch.float32), whole[expert])
+        parts = layout.split(name, whole)
+        assert parts.keys() == set(layout.parts(name))
+        assert all(torch.equal(values, stored[part].float()) for part, values in parts.items())
+
+
 def test_expert_adapter_reads_with_one_pair_per_expert(moe_base, tmp_path):
     family, base_dir = moe_base
     adapter = read_adapter(moe_adapter(base_dir, tmp_path / "a", seed=1))

@@ -47,18 +47,37 @@ def changed_modules(old: Ledger, new: Ledger, adapters: Mapping[str, Adapter]) -
     return sorted(m for m in modules if signature(old_terms.get(m, [])) != signature(new_terms.get(m, [])))
 
 
-def merged_weight(base: torch.Tensor, terms: list[Term], dtype: torch.dtype, *, module: str) -> torch.Tensor:
+def merged_weight(
+    base: torch.Tensor,
+    terms: list[Term],
+    dtype: torch.dtype,
+    *,
+    module: str,
+    expert: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
     """round(base + Σ w·ΔW) in `dtype`, summed in fp32 in the order of `terms` (sorted by name), on `base`'s device.
 
     Every update is computed where the base tensor lives (a GPU's for a model loaded there), so the
     result never mixes devices and the same inputs on the same device always give the same bits.
 
+    A fused expert tensor (experts first) is merged one expert at a time, into `out` (default: a new tensor;
+    `base` itself where the caller owns it and it is in `dtype`): bit for bit the whole tensor's merge
+    (elementwise fp32 sums of the same per-expert updates), holding one expert's slice in fp32 instead of
+    the whole tensor and its update (for a 30B MoE's `gate_up_proj`, 12 MiB instead of 3 GiB).
+    `expert`: `base` is that expert's slice, and so is each ΔW.
+
     Raises:
         AdapterError: the result holds NaN/Inf (an update that overflows `dtype`), naming module and adapters.
     """
+    if expert is None and terms and terms[0][2].num_experts > 1:
+        out = torch.empty(base.shape, dtype=dtype, device=base.device) if out is None else out
+        for e in range(base.shape[0]):
+            out[e] = merged_weight(base[e], terms, dtype, module=module, expert=e)
+        return out
     accumulator = base.to(torch.float32, copy=True)
     for _, weight, lora in terms:
-        accumulator.add_(lora.delta(weight, accumulator.device))
+        accumulator.add_(lora.delta(weight, accumulator.device, expert=expert))
     result = accumulator.to(dtype)
     if terms and not _all_finite(result):
         names = ", ".join(name for name, _, _ in terms)
@@ -66,6 +85,9 @@ def merged_weight(base: torch.Tensor, terms: list[Term], dtype: torch.dtype, *, 
             f"merging {names} into {module} gives NaN/Inf in {str(dtype).removeprefix('torch.')}; refusing (lower the "
             "weight or merge in float32)"
         )
+    if out is not None:
+        out.copy_(result)
+        return out
     return result
 
 

@@ -8,7 +8,9 @@ Inexact fallback (`inexact_weights`, no pristine base): each touched tensor beco
 round(W_model + Σ (w_new − w_old)·ΔW) in fp32, and the report gives the largest drift this can cause
 against an exact merge (half an ulp of the stored value plus half an ulp of the result, per element).
 
-Peak memory is one shard of tensors plus the adapters (fp32) plus one fp32 accumulator. Adapters
+Peak memory is one shard of tensors plus the adapters (fp32) plus one fp32 accumulator: a tensor's, or for a
+fused expert tensor one expert's slice (where the files store one tensor per expert, only that expert's
+stored tensors are read and split: `ExpertLayout.read_expert`). Adapters
 trained on a 4-bit/8-bit base are merged into the weights they were trained against: each linear weight
 bitsandbytes would quantize goes through the same quantize → dequantize round trip
 (`pristine.quantization_roundtrip`, on the operation's device: bitsandbytes quantizes on CUDA where the base
@@ -85,7 +87,9 @@ class _ShardWriter:
             layout=ExpertLayout(architecture, read_index),
         )  # fmt: skip
         self._split: dict[str, torch.Tensor] = {}  # stored part -> its merged values, while its fused tensor is written
+        self._started: set[str] = set()  # fused tensors merged expert by expert, at least one expert so far
         self.dtype = operation.base.dtype
+        self.device = operation.base.device
         self.rewritten, self.max_drift_bound = 0, 0.0
 
     def check(self, adapters: dict[str, Adapter], where: Path) -> None:
@@ -128,7 +132,7 @@ class _ShardWriter:
         fused = layout.owner_of.get(name) if layout is not None else None
         if fused is not None and fused in self.terms_of_tensor:  # one expert's share of an updated fused tensor
             if name not in self._split:
-                self._split.update(layout.split(fused, self._output(fused, out_dtype)))  # type: ignore[union-attr]
+                self._split.update(self._merged_parts(fused, name, out_dtype))
             return self._split.pop(name)
         base = self.pristine.get(name, out_dtype)
         terms: list[Term] = self.terms_of_tensor.get(name, [])
@@ -140,6 +144,26 @@ class _ShardWriter:
             stored = self._stored(name).to(result.device)
             self.max_drift_bound = max(self.max_drift_bound, (half_ulp(stored) + half_ulp(result)).max().item())
         return result
+
+    def _merged_parts(self, fused: str, part: str, out_dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        """The stored parts of updated fused tensor `fused` that are computed with `part`: those of its expert
+        where each part lies in one expert's slice (one expert's slice held), else all of them."""
+        layout = self.pristine.layout
+        assert layout is not None
+        terms = self.terms_of_tensor[fused]
+        if not layout.experts_apart(fused) or terms[0][2].num_experts == 1 or fused in self.quantized_weights:
+            return layout.split(fused, self._output(fused, out_dtype))
+        expert = layout.expert_of(fused, part)
+        read, device = self.read_index.read, self.device
+        base = layout.read_expert(fused, expert, read, out_dtype, device)
+        result = merged_weight(base, terms, out_dtype, module=fused, expert=expert)
+        if fused not in self._started:
+            self._started.add(fused)
+            self.rewritten += 1
+        if not self.exact:
+            stored = layout.read_expert(fused, expert, read, self.read_index[part].torch_dtype or out_dtype, device)
+            self.max_drift_bound = max(self.max_drift_bound, (half_ulp(stored) + half_ulp(result)).max().item())
+        return layout.split_expert(fused, expert, result)
 
     def _stored(self, name: str) -> torch.Tensor:
         """Tensor `name` as the read files store it (a fused expert tensor assembled in its parts' dtype)."""

@@ -163,8 +163,11 @@ class LoraWeights:
             }
         return {f"{prefix}.lora_A.weight": self.A.contiguous(), f"{prefix}.lora_B.weight": self.B.contiguous()}
 
-    def delta(self, weight: float = 1.0, device: torch.device | str | None = None) -> torch.Tensor:
-        """weight · scale · B·A in fp32 on `device` (default: where A and B are, the CPU), shaped like the base weight.
+    def delta(
+        self, weight: float = 1.0, device: torch.device | str | None = None, *, expert: int | None = None
+    ) -> torch.Tensor:
+        """weight · scale · B·A in fp32 on `device` (default: where A and B are, the CPU), shaped like the base weight
+        (`expert`: that expert's slice of a fused expert tensor's update, bit for bit the slice of the whole).
 
         The scalar is folded in first (one multiply per B element) so the same call always rounds the
         same way: the arithmetic in `inmemory` and `ondisk` relies on identical results for identical
@@ -173,19 +176,27 @@ class LoraWeights:
         """
         A, B = self.A.to(device), self.B.to(device)
         if self.num_experts > 1:
-            return self._expert_delta(A, B, weight)
+            if expert is not None:
+                return self._expert_delta(A, B, weight, expert)
+            update = torch.empty(self.weight_shape, dtype=torch.float32, device=A.device)
+            for e in range(self.num_experts):
+                update[e] = self._expert_delta(A, B, weight, e)
+            return update
         with ieee_fp32_matmuls():
             update = (B * (weight * self.scale)) @ A  # (out, r) @ (r, in) -> (out, in)
         return update.T if self.fan_in_fan_out else update
 
-    def _expert_delta(self, A: torch.Tensor, B: torch.Tensor, weight: float) -> torch.Tensor:
-        """ΔW[e] = scale · B[:, :, e] · A[e] per expert e, peft's `ParamWrapper.get_delta_weight` layout."""
-        experts = self.num_experts
-        A3 = A.reshape(experts, -1, A.shape[-1])  # (E, r, in)
-        B3 = B.reshape(B.shape[0], -1, experts).permute(2, 0, 1)  # (out, r, E) -> (E, out, r)
+    def _expert_delta(self, A: torch.Tensor, B: torch.Tensor, weight: float, expert: int) -> torch.Tensor:
+        """ΔW[e] = scale · B[:, :, e] · A[e] for expert e, peft's `ParamWrapper.get_delta_weight` layout.
+
+        One matrix product per expert, also for the whole tensor: a merge can then stream a fused expert
+        tensor expert by expert (memory of one expert's slice) and write the bits a whole merge writes."""
+        rank = self.rank
+        A_e = A[expert * rank : (expert + 1) * rank]  # (r, in)
+        B_e = B[:, expert :: self.num_experts]  # (out, r): column j·experts + e
         with ieee_fp32_matmuls():
-            update = torch.bmm(B3 * (weight * self.scale), A3)  # (E, out, r) @ (E, r, in) -> (E, out, in)
-        return update.transpose(1, 2) if self.transposed else update
+            update = (B_e * (weight * self.scale)) @ A_e  # (out, r) @ (r, in) -> (out, in)
+        return update.T if self.transposed else update
 
 
 @dataclass
