@@ -198,3 +198,33 @@ def test_requantize_on_request_prints_the_error_it_adds(tmp_path, tiny_base_dir,
         merge_checkpoint(
             str(tiny_base_dir), [AdapterSpec(str(tmp_path / "q"))], tmp_path / "y", quantization="none", requantize=True
         )
+
+
+def test_a_shard_written_tensor_by_tensor_reads_back_in_safetensors(tmp_path):
+    """Merges write each shard's header first and then one tensor at a time (`write_planned_shard`): safetensors
+    reads every dtype back as written, with the ledger in the metadata; a tensor that is not as planned stops it."""
+    from finetune.adapters.ledger import LEDGER_KEY, Ledger, LedgerEntry
+    from finetune.adapters.model_dir import PlannedTensor, write_planned_shard, write_shard
+
+    generator = torch.Generator().manual_seed(0)
+    tensors = {
+        "w.f32": torch.randn(3, 5, generator=generator),
+        "w.bf16": torch.randn(7, generator=generator).to(torch.bfloat16),
+        "w.f16": torch.randn(2, 2, 2, generator=generator).to(torch.float16),
+        "ids": torch.arange(5),
+        "mask": torch.tensor([True, False, True]),
+        "bytes": torch.arange(3, dtype=torch.uint8),
+        "empty": torch.zeros(0, 4),
+        "scalar": torch.tensor(2.5),
+        "strided": torch.randn(4, 6, generator=generator).T,
+    }
+    ledger = Ledger("base", "fp", {"a": LedgerEntry(0.5)})
+    assert write_shard(tmp_path, "model.safetensors", tensors, ledger) == dict.fromkeys(tensors, "model.safetensors")
+    with safe_open(str(tmp_path / "model.safetensors"), framework="pt") as handle:
+        assert json.loads(handle.metadata()[LEDGER_KEY]) == json.loads(ledger.to_json())
+        assert_tensors_equal({name: handle.get_tensor(name) for name in handle.keys()}, tensors)
+    planned = [PlannedTensor("w", torch.float32, (2, 2))]
+    with pytest.raises(ValueError, match="w: computed torch.bfloat16"):
+        write_planned_shard(
+            tmp_path, "bad.safetensors", planned, lambda _: torch.zeros(2, 2, dtype=torch.bfloat16), ledger
+        )

@@ -8,9 +8,10 @@ Inexact fallback (`inexact_weights`, no pristine base): each touched tensor beco
 round(W_model + Σ (w_new − w_old)·ΔW) in fp32, and the report gives the largest drift this can cause
 against an exact merge (half an ulp of the stored value plus half an ulp of the result, per element).
 
-Peak memory is one shard of tensors plus the adapters (fp32) plus one fp32 accumulator: a tensor's, or for a
-fused expert tensor one expert's slice (where the files store one tensor per expert, only that expert's
-stored tensors are read and split: `ExpertLayout.read_expert`). Adapters
+Peak memory is one output tensor (each is written as it is computed: `model_dir.write_planned_shard`) plus
+the adapters (fp32) plus one fp32 accumulator: a tensor's, or a fused expert tensor's one expert's slice
+(where the files store one tensor per expert, only that expert's are read and split:
+`ExpertLayout.read_expert`). Adapters
 trained on a 4-bit/8-bit base are merged into the weights they were trained against: each linear weight
 bitsandbytes would quantize goes through the same quantize → dequantize round trip
 (`pristine.quantization_roundtrip`, on the operation's device: bitsandbytes quantizes on CUDA where the base
@@ -39,13 +40,14 @@ from finetune.adapters.ledger import Ledger
 from finetune.adapters.lora import Adapter
 from finetune.adapters.model_dir import (
     INDEX_NAME,
+    PlannedTensor,
     after_shard_hook,
     copy_side_files,
     ensure_free,
     staging_dir,
     write_config,
     write_index,
-    write_shard,
+    write_planned_shard,
 )
 from finetune.adapters.pristine import PristineWeights, quantization_roundtrip
 from finetune.adapters.result import ArithmeticResult
@@ -111,14 +113,19 @@ class _ShardWriter:
             raise KeyError(module)
         return self.read_index[stored].shape
 
-    def tensors_of(self, file: Path) -> dict[str, torch.Tensor]:
-        tensors: dict[str, torch.Tensor] = {}
+    def planned(self, file: Path) -> list[PlannedTensor]:
+        """The output tensors of input file `file`: its tensors, and the tied partners an update unties."""
+        planned = []
         for name in self.read_index.names_in(file):
-            out_dtype = self._out_dtype(name)
-            tensors[name] = self._output(name, out_dtype)
+            out_dtype, shape = self._out_dtype(name), tuple(self.read_index[name].shape)
+            planned.append(PlannedTensor(name, out_dtype, shape))
             for tied_name in self.untied.get(name, []):  # the tied partner gets a tensor of its own
-                tensors[tied_name] = self._output(tied_name, out_dtype)
-        return tensors
+                planned.append(PlannedTensor(tied_name, out_dtype, shape))
+        return planned
+
+    def tensor(self, entry: PlannedTensor) -> torch.Tensor:
+        """The output values of one planned tensor (computed as the shard is written)."""
+        return self._output(entry.name, entry.dtype)
 
     def _out_dtype(self, name: str) -> torch.dtype:
         """The dtype written: as the source model stores it (or `--dtype`); non-float tensors unchanged."""
@@ -187,10 +194,9 @@ def write_target(operation: DiskOperation, out: str | Path, kind: str) -> Arithm
         weight_map: dict[str, str] = {}
         total_bytes = 0
         for file in read_index.files:
-            tensors = writer.tensors_of(file)
-            total_bytes += sum(t.numel() * t.element_size() for t in tensors.values())
-            weight_map.update(write_shard(tmp, file.name, tensors, operation.target_ledger))
-            del tensors
+            planned = writer.planned(file)
+            total_bytes += sum(entry.nbytes for entry in planned)
+            weight_map.update(write_planned_shard(tmp, file.name, planned, writer.tensor, operation.target_ledger))
             after_shard_hook()
         if len(read_index.files) > 1 or (read_dir / INDEX_NAME).is_file():
             write_index(tmp, weight_map, total_bytes)

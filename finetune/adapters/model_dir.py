@@ -17,12 +17,13 @@ import contextlib
 import json
 import os
 import shutil
+import struct
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
 from finetune.adapters.ledger import LEDGER_KEY, Ledger
 from finetune.atomic import atomic_directory
@@ -55,14 +56,75 @@ def after_shard_hook() -> None:
         time.sleep(seconds)
 
 
+@dataclass(frozen=True)
+class PlannedTensor:
+    """A tensor of a shard to be written: its name, dtype and shape, known before its values are."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return int(torch.Size(self.shape).numel()) * self.dtype.itemsize
+
+
 def write_shard(out_dir: Path, file_name: str, tensors: Mapping[str, torch.Tensor], ledger: Ledger) -> dict[str, str]:
     """Save one safetensors file with the ledger in its metadata; returns its part of the index's weight map.
 
-    Tensors may live on a GPU (a model merged where it runs): each is copied to host memory to be written.
+    Tensors may live on a GPU (a model merged where it runs): each is copied to host memory as it is written.
     """
-    contiguous = {name: tensor.detach().to("cpu").contiguous() for name, tensor in tensors.items()}
-    save_file(contiguous, str(out_dir / file_name), metadata={"format": "pt", LEDGER_KEY: ledger.to_json()})
-    return {name: file_name for name in tensors}
+    planned = [PlannedTensor(name, tensor.dtype, tuple(tensor.shape)) for name, tensor in tensors.items()]
+    return write_planned_shard(out_dir, file_name, planned, lambda entry: tensors[entry.name], ledger)
+
+
+def write_planned_shard(
+    out_dir: Path,
+    file_name: str,
+    planned: list[PlannedTensor],
+    produce: Callable[[PlannedTensor], torch.Tensor],
+    ledger: Ledger,
+) -> dict[str, str]:
+    """Write a safetensors file whose tensors are computed (`produce`) one at a time, as they are written.
+
+    The header (names, dtypes, shapes, offsets) is written first, from `planned`; then each tensor in turn, so
+    a merge holds one tensor of the shard rather than all of them (safetensors' `save_file` needs the whole
+    dict). The layout is safetensors' own: 8-byte little-endian header length, the JSON header padded with
+    spaces to a multiple of 8, the data with tensors ordered by element size (largest first), then name, so
+    each is aligned to its element size; `safe_open` and `from_pretrained` read it as any other.
+    """
+    order = sorted(planned, key=lambda entry: (-entry.dtype.itemsize, entry.name))
+    header: dict[str, object] = {"__metadata__": {"format": "pt", LEDGER_KEY: ledger.to_json()}}
+    offset = 0
+    for entry in order:
+        header[entry.name] = {
+            "dtype": _SAFETENSORS_DTYPES[entry.dtype], "shape": list(entry.shape), "data_offsets": [offset, offset + entry.nbytes],
+        }  # fmt: skip
+        offset += entry.nbytes
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)
+    with open(out_dir / file_name, "wb") as file:
+        file.write(struct.pack("<Q", len(encoded)))
+        file.write(encoded)
+        for entry in order:
+            tensor = produce(entry).detach()
+            if tensor.dtype != entry.dtype or tuple(tensor.shape) != entry.shape:
+                raise ValueError(
+                    f"{entry.name}: computed {tensor.dtype} {tuple(tensor.shape)}, planned {entry.dtype} {entry.shape}"
+                )
+            if tensor.numel():
+                file.write(tensor.to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy().data)
+            del tensor
+    return {entry.name: file_name for entry in planned}
+
+
+_SAFETENSORS_DTYPES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.int64: "I64",
+    torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL",
+    torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2", torch.uint16: "U16", torch.uint32: "U32",
+    torch.uint64: "U64",
+}  # fmt: skip
+"""torch dtype -> its name in a safetensors header (the format's specification)."""
 
 
 def write_index(out_dir: Path, weight_map: Mapping[str, str], total_bytes: int) -> None:
