@@ -86,6 +86,9 @@ class TrainingLog:
         if not eval_metrics:
             return
         self._write(step, eval_metrics)
+        if "eval_reward" in eval_metrics:  # an online objective: its loss on its own samples says nothing
+            self.say(f"step {step}: held-out reward {eval_metrics['eval_reward']:.3f}")
+            return
         self.say(
             f"step {step}: eval loss {eval_metrics['eval_loss']:.4f}, perplexity {eval_metrics['eval_ppl']:.3f}"
             + describe_rewards(eval_metrics, prefix="eval_")

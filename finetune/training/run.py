@@ -364,6 +364,9 @@ def _evaluate_start(run: TrainingRun, say: Say) -> None:
         say(f"base model: eval loss {run.base_eval['eval_loss']:.4f}, perplexity {run.base_eval['eval_ppl']:.3f}")
         return
     run.base_eval = run.evaluate()
+    if "eval_reward" in run.base_eval:  # an online objective (GRPO): the reward of sampled held-out completions
+        say(f"at the start: held-out reward {run.base_eval['eval_reward']:.3f}")
+        return
     say(f"at the start: eval loss {run.base_eval['eval_loss']:.4f}{describe_rewards(run.base_eval, prefix='eval_')}")
 
 
