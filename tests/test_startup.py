@@ -1,7 +1,7 @@
 """The inference half starts without the training stack: what each command really imports.
 
-Each command runs for real in a fresh interpreter (as the `finetune` script would run it), and the
-modules loaded by the time it exits are read from `sys.modules`. Training (`finetune.training`, its
+Each command runs for real (as the `finetune` script would run it, forked from an interpreter that has
+loaded torch and transformers only), and the modules loaded by the time it exits are read from `sys.modules`. Training (`finetune.training`, its
 trackers, deepspeed, trl) and bitsandbytes (which pulls in torch's inductor) cost seconds of start-up
 that `generate`, `eval`, `adapters merge`, `plan` and `export` never need.
 """
@@ -21,25 +21,50 @@ REPO = Path(__file__).resolve().parents[1]
 # Module name prefixes no inference command may load (bitsandbytes only with a quantized base).
 TRAINING_ONLY = ("finetune.training", "bitsandbytes", "deepspeed", "trl", "wandb", "mlflow", "trackio")
 
+# One interpreter imports what every command shares (torch, transformers' model code: ~6 s of the ~7 s a
+# command's start costs here) and forks a child per command, which runs it as the `finetune` script would and
+# records `sys.modules` as it exits. The parent loads nothing a command might not (it checks that), so a
+# child's modules are those a fresh interpreter running the command ends with.
 _RECORD_MODULES = """
-import atexit, json, runpy, sys
-record = sys.argv.pop(1)
-atexit.register(lambda: open(record, "w").write(json.dumps(sorted(sys.modules))))
-sys.argv = ["finetune", *sys.argv[1:]]
-runpy.run_module("finetune", run_name="__main__")
+import json, os, runpy, sys
+import torch, transformers, transformers.modeling_utils
+commands = json.loads(sys.argv[1])
+shared = [m for m in sys.modules if m.split(".")[0] in ("finetune", "peft", "datasets", *json.loads(sys.argv[2]))]
+assert not shared, shared
+for record, *arguments in commands:
+    child = os.fork()
+    if child == 0:
+        status = 1
+        try:
+            sys.argv = ["finetune", *arguments]
+            runpy.run_module("finetune", run_name="__main__")
+            status = 0
+        except SystemExit as exit:
+            status = exit.code if isinstance(exit.code, int) else 1
+        finally:
+            with open(record, "w") as file:
+                json.dump(sorted(sys.modules), file)
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(status)
+    _, status = os.waitpid(child, 0)
+    if os.waitstatus_to_exitcode(status) != 0:
+        sys.exit(f"finetune {' '.join(arguments)} exited with {os.waitstatus_to_exitcode(status)}")
 """
 
 
-def loaded_modules(tmp_path: Path, *arguments: str) -> set[str]:
-    """The modules loaded by `finetune ARGUMENTS...` in a fresh interpreter, read when it exits."""
-    record = tmp_path / f"modules-{len(list(tmp_path.glob('modules-*')))}.json"
+def loaded_modules_of(tmp_path: Path, commands: dict[str, list[str]]) -> dict[str, set[str]]:
+    """name -> the modules loaded by `finetune ARGUMENTS...` (each command forked from one interpreter
+    that loaded only torch and transformers), read when it exits."""
+    records = {name: tmp_path / f"modules-{index}.json" for index, name in enumerate(commands)}
+    listed = [[str(records[name]), *arguments] for name, arguments in commands.items()]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     completed = subprocess.run(
-        [sys.executable, "-c", _RECORD_MODULES, str(record), *arguments],
-        env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300,
+        [sys.executable, "-c", _RECORD_MODULES, json.dumps(listed), json.dumps(TRAINING_ONLY)],
+        env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert completed.returncode == 0, completed.stderr[-2000:]
-    return set(json.loads(record.read_text()))
+    return {name: set(json.loads(record.read_text())) for name, record in records.items()}
 
 
 def training_modules(modules: set[str]) -> list[str]:
@@ -67,7 +92,7 @@ def test_inference_commands_load_no_training(tmp_path, tiny_base_dir, adapter_di
         "adapters merge": ["adapters", "merge", "--base", base, "--adapter", adapter, "--out", merged],
         "plan": ["plan", "quickstart"],
     }
-    loaded = {name: loaded_modules(tmp_path, *arguments) for name, arguments in commands.items()}
+    loaded = loaded_modules_of(tmp_path, commands)
     assert "finetune.scoring" in loaded["eval"] and "peft" in loaded["generate"]  # they ran what they say
     assert (tmp_path / "merged").is_dir()
     assert {name: training_modules(modules) for name, modules in loaded.items()} == {name: [] for name in commands}
@@ -77,6 +102,8 @@ def test_training_an_unquantized_base_loads_no_bitsandbytes_or_deepspeed(workdir
     """bitsandbytes (which imports torch's inductor) only for a 4-/8-bit base or an 8-bit optimizer, deepspeed only
     for its strategy: seconds of every training process's start (transformers' scheduler module imported peft,
     and with it bitsandbytes, before finetune could hide it)."""
-    modules = loaded_modules(workdir, "train", "recipe.yaml", "train.max_steps=1", "output.name=one")
+    modules = loaded_modules_of(workdir, {"train": ["train", "recipe.yaml", "train.max_steps=1", "output.name=one"]})[
+        "train"
+    ]
     assert "finetune.training.loop" in modules and (workdir / "adapters" / "one").is_dir()  # it trained
     assert sorted(m for m in modules if m.split(".")[0] in ("bitsandbytes", "deepspeed")) == []
