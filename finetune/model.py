@@ -23,7 +23,14 @@ from typing import TYPE_CHECKING, Any, Literal, cast
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from finetune.adapters.experts import ExpertTensor, expert_tensors, peft_target_rewrite_off, routers, unwrapped
+from finetune.adapters.experts import (
+    ExpertTensor,
+    expert_tensors,
+    peft_rewritten_names,
+    peft_target_rewrite_off,
+    routers,
+    unwrapped,
+)
 from finetune.adapters.quantized import keep_float_kernels
 from finetune.embedded.cache import resolve_base_id
 from finetune.errors import ModelError
@@ -269,7 +276,8 @@ def _lora_targets(config: LoraConfig, model: PreTrainedModel, moe: _MoeTargets) 
         return config.target_modules
     if config.target_modules == "all-linear":  # peft's `all-linear` leaves the head out and takes no additions
         head = lm_head.rsplit(".", 1)[-1]
-        blocks = [name for name in linear_module_names(model, skip=moe.frozen_routers) if name != head]
+        left_out = {head, *moe.moved_by_peft}
+        blocks = [name for name in linear_module_names(model, skip=moe.frozen_routers) if name not in left_out]
     else:
         blocks = list(config.target_modules)
     if not extra:
@@ -292,6 +300,9 @@ class _MoeTargets:
         self.excluded_routers = sorted(self.frozen_routers & linear)
         # A router that is not an nn.Linear (a module holding a weight) is reached as a parameter, like the experts.
         self.router_parameters = [n for n in router_names if n not in linear] if config.train_router else []
+        # Dense layers (shared experts, dense MLPs) named as plain peft renames onto the experts when it loads an
+        # adapter of this family: left out of `all-linear`, so the adapter loads in plain peft as trained.
+        self.moved_by_peft = peft_rewritten_names(model) if self.experts else frozenset()
 
     @property
     def target_parameters(self) -> list[str]:
@@ -426,12 +437,44 @@ def describe_targets(peft_model: torch.nn.Module) -> list[str]:
             linear += 1
     total = len(expert_tensors(peft_model))
     lines = [f"LoRA on {linear} linear modules" + (f" and {expert} of {total} expert tensors" if total else "")]
+    moved = peft_rewritten_names(peft_model) if total else frozenset()
+    dense = _dense_layers_named(peft_model, moved)
+    family = getattr(peft_model.config, "model_type", "this")
+    with_lora = sorted({name.rsplit(".", 1)[-1] for name, has_lora in dense.items() if has_lora})
+    without = sorted({name.rsplit(".", 1)[-1] for name, has_lora in dense.items() if not has_lora})
+    if with_lora:
+        lines.append(
+            f"warning: LoRA on dense layers named {', '.join(with_lora)}: plain peft moves LoRA with those names onto the "
+            f"experts when it loads a {family} adapter, so only finetune loads this one"
+        )
+    elif without:
+        lines.append(
+            f"left out {len(dense)} dense linear layers named {', '.join(without)} (shared experts, dense MLPs): plain "
+            f"peft moves LoRA with those names onto the experts when it loads a {family} adapter; name them in "
+            "lora.target_modules to train them anyway (then only finetune loads the adapter)"
+        )
     if total > expert:
         lines.append(
             f"warning: {total - expert} of the base's {total} fused expert tensors carry no LoRA (the model's bulk); "
             "use lora.target_modules: all-linear to train the experts"
         )
     return lines
+
+
+def _dense_layers_named(peft_model: torch.nn.Module, names: frozenset[str]) -> dict[str, bool]:
+    """Linear layers (not routers) whose last name part is in `names` -> whether they carry LoRA."""
+    if not names:
+        return {}
+    model = getattr(peft_model, "get_base_model", lambda: peft_model)()  # peft wraps its layers in place
+    router_names = set(routers(model, expert_tensors(model)))
+    found = {}
+    for name, module in model.named_modules():
+        layer = unwrapped(module)
+        if "lora_" in name or name.endswith(".base_layer") or not isinstance(layer, torch.nn.Linear):
+            continue
+        if name.rsplit(".", 1)[-1] in names and name not in router_names:
+            found[name] = isinstance(getattr(module, "lora_A", None), torch.nn.ModuleDict)
+    return found
 
 
 def describe_trainable(model: torch.nn.Module) -> str:

@@ -10,7 +10,15 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, GptOssConfig, MixtralConfig, OlmoeConfig, Qwen3MoeConfig
+from transformers import (
+    AutoModelForCausalLM,
+    DeepseekV3Config,
+    GptOssConfig,
+    MixtralConfig,
+    OlmoeConfig,
+    Qwen3_5MoeTextConfig,
+    Qwen3MoeConfig,
+)
 
 from finetune.model import wrap_with_lora
 from finetune.recipe import LoraConfig
@@ -26,12 +34,44 @@ FAMILIES = {
     "gpt_oss": lambda: GptOssConfig(**MOE_SHAPE, intermediate_size=32, num_local_experts=4, head_dim=16),
 }
 """Tiny configurations of the real classes: 2 layers of 4 experts, top-2 routing."""
+MORE_FAMILIES = {
+    # a dense first layer and a shared expert, MLPs named as plain peft renames onto the experts on load
+    "deepseek_v3": lambda: DeepseekV3Config(
+        **MOE_SHAPE,
+        intermediate_size=64,
+        moe_intermediate_size=32,
+        n_routed_experts=4,
+        n_shared_experts=1,
+        first_k_dense_replace=1,
+        n_group=1,
+        topk_group=1,
+        q_lora_rank=16,
+        kv_lora_rank=16,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=8,
+        v_head_dim=16,
+    ),  # fmt: skip
+    # linear attention (a 3D depthwise conv1d weight, which is no expert tensor) beside full attention
+    "qwen3_5_moe": lambda: Qwen3_5MoeTextConfig(
+        **MOE_SHAPE,
+        head_dim=16,
+        layer_types=["linear_attention", "full_attention"],
+        linear_num_key_heads=2,
+        linear_num_value_heads=2,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        num_experts=4,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=32,
+    ),  # fmt: skip
+}
+"""Families with more than routed experts, for the tests that need them (not in every MoE test's loop)."""
 
 
 def build_moe(family: str, out: Path, tokenizer, seed: int = 0, **overrides) -> Path:
     """A random-init tiny base of `family`, saved with its tokenizer as transformers saves it."""
     torch.manual_seed(seed)
-    config = FAMILIES[family]()
+    config = {**FAMILIES, **MORE_FAMILIES}[family]()
     for key, value in overrides.items():
         setattr(config, key, value)
     config.pad_token_id, config.bos_token_id, config.eos_token_id = (

@@ -12,7 +12,7 @@ import torch
 from helpers import assert_tensors_equal, read_tensors
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from moe_helpers import FAMILIES, MOE_SHAPE, build_moe, moe_adapter
+from moe_helpers import FAMILIES, MOE_SHAPE, MORE_FAMILIES, build_moe, moe_adapter
 from transformers import AutoModelForCausalLM
 
 import finetune
@@ -87,6 +87,35 @@ def test_merge_equals_peft_and_subtract_returns_the_base_in_memory(moe_base, tmp
     assert report.tensors_rewritten == 8 + len(reference)
     m.subtract("alpha")
     assert_tensors_equal(base, expert_state(m.model))
+
+
+@pytest.mark.parametrize("family", sorted(MORE_FAMILIES))
+def test_shared_experts_and_linear_attention_families_merge_as_plain_peft_loads_their_adapter(
+    family, tmp_path, tiny_tokenizer
+):
+    """DeepSeek-V3 (a dense layer, shared experts) and Qwen3.5-MoE (linear attention's 3D conv1d): `all-linear`
+    trains every expert tensor and nothing plain peft would load elsewhere (it renames dense `gate_proj`,
+    `up_proj`, `down_proj` targets onto the experts for these families), so peft loads the adapter as trained:
+    the on-disk merge equals its `merge_and_unload`, changes every expert tensor, and subtract gives the base back."""
+    base_dir = build_moe(family, tmp_path / "base", tiny_tokenizer)
+    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    base, experts = model.state_dict(), expert_tensors(model)
+    assert experts and all(e.owner.endswith("mlp.experts") for e in experts)  # qwen3.5's conv1d is no expert tensor
+    lines = describe_targets(wrap_with_lora(model, LoraConfig(r=4, alpha=8)))
+    assert lines[0].endswith(f"and {len(experts)} of {len(experts)} expert tensors"), lines
+    assert ("left out" in " ".join(lines)) == (family == "deepseek_v3"), lines
+    adapter_dir = moe_adapter(base_dir, tmp_path / "a", seed=1)
+    config = json.loads((adapter_dir / "adapter_config.json").read_text())
+    assert sorted(config["target_parameters"]) == ["experts.down_proj", "experts.gate_up_proj"]
+    merge_checkpoint(str(base_dir), [AdapterSpec(str(adapter_dir))], tmp_path / "merged")
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).state_dict()
+    reference = peft_merged(base_dir, adapter_dir).state_dict()
+    assert merged.keys() == reference.keys()
+    for name, expected in reference.items():
+        torch.testing.assert_close(merged[name], expected, rtol=0, atol=float(expected.abs().max()) * 1e-6)
+    assert all(not torch.equal(merged[e.name], base[e.name]) for e in experts)
+    subtract_checkpoint(str(tmp_path / "merged"), AdapterSpec(str(adapter_dir)), tmp_path / "back")
+    assert_tensors_equal(read_tensors(base_dir), read_tensors(tmp_path / "back"))
 
 
 def test_router_lora_merges_as_peft_does_and_subtracts_exactly(moe_base, tmp_path):

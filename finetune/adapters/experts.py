@@ -58,12 +58,15 @@ def unwrapped(module: torch.nn.Module) -> torch.nn.Module:
 
 
 def expert_tensors(model: torch.nn.Module) -> list[ExpertTensor]:
-    """Every 3D parameter of `model` (peft's own LoRA layers and wrappers looked through), in module order."""
+    """Every 3D parameter of `model` but a convolution's (peft's own LoRA layers and wrappers looked through), in
+    module order."""
     found: list[ExpertTensor] = []
     for name, module in model.named_modules():
         if "lora_" in name or BASE_LAYER.lstrip(".") in name.split("."):
             continue
         owner = unwrapped(module)
+        if isinstance(owner, torch.nn.modules.conv._ConvNd):  # a convolution's 3D weight (linear attention's conv1d)
+            continue
         for parameter, tensor in owner.named_parameters(recurse=False):
             shape = tuple(getattr(tensor, "ds_shape", tensor.shape))
             if len(shape) == 3:
@@ -153,6 +156,18 @@ def _wrapped_tensor(
         )
     parameter = order[len(order) - 1 - depth]
     return next(t for t in tensors if t.parameter == parameter)
+
+
+def peft_rewritten_names(model: torch.nn.Module) -> frozenset[str]:
+    """Linear layer names plain peft moves onto the experts when it loads an adapter for this model's family
+    (`peft_target_rewrite_off` says why), e.g. {'gate', 'gate_proj', 'up_proj', 'down_proj'} for DeepSeek-V3 and
+    the other families transformers converts as it does Qwen2-MoE; empty for the rest (or another peft)."""
+    try:
+        from peft.utils.transformers_weight_conversion import _MODEL_TO_CONVERSION_PATTERN, _MOE_TARGET_MODULE_MAPPING
+    except ImportError:
+        return frozenset()
+    pattern = _MODEL_TO_CONVERSION_PATTERN.get(str(getattr(getattr(model, "config", None), "model_type", "")))
+    return frozenset(_MOE_TARGET_MODULE_MAPPING.get(pattern, {}) if pattern else ())
 
 
 @contextmanager
