@@ -35,9 +35,10 @@ FAMILIES = {
 }
 """Tiny configurations of the real classes: 2 layers of 4 experts, top-2 routing."""
 MORE_FAMILIES = {
-    # a dense first layer and a shared expert, MLPs named as plain peft renames onto the experts on load
+    # a dense first layer and a shared expert, MLPs named as plain peft renames onto the experts on load; MLA
+    # attention, which has as many key/value heads as heads
     "deepseek_v3": lambda: DeepseekV3Config(
-        **MOE_SHAPE,
+        **{**MOE_SHAPE, "num_key_value_heads": 4},
         intermediate_size=64,
         moe_intermediate_size=32,
         n_routed_experts=4,
