@@ -197,6 +197,7 @@ def write_target(operation: DiskOperation, out: str | Path, kind: str) -> Arithm
             planned = writer.planned(file)
             total_bytes += sum(entry.nbytes for entry in planned)
             weight_map.update(write_planned_shard(tmp, file.name, planned, writer.tensor, operation.target_ledger))
+            read_index.release(file)
             after_shard_hook()
         if len(read_index.files) > 1 or (read_dir / INDEX_NAME).is_file():
             write_index(tmp, weight_map, total_bytes)

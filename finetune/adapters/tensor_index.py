@@ -100,3 +100,8 @@ class TensorIndex(Mapping[str, TensorHeader]):
 
             self._handles[file] = safe_open(str(file), framework="pt")
         return self._handles[file].get_tensor(name)
+
+    def release(self, file: Path) -> None:
+        """Close `file`'s handle, unmapping its pages (a later `read` opens it again): a streaming merge calls it
+        after each shard, so the process maps one input shard at a time, not the checkpoint."""
+        self._handles.pop(file, None)
