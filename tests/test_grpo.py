@@ -199,6 +199,7 @@ def test_a_run_through_the_cli_reports_rewards_and_a_failing_reward_stops_it(tmp
     assert {"generate_s", "reward_s", "completion_length", "clip_ratio", "entropy"} <= steps[0].keys()
     assert all(0 < line["generate_s"] + line["reward_s"] < line["step_s"] for line in steps)  # seconds of the step
     assert (tmp_path / "adapters" / "grpo-run" / "adapter_model.safetensors").exists()
+    _merges_as_plain_peft_and_subtracts_exactly(tiny_base_dir, tmp_path / "adapters" / "grpo-run")
 
     failing = write_grpo_run(tmp_path, tiny_base_dir, "rewards.py:raises")
     (tmp_path / "grpo-fail.yaml").write_text(failing.read_text().replace("name: grpo-run", "name: grpo-fail"))
@@ -207,6 +208,28 @@ def test_a_run_through_the_cli_reports_rewards_and_a_failing_reward_stops_it(tmp
     last = broken.stderr.strip().splitlines()[-1]
     assert "reward function rewards.py:raises raised ValueError: no answer column" in last
     assert not (tmp_path / "adapters" / "grpo-fail").exists()
+
+
+def _merges_as_plain_peft_and_subtracts_exactly(base_dir: Path, adapter_dir: Path) -> None:
+    """A GRPO adapter is an adapter like any other: merged in memory it computes what plain peft's merge
+    computes, and subtracted it leaves the base bit for bit."""
+    from helpers import assert_tensors_equal
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    import finetune
+
+    m = finetune.load_model(str(base_dir), {"grpo": str(adapter_dir)}, dtype="float32")
+    base = {name: tensor.clone() for name, tensor in m.model.state_dict().items()}
+    m.merge("grpo")
+    reference = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir), str(adapter_dir))
+    ids = torch.tensor([[1, 40, 41, 42, 43, 44, 45]])
+    with torch.no_grad():
+        merged, expected = m.model(input_ids=ids).logits, reference.merge_and_unload()(input_ids=ids).logits
+    assert not torch.equal(merged, AutoModelForCausalLM.from_pretrained(base_dir)(input_ids=ids).logits)
+    torch.testing.assert_close(merged, expected, rtol=1e-5, atol=1e-5)  # fp32 sums in another order
+    m.subtract("grpo")
+    assert_tensors_equal(base, m.model.state_dict())
 
 
 def _lora_model(base_dir: Path):
