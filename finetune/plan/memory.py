@@ -276,9 +276,11 @@ def folded_experts_part(recipe: Recipe, shape: ModelShape) -> Part:
     experts' matmuls keep for backward: every layer's without checkpointing, one layer's with it."""
     per_element = DTYPE_BYTES[recipe.model.dtype]
     folded = shape.folded_expert_params * per_element
+    layers = shape.moe_layers or shape.num_layers  # DeepSeek-style models have dense layers too
     if recipe.train.gradient_checkpointing:
-        return Part("folded experts", folded // shape.num_layers, "device", "W + ΔW of 1 layer's experts, recomputed")
-    return Part("folded experts", folded, "device", f"W + ΔW of {shape.num_layers} layers' experts, kept for backward")
+        return Part("folded experts", folded // layers, "device", "W + ΔW of 1 layer's experts, recomputed")
+    which = f"{layers} layers'" if layers > 1 else "1 layer's"
+    return Part("folded experts", folded, "device", f"W + ΔW of {which} experts, kept for backward")
 
 
 def logits_rows(recipe: Recipe, shape: ModelShape, impl: Implementation) -> int:
