@@ -54,15 +54,14 @@ def merged_weight(
     *,
     module: str,
     expert: int | None = None,
-    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """round(base + Σ w·ΔW) in `dtype`, summed in fp32 in the order of `terms` (sorted by name), on `base`'s device.
 
     Every update is computed where the base tensor lives (a GPU's for a model loaded there), so the
     result never mixes devices and the same inputs on the same device always give the same bits.
 
-    A fused expert tensor (experts first) is merged one expert at a time, into `out` (default: a new tensor;
-    `base` itself where the caller owns it and it is in `dtype`): bit for bit the whole tensor's merge
+    A fused expert tensor (experts first) is merged one expert at a time into a new tensor: bit for bit the
+    whole tensor's merge
     (elementwise fp32 sums of the same per-expert updates), holding one expert's slice in fp32 instead of
     the whole tensor and its update (for a 30B MoE's `gate_up_proj`, 12 MiB instead of 3 GiB).
     `expert`: `base` is that expert's slice, and so is each ΔW.
@@ -71,7 +70,7 @@ def merged_weight(
         AdapterError: the result holds NaN/Inf (an update that overflows `dtype`), naming module and adapters.
     """
     if expert is None and terms and terms[0][2].num_experts > 1:
-        out = torch.empty(base.shape, dtype=dtype, device=base.device) if out is None else out
+        out = torch.empty(base.shape, dtype=dtype, device=base.device)
         for e in range(base.shape[0]):
             out[e] = merged_weight(base[e], terms, dtype, module=module, expert=e)
         return out
@@ -85,9 +84,6 @@ def merged_weight(
             f"merging {names} into {module} gives NaN/Inf in {str(dtype).removeprefix('torch.')}; refusing (lower the "
             "weight or merge in float32)"
         )
-    if out is not None:
-        out.copy_(result)
-        return out
     return result
 
 

@@ -148,9 +148,12 @@ class _ShardWriter:
         result = merged_weight(base, terms, out_dtype, module=name.removesuffix(".weight"))
         self.rewritten += 1
         if not self.exact:
-            stored = self._stored(name).to(result.device)
-            self.max_drift_bound = max(self.max_drift_bound, (half_ulp(stored) + half_ulp(result)).max().item())
+            self._widen_drift_bound(self._stored(name).to(result.device), result)
         return result
+
+    def _widen_drift_bound(self, stored: torch.Tensor, result: torch.Tensor) -> None:
+        """Inexact merges: the largest drift against an exact merge, half an ulp of each value per element."""
+        self.max_drift_bound = max(self.max_drift_bound, (half_ulp(stored) + half_ulp(result)).max().item())
 
     def _merged_parts(self, fused: str, part: str, out_dtype: torch.dtype) -> dict[str, torch.Tensor]:
         """The stored parts of updated fused tensor `fused` that are computed with `part`: those of its expert
@@ -158,7 +161,7 @@ class _ShardWriter:
         layout = self.pristine.layout
         assert layout is not None
         terms = self.terms_of_tensor[fused]
-        if not layout.experts_apart(fused) or terms[0][2].num_experts == 1 or fused in self.quantized_weights:
+        if terms[0][2].num_experts == 1 or not layout.experts_apart(fused):  # a router, or parts across experts
             return layout.split(fused, self._output(fused, out_dtype))
         expert = layout.expert_of(fused, part)
         read, device = self.read_index.read, self.device
@@ -168,8 +171,8 @@ class _ShardWriter:
             self._started.add(fused)
             self.rewritten += 1
         if not self.exact:
-            stored = layout.read_expert(fused, expert, read, self.read_index[part].torch_dtype or out_dtype, device)
-            self.max_drift_bound = max(self.max_drift_bound, (half_ulp(stored) + half_ulp(result)).max().item())
+            stored_dtype = self.read_index[part].torch_dtype or out_dtype
+            self._widen_drift_bound(layout.read_expert(fused, expert, read, stored_dtype, device), result)
         return layout.split_expert(fused, expert, result)
 
     def _stored(self, name: str) -> torch.Tensor:
