@@ -12,11 +12,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from finetune.errors import AdapterError, DataError, FinetuneError, ModelError, RecipeError
-from finetune.recipe import Recipe, load_recipe
 from finetune.version import __version__
 
 if TYPE_CHECKING:
     from finetune.api import load_model
+    from finetune.recipe import Recipe, load_recipe
     from finetune.training.loop import train
 
 __all__ = [
@@ -32,10 +32,16 @@ __all__ = [
     "train",
 ]
 
-_LAZY = {"load_model": "finetune.api", "train": "finetune.training.loop"}
-"""Names that load torch and transformers, with the module defining each: imported on first use, so
-`import finetune` (and the CLI's start) stays instant (PEP 562), and `load_model` never pulls in the
-training stack that `train` needs."""
+_LAZY = {
+    "load_model": "finetune.api",
+    "train": "finetune.training.loop",
+    "Recipe": "finetune.recipe",
+    "load_recipe": "finetune.recipe",
+}
+"""Names imported on first use, with the module defining each (PEP 562): `load_model` and `train` load torch
+and transformers, and `load_model` never pulls in the training stack that `train` needs; the recipe schema
+costs pydantic's import and its schema build (a quarter of a second), which `finetune --help` and the
+commands that read no recipe should not pay."""
 
 
 def __getattr__(name: str) -> Any:

@@ -71,6 +71,24 @@ def training_modules(modules: set[str]) -> list[str]:
     return sorted(m for m in modules if any(m == p or m.startswith(p + ".") for p in TRAINING_ONLY))
 
 
+def test_help_loads_neither_torch_nor_the_recipe_schema():
+    """`finetune --help` (and argument errors) answer before any heavy import: torch and transformers are
+    imported inside handlers, and the recipe schema (pydantic, a quarter of a second) on first use."""
+    code = (
+        "import json, runpy, sys\n"
+        "sys.argv = ['finetune', '--help']\n"
+        "try:\n    runpy.run_module('finetune', run_name='__main__')\n"
+        "except SystemExit:\n    pass\n"
+        "print(json.dumps(sorted(sys.modules)))"
+    )
+    completed = subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": str(REPO)},
+                               capture_output=True, text=True, timeout=120, check=True)  # fmt: skip
+    modules = set(json.loads(completed.stdout.splitlines()[-1]))
+    assert "finetune.cli" in modules and "finetune.commands.train" in modules  # it built the whole parser
+    heavy = ("torch", "transformers", "pydantic", "finetune.recipe", "yaml")
+    assert sorted(m for m in modules if m.split(".")[0] in heavy or m == "finetune.recipe") == []
+
+
 def test_importing_the_api_loads_no_training(tmp_path):
     code = "import json, sys, finetune.api; print(json.dumps(sorted(sys.modules)))"
     completed = subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": str(REPO)},
