@@ -2,11 +2,12 @@
 
 Both sides start from `--init` (a PEFT adapter, e.g. a short quickstart SFT run), train on the same prompt
 records with the same reward function (`FILE:FUNCTION`, as trl calls it), `--prompts-per-step` prompts x
-`--generations` completions of at most `--tokens` tokens at temperature 1 per optimizer step, `--steps`
-steps at learning rate `--lr` (trl's linear decay, no warm-up, on both sides). Then one evaluator,
-plain transformers + peft (bench/grpo_rewards.py), samples the held-out prompts of `--valid` `--samples`
-times each (seeded, T = 1) and once greedily, for the starting adapter and both results. The figure is
-the rise in mean sampled reward over the start.
+`--generations` completions of at most `--tokens` tokens per optimizer step, sampled at `--temperature`
+among the `--top-k` likeliest tokens (0: all), `--steps` steps at learning rate `--lr` (trl's linear
+decay, no warm-up, on both sides). Then one evaluator, plain transformers + peft (bench/grpo_rewards.py),
+samples the held-out prompts of `--valid` `--samples` times each (seeded, at the training's temperature and
+top-k) and once greedily, for the starting adapter and both results. The figure is the rise in mean
+sampled reward over the start.
 
 Example (the GRPO quickstart's task from a 30-step quickstart SFT adapter):
     finetune train quickstart train.max_steps=30 output.dir=/tmp/qs30
@@ -37,6 +38,7 @@ def train_ours(args: argparse.Namespace, out: Path) -> float:
         f"train.reward_functions=[{args.reward}]", f"train.num_generations={args.generations}",
         f"train.max_completion_length={args.tokens}", f"train.micro_batch_size={args.prompts_per_step}",
         f"train.lr={args.lr}", f"train.max_steps={args.steps}", "train.schedule=linear", "train.eval_max_batches=1",
+        f"train.temperature={args.temperature}", f"train.top_k={args.top_k}",
         f"train.seed={args.seed}", f"output.dir={out}", "train.report_to=[]",
     ]  # fmt: skip
     started = time.perf_counter()
@@ -56,7 +58,8 @@ def train_trl(args: argparse.Namespace, out: Path) -> float:
     config = GRPOConfig(
         output_dir=str(out / "work"), per_device_train_batch_size=args.prompts_per_step * args.generations,
         num_generations=args.generations, max_completion_length=args.tokens, max_steps=args.steps,
-        learning_rate=args.lr, temperature=1.0, report_to=[], use_cpu=True, bf16=False, logging_steps=10,
+        learning_rate=args.lr, temperature=args.temperature, top_k=args.top_k, report_to=[], use_cpu=True,
+        bf16=False, logging_steps=10,
         save_strategy="no", seed=args.seed,
     )  # fmt: skip
     trainer = GRPOTrainer(model=model, reward_funcs=[load_function(args.reward)], args=config,
@@ -80,6 +83,8 @@ def main() -> None:
     parser.add_argument("--generations", type=int, default=8)
     parser.add_argument("--prompts-per-step", type=int, default=1)
     parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens (0: all)")
     parser.add_argument("--samples", type=int, default=8, help="held-out samples per prompt")
     parser.add_argument("--limit", type=int, default=40, help="held-out prompts")
     parser.add_argument("--threads", type=int, default=2)
@@ -108,7 +113,9 @@ def evaluate(args: argparse.Namespace, adapters: dict[str, Path]) -> dict[str, t
 
     records = [json.loads(line) for line in Path(args.valid).read_text().splitlines()][: args.limit]
     reward = load_function(args.reward)
-    settings = argparse.Namespace(samples=args.samples, temperature=1.0, max_new_tokens=args.tokens, seed=args.seed)
+    settings = argparse.Namespace(
+        samples=args.samples, temperature=args.temperature, top_k=args.top_k, max_new_tokens=args.tokens, seed=args.seed
+    )
     base = base_of(adapters["start"])
     tokenizer = AutoTokenizer.from_pretrained(base)
     results = {}

@@ -41,14 +41,16 @@ def base_of(adapter: Path) -> str:
     return json.loads((adapter / "adapter_config.json").read_text())["base_model_name_or_path"]
 
 
-def completions_of(model, tokenizer, prompt: str, samples: int, max_new_tokens: int, temperature: float) -> list[str]:
+def completions_of(
+    model, tokenizer, prompt: str, samples: int, max_new_tokens: int, temperature: float, top_k: int = 0
+) -> list[str]:
     input_ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
     settings = dict(max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id,
                     eos_token_id=tokenizer.eos_token_id)  # fmt: skip
     with torch.no_grad():
         if samples:
             output = model.generate(input_ids.repeat(samples, 1), attention_mask=torch.ones_like(input_ids).repeat(
-                samples, 1), do_sample=True, temperature=temperature, top_k=0, top_p=1.0, **settings)  # fmt: skip
+                samples, 1), do_sample=True, temperature=temperature, top_k=top_k, top_p=1.0, **settings)  # fmt: skip
         else:
             output = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False, **settings)
     return tokenizer.batch_decode(output[:, input_ids.shape[1] :], skip_special_tokens=True)
@@ -60,7 +62,9 @@ def mean_rewards(model, tokenizer, records, reward, args) -> tuple[float, float]
     for record in records:
         columns = {key: value for key, value in record.items() if key != "prompt"}
         for samples, into in ((args.samples, sampled), (0, greedy)):
-            texts = completions_of(model, tokenizer, record["prompt"], samples, args.max_new_tokens, args.temperature)
+            texts = completions_of(
+                model, tokenizer, record["prompt"], samples, args.max_new_tokens, args.temperature, args.top_k
+            )
             repeated = {key: [value] * len(texts) for key, value in columns.items()}
             into.extend(reward(prompts=[record["prompt"]] * len(texts), completions=texts, **repeated))
     return statistics.fmean(sampled), statistics.fmean(greedy)
@@ -73,6 +77,7 @@ def main() -> None:
     parser.add_argument("--reward", required=True, help="FILE:FUNCTION")
     parser.add_argument("--samples", type=int, default=8)
     parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens (0: all)")
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--limit", type=int, default=40)
     parser.add_argument("--seed", type=int, default=0)
@@ -84,7 +89,8 @@ def main() -> None:
         tokenizer = AutoTokenizer.from_pretrained(base)
         model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), adapter).eval()
         sampled, greedy = mean_rewards(model, tokenizer, records, reward, args)
-        print(f"{adapter}: sampled reward {sampled:.3f} ({args.samples} per prompt, T={args.temperature}), "
+        print(f"{adapter}: sampled reward {sampled:.3f} ({args.samples} per prompt, T={args.temperature}, "
+              f"top-k {args.top_k}), "
               f"greedy {greedy:.3f}, {len(records)} prompts")  # fmt: skip
 
 

@@ -659,10 +659,11 @@ class Recipe(_Section):
             used_by = " or ".join(name for name, fmt in OBJECTIVE_FORMATS.items() if fmt == data_format)
             raise ValueError(f"data.format {data_format} needs objective {used_by}; set train.objective to {used_by}")
         starts_elsewhere = self.lora.init_from is not None or self.lora.init in ("pissa", "olora")
-        if starts_elsewhere and objective == "grpo" and self.train.beta:
+        if self.lora.init in ("pissa", "olora") and objective == "grpo" and self.train.beta:
             raise ValueError(
-                "grpo with train.beta > 0 measures the KL to the base (the adapter disabled), but this run's LoRA does "
-                "not start as the base (lora.init_from or a pissa/olora init); set train.beta=0 (trl's default)"
+                f"grpo with train.beta > 0 measures the KL to the base (the adapter disabled), but lora.init "
+                f"{self.lora.init} moves part of the base into the adapter; set train.beta=0 (trl's default) or "
+                "lora.init=default"
             )
         if starts_elsewhere and objective in ("dpo", "kto") and not self.train.precompute_reference:
             cause = "lora.init_from" if self.lora.init_from is not None else f"lora.init {self.lora.init}"

@@ -201,6 +201,16 @@ def test_a_run_through_the_cli_reports_rewards_and_a_failing_reward_stops_it(tmp
     assert (tmp_path / "adapters" / "grpo-run" / "adapter_model.safetensors").exists()
     _merges_as_plain_peft_and_subtracts_exactly(tiny_base_dir, tmp_path / "adapters" / "grpo-run")
 
+    # Refined from that adapter with β > 0, the reference is the adapter the run starts from (trl's frozen "ref"
+    # copy), not the base: the first step's policy is its reference (KL 0 without dropout), and only the updates
+    # move it away.
+    refined = _cli(tmp_path, "train", str(recipe), "lora.init_from=adapters/grpo-run", "train.beta=0.04",
+                   "lora.dropout=0.0", "output.name=grpo-refined")  # fmt: skip
+    assert refined.returncode == 0, refined.stderr[-2000:]
+    lines = (tmp_path / "runs" / "grpo-refined" / "metrics.jsonl").read_text().splitlines()
+    kl = [json.loads(line)["kl"] for line in lines if "kl" in json.loads(line)]
+    assert len(kl) == 3 and abs(kl[0]) < 1e-7 and kl[2] > 1e-6, kl
+
     failing = write_grpo_run(tmp_path, tiny_base_dir, "rewards.py:raises")
     (tmp_path / "grpo-fail.yaml").write_text(failing.read_text().replace("name: grpo-run", "name: grpo-fail"))
     broken = _cli(tmp_path, "train", "grpo-fail.yaml")
@@ -250,6 +260,43 @@ def _lora_model(base_dir: Path):
 
 def _lora_grads(model) -> dict[str, torch.Tensor]:
     return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+
+
+def test_the_starting_adapter_as_reference_is_trls_ref_copy_and_the_weights_come_back_bit_for_bit(
+    tiny_base_dir, tiny_tokenizer
+):
+    """β > 0 from `lora.init_from`: π_ref is scored with the starting weights swapped into the trained parameters.
+    It equals what trl scores with its frozen "ref" adapter (a peft copy of the starting adapter, made active),
+    and afterwards the trained weights are exactly what they were."""
+    from finetune.training.objectives.base import CollateOptions, Models
+    from finetune.training.objectives.grpo import GRPO, GRPOSettings
+    from finetune.training.objectives.reference import StartingWeights
+
+    model = _lora_model(tiny_base_dir)
+    settings = GRPOSettings(2, SampleSettings(8), LossSettings("dapo", 0.2, 0.2, 0.04, 8), 1, "group", False, (1.0,))
+    objective = GRPO(CollateOptions(tiny_tokenizer.pad_token_id, packing=True), settings, tiny_tokenizer, [])
+    objective.starting_weights = StartingWeights(model)
+    model.add_adapter("ref", model.peft_config["default"])  # trl's copy, for comparison only
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if ".ref." in name:
+                parameter.copy_(model.get_parameter(name.replace(".ref.", ".default.")))
+        for name, parameter in model.named_parameters():  # training moves the adapter
+            if ".default." in name:
+                parameter.add_(torch.randn_like(parameter) * 0.1)
+    trained = {name: p.detach().clone() for name, p in model.named_parameters() if ".default." in name}
+    state = objective._sequences([[1, 40, 41], [1, 42]], [[43, 44, 45], [46, 47]], [False, False], torch.device("cpu"))
+    model.eval()
+    objective._score_policies(Models(model, model, None), [state])
+    with torch.no_grad():
+        policy = objective.token_logps(model, state)[0]
+        model.set_adapter("ref")
+        trls = objective.token_logps(model, state)[0]
+        model.set_adapter("default")
+    assert not torch.allclose(policy, trls, atol=1e-3)  # the start and the trained adapter differ
+    torch.testing.assert_close(state["ref_logps"], trls, rtol=0, atol=1e-6)  # same weights, same products
+    now = {name: p.detach() for name, p in model.named_parameters() if ".default." in name}
+    assert all(torch.equal(now[name], trained[name]) for name in trained)
 
 
 @pytest.mark.parametrize(

@@ -53,6 +53,8 @@ from finetune.training.evaluate import evaluate
 from finetune.training.fsdp import FsdpSharding
 from finetune.training.objectives import Objective, objective_for
 from finetune.training.objectives.base import Models, describe_rewards
+from finetune.training.objectives.grpo import GRPO
+from finetune.training.objectives.reference import StartingWeights
 from finetune.training.preference_setup import initial_adapter, precomputed_reference
 from finetune.training.recipe_digest import recipe_digest, resume_mismatch
 from finetune.training.regional_compile import compile_layers
@@ -342,6 +344,8 @@ def start_run(recipe: Recipe, *, resume: bool, say: Say) -> TrainingRun:
     if recipe.train.compiles(torch.device(base.device).type, quantized):
         compile_layers(peft_model, quantized=quantized, say=say)
     objective = objective_for(recipe, tokenizer, varlen)
+    if isinstance(objective, GRPO) and recipe.train.beta and recipe.lora.init_from is not None:
+        objective.starting_weights = StartingWeights(peft_model)  # before a resumed run loads its weights
     models = Models(model_for_step, peft_model, accelerator)
     data = precomputed_reference(recipe, objective, models, data, resume=resume_from is not None, say=say)
     run = TrainingRun(

@@ -10,7 +10,8 @@ Per optimizer step, in `prepare` (no gradient):
    over the whole step on every process (`batch`), or no division (`none`); NaN becomes 0;
 4. prompt + completion become sequences scored padding-free (`logprobs.collate_sequences`), their tokens up
    to and including the first stop token; π_old (when each generation is trained `num_iterations` > 1
-   times) and π_ref (β > 0: the adapter disabled) are scored here.
+   times) and π_ref (β > 0: the adapter disabled, or with `lora.init_from` the adapter the run started
+   from, swapped in: `reference.StartingWeights`) are scored here.
 
 `terms` then scores the completions with gradient at the sampling temperature and returns the clipped
 policy-gradient loss (`grpo_loss`). With `num_iterations` μ > 1, one generation serves μ optimizer steps
@@ -27,6 +28,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Mapping
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,6 +40,7 @@ from finetune.generation.sample import SampleSettings, sample_completions
 from finetune.training.objectives.base import CollateOptions, Models, Terms
 from finetune.training.objectives.grpo_loss import LossScale, LossSettings, loss_sum, per_token_loss
 from finetune.training.objectives.logprobs import collate_sequences, logits_at
+from finetune.training.objectives.reference import StartingWeights
 from finetune.training.rewards import RewardFunction, TrainerState, score
 
 SEQUENCE_PREFIX = "seq/"
@@ -92,6 +95,9 @@ class GRPO:
         max_steps: int = 0,
     ):
         self.options, self.settings, self.tokenizer = options, settings, tokenizer
+        self.starting_weights: StartingWeights | None = None
+        """The reference's weights when it is the adapter the run started from (`lora.init_from`, β > 0);
+        None: the reference is the base, the adapter disabled."""
         self.reward_functions = reward_functions
         self.max_steps = max_steps
         self.stop_ids = frozenset(_stop_ids(tokenizer))
@@ -201,8 +207,14 @@ class GRPO:
                 if self.settings.num_iterations > 1:
                     state["old_logps"] = self.token_logps(models.peft, state)[0]
                 if self.settings.loss.beta:
-                    with models.peft.disable_adapter():
+                    with self._reference(models):
                         state["ref_logps"] = self.token_logps(models.peft, state)[0]
+
+    def _reference(self, models: Models) -> AbstractContextManager:
+        """π_ref for the block: the starting adapter swapped in, or the base (the adapter disabled)."""
+        if self.starting_weights is not None:
+            return self.starting_weights.swapped_in()
+        return models.peft.disable_adapter()
 
     # ---- the loss -----------------------------------------------------------------------------------
     def token_logps(self, model: Any, state: dict) -> tuple[torch.Tensor, torch.Tensor]:

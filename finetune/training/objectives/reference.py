@@ -14,14 +14,24 @@ autocast, each process a strided share. The values are kept in the run directory
 columns, so the sampler hands them to collation with their rows; `--resume` loads the file, so a resumed
 run uses the very values the interrupted one did.
 
+GRPO with β > 0 and `lora.init_from` measures its KL to the adapter the run started from, as trl's
+GRPOTrainer does with its frozen "ref" copy of a pretrained adapter: `StartingWeights` keeps a copy of the
+trainable LoRA weights as the run starts (a few MB at most) and swaps it into the very parameters for a
+no-grad pass, then swaps the current weights back, bit for bit. No second adapter is added to the model,
+so saving, the optimizer and the sharding wrappers see exactly the parameters they always do.
+
 Example:
     with torch.no_grad():
         ref = reference_logps(models, batch)           # (S,)
+    with starting.swapped_in():                        # the model as the run started
+        ref = sequence_logps(models.peft, batch)
     values = load_or_compute(run_dir, ...)            # {"train": (rows, 2), "validation": ...}
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +41,7 @@ from safetensors.torch import load_file, save_file
 
 from finetune.atomic import atomic_file
 from finetune.device import to_device
+from finetune.errors import ModelError
 from finetune.training.objectives.base import Models
 from finetune.training.objectives.logprobs import sequence_logps
 from finetune.training.sharding import lockstep_batches
@@ -38,6 +49,39 @@ from finetune.training.sharding import lockstep_batches
 REFERENCE_FILE = "reference-logps.safetensors"
 REFERENCE_COLUMNS = ("reference_chosen_logp", "reference_rejected_logp")
 """Row columns of precomputed reference log-probabilities of a pair's sequences, in sequence order."""
+
+
+class StartingWeights:
+    """The trainable weights as the run starts, to be swapped in for passes of the starting policy."""
+
+    def __init__(self, peft_model: Any):
+        """Copies `peft_model`'s trainable parameters as they are now: call it before the first step (and before
+        a resumed run loads its checkpoint), after any sharding wrapper has put its parameters in place.
+
+        Raises:
+            ModelError: DeepSpeed ZeRO-3 holds the parameters partitioned outside `param.data`.
+        """
+        self.parameters = [parameter for parameter in peft_model.parameters() if parameter.requires_grad]
+        if any(hasattr(parameter, "ds_numel") for parameter in self.parameters):
+            raise ModelError(
+                "grpo with train.beta > 0 from lora.init_from keeps the starting adapter's weights as the reference, "
+                "which DeepSpeed ZeRO-3 partitions away; use distributed.strategy fsdp or ddp, or set train.beta=0"
+            )
+        with torch.no_grad():
+            self.values = [parameter.detach().clone() for parameter in self.parameters]
+
+    @contextmanager
+    def swapped_in(self) -> Iterator[None]:
+        """The starting weights in the parameters for the block (no gradient); the current ones back after it."""
+        with torch.no_grad():
+            current = [parameter.detach().clone() for parameter in self.parameters]
+            for parameter, value in zip(self.parameters, self.values):
+                parameter.copy_(value)
+            try:
+                yield
+            finally:
+                for parameter, value in zip(self.parameters, current):
+                    parameter.copy_(value)
 
 
 def reference_logps(models: Models, batch: dict[str, torch.Tensor]) -> torch.Tensor:
