@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from grpo_helpers import write_grpo_run
 from helpers import REPO, instruction_records, preference_records
 from safetensors.torch import load_file
 
@@ -161,6 +162,14 @@ def _distributed(name: str) -> dict:
 
 def _assert_same_adapter(reference: str, sharded: str, max_abs: float = 1e-4, max_relative: float = 1e-4) -> None:
     """Same names and whole shapes, values within the tolerances, the same held-out loss; and it trained."""
+    _assert_same_weights(reference, sharded, max_abs, max_relative)
+    eval_losses = [_metric(path, "eval_loss") for path in (reference, sharded)]
+    assert abs(eval_losses[0] - eval_losses[1]) < 1e-4, eval_losses
+
+
+def _assert_same_weights(reference: str, sharded: str, max_abs: float = 1e-4, max_relative: float = 1e-4) -> None:
+    """Same names and whole shapes, values within the tolerances (absolute, and relative to each tensor's
+    norm: float rounding of sums taken in another order); and it trained."""
     expected = load_file(f"{reference}/adapter_model.safetensors")
     actual = load_file(f"{sharded}/adapter_model.safetensors")
     assert expected.keys() == actual.keys()
@@ -170,8 +179,6 @@ def _assert_same_adapter(reference: str, sharded: str, max_abs: float = 1e-4, ma
     relative = max(((expected[k] - actual[k]).norm() / expected[k].norm().clamp(min=1e-12)).item() for k in expected)
     assert relative < max_relative, relative
     assert any(t.abs().max() > 0 for k, t in actual.items() if "lora_B" in k)
-    eval_losses = [_metric(path, "eval_loss") for path in (reference, sharded)]
-    assert abs(eval_losses[0] - eval_losses[1]) < 1e-4, eval_losses
 
 
 def _metric(adapter_dir: str, name: str) -> float:
@@ -268,3 +275,44 @@ def test_dpo_under_ddp_fsdp_and_deepspeed_trains_the_single_process_adapter(work
     assert "deepspeed over 2 processes" in _train(*zero3)
     _assert_same_adapter("adapters/single", "adapters/zero", max_abs=1e-3, max_relative=1e-3)
     assert _metric("adapters/zero", "eval_reward_accuracy") == _metric("adapters/single", "eval_reward_accuracy")
+
+
+GRPO_RECIPE = """
+model: {{base: {base}}}
+lora: {{r: 4, alpha: 8, dropout: 0.0}}
+data: {{train: prompts.jsonl, format: prompt, max_seq_len: 64}}
+train: {{objective: grpo, reward_functions: [lengths.py:short], num_generations: 4, max_completion_length: 12,
+        beta: 0.04, scale_rewards: batch, max_steps: 2, micro_batch_size: 2, lr: 0.01, schedule: constant,
+        log_every_steps: 1, report_to: []}}
+output: {{name: unnamed, report: false}}
+"""
+
+
+@pytest.mark.slow
+def test_grpo_under_ddp_fsdp_and_deepspeed_trains_the_single_process_adapter(workdir, tiny_base_dir):
+    """GRPO on 2 ranks, each strategy, equals one process with the same global batch (4 prompts x 4
+    completions a step): each prompt's draws are keyed by its place in the global batch, so the ranks sample
+    the completions one process samples; rewards are scaled over the whole step (`scale_rewards: batch`, a
+    gather), the loss is normalised by the step's completion tokens over all ranks, and the KL's reference
+    (β > 0: the adapter disabled on the wrapped or sharded model) is the same on every rank."""
+    write_grpo_run(workdir, tiny_base_dir, "lengths.py:short")  # prompts.jsonl and lengths.py
+    Path("recipe.yaml").write_text(GRPO_RECIPE.format(base=tiny_base_dir))
+    train("recipe.yaml", ["train.micro_batch_size=4", "output.name=single"], log=lambda line: None)
+    rewards = [json.loads(line)["reward"] for line in Path("runs/single/metrics.jsonl").read_text().splitlines()]
+    assert len(set(rewards)) == 2  # the completions (and so the update) differ from step to step
+    assert "2 process(es)" in _train("output.name=ddp")
+    _assert_same_weights("adapters/single", "adapters/ddp", max_abs=1e-5, max_relative=1e-5)
+    assert _rewards("ddp") == _rewards("single")  # every rank sampled what one process sampled
+    assert "fsdp over 2 processes" in _train("output.name=fsdp", "distributed.strategy=fsdp")
+    _assert_same_weights("adapters/single", "adapters/fsdp")
+    assert _rewards("fsdp") == _rewards("single")
+    zero3 = ("output.name=zero", "distributed.strategy=deepspeed", "distributed.deepspeed.stage=3")
+    assert "deepspeed over 2 processes" in _train(*zero3)
+    _assert_same_weights("adapters/single", "adapters/zero", max_abs=1e-3, max_relative=1e-3)
+    assert _rewards("zero") == _rewards("single")
+
+
+def _rewards(name: str) -> list[float]:
+    """The mean reward of each step's completions, as the run logged it (the main process, after the gather)."""
+    lines = Path(f"runs/{name}/metrics.jsonl").read_text().splitlines()
+    return [round(json.loads(line)["reward"], 6) for line in lines if "reward" in json.loads(line)]

@@ -6,7 +6,9 @@ written a stop token leave the batch (`KVBatch.select`, one copy of the cache) o
 of it, so late steps run on the rows still writing. Filters are applied as transformers' `generate`
 applies them: temperature, then top-k, then top-p (the smallest set of tokens whose probability reaches
 `top_p`). Draws use the process's global torch RNG on the model's device, so a checkpoint that holds
-the RNG state resumes the same samples.
+the RNG state resumes the same samples; or, given `uniforms`, a table of each row's uniform numbers drawn
+beforehand (GRPO keys them by the row's place in the step's global batch, so a row draws the same tokens
+whichever process samples it and whatever else is in its batch).
 
 Per token the host does little: the cache writes one column in place (`KVBatch` with `room`), the token
 is drawn with one random number per row (`draw`) and written into a device table, and the host reads one
@@ -14,7 +16,7 @@ count (how many rows have stopped?). Rows that share a prompt (GRPO's group) sha
 LoRA layers run as plain matrix products meanwhile (`lean_lora`, the same outputs bit for bit).
 
 The model runs in eval mode (no dropout: the samples come from the policy the loss scores) under
-`torch.inference_mode`; its training mode is restored after. No copy of the weights is made: a LoRA model
+`torch.inference_mode` (`torch.no_grad` on a sharded model); its training mode is restored after. No copy of the weights is made: a LoRA model
 generates with its adapter as it stands.
 
 Example:
@@ -59,18 +61,21 @@ def filtered_scores(logits: torch.Tensor, settings: SampleSettings) -> torch.Ten
     return scores
 
 
-def draw(logits: torch.Tensor, settings: SampleSettings) -> torch.Tensor:
+def draw(logits: torch.Tensor, settings: SampleSettings, uniform: torch.Tensor | None = None) -> torch.Tensor:
     """One token id per row of `logits` (B, V), as a (B,) tensor on the logits' device.
 
     A draw inverts each row's cumulative distribution at one uniform number: B random numbers per step, where
     `torch.multinomial` or the exponential race draw B x V (on a CPU, drawing the randoms of a 2,048-word
     vocabulary for 32 rows cost more than the tiny base's forward). The cumulative sum is float64, so its
     rounding is far below any token's probability; filtered-out tokens (probability 0) add nothing to it
-    and are never the first index past the drawn point."""
+    and are never the first index past the drawn point. `uniform`: (B,) float64 numbers in [0, 1) to use
+    instead of drawing them from the global RNG."""
     if settings.temperature == 0.0:
         return logits.argmax(dim=-1)
     cumulative = filtered_scores(logits, settings).softmax(dim=-1).double().cumsum(dim=-1)  # (B, V)
-    point = torch.rand(len(cumulative), 1, dtype=torch.float64, device=cumulative.device) * cumulative[:, -1:]
+    if uniform is None:
+        uniform = torch.rand(len(cumulative), dtype=torch.float64, device=cumulative.device)
+    point = uniform[:, None] * cumulative[:, -1:]
     return torch.searchsorted(cumulative, point, right=True).squeeze(-1).clamp_(max=cumulative.shape[-1] - 1)
 
 
@@ -81,21 +86,34 @@ def sample_completions(
     *,
     stop_ids: set[int] | frozenset[int],
     pad_token_id: int,
+    uniforms: torch.Tensor | None = None,
 ) -> list[list[int]]:
     """The completion of each prompt: its sampled tokens, up to and including the first stop token, at most
-    `settings.max_new_tokens`."""
+    `settings.max_new_tokens`. `uniforms`: (prompts, max_new_tokens) float64, row i's draw at token t uses
+    `uniforms[i, t]` (default: the global RNG)."""
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
     try:
-        # inference_mode: no autograd bookkeeping per op (cheaper than no_grad); no tensor of it escapes
-        with lean_lora(model), torch.inference_mode():
-            return _decode(model, prompts, settings, stop_ids, pad_token_id, device)
+        with lean_lora(model), _no_autograd(model):
+            return _decode(model, prompts, settings, stop_ids, pad_token_id, device, uniforms)
     finally:
         model.train(was_training)
 
 
-def _decode(model, prompts, settings, stop_ids, pad_token_id, device) -> list[list[int]]:
+def _no_autograd(model: Any) -> Any:
+    """`torch.inference_mode` (no autograd bookkeeping per op: cheaper than `no_grad`; no tensor of it escapes),
+    except where the parameters are sharded across processes: FSDP2 and DeepSpeed ZeRO-3 gather them into
+    buffers they update in place after the forward, which tensors made in inference mode refuse."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        from torch.distributed.tensor import DTensor
+
+        if any(isinstance(p, DTensor) or hasattr(p, "ds_numel") for p in model.parameters()):
+            return torch.no_grad()
+    return torch.inference_mode()
+
+
+def _decode(model, prompts, settings, stop_ids, pad_token_id, device, uniforms) -> list[list[int]]:
     """Prefill each distinct prompt once, copy its cache to the rows that share it, then decode.
 
     Tokens stay on the device in an (N, max_new_tokens) table; the host reads one flag per step (did a row
@@ -115,8 +133,10 @@ def _decode(model, prompts, settings, stop_ids, pad_token_id, device) -> list[li
     table = torch.full((len(prompts), settings.max_new_tokens), -1, dtype=torch.long, device=device)
     rows = torch.arange(len(prompts), device=device)  # which prompt each batch row decodes
     done = torch.zeros(len(prompts), dtype=torch.bool, device=device)  # per batch row: has written a stop
+    if uniforms is not None:
+        uniforms = uniforms.to(device)
     for step in range(settings.max_new_tokens):
-        chosen = draw(logits, settings)  # (B_t,)
+        chosen = draw(logits, settings, None if uniforms is None else uniforms[rows, step])  # (B_t,)
         table[rows, step] = chosen  # a finished row's later tokens come after its stop: never read
         if step + 1 == settings.max_new_tokens:
             break

@@ -85,4 +85,5 @@ def grpo_settings(recipe: Recipe) -> GRPOSettings:
         scale_rewards=train.scale_rewards,
         mask_truncated_completions=bool(train.mask_truncated_completions),
         reward_weights=tuple(train.reward_weights or [1.0] * len(functions)),
+        seed=train.seed,
     )

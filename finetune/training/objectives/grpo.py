@@ -25,6 +25,7 @@ Example:
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 from collections.abc import Mapping
@@ -55,6 +56,22 @@ class GRPOSettings:
     scale_rewards: str
     mask_truncated_completions: bool
     reward_weights: tuple[float, ...]
+    seed: int = 0
+    """Keys the training draws (`draw_table`) with the step and each prompt's place in the global batch."""
+
+
+def draw_table(seed: int, step: int, places: list[tuple[int, int]], group: int, tokens: int) -> torch.Tensor:
+    """(len(places) x group, tokens) float64 uniform numbers for a step's sampling: prompt number `i` of
+    micro-batch `k` in the step's global batch (all processes' rows, `places[n] = (k, i)`) gets its own
+    generator, seeded from (seed, step, k, i). A prompt therefore draws the same numbers whichever process
+    samples it and whatever else shares its batch, so 2 ranks sample what one process with their global
+    batch samples (and a resumed run what the interrupted one did, from the step alone)."""
+    tables = []
+    for micro_batch, place in places:
+        key = hashlib.blake2b(f"grpo-draws {seed} {step} {micro_batch} {place}".encode(), digest_size=8).digest()
+        generator = torch.Generator().manual_seed(int.from_bytes(key, "little") >> 1)
+        tables.append(torch.rand(group, tokens, dtype=torch.float64, generator=generator))
+    return torch.cat(tables)
 
 
 def nanstd(values: torch.Tensor, dim: int | None = None) -> torch.Tensor:
@@ -138,8 +155,13 @@ class GRPO:
         prompts = [row["input_ids"] for row in rows for _ in range(group)]
         started = time.perf_counter()
         stops = self.stop_ids | _configured_stops(models.peft)
+        uniforms = None
+        if reduce:  # training: each prompt's draws keyed by its place in the step's global batch
+            process, size = models.accelerator.process_index, len(batches[0]["rows"])
+            places = [(k, process * size + i) for k, batch in enumerate(batches) for i in range(len(batch["rows"]))]
+            uniforms = draw_table(settings.seed, self.steps_prepared, places, group, settings.sample.max_new_tokens)
         completions = sample_completions(models.peft, prompts, settings.sample, stop_ids=stops,
-                                         pad_token_id=self.pad_token_id)  # fmt: skip
+                                         pad_token_id=self.pad_token_id, uniforms=uniforms)  # fmt: skip
         generated = time.perf_counter()
         scores = self._score(rows, completions)  # (n, F) on the host
         scored = time.perf_counter()
