@@ -343,9 +343,7 @@ def start_run(recipe: Recipe, *, resume: bool, say: Say) -> TrainingRun:
     quantized = recipe.model.quantization != "none"
     if recipe.train.compiles(torch.device(base.device).type, quantized):
         compile_layers(peft_model, quantized=quantized, say=say)
-    objective = objective_for(recipe, tokenizer, varlen)
-    if isinstance(objective, GRPO) and recipe.train.beta and recipe.lora.init_from is not None:
-        objective.starting_weights = StartingWeights(peft_model)  # before a resumed run loads its weights
+    objective = _objective(recipe, tokenizer, varlen, peft_model)
     models = Models(model_for_step, peft_model, accelerator)
     data = precomputed_reference(recipe, objective, models, data, resume=resume_from is not None, say=say)
     run = TrainingRun(
@@ -357,6 +355,15 @@ def start_run(recipe: Recipe, *, resume: bool, say: Say) -> TrainingRun:
     elif data.validation is not None:
         _evaluate_start(run, say)
     return run
+
+
+def _objective(recipe: Recipe, tokenizer: Any, varlen: bool, peft_model: Any) -> Objective:
+    """The recipe's objective. GRPO with β > 0 from `lora.init_from` measures its KL to the adapter the run
+    starts from: its weights are copied here, before a resumed run loads its checkpoint's."""
+    objective = objective_for(recipe, tokenizer, varlen)
+    if isinstance(objective, GRPO) and recipe.train.beta and recipe.lora.init_from is not None:
+        objective.starting_weights = StartingWeights(peft_model)
+    return objective
 
 
 def _evaluate_start(run: TrainingRun, say: Say) -> None:
