@@ -126,8 +126,15 @@ class LoraConfig(_Section):
     init_from: str | None = None
     """An adapter directory the LoRA weights start from instead of `init` (e.g. the SFT adapter a preference
     run refines); its rank, alpha and target modules must be this section's. The adapter written at the end
-    is whole (the starting weights plus what this run learnt), usable like any other. With a preference
-    objective the reference policy is then that adapter, so `train.precompute_reference` must be on."""
+    is whole (the starting weights plus what this run learnt), usable like any other. The reference policy
+    of dpo, kto and grpo's KL is then that adapter (its weights are kept aside and swapped in for reference
+    passes, or dpo's are precomputed)."""
+
+    @property
+    def starts_as_base(self) -> bool:
+        """Whether the LoRA model starts as the base (B = 0): not from another adapter, nor from a PiSSA/OLoRA
+        initialisation that moves part of the base into the adapter."""
+        return self.init_from is None and self.init not in ("pissa", "olora")
 
     @field_validator("target_modules")
     @classmethod
@@ -658,25 +665,6 @@ class Recipe(_Section):
         if wanted is None and data_format in OWN_ROW_FORMATS:
             used_by = " or ".join(name for name, fmt in OBJECTIVE_FORMATS.items() if fmt == data_format)
             raise ValueError(f"data.format {data_format} needs objective {used_by}; set train.objective to {used_by}")
-        starts_elsewhere = self.lora.init_from is not None or self.lora.init in ("pissa", "olora")
-        if self.lora.init in ("pissa", "olora") and objective == "grpo" and self.train.beta:
-            raise ValueError(
-                f"grpo with train.beta > 0 measures the KL to the base (the adapter disabled), but lora.init "
-                f"{self.lora.init} moves part of the base into the adapter; set train.beta=0 (trl's default) or "
-                "lora.init=default"
-            )
-        if starts_elsewhere and objective in ("dpo", "kto") and not self.train.precompute_reference:
-            cause = "lora.init_from" if self.lora.init_from is not None else f"lora.init {self.lora.init}"
-            fix = (
-                "set train.precompute_reference=true"
-                if objective == "dpo"
-                else "kto's reference cannot be precomputed (its KL term pairs each prompt with another completion of "
-                "the micro-batch); start kto from the base, or use dpo"
-            )
-            raise ValueError(
-                f"{cause} with objective {objective}: the model does not start as the base, so disabling the adapter "
-                f"does not give the reference policy (the model as it starts); {fix}"
-            )
         return self
 
     @model_validator(mode="after")

@@ -198,11 +198,6 @@ CASES = [
             ),
         ),
     ),  # fmt: skip
-    Case(
-        "init-from-without-precomputed-reference",
-        ("validate", "recipe.yaml", *PAIRS, "lora.init_from=adapter"),
-        ("lora.init_from", "train.precompute_reference=true"),
-    ),
     # Model directories
     Case("base-missing", ("train", "recipe.yaml", "model.base=./no-such-model"), ("no such directory",)),
     Case(

@@ -11,6 +11,7 @@ our tokenization of the same records equals trl's is checked separately).
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -377,3 +378,41 @@ def test_dpo_resumes_after_sigkill_bit_for_bit_and_plain_peft_reads_its_rewards(
     prompt = preference_records(1)[0]["prompt"]
     assert main(["generate", "--adapter", str(whole), "--max-new-tokens", "8", prompt]) == 0
     assert capsys.readouterr().out[:-1] == greedy_text(tiny_base_dir, whole, prompt, 8)  # print adds one newline
+
+
+KTO_RECIPE = """
+model: {{base: {base}}}
+lora: {{r: 4, alpha: 8, dropout: 0.0, init_from: {start}}}
+data: {{train: examples.jsonl, validation: examples.jsonl, format: unpaired_preference, max_seq_len: 128}}
+train: {{objective: kto, beta: 0.5, max_steps: 2, micro_batch_size: 4, lr: 0.01, log_every_steps: 1,
+        report_to: []}}
+output: {{name: kto, report: false}}
+"""
+
+
+@pytest.mark.slow
+def test_from_an_adapter_the_reference_is_that_adapter_swapped_in_as_precomputed(preference_workdir, tiny_base_dir):
+    """Refining an adapter (`lora.init_from`), the reference policy is that adapter. DPO scoring it per step,
+    with its weights swapped into the trained parameters, trains the adapter that precomputing it trains;
+    with either, and with KTO (whose reference cannot be precomputed), the policy at the start is its
+    reference: every held-out implicit reward is 0 before the first step."""
+    quiet = {"log": lambda line: None}
+    start, _ = train("pref.yaml", ["lora.dropout=0.0", "train.max_steps=2", "output.name=start"], **quiet)
+    refine = [f"lora.init_from={start}", "lora.dropout=0.0", "train.max_steps=3", "train.report_to=[]"]
+    precomputed, before = train("pref.yaml", [*refine, "output.name=precomputed"], **quiet)
+    swapped, after = train("pref.yaml", [*refine, "train.precompute_reference=false", "output.name=swapped"], **quiet)
+    for metrics in (before, after):  # every reward 0: no margin, and DPO's loss -log sigmoid(0)
+        assert metrics["base_eval_reward_margin"] == 0.0, metrics
+        assert metrics["base_eval_loss"] == pytest.approx(math.log(2), abs=1e-6), metrics
+    expected, actual = (
+        load_file(precomputed / "adapter_model.safetensors"),
+        load_file(swapped / "adapter_model.safetensors"),
+    )
+    moved = max((expected[k] - load_file(start / "adapter_model.safetensors")[k]).abs().max().item() for k in expected)
+    largest = max((expected[k] - actual[k]).abs().max().item() for k in expected)
+    assert largest < 1e-4 < moved, (largest, moved)  # float rounding of batches laid out otherwise; it trained
+
+    (preference_workdir / "examples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in unpaired_records(12)))
+    (preference_workdir / "kto.yaml").write_text(KTO_RECIPE.format(base=tiny_base_dir, start=start))
+    _, kto = train("kto.yaml", [], **quiet)
+    assert kto["base_eval_reward_margin"] == 0.0 and kto["base_eval_loss"] == 0.5, kto  # 1 - sigmoid(0)

@@ -53,8 +53,7 @@ from finetune.training.evaluate import evaluate
 from finetune.training.fsdp import FsdpSharding
 from finetune.training.objectives import Objective, objective_for
 from finetune.training.objectives.base import Models, describe_rewards
-from finetune.training.objectives.grpo import GRPO
-from finetune.training.objectives.reference import StartingWeights
+from finetune.training.objectives.reference import MeasuredAgainstStart, StartingWeights
 from finetune.training.preference_setup import initial_adapter, precomputed_reference
 from finetune.training.recipe_digest import recipe_digest, resume_mismatch
 from finetune.training.regional_compile import compile_layers
@@ -358,10 +357,11 @@ def start_run(recipe: Recipe, *, resume: bool, say: Say) -> TrainingRun:
 
 
 def _objective(recipe: Recipe, tokenizer: Any, varlen: bool, peft_model: Any) -> Objective:
-    """The recipe's objective. GRPO with β > 0 from `lora.init_from` measures its KL to the adapter the run
-    starts from: its weights are copied here, before a resumed run loads its checkpoint's."""
+    """The recipe's objective. One measured against the model as the run starts (DPO, KTO, GRPO's KL) gets the
+    starting LoRA weights when LoRA does not start as the base: copied here, before a resumed run loads its
+    checkpoint's."""
     objective = objective_for(recipe, tokenizer, varlen)
-    if isinstance(objective, GRPO) and recipe.train.beta and recipe.lora.init_from is not None:
+    if isinstance(objective, MeasuredAgainstStart) and objective.scores_reference and not recipe.lora.starts_as_base:
         objective.starting_weights = StartingWeights(peft_model)
     return objective
 

@@ -31,7 +31,7 @@ from finetune.training.objectives.pairs import (
     by_side,
     pair_metrics,
 )
-from finetune.training.objectives.reference import reference_logps
+from finetune.training.objectives.reference import MeasuredAgainstStart
 
 
 def dpo_losses(
@@ -52,7 +52,7 @@ def dpo_losses(
     return -F.logsigmoid(beta * margin)
 
 
-class DPO(PairObjective):
+class DPO(PairObjective, MeasuredAgainstStart):
     name: str = "dpo"
 
     def __init__(
@@ -63,10 +63,15 @@ class DPO(PairObjective):
         self.loss_units: tuple[str, ...] = ("pairs", "chosen_tokens") if rpo_alpha > 0 else ("pairs",)
 
     def prepare(self, models: Models, batches: list[dict[str, torch.Tensor]], *, reduce: bool) -> list[dict]:
-        """The reference log-probabilities of every sequence of the step: precomputed, or the adapter disabled."""
+        """The reference log-probabilities of every sequence of the step: precomputed, or scored now (the
+        adapter disabled, or the starting weights swapped in)."""
         if self.precomputed:
             return [{"reference": batch["reference_logps"]} for batch in batches]
-        return [{"reference": reference_logps(models, batch)} for batch in batches]
+        return [{"reference": self.reference_logps(models, batch)} for batch in batches]
+
+    @property
+    def scores_reference(self) -> bool:
+        return not self.precomputed
 
     def terms(self, models: Models, batch: dict[str, torch.Tensor], prepared: dict) -> Terms:
         logps = sequence_logps(models.step, batch)  # (2P,)

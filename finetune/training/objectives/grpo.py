@@ -11,7 +11,7 @@ Per optimizer step, in `prepare` (no gradient):
 4. prompt + completion become sequences scored padding-free (`logprobs.collate_sequences`), their tokens up
    to and including the first stop token; π_old (when each generation is trained `num_iterations` > 1
    times) and π_ref (β > 0: the adapter disabled, or with `lora.init_from` the adapter the run started
-   from, swapped in: `reference.StartingWeights`) are scored here.
+   from, swapped in: `reference.MeasuredAgainstStart`) are scored here.
 
 `terms` then scores the completions with gradient at the sampling temperature and returns the clipped
 policy-gradient loss (`grpo_loss`). With `num_iterations` μ > 1, one generation serves μ optimizer steps
@@ -29,7 +29,6 @@ import hashlib
 import json
 import time
 from collections.abc import Mapping
-from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,7 +40,7 @@ from finetune.generation.sample import SampleSettings, sample_completions
 from finetune.training.objectives.base import CollateOptions, Models, Terms
 from finetune.training.objectives.grpo_loss import LossScale, LossSettings, loss_sum, per_token_loss
 from finetune.training.objectives.logprobs import collate_sequences, logits_at
-from finetune.training.objectives.reference import StartingWeights
+from finetune.training.objectives.reference import MeasuredAgainstStart
 from finetune.training.rewards import RewardFunction, TrainerState, score
 
 SEQUENCE_PREFIX = "seq/"
@@ -98,7 +97,7 @@ def advantages_of(rewards: torch.Tensor, group_size: int, scale: str) -> tuple[t
     return torch.nan_to_num(advantages, nan=0.0), std
 
 
-class GRPO:
+class GRPO(MeasuredAgainstStart):
     name: str = "grpo"
     loss_units: tuple[str, ...] = ("completions",)
     count_units: tuple[str, ...] = ("completions",)
@@ -112,9 +111,6 @@ class GRPO:
         max_steps: int = 0,
     ):
         self.options, self.settings, self.tokenizer = options, settings, tokenizer
-        self.starting_weights: StartingWeights | None = None
-        """The reference's weights when it is the adapter the run started from (`lora.init_from`, β > 0);
-        None: the reference is the base, the adapter disabled."""
         self.reward_functions = reward_functions
         self.max_steps = max_steps
         self.stop_ids = frozenset(_stop_ids(tokenizer))
@@ -229,14 +225,12 @@ class GRPO:
                 if self.settings.num_iterations > 1:
                     state["old_logps"] = self.token_logps(models.peft, state)[0]
                 if self.settings.loss.beta:
-                    with self._reference(models):
+                    with self.reference_policy(models):
                         state["ref_logps"] = self.token_logps(models.peft, state)[0]
 
-    def _reference(self, models: Models) -> AbstractContextManager:
-        """π_ref for the block: the starting adapter swapped in, or the base (the adapter disabled)."""
-        if self.starting_weights is not None:
-            return self.starting_weights.swapped_in()
-        return models.peft.disable_adapter()
+    @property
+    def scores_reference(self) -> bool:
+        return bool(self.settings.loss.beta)
 
     # ---- the loss -----------------------------------------------------------------------------------
     def token_logps(self, model: Any, state: dict) -> tuple[torch.Tensor, torch.Tensor]:

@@ -29,7 +29,7 @@ import torch
 from finetune.data.labels import IGNORE_INDEX
 from finetune.training.objectives.base import CollateOptions, Models, Terms
 from finetune.training.objectives.logprobs import collate_sequences, sequence_logps
-from finetune.training.objectives.reference import reference_logps
+from finetune.training.objectives.reference import MeasuredAgainstStart
 
 KL_PREFIX = "kl/"
 
@@ -46,7 +46,7 @@ def mismatched(rows: list[dict[str, Any]], max_seq_len: int) -> list[dict[str, l
     return sequences
 
 
-class KTO:
+class KTO(MeasuredAgainstStart):
     name: str = "kto"
     loss_units: tuple[str, ...] = ("examples",)
     metric_units: Mapping[str, str] = {
@@ -91,9 +91,9 @@ class KTO:
         references, kl_sums, count = [], [], 0
         for batch in batches:
             kl_batch = {key.removeprefix(KL_PREFIX): value for key, value in batch.items() if key.startswith(KL_PREFIX)}
-            references.append(reference_logps(models, batch))  # (n,)
+            references.append(self.reference_logps(models, batch))  # (n,)
             with torch.no_grad():
-                kl_logratios = sequence_logps(models.peft, kl_batch) - reference_logps(models, kl_batch)
+                kl_logratios = sequence_logps(models.peft, kl_batch) - self.reference_logps(models, kl_batch)
             kl_sums.append(kl_logratios.sum())
             count += len(batch["desirable"])
         device = kl_sums[0].device

@@ -14,24 +14,22 @@ autocast, each process a strided share. The values are kept in the run directory
 columns, so the sampler hands them to collation with their rows; `--resume` loads the file, so a resumed
 run uses the very values the interrupted one did.
 
-GRPO with β > 0 and `lora.init_from` measures its KL to the adapter the run started from, as trl's
-GRPOTrainer does with its frozen "ref" copy of a pretrained adapter: `StartingWeights` keeps a copy of the
+When LoRA does not start as the base (`lora.init_from`, e.g. the SFT adapter a DPO, KTO or GRPO run refines;
+or a PiSSA/OLoRA initialisation), the reference passes instead run the model as the run started, as trl's
+trainers do with their frozen "ref" copy of a pretrained adapter: `StartingWeights` keeps a copy of the
 trainable LoRA weights as the run starts (a few MB at most) and swaps it into the very parameters for a
 no-grad pass, then swaps the current weights back, bit for bit. No second adapter is added to the model,
 so saving, the optimizer and the sharding wrappers see exactly the parameters they always do.
 
 Example:
-    with torch.no_grad():
-        ref = reference_logps(models, batch)           # (S,)
-    with starting.swapped_in():                        # the model as the run started
-        ref = sequence_logps(models.peft, batch)
+    ref = objective.reference_logps(models, batch)    # (S,): the adapter disabled, or the starting weights
     values = load_or_compute(run_dir, ...)            # {"train": (rows, 2), "validation": ...}
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -64,8 +62,10 @@ class StartingWeights:
         self.parameters = [parameter for parameter in peft_model.parameters() if parameter.requires_grad]
         if any(hasattr(parameter, "ds_numel") for parameter in self.parameters):
             raise ModelError(
-                "grpo with train.beta > 0 from lora.init_from keeps the starting adapter's weights as the reference, "
-                "which DeepSpeed ZeRO-3 partitions away; use distributed.strategy fsdp or ddp, or set train.beta=0"
+                "the reference policy is the adapter the run starts from (lora.init_from, or a pissa/olora init), "
+                "whose weights are swapped in for reference passes, and DeepSpeed ZeRO-3 partitions them away; use "
+                "distributed.strategy fsdp or ddp, or a reference without passes (dpo: "
+                "train.precompute_reference=true; grpo: train.beta=0)"
             )
         with torch.no_grad():
             self.values = [parameter.detach().clone() for parameter in self.parameters]
@@ -84,10 +84,28 @@ class StartingWeights:
                     parameter.copy_(value)
 
 
-def reference_logps(models: Models, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """(S,) log π_ref of each sequence: the LoRA model with its adapter disabled, no gradient."""
-    with torch.no_grad(), models.peft.disable_adapter():
-        return sequence_logps(models.peft, batch)
+class MeasuredAgainstStart:
+    """What an objective whose reference policy is the model as the run starts (DPO, KTO, GRPO's KL) shares."""
+
+    starting_weights: StartingWeights | None = None
+    """The starting LoRA weights, set by the run when LoRA does not start as the base; None: the reference is
+    the base, the adapter disabled."""
+
+    @property
+    def scores_reference(self) -> bool:
+        """Whether training runs reference passes (not when they are precomputed, or GRPO's β is 0)."""
+        return True
+
+    def reference_policy(self, models: Models) -> AbstractContextManager:
+        """π_ref for the block: the starting weights swapped in, or the base (the adapter disabled)."""
+        if self.starting_weights is not None:
+            return self.starting_weights.swapped_in()
+        return models.peft.disable_adapter()
+
+    def reference_logps(self, models: Models, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """(S,) log π_ref of each sequence, no gradient."""
+        with torch.no_grad(), self.reference_policy(models):
+            return sequence_logps(models.peft, batch)
 
 
 @torch.no_grad()
