@@ -280,7 +280,7 @@ def test_dpo_under_ddp_fsdp_and_deepspeed_trains_the_single_process_adapter(work
 GRPO_RECIPE = """
 model: {{base: {base}}}
 lora: {{r: 4, alpha: 8, dropout: 0.0}}
-data: {{train: prompts.jsonl, format: prompt, max_seq_len: 64}}
+data: {{train: prompts.jsonl, validation: prompts.jsonl, format: prompt, max_seq_len: 64}}
 train: {{objective: grpo, reward_functions: [lengths.py:short], num_generations: 4, max_completion_length: 12,
         beta: 0.04, scale_rewards: batch, max_steps: 2, micro_batch_size: 2, lr: 0.01, schedule: constant,
         log_every_steps: 1, report_to: []}}
@@ -299,11 +299,14 @@ def test_grpo_under_ddp_fsdp_and_deepspeed_trains_the_single_process_adapter(wor
     write_grpo_run(workdir, tiny_base_dir, "lengths.py:short")  # prompts.jsonl and lengths.py
     Path("recipe.yaml").write_text(GRPO_RECIPE.format(base=tiny_base_dir))
     train("recipe.yaml", ["train.micro_batch_size=4", "output.name=single"], log=lambda line: None)
-    rewards = [json.loads(line)["reward"] for line in Path("runs/single/metrics.jsonl").read_text().splitlines()]
-    assert len(set(rewards)) == 2  # the completions (and so the update) differ from step to step
+    assert len(set(_rewards("single"))) == 2  # the completions (and so the update) differ from step to step
     assert "2 process(es)" in _train("output.name=ddp")
     _assert_same_weights("adapters/single", "adapters/ddp", max_abs=1e-5, max_relative=1e-5)
     assert _rewards("ddp") == pytest.approx(_rewards("single"), abs=1e-6)  # the ranks sampled what one process did
+    # held-out prompts are sampled with draws keyed by the record: the same at the start and the end of a run
+    # (the end differs by what was learnt), and the same whichever rank evaluates a prompt
+    assert _metric("adapters/ddp", "eval_reward") == pytest.approx(_metric("adapters/single", "eval_reward"), abs=1e-6)
+    assert _metric("adapters/single", "eval_reward") != _metric("adapters/single", "base_eval_reward")
     refine = ["lora.init_from=adapters/single"]
     train("recipe.yaml", [*refine, "train.micro_batch_size=4", "output.name=refined"], log=lambda line: None)
     assert "fsdp over 2 processes" in _train(*refine, "output.name=fsdp", "distributed.strategy=fsdp")
@@ -313,6 +316,7 @@ def test_grpo_under_ddp_fsdp_and_deepspeed_trains_the_single_process_adapter(wor
     assert "deepspeed over 2 processes" in _train(*zero3)
     _assert_same_weights("adapters/single", "adapters/zero", max_abs=1e-3, max_relative=1e-3)
     assert _rewards("zero") == pytest.approx(_rewards("single"), abs=1e-6)
+    assert _metric("adapters/zero", "eval_reward") == pytest.approx(_metric("adapters/single", "eval_reward"), abs=1e-6)
 
 
 def _rewards(name: str) -> list[float]:

@@ -17,7 +17,8 @@ Per optimizer step, in `prepare` (no gradient):
 policy-gradient loss (`grpo_loss`). With `num_iterations` μ > 1, one generation serves μ optimizer steps
 (the run holds its data position meanwhile, as trl repeats each batch μ times).
 
-Evaluation (`reduce=False`) samples the held-out prompts the same way and reports their rewards.
+Evaluation (`reduce=False`) samples the held-out prompts the same way, each with draws keyed by its record
+(the same at every evaluation), and reports their rewards.
 
 Example:
     objective = GRPO(options, settings, tokenizer, load_reward_functions(["reward.py:score"]))
@@ -56,21 +57,42 @@ class GRPOSettings:
     mask_truncated_completions: bool
     reward_weights: tuple[float, ...]
     seed: int = 0
-    """Keys the training draws (`draw_table`) with the step and each prompt's place in the global batch."""
+    """Keys the draws (`draw_table`): in training with the step and each prompt's place in the global batch,
+    in evaluation with the record."""
 
 
-def draw_table(seed: int, step: int, places: list[tuple[int, int]], group: int, tokens: int) -> torch.Tensor:
-    """(len(places) x group, tokens) float64 uniform numbers for a step's sampling: prompt number `i` of
-    micro-batch `k` in the step's global batch (all processes' rows, `places[n] = (k, i)`) gets its own
-    generator, seeded from (seed, step, k, i). A prompt therefore draws the same numbers whichever process
-    samples it and whatever else shares its batch, so 2 ranks sample what one process with their global
-    batch samples (and a resumed run what the interrupted one did, from the step alone)."""
+def draw_table(keys: list[str], group: int, tokens: int) -> torch.Tensor:
+    """(len(keys) x group, tokens) float64 uniform numbers: each prompt's `group` rows of draws come from a
+    generator of its own, seeded from its key (`training_keys`, `evaluation_keys`), so what a prompt samples
+    depends on its key and the model, not on which process samples it or what shares its batch."""
     tables = []
-    for micro_batch, place in places:
-        key = hashlib.blake2b(f"grpo-draws {seed} {step} {micro_batch} {place}".encode(), digest_size=8).digest()
-        generator = torch.Generator().manual_seed(int.from_bytes(key, "little") >> 1)
+    for key in keys:
+        digest = hashlib.blake2b(key.encode(), digest_size=8).digest()
+        generator = torch.Generator().manual_seed(int.from_bytes(digest, "little") >> 1)
         tables.append(torch.rand(group, tokens, dtype=torch.float64, generator=generator))
     return torch.cat(tables)
+
+
+def training_keys(seed: int, step: int, batches: list[dict[str, Any]], process: int) -> list[str]:
+    """A training step's prompt keys: (seed, step, micro-batch k, the prompt's place in micro-batch k of the
+    step's global batch, all processes' rows). 2 ranks then sample what one process with their global batch
+    samples, and a resumed run what the interrupted one did, from the step alone."""
+    size = len(batches[0]["rows"])
+    return [
+        f"grpo-train {seed} {step} {k} {process * size + i}"
+        for k, b in enumerate(batches)
+        for i in range(len(b["rows"]))
+    ]
+
+
+def evaluation_keys(seed: int, rows: list[dict[str, Any]]) -> list[str]:
+    """Held-out prompts' keys: (seed, the record itself). Every evaluation of a run then samples a prompt
+    with the same numbers (common random numbers: the start and the end of a run differ by what the model
+    learnt, not by the draws), whatever the process count."""
+    return [
+        "grpo-eval {} {}".format(seed, hashlib.blake2b(f"{row['input_ids']} {row['columns']}".encode()).hexdigest())
+        for row in rows
+    ]
 
 
 def nanstd(values: torch.Tensor, dim: int | None = None) -> torch.Tensor:
@@ -151,11 +173,11 @@ class GRPO(MeasuredAgainstStart):
         prompts = [row["input_ids"] for row in rows for _ in range(group)]
         started = time.perf_counter()
         stops = self.stop_ids | _configured_stops(models.peft)
-        uniforms = None
-        if reduce:  # training: each prompt's draws keyed by its place in the step's global batch
-            process, size = models.accelerator.process_index, len(batches[0]["rows"])
-            places = [(k, process * size + i) for k, batch in enumerate(batches) for i in range(len(batch["rows"]))]
-            uniforms = draw_table(settings.seed, self.steps_prepared, places, group, settings.sample.max_new_tokens)
+        if reduce:
+            keys = training_keys(settings.seed, self.steps_prepared, batches, models.accelerator.process_index)
+        else:
+            keys = evaluation_keys(settings.seed, rows)
+        uniforms = draw_table(keys, group, settings.sample.max_new_tokens)
         completions = sample_completions(models.peft, prompts, settings.sample, stop_ids=stops,
                                          pad_token_id=self.pad_token_id, uniforms=uniforms)  # fmt: skip
         generated = time.perf_counter()
