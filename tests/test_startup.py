@@ -1,9 +1,10 @@
 """The inference half starts without the training stack: what each command really imports.
 
 Each command runs for real (as the `finetune` script would run it, forked from an interpreter that has
-loaded torch and transformers only), and the modules loaded by the time it exits are read from `sys.modules`. Training (`finetune.training`, its
-trackers, deepspeed, trl) and bitsandbytes (which pulls in torch's inductor) cost seconds of start-up
-that `generate`, `eval`, `adapters merge`, `plan` and `export` never need.
+loaded torch and transformers only), and the modules loaded by the time it exits are read from
+`sys.modules`. Training (`finetune.training`, its trackers, deepspeed, trl) and bitsandbytes (which pulls in
+torch's inductor) cost seconds of start-up that `generate`, `eval`, `adapters merge`, `plan` and `export`
+never need.
 """
 
 from __future__ import annotations

@@ -7,8 +7,8 @@ of it, so late steps run on the rows still writing. Filters are applied as trans
 applies them: temperature, then top-k, then top-p (the smallest set of tokens whose probability reaches
 `top_p`). Draws use the process's global torch RNG on the model's device, so a checkpoint that holds
 the RNG state resumes the same samples; or, given `uniforms`, a table of each row's uniform numbers drawn
-beforehand (GRPO keys them by the row's place in the step's global batch, so a row draws the same tokens
-whichever process samples it and whatever else is in its batch).
+beforehand (GRPO keys them by the prompt's place in the step's global batch, or in evaluation by its record,
+so a row draws the same tokens whichever process samples it and whatever else is in its batch).
 
 Per token the host does little: the cache writes one column in place (`KVBatch` with `room`), the token
 is drawn with one random number per row (`draw`) and written into a device table, and the host reads one
@@ -16,8 +16,8 @@ count (how many rows have stopped?). Rows that share a prompt (GRPO's group) sha
 LoRA layers run as plain matrix products meanwhile (`lean_lora`, the same outputs bit for bit).
 
 The model runs in eval mode (no dropout: the samples come from the policy the loss scores) under
-`torch.inference_mode` (`torch.no_grad` on a sharded model); its training mode is restored after. No copy of the weights is made: a LoRA model
-generates with its adapter as it stands.
+`torch.inference_mode` (`torch.no_grad` on a sharded model); its training mode is restored after. No copy
+of the weights is made: a LoRA model generates with its adapter as it stands.
 
 Example:
     settings = SampleSettings(max_new_tokens=32, temperature=1.0)

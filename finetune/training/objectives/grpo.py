@@ -173,11 +173,13 @@ class GRPO(MeasuredAgainstStart):
         prompts = [row["input_ids"] for row in rows for _ in range(group)]
         started = time.perf_counter()
         stops = self.stop_ids | _configured_stops(models.peft)
-        if reduce:
-            keys = training_keys(settings.seed, self.steps_prepared, batches, models.accelerator.process_index)
-        else:
-            keys = evaluation_keys(settings.seed, rows)
-        uniforms = draw_table(keys, group, settings.sample.max_new_tokens)
+        uniforms = None
+        if settings.sample.temperature:  # greedy decoding draws nothing
+            if reduce:
+                keys = training_keys(settings.seed, self.steps_prepared, batches, models.accelerator.process_index)
+            else:
+                keys = evaluation_keys(settings.seed, rows)
+            uniforms = draw_table(keys, group, settings.sample.max_new_tokens)
         completions = sample_completions(models.peft, prompts, settings.sample, stop_ids=stops,
                                          pad_token_id=self.pad_token_id, uniforms=uniforms)  # fmt: skip
         generated = time.perf_counter()
