@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import difflib
 import importlib.util
+import json
 import re
 from pathlib import Path
 from typing import Any, Literal
@@ -92,6 +93,28 @@ class ModelConfig(_Section):
         return flat
 
 
+_PEFT_SHAPE_KEYS = {"r": "r", "lora_alpha": "alpha", "use_rslora": "use_rslora", "lora_dropout": "dropout"}
+"""peft's adapter_config.json key -> the lora section's field, for what an adapter fixes about a run."""
+
+
+def starting_adapter_shape(adapter: Path) -> dict[str, Any]:
+    """The lora fields an adapter directory's peft config fixes: rank, alpha, rsLoRA, dropout, and the target
+    modules when they are plain module names (not the head or embeddings, which have switches of their own,
+    nor a mixture of experts' fused tensors). {} when there is no readable LoRA config."""
+    try:
+        config = json.loads((adapter / "adapter_config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(config, dict) or config.get("peft_type", "LORA") != "LORA":
+        return {}
+    shape = {field: config[key] for key, field in _PEFT_SHAPE_KEYS.items() if config.get(key) is not None}
+    targets = config.get("target_modules")
+    if isinstance(targets, list) and targets and not config.get("target_parameters"):
+        if not any(name in ("lm_head", "embed_tokens") or "." in name for name in targets):
+            shape["target_modules"] = sorted(targets)
+    return shape
+
+
 class LoraConfig(_Section):
     """The LoRA adapter: W + (alpha / r) · B·A on each targeted linear layer."""
 
@@ -125,10 +148,21 @@ class LoraConfig(_Section):
     bias: Literal["none", "all", "lora_only"] = "none"
     init_from: str | None = None
     """An adapter directory the LoRA weights start from instead of `init` (e.g. the SFT adapter a preference
-    run refines); its rank, alpha and target modules must be this section's. The adapter written at the end
-    is whole (the starting weights plus what this run learnt), usable like any other. The reference policy
-    of dpo, kto and grpo's KL is then that adapter (its weights are kept aside and swapped in for reference
-    passes, or dpo's are precomputed)."""
+    run refines). Its shape is the run's: `r`, `alpha`, `use_rslora`, `dropout` and `target_modules` not
+    given in the recipe are read from its `adapter_config.json` (as peft's `PeftModel.from_pretrained` and
+    trl take them); given ones must agree with it. The adapter written at the end is whole (the starting
+    weights plus what this run learnt), usable like any other. The reference policy of dpo, kto and grpo's
+    KL is then that adapter (its weights are kept aside and swapped in for reference passes, or dpo's are
+    precomputed)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _shape_of_the_starting_adapter(cls, data: Any) -> Any:
+        """Fill the fields the recipe leaves out from `init_from`'s peft config. An unreadable adapter is left
+        to the run, which says what is wrong with it (`finetune.training.preference_setup.initial_adapter`)."""
+        if not isinstance(data, dict) or not data.get("init_from"):
+            return data
+        return {**starting_adapter_shape(Path(str(data["init_from"]))), **data}
 
     @property
     def starts_as_base(self) -> bool:

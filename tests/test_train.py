@@ -307,3 +307,29 @@ def test_wrapped_models_use_the_uniform_dropout(tiny_base_dir):
     model = wrap_with_lora(AutoModelForCausalLM.from_pretrained(tiny_base_dir), LoraConfig(r=4, dropout=0.1))
     dropouts = [m for m in model.modules() if isinstance(m, torch.nn.Dropout) and m.p == 0.1]
     assert dropouts and all(type(m) is UniformDropout for m in dropouts)
+
+
+def test_an_adapter_to_start_from_gives_the_run_its_shape_unless_the_recipe_says_otherwise(workdir, tiny_base_dir):
+    """`lora.init_from` with a recipe silent about LoRA trains the adapter's own shape (its rank, alpha, dropout
+    and target modules, as `PeftModel.from_pretrained` in trl takes them); a rank the recipe does give and the
+    adapter does not have is one error naming both."""
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    config = PeftLoraConfig(r=2, lora_alpha=6, lora_dropout=0.0, target_modules=["q_proj", "v_proj"],
+                            init_lora_weights="gaussian")  # fmt: skip
+    get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_base_dir), config).save_pretrained(workdir / "start")
+    text = (workdir / "recipe.yaml").read_text()
+    silent = text[: text.index("lora:")] + text[text.index("data:") :]
+    (workdir / "silent.yaml").write_text(silent)
+    adapter, _ = train("silent.yaml", ["lora.init_from=start", "train.max_steps=1", "train.report_to=[]"],
+                       log=lambda line: None)  # fmt: skip
+    written = json.loads((adapter / "adapter_config.json").read_text())
+    assert (written["r"], written["lora_alpha"], sorted(written["target_modules"])) == (2, 6, ["q_proj", "v_proj"])
+    start = load_file(workdir / "start" / "adapter_model.safetensors")
+    assert load_file(adapter / "adapter_model.safetensors").keys() == start.keys()
+
+    with pytest.raises(ModelError, match=r"lora.init_from start: its LoRA \(.*r=2.*\) is not this recipe's"):
+        train("silent.yaml", ["lora.init_from=start", "lora.r=4", "output.name=r4"], log=lambda line: None)

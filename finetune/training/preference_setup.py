@@ -64,8 +64,9 @@ def initial_adapter(recipe: Recipe, peft_model: Any, base: ResolvedBase, say: Sa
     if differs or not shapes_match:
         raise ModelError(
             f"lora.init_from {source}: its LoRA ({', '.join(f'{k}={v}' for k, v in config.items() if k in settings)}, "
-            f"{len(adapter.modules)} modules) is not this recipe's lora section; set lora.r, lora.alpha, "
-            "lora.target_modules (and train_lm_head/train_embed_tokens) as in the recipe that trained it"
+            f"{len(adapter.modules)} modules) is not this recipe's lora section; leave lora.r, lora.alpha and "
+            "lora.target_modules out (they are then the adapter's) or set them, and train_lm_head/train_embed_tokens, "
+            "as in the recipe that trained it"
         )
     with torch.no_grad():
         for name, tensor in state.items():
