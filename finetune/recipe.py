@@ -359,11 +359,11 @@ class TrainConfig(_Section):
         with gradient checkpointing (inductor's partitioner failed on a checkpointed 8B Llama layer, torch
         2.11 on an H100: "Node add_697 was invalid, but is output"), nor for GRPO, whose step is mostly
         sampling (eager) and whose update forwards change shape every step (a bf16 GRPO run on an H100 hit
-        torch's recompile limit; `compile: true` still asks for it)."""
+        torch's recompile limit; `compile: true` still asks for it), nor with `liger_kernels` (Triton kernels
+        inside compiled layers: not yet run on a GPU)."""
         if self.compile == "auto":
-            return (
-                device_type == "cuda" and not quantized and not self.gradient_checkpointing and self.objective != "grpo"
-            )
+            eager_only = quantized or self.gradient_checkpointing or self.objective == "grpo" or self.liger_kernels
+            return device_type == "cuda" and not eager_only
         return bool(self.compile)
 
     epochs: float | None = Field(1.0, gt=0)
@@ -410,6 +410,10 @@ class TrainConfig(_Section):
     compile (about 40 s for a 1B Llama on an H100, 80 s for a tiny model on a loaded 2-core CPU), later ones
     run the compiled layers. `auto` (`compiles`): on for a 16-bit base on CUDA without gradient checkpointing,
     off on the CPU, for a 4-bit or 8-bit base and with gradient checkpointing."""
+    liger_kernels: bool = False
+    """On CUDA, Liger Kernel's Triton RMSNorm, RoPE and SwiGLU in the base's layers (`pip install
+    'finetune[liger]'`; `finetune.training.liger_kernels`): fewer, fused elementwise kernels per step. Not used
+    on the CPU (said in one line)."""
     seed: int = 0
     log_every_steps: int = Field(10, ge=1)
     eval_every_steps: int | None = Field(None, ge=1)

@@ -216,6 +216,8 @@ def test_the_deepspeed_config_we_build_passes_deepspeeds_own_parser(tmp_path, op
         (["train.gradient_checkpointing=true"], "cuda", False, False),  # inductor failed on it (torch 2.11)
         (["train.compile=false"], "cuda", False, False),
         (["train.compile=true"], "cpu", False, True),
+        (["train.liger_kernels=true"], "cuda", False, False),  # Triton kernels in compiled layers: not run yet
+        (["train.liger_kernels=true", "train.compile=true"], "cuda", False, True),
         (["train.objective=grpo", "data.format=prompt", "train.reward_functions=[r.py:f]"], "cuda", False, False),
         (
             ["train.objective=grpo", "data.format=prompt", "train.reward_functions=[r.py:f]", "train.compile=true"],
