@@ -98,7 +98,9 @@ def flag_defaults(preset: Preset, smoke: bool) -> dict[str, Any]:
         validation_records=8,
         heldout_batch_size=preset.micro_batch_size,
         no_own_eval=True,  # evaluations outside the timed steps would only add GPU time and a later peak
-        arms="ours-packed,hf-trainer",  # rows this long leave nothing to pack: ours padded would repeat ours packed
+        # rows this long leave nothing to pack: ours padded would repeat ours packed; the Trainer with Liger
+        # Kernel runs where liger-kernel is installed (skipped, saying why, elsewhere)
+        arms="ours-packed,hf-trainer,hf-trainer-liger",
         repeats=2,
     )
     if smoke:

@@ -15,6 +15,7 @@ ARM_LABELS = {
     "ours-packed": "ours, packed",
     "ours-padded": "ours, padded",
     "hf-trainer": "HF Trainer + peft (padded to the longest)",
+    "hf-trainer-liger": "HF Trainer + peft + Liger Kernel (`use_liger_kernel`)",
 }
 
 
@@ -118,6 +119,7 @@ def train_section(figures: dict[str, Any]) -> list[str]:
         "\nTokens/s, MFU and memory are each arm's median round; the ratios are medians over rounds of each "
         "round's ratio. Every arm takes the same documents per step, so model FLOPs per step are equal."
     )
+    lines += skipped_arms(figures)
     lines += [f"\nWARNING: {w}" for w in figures.get("warnings", [])]
     return lines
 
@@ -265,8 +267,14 @@ def preset_section(figures: dict[str, Any]) -> list[str]:
         "",
     ]
     lines += table(GPU_HEADER, gpu_rows(figures))
+    lines += skipped_arms(figures)
     lines += [f"\nWARNING: {w}" for w in figures.get("warnings", [])]
     return lines
+
+
+def skipped_arms(figures: dict[str, Any]) -> list[str]:
+    """One line per arm asked for that could not run here, with the reason (e.g. Liger without CUDA)."""
+    return [f"\nNot run: {ARM_LABELS.get(arm, arm)}: {why}." for arm, why in figures.get("skipped_arms", {}).items()]
 
 
 def startup_section(figures: dict[str, Any]) -> list[str]:

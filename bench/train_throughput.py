@@ -62,6 +62,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import importlib.util
 import json
 import math
 import os
@@ -81,9 +82,12 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:  # run from a checkout: `python bench/train_throughput.py`
     sys.path.insert(0, str(REPO_ROOT))
 
-ARMS = ("ours-packed", "ours-padded", "hf-trainer")
-DEFAULT_ARMS = ARMS
+ARMS = ("ours-packed", "ours-padded", "hf-trainer", "hf-trainer-liger")
+DEFAULT_ARMS = ARMS[:3]
 BASELINE = "hf-trainer"
+LIGER_ARM = "hf-trainer-liger"
+"""The Trainer as its users speed it up on a GPU: `use_liger_kernel=True` (Liger Kernel's RMSNorm, RoPE, SwiGLU
+and fused linear cross-entropy). Skipped, with the reason, where it cannot run."""
 LORA = dict(r=16, alpha=32.0, dropout=0.05)
 PROMPT_TEMPLATE = "### Instruction:\n{prompt}\n\n### Response:\n"  # finetune's default instruction template
 SEED = 0
@@ -468,8 +472,20 @@ def hf_peft_model(spec: dict[str, Any]):
     )
 
 
+def why_arm_cannot_run(arm: str, device: str) -> str | None:
+    """Why an optional arm is skipped on this machine (None: it runs)."""
+    if arm != LIGER_ARM:
+        return None
+    if device != "cuda":
+        return "Liger Kernel's kernels are Triton kernels for CUDA"
+    if importlib.util.find_spec("liger_kernel") is None:
+        return "liger-kernel is not installed (pip install liger-kernel)"
+    return None
+
+
 def run_hf_trainer(spec: dict[str, Any], arm: str) -> dict[str, Any]:
-    """The baseline a user writes with transformers 5 + peft: Trainer, DataCollatorForSeq2Seq padding."""
+    """The baseline a user writes with transformers 5 + peft: Trainer, DataCollatorForSeq2Seq padding (with
+    `use_liger_kernel` in the Liger arm)."""
     import datasets
     from transformers import AutoTokenizer, DataCollatorForSeq2Seq, Trainer, TrainerCallback, TrainingArguments
 
@@ -525,6 +541,7 @@ def run_hf_trainer(spec: dict[str, Any], arm: str) -> dict[str, Any]:
         max_grad_norm=1.0,
         bf16=spec["precision"] == "bf16",
         torch_compile=spec["compile"],
+        use_liger_kernel=arm == LIGER_ARM,
         gradient_checkpointing=spec["gradient_checkpointing"],
         use_cpu=not on_gpu(),  # the model goes where ours goes: the GPU when there is one
         eval_strategy="no",
@@ -603,7 +620,7 @@ def run_arm(spec_path: Path, arm: str, out_path: Path) -> None:
     if on_gpu():  # the arm's own peak, from here (a fresh process: nothing allocated yet)
         torch.cuda.reset_peak_memory_stats()
     load_before = load_average()
-    result = run_hf_trainer(spec, arm) if arm == BASELINE else run_ours(spec, arm)
+    result = run_hf_trainer(spec, arm) if arm.startswith(BASELINE) else run_ours(spec, arm)
     result["load_average_before"], result["load_average_after"] = load_before, load_average()
     out_path.write_text(json.dumps(result, indent=2))
 
@@ -1200,6 +1217,10 @@ def main(argv: list[str] | None = None) -> int:
     device = resolve_device(args.device, parser)
     if args.base_config and device == "cpu" and not args.smoke:
         parser.error(f"--base-config {args.base_config} builds the full-size model: that needs a GPU; add --smoke")
+    skipped = {arm: why for arm in arms if (why := why_arm_cannot_run(arm, device))}
+    for arm, why in skipped.items():
+        say(f"skipping {arm}: {why}")
+    arms = [arm for arm in arms if arm not in skipped]
 
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="finetune-bench-train-"))
     workdir.mkdir(parents=True, exist_ok=True)
@@ -1267,6 +1288,7 @@ def main(argv: list[str] | None = None) -> int:
             "results": results,
             "rounds": rounds,
             "median_ratios": median_ratios(rounds),
+            "skipped_arms": skipped,
             "warnings": check_same_data(results),
         }
         print_report(report, args)

@@ -8,6 +8,7 @@ arithmetic is fed figures shaped like a GPU run's.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -22,7 +23,7 @@ if str(REPO) not in sys.path:  # `bench` is a directory of the checkout, not an 
     sys.path.insert(0, str(REPO))
 
 from bench import check_table, matmul_peak, presets, train_throughput  # noqa: E402
-from bench.report import GPU_HEADER, gpu_rows  # noqa: E402
+from bench.report import GPU_HEADER, gpu_rows, skipped_arms  # noqa: E402
 
 GiB = 2**30
 
@@ -186,3 +187,13 @@ def test_on_a_gpu_step_ends_wait_for_the_gpu_and_memory_comes_from_the_allocator
     wall, cpu = train_throughput.clock()
     assert calls == ["synchronize"] and wall > 0 and cpu > 0
     assert train_throughput.gpu_memory() == {"peak_gpu_bytes": 5 * GiB, "peak_gpu_reserved_bytes": 6 * GiB}
+
+
+def test_the_trainer_with_liger_kernel_is_skipped_saying_why_where_it_cannot_run():
+    assert train_throughput.why_arm_cannot_run("hf-trainer", "cpu") is None
+    assert "Triton kernels for CUDA" in train_throughput.why_arm_cannot_run("hf-trainer-liger", "cpu")
+    installed = importlib.util.find_spec("liger_kernel") is not None
+    assert (train_throughput.why_arm_cannot_run("hf-trainer-liger", "cuda") is None) == installed
+    figures = {**preset_figures(None), "skipped_arms": {"hf-trainer-liger": "no CUDA"}}
+    assert skipped_arms(figures) == ["\nNot run: HF Trainer + peft + Liger Kernel (`use_liger_kernel`): no CUDA."]
+    assert all("hf-trainer-liger" in presets.flag_defaults(p, smoke=False)["arms"] for p in presets.PRESETS.values())
