@@ -12,7 +12,6 @@ import pytest
 import torch
 
 from finetune.data.collate import collate_batch
-from finetune.training.lean_activations import use_lean_activations
 from finetune.training.objectives.logprobs import add_targets
 from finetune.training.regional_compile import compile_layers
 from finetune.training.target_loss import target_losses
@@ -21,15 +20,12 @@ from finetune.training.varlen_attention import use_varlen_attention
 pytestmark = pytest.mark.slow
 
 
-def _model(base_dir, dropout: float, lean: bool = False):
-    """The tiny base with LoRA; `lean`: with training's lean RMSNorm and MLP (`use_lean_activations`), as runs."""
+def _model(base_dir, dropout: float):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32, attn_implementation="sdpa")
     model.config.use_cache = False
-    if lean:
-        assert use_lean_activations(model) == 2 * 2 + 1 + 2  # per layer two norms and the MLP, the final norm
     torch.manual_seed(0)
     lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=dropout, target_modules="all-linear")
     model = get_peft_model(model, lora).train()
@@ -63,7 +59,7 @@ def test_compiled_layers_equal_eager_without_graph_breaks_or_recompiles(tiny_bas
     rng = random.Random(0)
     lengths = [64, 96, 128]
     batches = [_batch(rng, n) for n in lengths]
-    eager, compiled = _model(tiny_base_dir, 0.0), _model(tiny_base_dir, 0.0, lean=True)
+    eager, compiled = _model(tiny_base_dir, 0.0), _model(tiny_base_dir, 0.0)
     assert compile_layers(compiled, quantized=False, say=lambda line: None) == 2
     for batch in batches:  # warm-up: each shape once (the second one makes the graphs dynamic)
         _step(compiled, batch)
@@ -89,7 +85,7 @@ def test_compiled_layers_equal_eager_without_graph_breaks_or_recompiles(tiny_bas
 
     # LoRA dropout and varlen attention (its compiled CPU path) inside the graph, over an epoch of bucketed rows:
     # still one graph per layer, and nothing compiles again once each width was seen twice
-    dropout = _model(tiny_base_dir, 0.05, lean=True)
+    dropout = _model(tiny_base_dir, 0.05)
     use_varlen_attention(dropout)
     compile_layers(dropout, quantized=False, say=lambda line: None)
     epoch = [_batch(rng, 0, [rng.randrange(8, 250) for _ in range(rng.randrange(2, 7))], "bucketed_rows")

@@ -197,9 +197,10 @@ def layer_activation_bytes_per_token(
     - float32: 33·d + 16·i bytes;
     - a 16-bit base under bf16/fp16 autocast: 25.7·d + 8.2·i (RMSNorm keeps its float32 input and output);
     - a 16-bit base without autocast: 37·d + 10·i (peft casts each LoRA input to the float32 LoRA weights).
-    Training's lean RMSNorm and gated MLP (`finetune.training.lean_activations`) keep less: traced the same way,
-    4·i less in float32 (the SiLU's output), 6·d + 2·i less in 16 bits (the norms' float32 copies of their
-    inputs, and the SiLU's output); a quantized MLP keeps its own forward, so only the norms' share applies.
+    Training's lean RMSNorm and gated MLP (`finetune.training.lean_activations`, eager layers only) keep less:
+    traced the same way, 4·i less in float32 (the SiLU's output), 6·d + 2·i less in 16 bits (the norms' float32
+    copies of their inputs, and the SiLU's output); a quantized MLP keeps its own forward, so there only the
+    norms' share applies.
     LoRA dropout adds a dropped copy and a mask per targeted layer's input where torch's dropout runs (CUDA,
     uncompiled): 36·d + 4·i in float32, 24·d + 4·i in 16 bits; on the CPU `UniformDropout` adds its masks
     only, 6·d + i; compiled layers (inductor recomputes the mask from the random seed) added nothing on an
@@ -210,16 +211,18 @@ def layer_activation_bytes_per_token(
     """
     d, i = shape.hidden_size, shape.intermediate_size
     quantized = recipe.model.quantization != "none"
-    dropout = recipe.lora.dropout > 0 and not recipe.train.compiles(device, quantized)
-    lean_mlp = 0 if quantized else 1  # the lean gated MLP needs plain weights
+    compiled = recipe.train.compiles(device, quantized)
+    dropout = recipe.lora.dropout > 0 and not compiled
+    lean_norms = 0 if compiled else 1
+    lean_mlp = 0 if compiled or quantized else 1  # the lean gated MLP needs plain weights
     per_token: float
     mlp: float
     if _compute_bytes(recipe) == 4:
         per_token, mlp = 33 * d + (36 * d if dropout else 0), (16 - 4 * lean_mlp) * i + (4 * i if dropout else 0)
     else:
         autocast = recipe.train.precision != "fp32"
-        per_token, mlp = (19.7 * d, 8.2 * i) if autocast else (31 * d, 10 * i)
-        mlp -= 2 * i * lean_mlp
+        per_token, mlp = (25.7 * d, 8.2 * i) if autocast else (37 * d, 10 * i)
+        per_token, mlp = per_token - 6 * d * lean_norms, mlp - 2 * i * lean_mlp
         if dropout:
             per_token, mlp = (per_token + 24 * d, mlp + 4 * i) if device == "cuda" else (per_token + 6 * d, mlp + i)
     if shape.moe_layers:

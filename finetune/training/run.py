@@ -289,12 +289,13 @@ def _wrap_for_training(recipe: Recipe, model: Any, say: Say) -> Any:
 
 
 def _fit_to_device(recipe: Recipe, model: Any, device: torch.device, say: Say) -> bool:
-    """What the device decides before LoRA wraps the base: a bf16-on-this-CPU note, Liger's kernels (else the
-    lean RMSNorm and MLP, `finetune.training.lean_activations`), and the attention (returns whether it is varlen)."""
+    """What the device decides before LoRA wraps the base: a bf16-on-this-CPU note, Liger's kernels (else, for
+    eager layers, the lean RMSNorm and MLP, `finetune.training.lean_activations`), and the attention (returns whether it is varlen)."""
     bf16_note = bf16_cpu_note(recipe.model.dtype, recipe.train.precision, device=device.type)
     if bf16_note is not None:
         say(bf16_note)
-    if not use_liger_kernels(recipe.train.liger_kernels, model, device, say):
+    liger = use_liger_kernels(recipe.train.liger_kernels, model, device, say)
+    if not liger and not recipe.train.compiles(device.type, recipe.model.quantization != "none"):
         use_lean_activations(model)
     return choose_attention(recipe.train.varlen_attention, model, device, say)
 
