@@ -290,7 +290,8 @@ def _wrap_for_training(recipe: Recipe, model: Any, say: Say) -> Any:
 
 def _fit_to_device(recipe: Recipe, model: Any, device: torch.device, say: Say) -> bool:
     """What the device decides before LoRA wraps the base: a bf16-on-this-CPU note, Liger's kernels (else, for
-    eager layers, the lean RMSNorm and MLP, `finetune.training.lean_activations`), and the attention (returns whether it is varlen)."""
+    eager layers, the lean RMSNorm and MLP, `finetune.training.lean_activations`), and the attention (returns
+    whether it is varlen)."""
     bf16_note = bf16_cpu_note(recipe.model.dtype, recipe.train.precision, device=device.type)
     if bf16_note is not None:
         say(bf16_note)
