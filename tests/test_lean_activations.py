@@ -80,3 +80,10 @@ def test_a_bf16_layer_saves_six_d_plus_two_i_bytes_per_token_less():
 def test_a_norm_that_computes_otherwise_keeps_its_own_forward():
     norm = GemmaRMSNorm(64)  # weight starts at 0: x·rsqrt(...)·(1 + 0), where the lean norm would give 0
     assert use_lean_activations(norm) == 0 and "forward" not in norm.__dict__
+
+
+def test_an_mlp_with_a_dropout_of_its_own_keeps_its_own_forward():
+    """A dropout inside the MLP acts in training mode only, where the eval-mode probe cannot see it."""
+    layer, _ = _layer(128, 256, torch.float32)
+    layer.mlp.dropout = torch.nn.Dropout(0.1)
+    assert use_lean_activations(layer.mlp) == 0 and "forward" not in layer.mlp.__dict__

@@ -99,7 +99,11 @@ def _candidate(module: torch.nn.Module) -> Any:
             return _lean_norm(module)
     if all(hasattr(module, name) for name in ("gate_proj", "up_proj", "down_proj", "act_fn")):
         act = module.act_fn
-        if isinstance(act, torch.nn.SiLU) or type(act).__name__ == "SiLUActivation":
+        others = [child for name, child in module.named_children() if name not in ("gate_proj", "up_proj", "down_proj")]
+        dropout = any(
+            isinstance(child, torch.nn.Dropout) for child in others
+        )  # active in training only: no probe sees it
+        if not dropout and (isinstance(act, torch.nn.SiLU) or type(act).__name__ == "SiLUActivation"):
             return _lean_mlp(module)
     return None
 
