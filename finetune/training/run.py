@@ -288,15 +288,14 @@ def _wrap_for_training(recipe: Recipe, model: Any, say: Say) -> Any:
     return peft_model
 
 
-def _fit_to_device(recipe: Recipe, model: Any, device: torch.device, say: Say) -> bool:
-    """What the device decides before LoRA wraps the base: a bf16-on-this-CPU note, Liger's kernels (else, for
-    eager layers, the lean RMSNorm and MLP, `finetune.training.lean_activations`), and the attention (returns
-    whether it is varlen)."""
+def _fit_to_device(recipe: Recipe, model: Any, device: torch.device, compiled: bool, say: Say) -> bool:
+    """What the device decides before LoRA wraps the base: a bf16-on-this-CPU note, Liger's kernels (else, unless
+    the layers will be `compiled`, the lean RMSNorm and MLP, `finetune.training.lean_activations`), and the
+    attention (returns whether it is varlen)."""
     bf16_note = bf16_cpu_note(recipe.model.dtype, recipe.train.precision, device=device.type)
     if bf16_note is not None:
         say(bf16_note)
-    liger = use_liger_kernels(recipe.train.liger_kernels, model, device, say)
-    if not liger and not recipe.train.compiles(device.type, recipe.model.quantization != "none"):
+    if not use_liger_kernels(recipe.train.liger_kernels, model, device, say) and not compiled:
         use_lean_activations(model)
     return choose_attention(recipe.train.varlen_attention, model, device, say)
 
@@ -321,7 +320,9 @@ def start_run(recipe: Recipe, *, resume: bool, say: Say) -> TrainingRun:
     # Every process at once: under ZeRO-3, transformers partitions the weights while loading (a collective).
     model, tokenizer, _ = load_base_from_config(recipe.model, tokenizer, device=base.device)
     say(f"base {recipe.model.base} ({base.source}, on {base.device}); data: {data.stats}")
-    varlen = _fit_to_device(recipe, model, torch.device(base.device), say)
+    quantized = recipe.model.quantization != "none"
+    compiled = recipe.train.compiles(torch.device(base.device).type, quantized)
+    varlen = _fit_to_device(recipe, model, torch.device(base.device), compiled, say)
     peft_model = _wrap_for_training(recipe, model, say)
     initial_adapter(recipe, peft_model, base, say)
     sharding = _shard(recipe, peft_model, accelerator)
@@ -345,8 +346,7 @@ def start_run(recipe: Recipe, *, resume: bool, say: Say) -> TrainingRun:
     scheduler = make_scheduler(recipe, optimizer, length)
     model_for_step, optimizer = sharding.prepare(accelerator, peft_model, optimizer)
     distributed = _measure_distribution(sharding, peft_model, accelerator, say)  # ZeRO-3 partitions in prepare
-    quantized = recipe.model.quantization != "none"
-    if recipe.train.compiles(torch.device(base.device).type, quantized):
+    if compiled:
         compile_layers(peft_model, quantized=quantized, say=say)
     objective = _objective(recipe, tokenizer, varlen, peft_model)
     models = Models(model_for_step, peft_model, accelerator)
