@@ -452,9 +452,9 @@ class TrainConfig(_Section):
     `loss_type=["sigmoid", "sft"]` with `loss_weights=[1, α]`): the mean −log π over the chosen completions'
     tokens. It keeps the chosen completions likely while the margin grows (default 0: DPO alone)."""
     precompute_reference: bool | None = None
-    """dpo: compute the reference policy's log-probabilities of every pair once before training (the model as
-    it starts) and keep them in the run directory, instead of a forward pass of the base with the adapter
-    disabled at every step (default: off)."""
+    """dpo: compute the reference policy's log-probabilities of every pair the run trains on once before
+    training (the model as it starts) and keep them in the run directory, instead of a forward pass of the base
+    with the adapter disabled at every step (default: off)."""
     orpo_lambda: float | None = Field(None, gt=0)
     """orpo: λ, the weight of the odds-ratio term beside the chosen completion's NLL (default 0.1, trl's)."""
     simpo_gamma: float | None = Field(None, ge=0)

@@ -336,7 +336,7 @@ def test_dpo_resumes_after_sigkill_bit_for_bit_and_plain_peft_reads_its_rewards(
         assert lines[-1] or process.poll() is None, "".join(lines)
     process.send_signal(signal.SIGKILL)  # mid-run: checkpoint 2 or 3 written, the adapter not
     process.wait()
-    assert "reference: scoring 40 training pairs" in "".join(lines)
+    assert "reference: scoring 40 of 40 training pairs" in "".join(lines)  # 6 steps of 8 pairs: all 40
     resumed_log: list[str] = []
     resumed, _ = train("pref.yaml", resume=True, log=resumed_log.append)
     assert any(line.startswith("resumed from") for line in resumed_log)
@@ -378,6 +378,32 @@ def test_dpo_resumes_after_sigkill_bit_for_bit_and_plain_peft_reads_its_rewards(
     prompt = preference_records(1)[0]["prompt"]
     assert main(["generate", "--adapter", str(whole), "--max-new-tokens", "8", prompt]) == 0
     assert capsys.readouterr().out[:-1] == greedy_text(tiny_base_dir, whole, prompt, 8)  # print adds one newline
+
+
+def test_a_precomputed_reference_scores_the_pairs_the_run_trains_on_and_a_longer_resume_the_rest(
+    preference_workdir,
+):
+    """Two steps of 8 pairs score those 16 of the 40 (the others are NaN in the file, and a step that read one
+    would stop the run on its non-finite loss); resumed to four steps, the run scores the 16 pairs it has not
+    scored yet, and the file then holds what a four-step run scores, to float rounding (other batches)."""
+    quiet = ["lora.dropout=0.0", "train.report_to=[]", "train.eval_every_steps=null"]
+    log: list[str] = []
+    train("pref.yaml", [*quiet, "train.max_steps=2", "output.name=grown"], log=log.append)
+    assert any("reference: scoring 16 of 40 training pairs" in line for line in log), log
+    stored = load_file(preference_workdir / "runs" / "grown" / "reference-logps.safetensors")
+    assert stored["train"].isnan().any(dim=1).sum() == 24 and not stored["validation"].isnan().any()
+
+    log.clear()
+    lengthened = [*quiet, "train.max_steps=4", "output.name=grown", "output.overwrite=true"]
+    train("pref.yaml", lengthened, resume=True, log=log.append)
+    assert any("reference: scoring 16 of 40 training pairs" in line for line in log), log
+    grown = load_file(preference_workdir / "runs" / "grown" / "reference-logps.safetensors")
+    assert torch.equal(grown["train"][~stored["train"].isnan()], stored["train"][~stored["train"].isnan()])
+    train("pref.yaml", [*quiet, "train.max_steps=4", "output.name=fresh"], log=lambda line: None)
+    fresh = load_file(preference_workdir / "runs" / "fresh" / "reference-logps.safetensors")
+    assert torch.equal(fresh["train"].isnan(), grown["train"].isnan()) and grown["train"].isnan().any()
+    scored = ~fresh["train"].isnan()
+    assert_within_ulps(grown["train"][scored], fresh["train"][scored], SUM_ULPS, what="reference log-probabilities")
 
 
 KTO_RECIPE = """

@@ -58,3 +58,12 @@ def test_a_position_means_the_same_documents_in_a_new_stream():
     assert after.epoch_of(before.micro_batches_per_epoch * 2) == 2.0
     other_seed = MicroBatchStream(num_rows=50, micro_batch_size=4, seed=10, num_processes=2, process_index=1)
     assert other_seed.indices(0) != before.indices(0)
+
+
+@pytest.mark.parametrize("num_rows, micro_batch_size, num_processes", [(10, 3, 1), (10, 3, 2), (7, 2, 3)])
+def test_the_rows_a_run_trains_on_are_those_its_micro_batches_take(num_rows, micro_batch_size, num_processes):
+    ranks = [MicroBatchStream(num_rows, micro_batch_size, 4, num_processes, rank) for rank in range(num_processes)]
+    for micro_batches in range(2 * ranks[0].micro_batches_per_epoch + 1):
+        taken = {i for stream in ranks for position in range(micro_batches) for i in stream.indices(position)}
+        assert ranks[0].rows_trained_on(micro_batches) == sorted(taken), micro_batches
+    assert ranks[0].rows_trained_on(1) != list(range(num_rows))

@@ -58,6 +58,13 @@ class MicroBatchStream:
         start = offset * self.global_batch_rows + self.process_index * self.micro_batch_size
         return list(order[start : start + self.micro_batch_size])
 
+    def rows_trained_on(self, micro_batches: int) -> list[int]:
+        """Row ids, sorted and each once, of every process's slices of micro-batches 0 .. `micro_batches` - 1:
+        the rows a run of that many micro-batches trains on (all of them once it reaches an epoch)."""
+        if micro_batches >= self.micro_batches_per_epoch:
+            return list(range(self.num_rows))
+        return sorted(set(self.epoch_order(0)[: micro_batches * self.global_batch_rows]))
+
     def epoch_of(self, position: int) -> float:
         """Fractional epochs completed after `position` micro-batches."""
         return position / self.micro_batches_per_epoch

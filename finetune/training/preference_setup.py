@@ -4,14 +4,15 @@
   run refines) into the freshly wrapped LoRA model, after checking that it was trained on this base and
   with this section's rank, alpha and targets, so the model starts as base + that adapter.
 - `precomputed_reference`: with `train.precompute_reference`, the reference policy's log-probabilities of
-  every training and validation pair, from the model as it starts (`objectives.reference.score_rows`),
+  the training pairs the run trains on and every validation pair, from the model as it starts (`objectives.reference.score_rows`),
   kept in the run directory and added to the rows. A resumed run reads them back (the values the
-  interrupted run used, bit for bit); if the file is missing it scores again before restoring the
-  checkpoint, so still from the starting model.
+  interrupted run used, bit for bit); it scores the pairs the file lacks (the file is missing, or the run
+  was lengthened) before restoring the checkpoint, so still from the starting model.
 
 Example:
     initial_adapter(recipe, peft_model, base, say)
-    data = precomputed_reference(recipe, objective, models, data, resume=False, say=print)
+    data = precomputed_reference(recipe, objective, models, data, trained_rows=stream.rows_trained_on(800),
+                                 resume=False, say=print)
 """
 
 from __future__ import annotations
@@ -83,26 +84,36 @@ def reference_digest(recipe: Recipe, data_fingerprint: str) -> str:
 
 
 def precomputed_reference(
-    recipe: Recipe, objective: Objective, models: Models, data: Any, *, resume: bool, say: Say
+    recipe: Recipe, objective: Objective, models: Models, data: Any, *, trained_rows: list[int], resume: bool, say: Say
 ) -> Any:
-    """`data` with the reference log-probabilities of every pair added as columns (itself without
-    `train.precompute_reference`)."""
+    """`data` with the reference log-probabilities of its pairs added as columns (itself without
+    `train.precompute_reference`): the training pairs in `trained_rows` (those the run's steps take: a
+    100-step run of 8 pairs a step scores 800 pairs, not a whole dataset of 60,000) and every validation pair.
+    Other training pairs get NaN, which no step reads."""
     if not recipe.train.precompute_reference:
         return data
     accelerator = models.accelerator
     batch_size = recipe.train.micro_batch_size
 
-    def compute() -> dict[str, torch.Tensor]:
-        say(f"reference: scoring {len(data.train)} training pairs once with the starting model")
-        splits = {"train": data.train, "validation": data.validation}
-        return {
-            name: score_rows(objective, models, rows, batch_size) for name, rows in splits.items() if rows is not None
-        }
+    def complete(stored: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
+        values = dict(stored or {})
+        train = values.get("train")
+        missing = trained_rows if train is None else [row for row in trained_rows if train[row].isnan().any()]
+        if missing:
+            say(f"reference: scoring {len(missing)} of {len(data.train)} training pairs (those the run trains on) "
+                "once with the starting model")  # fmt: skip
+            scores = score_rows(objective, models, data.train.select(missing), batch_size)
+            if train is None:
+                train = torch.full((len(data.train), scores.shape[1]), float("nan"))
+            values["train"] = train.clone().index_copy_(0, torch.tensor(missing), scores)
+        if data.validation is not None and "validation" not in values:
+            values["validation"] = score_rows(objective, models, data.validation, batch_size)
+        return values
 
     values = load_or_compute(
         recipe.output.run_path,
         reference_digest(recipe, data.fingerprint),
-        compute,
+        complete,
         resume=resume,
         is_main=bool(accelerator.is_main_process),
         wait=accelerator.wait_for_everyone,

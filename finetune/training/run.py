@@ -328,12 +328,9 @@ def start_run(recipe: Recipe, *, resume: bool, say: Say) -> TrainingRun:
     sharding = _shard(recipe, peft_model, accelerator)
 
     stream = MicroBatchStream(
-        num_rows=len(data.train),
-        micro_batch_size=recipe.train.micro_batch_size,
-        seed=recipe.train.seed,
-        num_processes=accelerator.num_processes,
-        process_index=accelerator.process_index,
-    )
+        len(data.train), recipe.train.micro_batch_size, recipe.train.seed, accelerator.num_processes,
+        accelerator.process_index,
+    )  # fmt: skip
     length = run_length(recipe, stream)
     lengths = sequence_lengths(data.train)
     unit = {"preference": "pairs", "unpaired_preference": "examples", "prompt": "prompts"}.get(
@@ -350,7 +347,10 @@ def start_run(recipe: Recipe, *, resume: bool, say: Say) -> TrainingRun:
         compile_layers(peft_model, quantized=quantized, say=say)
     objective = _objective(recipe, tokenizer, varlen, peft_model)
     models = Models(model_for_step, peft_model, accelerator)
-    data = precomputed_reference(recipe, objective, models, data, resume=resume_from is not None, say=say)
+    trained_rows = stream.rows_trained_on(length.total_steps * recipe.train.grad_accum_steps)
+    data = precomputed_reference(
+        recipe, objective, models, data, trained_rows=trained_rows, resume=resume_from is not None, say=say
+    )
     run = TrainingRun(
         recipe, accelerator, peft_model, model_for_step, tokenizer, base, data, stream, length, optimizer,
         scheduler, trainable_parameters, sharding, distributed, objective, [sum(row) for row in lengths],

@@ -6,13 +6,13 @@ is the base). `reference_logps` runs that forward under `torch.no_grad()` with p
 on the unwrapped LoRA model, which holds the very parameters the DDP wrapper, the FSDP2 shards or the
 DeepSpeed engine train (a sharded forward gathers as usual; every rank runs it in step).
 
-`train.precompute_reference` instead scores every row once before the first step, with the model as it
-starts (the adapter on: also right when LoRA starts from another adapter, `lora.init_from`, or from a
+`train.precompute_reference` instead scores each row the run will train on (and every validation row) once
+before the first step, with the model as it starts (the adapter on: also right when LoRA starts from another adapter, `lora.init_from`, or from a
 PiSSA/OLoRA initialisation that moves part of the base into the adapter), in eval mode under the run's
 autocast, each process a strided share. The values are kept in the run directory as safetensors
-(`reference-logps.safetensors`: one (rows, sequences) float32 tensor per split) and added to the rows as
-columns, so the sampler hands them to collation with their rows; `--resume` loads the file, so a resumed
-run uses the very values the interrupted one did.
+(`reference-logps.safetensors`: one (rows, sequences) float32 tensor per split, NaN for a row not scored) and
+added to the rows as columns, so the sampler hands them to collation with their rows; `--resume` loads the
+file, so a resumed run uses the very values the interrupted one did (and scores only rows it lacks).
 
 When LoRA does not start as the base (`lora.init_from`, e.g. the SFT adapter a DPO, KTO or GRPO run refines;
 or a PiSSA/OLoRA initialisation), the reference passes instead run the model as the run started, as trl's
@@ -134,26 +134,36 @@ def score_rows(objective: Any, models: Models, rows: Any, micro_batch_size: int)
 
 
 def load_or_compute(
-    run_dir: Path, digest: str, compute: Any, *, resume: bool, is_main: bool, wait: Any
+    run_dir: Path, digest: str, complete: Any, *, resume: bool, is_main: bool, wait: Any
 ) -> dict[str, torch.Tensor]:
-    """The precomputed values of each split: read from the run directory when resuming, else computed
-    (`compute()` -> {split: tensor}, every process) and written there by the main process.
+    """The precomputed values of each split, kept in the run directory: `complete(stored)` -> {split: tensor}
+    (every process) gives them from those an earlier start of this run stored (None when there are none:
+    a new run, or a file written for another `digest`), scoring what they lack. The main process writes
+    them back when they changed: a resumed run that trains on rows the interrupted one never reached
+    scores those rows and keeps them.
 
     `digest` names what the values depend on (recipe and data); a file written for another digest is not used.
     """
     path = run_dir / REFERENCE_FILE
+    stored = None
     if resume and path.is_file():
         with safe_open(str(path), framework="pt") as handle:
-            stored = (handle.metadata() or {}).get("digest")
-        if stored == digest:
-            return load_file(str(path))
-    values = compute()
-    if is_main:
+            if (handle.metadata() or {}).get("digest") == digest:
+                stored = load_file(str(path))
+    values = complete(stored)
+    if is_main and _scored_differently(stored, values):
         run_dir.mkdir(parents=True, exist_ok=True)
         with atomic_file(path) as staging:
             save_file({k: v.contiguous() for k, v in values.items()}, str(staging), metadata={"digest": digest})
     wait()
     return values
+
+
+def _scored_differently(stored: dict[str, torch.Tensor] | None, values: dict[str, torch.Tensor]) -> bool:
+    """Whether `values` score other rows than `stored` (NaN marks a row not scored)."""
+    if stored is None or stored.keys() != values.keys():
+        return True
+    return any(not torch.equal(values[name].isnan(), stored[name].isnan()) for name in values)
 
 
 def with_reference_columns(rows: Any, values: torch.Tensor) -> Any:
