@@ -193,7 +193,10 @@ class SourceConfig(_Section):
 
 
 def _as_sources(value: Any) -> Any:
-    """Accept `path`, `[path, ...]` or full mappings, so short recipes stay short."""
+    """Accept `path`, `[path, ...]` or full mappings, so short recipes stay short; null is no source
+    (`data.validation=null` drops a recipe's held-out data)."""
+    if value is None:
+        return []
     if isinstance(value, str):
         value = [value]
     if isinstance(value, list):

@@ -40,6 +40,7 @@ def test_minimal_recipe_fills_defaults(tmp_path):
         ("train.max_grad_norm=null", lambda r: r.train.max_grad_norm is None),
         ("output.name=other", lambda r: r.output.adapter_dir == Path("adapters/other")),
         ("data.train=[a.jsonl,b.csv]", lambda r: [s.path for s in r.data.train] == ["a.jsonl", "b.csv"]),
+        ("data.validation=null", lambda r: r.data.validation == []),  # drops a recipe's held-out data
     ],
 )
 def test_overrides_apply_through_the_schema(tmp_path, override, check):
