@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -231,3 +232,22 @@ def test_the_deepspeed_config_we_build_passes_deepspeeds_own_parser(tmp_path, op
 def test_train_compile_auto_resolves_by_device_and_base(tmp_path, override, device, quantized, compiles):
     train = load_recipe(write(tmp_path, MINIMAL), override).train
     assert train.compiles(device, quantized) is compiles
+
+
+@pytest.mark.parametrize("name", ["quickstart-dpo", "quickstart-grpo"])
+def test_the_shipped_refining_recipes_take_the_shape_of_any_adapter_they_start_from(tmp_path, name):
+    """The DPO and GRPO quickstarts refine an adapter: any peft LoRA of the base, not only one of the quickstart's
+    rank, so they leave rank, alpha, dropout and targets to it (an adapter peft wrote with r 8 on q/v)."""
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    config = {
+        "peft_type": "LORA",
+        "r": 8,
+        "lora_alpha": 16,
+        "lora_dropout": 0.05,
+        "target_modules": ["v_proj", "q_proj"],
+    }
+    (adapter / "adapter_config.json").write_text(json.dumps(config))
+    recipe = load_recipe(REPO / "recipes" / f"{name}.yaml", [f"lora.init_from={adapter}"])
+    assert (recipe.lora.r, recipe.lora.alpha, recipe.lora.dropout) == (8, 16, 0.05)
+    assert recipe.lora.target_modules == ["q_proj", "v_proj"]
