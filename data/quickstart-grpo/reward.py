@@ -5,8 +5,12 @@ fields it gets wrong): the town, the date, the sky phrase, the wind and the high
 house style from the completion and from the record's `reference` bulletin (the column of that name). 0 is
 a faithful bulletin, −1 one with no field right. Standalone: it imports nothing of finetune, so trl can
 run it unchanged (`bench/grpo_rewards.py --trl`).
+
+Two more, used in the README's side-by-side runs against trl: `town_named` (0 when the bulletin names the
+reference's town, else −1) and `similarity` (difflib's ratio to the reference bulletin, minus 1).
 """
 
+import difflib
 import re
 
 FIELDS = {
@@ -34,3 +38,17 @@ def bulletin_reward(prompts, completions, reference, **kwargs):
         wrong = sum(got[name] is None or got[name] != want[name] for name in FIELDS)
         rewards.append(-wrong / len(FIELDS))
     return rewards
+
+
+def town_named(prompts, completions, reference, **kwargs):
+    rewards = []
+    for completion, bulletin in zip(completions, reference):
+        text = completion if isinstance(completion, str) else completion[-1]["content"]
+        town = FIELDS["city"].search(bulletin).group(1)
+        rewards.append(0.0 if town in text else -1.0)
+    return rewards
+
+
+def similarity(prompts, completions, reference, **kwargs):
+    texts = [c if isinstance(c, str) else c[-1]["content"] for c in completions]
+    return [difflib.SequenceMatcher(None, text, bulletin).ratio() - 1.0 for text, bulletin in zip(texts, reference)]
