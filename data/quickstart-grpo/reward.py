@@ -6,8 +6,9 @@ house style from the completion and from the record's `reference` bulletin (the 
 a faithful bulletin, −1 one with no field right. Standalone: it imports nothing of finetune, so trl can
 run it unchanged (`bench/grpo_rewards.py --trl`).
 
-Two more, used in the README's side-by-side runs against trl: `town_named` (0 when the bulletin names the
-reference's town, else −1) and `similarity` (difflib's ratio to the reference bulletin, minus 1).
+Three more: `town_named` (0 when the bulletin names the reference's town, else −1: the GRPO quickstart's
+reward), `similarity` (difflib's ratio to the reference bulletin, minus 1) and `values_named` (−(share of the
+report's values the bulletin leaves out)), each measured in the README's and the recipe's runs against trl.
 """
 
 import difflib
@@ -52,3 +53,24 @@ def town_named(prompts, completions, reference, **kwargs):
 def similarity(prompts, completions, reference, **kwargs):
     texts = [c if isinstance(c, str) else c[-1]["content"] for c in completions]
     return [difflib.SequenceMatcher(None, text, bulletin).ratio() - 1.0 for text, bulletin in zip(texts, reference)]
+
+
+INPUT_LINE = re.compile(r"^(Day|Sky|Wind|High|Low): (.+)$", re.MULTILINE)
+TOWN = re.compile(r"bulletin for ([^.\n]+)\.")
+
+
+def values_named(prompts, completions, **kwargs):
+    """−(share of the report's values the bulletin leaves out): the town, the day, the sky, the wind's speed and
+    direction and the two temperatures, each looked for as written in the report (`minus 3` for -3)."""
+    rewards = []
+    for prompt, completion in zip(prompts, completions):
+        text = completion if isinstance(completion, str) else completion[-1]["content"]
+        values = [TOWN.search(prompt).group(1)]
+        for name, value in INPUT_LINE.findall(prompt):
+            if name == "Wind":
+                speed, direction = value.split(" from ")
+                values += [speed, "from " + direction]
+            else:
+                values.append(value)
+        rewards.append(-sum(value not in text for value in values) / len(values))
+    return rewards
