@@ -4,10 +4,10 @@
   run refines) into the freshly wrapped LoRA model, after checking that it was trained on this base and
   with this section's rank, alpha and targets, so the model starts as base + that adapter.
 - `precomputed_reference`: with `train.precompute_reference`, the reference policy's log-probabilities of
-  the training pairs the run trains on and every validation pair, from the model as it starts (`objectives.reference.score_rows`),
-  kept in the run directory and added to the rows. A resumed run reads them back (the values the
-  interrupted run used, bit for bit); it scores the pairs the file lacks (the file is missing, or the run
-  was lengthened) before restoring the checkpoint, so still from the starting model.
+  the training pairs the run trains on and every validation pair, from the model as it starts
+  (`objectives.reference.score_rows`), kept in the run directory and added to the rows. A resumed run reads
+  them back (the values the interrupted run used, bit for bit); it scores the pairs the file lacks (the file
+  is missing, or the run was lengthened) before restoring the checkpoint, so still from the starting model.
 
 Example:
     initial_adapter(recipe, peft_model, base, say)
@@ -98,7 +98,10 @@ def precomputed_reference(
     def complete(stored: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
         values = dict(stored or {})
         train = values.get("train")
-        missing = trained_rows if train is None else [row for row in trained_rows if train[row].isnan().any()]
+        missing = trained_rows
+        if train is not None:  # the rows an earlier start of the run stored NaN for (one vectorised test)
+            rows = torch.tensor(trained_rows, dtype=torch.long)
+            missing = rows[train[rows].isnan().any(dim=1)].tolist()
         if missing:
             say(f"reference: scoring {len(missing)} of {len(data.train)} training pairs (those the run trains on) "
                 "once with the starting model")  # fmt: skip

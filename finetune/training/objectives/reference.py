@@ -7,12 +7,13 @@ on the unwrapped LoRA model, which holds the very parameters the DDP wrapper, th
 DeepSpeed engine train (a sharded forward gathers as usual; every rank runs it in step).
 
 `train.precompute_reference` instead scores each row the run will train on (and every validation row) once
-before the first step, with the model as it starts (the adapter on: also right when LoRA starts from another adapter, `lora.init_from`, or from a
-PiSSA/OLoRA initialisation that moves part of the base into the adapter), in eval mode under the run's
-autocast, each process a strided share. The values are kept in the run directory as safetensors
-(`reference-logps.safetensors`: one (rows, sequences) float32 tensor per split, NaN for a row not scored) and
-added to the rows as columns, so the sampler hands them to collation with their rows; `--resume` loads the
-file, so a resumed run uses the very values the interrupted one did (and scores only rows it lacks).
+before the first step, with the model as it starts (the adapter on: also right when LoRA starts from another
+adapter, `lora.init_from`, or from a PiSSA/OLoRA initialisation that moves part of the base into the adapter),
+in eval mode under the run's autocast, each process a strided share. The values are kept in the run
+directory as safetensors (`reference-logps.safetensors`: one (rows, sequences) float32 tensor per split, NaN
+for a row not scored) and added to the rows as columns, so the sampler hands them to collation with their
+rows; `--resume` loads the file, so a resumed run uses the very values the interrupted one did (and scores
+only rows it lacks).
 
 When LoRA does not start as the base (`lora.init_from`, e.g. the SFT adapter a DPO, KTO or GRPO run refines;
 or a PiSSA/OLoRA initialisation), the reference passes instead run the model as the run started, as trl's
