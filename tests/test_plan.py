@@ -274,3 +274,23 @@ def test_a_recipe_object_takes_overrides_without_tripping_over_unset_strategy_op
     assert load_recipe(recipe, ["train.micro_batch_size=1"]).train.micro_batch_size == 1
     fsdp = load_recipe(load_recipe("llama-3.1-8b-instruct-chat", ["distributed.strategy=fsdp"]), ["lora.r=4"])
     assert fsdp.distributed.strategy == "fsdp" and fsdp.lora.r == 4
+
+
+def test_grpo_counts_the_merged_sampling_weights_only_where_the_lean_decoder_makes_them(capsys):
+    """GRPO's lean decode step samples from a copy of the decoder layers' linear weights and the head with the
+    LoRA merged in, made only when it fits in 1/8 of the device (here Qwen3-4B in bf16: 7.5 GiB, so on 80 GB
+    and not on 40 GB) and never for a 4-bit base."""
+    from finetune.plan.memory import DTYPE_BYTES
+    from finetune.plan.model_config import find_model_config
+    from finetune.plan.shape import model_shape
+    from finetune.recipe import load_recipe
+
+    name = "qwen3-4b-base-grpo-gsm8k"
+    recipe = load_recipe(name)
+    shape = model_shape(find_model_config(recipe.model.base, recipe.model.revision, None)[0], recipe.lora)
+    copies = (shape.quantizable_params + shape.vocab_size * shape.hidden_size) * DTYPE_BYTES[recipe.model.dtype]
+    roomy = _plan_json(capsys, name, "--device", "cuda", "--device-memory", "80GB")
+    assert roomy["parts"]["sampling weights"]["bytes"] == copies
+    assert "sampling weights" not in _plan_json(capsys, name, "--device", "cuda", "--device-memory", "40GB")["parts"]
+    quantized = _plan_json(capsys, name, "model.quantization=4bit", "--device", "cuda", "--device-memory", "80GB")
+    assert "sampling weights" not in quantized["parts"]

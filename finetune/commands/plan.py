@@ -65,7 +65,7 @@ def run_plan(args: argparse.Namespace) -> int:
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
     recipe = recipe.for_device(device)
-    plan = estimate(recipe, shape, device=device, nproc=args.nproc)
+    plan = estimate(recipe, shape, device=device, nproc=args.nproc, device_bytes=device_bytes)
     notes = [note for note in (bf16_cpu_note(recipe.model.dtype, recipe.train.precision, device=device),) if note]
     found = []
     if device_bytes is not None and plan.peak_bytes > device_bytes:

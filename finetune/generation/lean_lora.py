@@ -41,17 +41,19 @@ def lean_lora(model: torch.nn.Module) -> Iterator[int]:
             del module.forward  # the class's forward again
 
 
-def _hooked(module: torch.nn.Module) -> bool:
-    return bool(module._forward_hooks or module._forward_pre_hooks or "forward" in module.__dict__)
+def unhooked(module: torch.nn.Module) -> bool:
+    """No forward hooks and no forward replaced on the instance (accelerate's offloading, a wrapper's)."""
+    return not (module._forward_hooks or module._forward_pre_hooks or "forward" in module.__dict__)
 
 
-def _lean_forward(module: Any) -> Callable[..., torch.Tensor] | None:
-    """The lean forward of a plain peft LoRA linear layer in eval mode, else None (peft's forward stays)."""
+def plain_lora_parts(module: Any) -> tuple[torch.nn.Linear, torch.nn.Linear, torch.nn.Linear, float] | None:
+    """(base, A, B, scaling) of a plain peft LoRA linear layer in eval mode, else None: one active adapter,
+    no DoRA or other variant, not merged, not disabled, `nn.Linear` base and factors without hooks."""
     kind = type(module)
     if kind.__name__ != "Linear" or not kind.__module__.startswith("peft.tuners.lora"):
         return None
     base = getattr(module, "base_layer", None)
-    if type(base) is not torch.nn.Linear or module.training or _hooked(module) or _hooked(base):
+    if type(base) is not torch.nn.Linear or module.training or not unhooked(module) or not unhooked(base):
         return None
     if module.disable_adapters or module.merged or getattr(module, "fan_in_fan_out", False):
         return None
@@ -59,9 +61,19 @@ def _lean_forward(module: Any) -> Callable[..., torch.Tensor] | None:
     if len(active) != 1 or active[0] in getattr(module, "lora_variant", {}):
         return None
     lora_a, lora_b = module.lora_A[active[0]], module.lora_B[active[0]]
-    if type(lora_a) is not torch.nn.Linear or type(lora_b) is not torch.nn.Linear or _hooked(lora_a) or _hooked(lora_b):
+    if type(lora_a) is not torch.nn.Linear or type(lora_b) is not torch.nn.Linear:
         return None
-    scaling = module.scaling[active[0]]
+    if not unhooked(lora_a) or not unhooked(lora_b):
+        return None
+    return base, lora_a, lora_b, module.scaling[active[0]]
+
+
+def _lean_forward(module: Any) -> Callable[..., torch.Tensor] | None:
+    """The lean forward of a plain peft LoRA linear layer in eval mode, else None (peft's forward stays)."""
+    parts = plain_lora_parts(module)
+    if parts is None:
+        return None
+    base, lora_a, lora_b, scaling = parts
     cast = getattr(module, "cast_input_dtype_enabled", True)
 
     def forward(x: torch.Tensor) -> torch.Tensor:

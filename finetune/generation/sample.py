@@ -12,12 +12,15 @@ so a row draws the same tokens whichever process samples it and whatever else is
 
 Per token the host does little: the cache writes one column in place (`KVBatch` with `room`), the token
 is drawn with one random number per row (`draw`) and written into a device table, and the host reads one
-count (how many rows have stopped?). Rows that share a prompt (GRPO's group) share its prefill. peft's
-LoRA layers run as plain matrix products meanwhile (`lean_lora`, the same outputs bit for bit).
+count (how many rows have stopped?). Rows that share a prompt (GRPO's group) share its prefill. The prefill
+is the model's own forward with peft's LoRA layers as plain matrix products (`lean_lora`, the same outputs
+bit for bit); each decode step, for the Llama-family models it takes, is `LeanDecoder.step`: a few tensor
+ops per layer over copies of the weights with the LoRA update merged in, made at the start of each call
+and freed at its end (the logits equal the model's within float rounding). Otherwise the model's own forward
+decodes too, with no copy of the weights.
 
 The model runs in eval mode (no dropout: the samples come from the policy the loss scores) under
-`torch.inference_mode` (`torch.no_grad` on a sharded model); its training mode is restored after. No copy
-of the weights is made: a LoRA model generates with its adapter as it stands.
+`torch.inference_mode` (`torch.no_grad` on a sharded model); its training mode is restored after.
 
 Example:
     settings = SampleSettings(max_new_tokens=32, temperature=1.0)
@@ -33,6 +36,7 @@ from typing import Any
 import torch
 
 from finetune.generation.kvbatch import KVBatch
+from finetune.generation.lean_decoder import LeanDecoder
 from finetune.generation.lean_lora import lean_lora
 
 
@@ -95,8 +99,10 @@ def sample_completions(
     was_training = model.training
     model.eval()
     try:
-        with lean_lora(model), _no_autograd(model):
-            return _decode(model, prompts, settings, stop_ids, pad_token_id, device, uniforms)
+        with _no_autograd(model):
+            decoder = LeanDecoder.of(model)
+            with lean_lora(model):
+                return _decode(model, decoder, prompts, settings, stop_ids, pad_token_id, device, uniforms)
     finally:
         model.train(was_training)
 
@@ -113,8 +119,9 @@ def _no_autograd(model: Any) -> Any:
     return torch.inference_mode()
 
 
-def _decode(model, prompts, settings, stop_ids, pad_token_id, device, uniforms) -> list[list[int]]:
-    """Prefill each distinct prompt once, copy its cache to the rows that share it, then decode.
+def _decode(model, decoder, prompts, settings, stop_ids, pad_token_id, device, uniforms) -> list[list[int]]:
+    """Prefill each distinct prompt once, copy its cache to the rows that share it, then decode (with
+    `decoder`'s lean step where it took the model, else the model's forward).
 
     Tokens stay on the device in an (N, max_new_tokens) table; the host reads one flag per step (did a row
     stop?) and the table once at the end."""
@@ -148,9 +155,15 @@ def _decode(model, prompts, settings, stop_ids, pad_token_id, device, uniforms) 
             keep = (~done).nonzero().squeeze(-1)
             batch.select(keep.tolist())
             rows, chosen, done = rows[keep], chosen[keep], done[keep]
-        logits = model(input_ids=chosen[:, None], logits_to_keep=1, **batch.forward_kwargs()).logits[:, -1]
+        logits = decoder.step(chosen, batch) if decoder else _forward_one(model, chosen, batch)
         batch.advance()
     return [_until_stop(row, stop_ids) for row in table.tolist()]
+
+
+def _forward_one(model: Any, token_ids: torch.Tensor, batch: KVBatch) -> torch.Tensor:
+    """The model's own forward of one token per row of an advanced batch: the next-token logits (B, V)."""
+    kwargs = batch.forward_kwargs()
+    return model(input_ids=token_ids[:, None], logits_to_keep=1, **kwargs).logits[:, -1]
 
 
 def _until_stop(tokens: list[int], stop_ids: set[int] | frozenset[int]) -> list[int]:

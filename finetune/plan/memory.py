@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from finetune.generation.lean_decoder import FAMILIES, MEMORY_SHARE
 from finetune.plan.shape import ModelShape
 from finetune.recipe import Recipe
 
@@ -142,6 +143,21 @@ def generation_part(recipe: Recipe, shape: ModelShape) -> Part | None:
     return Part(
         "kv cache", size, "device", f"generation: {rows} rows x {tokens // rows} tokens, {shape.num_layers} layers"
     )
+
+
+def sampling_weights_part(recipe: Recipe, shape: ModelShape, how: _Sharding, device_bytes: int | None) -> Part | None:
+    """GRPO's merged weights while it samples (`finetune.generation.lean_decoder`): a copy of every decoder
+    layer's linear weights and of the output head in the model's dtype, for the architectures the lean decode
+    step takes on a whole base (not quantized, not sharded), unless they are over `MEMORY_SHARE` of the
+    device's memory (with `device_bytes` unknown, they are counted). Freed after sampling, like the cache."""
+    if recipe.train.objective != "grpo" or shape.model_type not in FAMILIES:
+        return None
+    if recipe.model.quantization != "none" or how.weights_share < 1:
+        return None
+    size = (shape.quantizable_params + shape.vocab_size * shape.hidden_size) * DTYPE_BYTES[recipe.model.dtype]
+    if device_bytes is not None and size > MEMORY_SHARE * device_bytes:
+        return None
+    return Part("sampling weights", size, "device", "LoRA merged into a copy of the layers and head while sampling")
 
 
 def reference_part(recipe: Recipe) -> Part | None:
@@ -381,8 +397,10 @@ def estimate(
     device: Literal["cpu", "cuda"],
     nproc: int = 1,
     impl: Implementation = FINETUNE,
+    device_bytes: int | None = None,
 ) -> MemoryPlan:
-    """The peak memory of one rank of `recipe`'s run on `nproc` processes of `device`."""
+    """The peak memory of one rank of `recipe`'s run on `nproc` processes of `device` (of `device_bytes` each,
+    where known)."""
     recipe = recipe.for_device(device)
     how = sharding(recipe, nproc)
     strategy = recipe.distributed.strategy if nproc > 1 else "single process"
@@ -404,7 +422,8 @@ def estimate(
     chunks = f"chunks of {rows} of {tokens} tokens" if rows < tokens else f"{tokens} tokens"
     plan.parts.append(Part("logits", logits_bytes(recipe, shape, impl), "device",
                            f"{chunks} x {shape.vocab_size:,} vocabulary"))  # fmt: skip
-    for extra in (reference_part(recipe), generation_part(recipe, shape)):
+    sampling = sampling_weights_part(recipe, shape, how, device_bytes)
+    for extra in (reference_part(recipe), generation_part(recipe, shape), sampling):
         if extra is not None:
             plan.parts.append(extra)
     runtime = CUDA_CONTEXT_BYTES if device == "cuda" else CPU_RUNTIME_BYTES

@@ -66,6 +66,8 @@ class ModelShape:
     """Width of the dense shared expert every token also goes through (Qwen2-MoE, DeepSeek); 0 without one."""
     own_expert_gate: bool = False
     """The experts gate with their own function (gpt-oss's clamped SwiGLU), which keeps more for backward."""
+    model_type: str = ""
+    """The config's `model_type` (e.g. llama): which architectures GRPO's lean decode step takes."""
 
     @property
     def base_params(self) -> int:
@@ -113,6 +115,7 @@ def model_shape(config: Any, lora: LoraConfig) -> ModelShape:
         active_params=total - round(expert_params * (1 - routed)),
         router_params=router_params,
         input_embedding_params=model.get_input_embeddings().weight.numel(),
+        model_type=getattr(text, "model_type", ""),
         expert_lora_params=expert_lora,
         folded_expert_params=folded,
     )

@@ -38,7 +38,7 @@ def _try(
         changed = load_recipe(recipe, overrides)
     except FinetuneError:  # e.g. FSDP on a quantized base: not a change to suggest
         return None
-    plan = estimate(changed, shape, device=device, nproc=nproc)
+    plan = estimate(changed, shape, device=device, nproc=nproc, device_bytes=budget)
     return plan, plan.peak_bytes <= budget
 
 

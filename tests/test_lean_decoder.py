@@ -1,0 +1,135 @@
+"""The lean decode step (`finetune.generation.lean_decoder`): the model's own logits over a left-padded batch
+with a KV cache for each Llama-family architecture it takes, and the model's forward kept for what it declines."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import REORDERED_ULPS, assert_within_ulps
+
+import finetune.generation.lean_decoder as lean_decoder
+from finetune.generation.kvbatch import KVBatch
+from finetune.generation.lean_decoder import LeanDecoder
+
+SHAPE = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=128)  # fmt: skip
+
+
+def tiny_model(family: str, **config):
+    """A random tiny causal LM of `family` (grouped-query attention: 4 query heads, 2 key/value heads)."""
+    import transformers
+
+    config_class, model_class = {
+        "llama": ("LlamaConfig", "LlamaForCausalLM"),
+        "mistral": ("MistralConfig", "MistralForCausalLM"),
+        "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+        "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+        "gemma": ("GemmaConfig", "GemmaForCausalLM"),
+    }[family]
+    torch.manual_seed(0)
+    settings = {**SHAPE, **config}
+    model = getattr(transformers, model_class)(getattr(transformers, config_class)(**settings))
+    return model.eval()
+
+
+def with_adapter(model, **lora):
+    """`model` with a LoRA on every linear layer of its blocks, B drawn as if trained (not zero)."""
+    from peft import LoraConfig, get_peft_model
+
+    peft_model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", **lora))
+    for name, parameter in peft_model.named_parameters():
+        if "lora_B" in name:
+            parameter.data.normal_(0, 0.05)
+    return peft_model.eval()
+
+
+def prefilled(model, prompts: list[list[int]]) -> tuple[KVBatch, torch.Tensor]:
+    """A left-padded batch after the model's own prefill forward, and its next-token logits."""
+    batch = KVBatch.from_prompts(prompts, ["policy"] * len(prompts), pad_token_id=0, device=torch.device("cpu"),
+                                 room=8)  # fmt: skip
+    logits = model(input_ids=batch.input_ids, logits_to_keep=1, **batch.forward_kwargs()).logits[:, -1]
+    batch.advance()
+    return batch, logits
+
+
+@pytest.mark.parametrize(
+    ("family", "config"),
+    [("llama", {}), ("llama", {"attention_bias": True, "mlp_bias": True}), ("mistral", {"sliding_window": None}),
+     ("qwen2", {}), ("qwen3", {"head_dim": 24})],
+    ids=["llama", "llama-biases", "mistral", "qwen2-qkv-bias", "qwen3-qk-norm"],
+)  # fmt: skip
+def test_each_decode_step_gives_the_models_logits(family, config):
+    """Rows of different prompt lengths (left padding), a LoRA update merged in, grouped-query attention, and
+    each family's own parts (biases, Qwen3's per-head norms, a head_dim apart from hidden / heads): six decode
+    steps' logits equal the model's forward over the same cache to within reordered float32 sums."""
+    model = with_adapter(tiny_model(family, **config))
+    prompts = [[1, 5, 9, 14, 3], [1, 7], [1, 40, 41]]
+    decoder = LeanDecoder.of(model)
+    assert decoder is not None
+    with torch.inference_mode():
+        ours, ours_logits = prefilled(model, prompts)
+        theirs, logits = prefilled(model, prompts)
+        for step in range(6):
+            tokens = logits.argmax(-1)
+            ours_logits = decoder.step(tokens, ours)
+            logits = model(input_ids=tokens[:, None], logits_to_keep=1, **theirs.forward_kwargs()).logits[:, -1]
+            assert_within_ulps(ours_logits, logits, REORDERED_ULPS, what=f"{family} step {step} logits")
+            ours.advance(), theirs.advance()
+    assert ours.cache.get_seq_length() == theirs.cache.get_seq_length() == 5 + 6
+
+
+def test_the_merged_copies_are_the_models_weights_plus_the_lora_update():
+    """What the decoder computes with: W + s·B·A per projection, stacked q/k/v and gate/up, transposed."""
+    model = with_adapter(tiny_model("llama"))
+    decoder = LeanDecoder.of(model)
+    assert decoder is not None
+    q_proj = model.base_model.model.model.layers[1].self_attn.q_proj
+    delta = q_proj.get_delta_weight("default")  # peft's own ΔW = s·B·A
+    expected = q_proj.base_layer.weight + delta
+    assert_within_ulps(decoder.layers[1].qkv[:, : expected.shape[0]].t(), expected, REORDERED_ULPS, what="q")
+    assert decoder.layers[1].qkv.is_contiguous() and decoder.layers[1].gate_up.shape == (64, 2 * 96)
+
+
+def declined_models():
+    """Models whose forward the lean step does not reproduce, each with why."""
+    hooked = tiny_model("llama")
+    hooked.model.layers[0].mlp.register_forward_hook(lambda module, args, output: output * 2)
+    patched = tiny_model("llama")
+    patched.model.norm.forward = lambda x: x  # another library's kernel in place of the class's forward
+    return [
+        ("sliding window", tiny_model("mistral", sliding_window=16)),
+        ("another family", tiny_model("gemma", head_dim=16)),
+        ("training mode", tiny_model("llama").train()),
+        ("DoRA", with_adapter(tiny_model("llama"), use_dora=True)),
+        ("a forward hook", hooked),
+        ("a replaced forward", patched),
+        ("adapter on the embeddings", with_embedding_adapter(tiny_model("llama"))),
+    ]
+
+
+def with_embedding_adapter(model):
+    from peft import LoraConfig, get_peft_model
+
+    return get_peft_model(model, LoraConfig(r=4, target_modules=["embed_tokens", "q_proj"])).eval()
+
+
+def test_it_declines_what_it_does_not_reproduce():
+    """Each of these keeps the model's own forward (None), and trainings' own lean activations do not."""
+    declined = [why for why, model in declined_models() if LeanDecoder.of(model) is not None]
+    assert declined == []
+    from finetune.training.lean_activations import use_lean_activations
+
+    model = tiny_model("llama")
+    assert use_lean_activations(model) > 0
+    assert LeanDecoder.of(model.eval()) is not None
+
+
+def test_it_declines_when_the_copies_would_not_fit(monkeypatch):
+    """A base whose merged copies would take more than MEMORY_SHARE of the device's memory is sampled with the
+    model's forward: the copies are a second set of the weights."""
+    model = tiny_model("llama")
+    assert LeanDecoder.of(model) is not None
+    copies = sum(p.numel() * 4 for name, p in model.named_parameters() if "proj" in name or "lm_head" in name)
+    assert lean_decoder._copies_bytes(model) == copies
+    monkeypatch.setattr(lean_decoder, "MEMORY_SHARE", copies / lean_decoder._device_memory(model.lm_head.weight) / 2)
+    assert LeanDecoder.of(model) is None
