@@ -45,8 +45,8 @@ def with_adapter(model, **lora):
 
 def prefilled(model, prompts: list[list[int]]) -> tuple[KVBatch, torch.Tensor]:
     """A left-padded batch after the model's own prefill forward, and its next-token logits."""
-    batch = KVBatch.from_prompts(prompts, ["policy"] * len(prompts), pad_token_id=0, device=torch.device("cpu"),
-                                 room=8)  # fmt: skip
+    device = next(model.parameters()).device
+    batch = KVBatch.from_prompts(prompts, ["policy"] * len(prompts), pad_token_id=0, device=device, room=8)
     logits = model(input_ids=batch.input_ids, logits_to_keep=1, **batch.forward_kwargs()).logits[:, -1]
     batch.advance()
     return batch, logits
@@ -62,7 +62,22 @@ def test_each_decode_step_gives_the_models_logits(family, config):
     """Rows of different prompt lengths (left padding), a LoRA update merged in, grouped-query attention, and
     each family's own parts (biases, Qwen3's per-head norms, a head_dim apart from hidden / heads): six decode
     steps' logits equal the model's forward over the same cache to within reordered float32 sums."""
-    model = with_adapter(tiny_model(family, **config))
+    assert_steps_equal(with_adapter(tiny_model(family, **config)), family, torch.float32)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_each_decode_step_gives_the_models_logits_on_the_gpu(dtype):
+    """The CUDA twin: Qwen3 (every part the step has but biases) in float32 and in bfloat16."""
+    model = with_adapter(tiny_model("qwen3", head_dim=24)).to("cuda", dtype)
+    assert_steps_equal(model, "qwen3", dtype)
+
+
+def assert_steps_equal(model, family: str, dtype: torch.dtype) -> None:
+    """Six greedy decode steps of three left-padded rows: the lean step's logits against the model's forward,
+    within reordered sums of `dtype` (bfloat16: 16 of its own ulps at the logits' scale, for the bfloat16
+    roundings of W + ΔW and of every layer's output; not yet measured on a GPU)."""
+    ulps = REORDERED_ULPS if dtype == torch.float32 else 16
     prompts = [[1, 5, 9, 14, 3], [1, 7], [1, 40, 41]]
     decoder = LeanDecoder.of(model)
     assert decoder is not None
@@ -73,7 +88,7 @@ def test_each_decode_step_gives_the_models_logits(family, config):
             tokens = logits.argmax(-1)
             ours_logits = decoder.step(tokens, ours)
             logits = model(input_ids=tokens[:, None], logits_to_keep=1, **theirs.forward_kwargs()).logits[:, -1]
-            assert_within_ulps(ours_logits, logits, REORDERED_ULPS, what=f"{family} step {step} logits")
+            assert_within_ulps(ours_logits.float(), logits.float(), ulps, dtype=dtype, what=f"{family} step {step}")
             ours.advance(), theirs.advance()
     assert ours.cache.get_seq_length() == theirs.cache.get_seq_length() == 5 + 6
 
