@@ -9,7 +9,7 @@ from helpers import REORDERED_ULPS, assert_within_ulps
 
 import finetune.generation.lean_decoder as lean_decoder
 from finetune.generation.kvbatch import KVBatch
-from finetune.generation.lean_decoder import LeanDecoder
+from finetune.generation.lean_decoder import LeanDecoder, describe_generation
 
 SHAPE = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=128)  # fmt: skip
@@ -106,19 +106,18 @@ def test_the_merged_copies_are_the_models_weights_plus_the_lora_update():
 
 
 def declined_models():
-    """Models whose forward the lean step does not reproduce, each with why."""
+    """Models whose forward the lean step does not reproduce, each with (a word of) the reason it gives."""
     hooked = tiny_model("llama")
     hooked.model.layers[0].mlp.register_forward_hook(lambda module, args, output: output * 2)
     patched = tiny_model("llama")
     patched.model.norm.forward = lambda x: x  # another library's kernel in place of the class's forward
     return [
-        ("sliding window", tiny_model("mistral", sliding_window=16)),
-        ("another family", tiny_model("gemma", head_dim=16)),
-        ("training mode", tiny_model("llama").train()),
+        ("sliding-window", tiny_model("mistral", sliding_window=16)),
+        ("gemma models", tiny_model("gemma", head_dim=16)),
         ("DoRA", with_adapter(tiny_model("llama"), use_dora=True)),
-        ("a forward hook", hooked),
-        ("a replaced forward", patched),
-        ("adapter on the embeddings", with_embedding_adapter(tiny_model("llama"))),
+        ("hooks", hooked),
+        ("another library replaced", patched),
+        ("embeddings have an adapter", with_embedding_adapter(tiny_model("llama"))),
     ]
 
 
@@ -134,14 +133,18 @@ def test_it_declines_what_it_does_not_reproduce(tiny_base_dir):
 
     quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_compute_dtype=torch.float32)
     quantized = AutoModelForCausalLM.from_pretrained(tiny_base_dir, quantization_config=quantization).eval()
-    models = [*declined_models(), ("a 4-bit base", quantized), ("a 4-bit base with LoRA", with_adapter(quantized))]
+    models = [*declined_models(), ("quantized", quantized), ("quantized", with_adapter(quantized))]
     accepted = [why for why, model in models if LeanDecoder.of(model) is not None]
     assert accepted == []
+    unsaid = [why for why, model in models if why not in describe_generation(model)]
+    assert unsaid == []
+    assert LeanDecoder.of(tiny_model("llama").train()) is None  # dropout would act: sampling is in eval mode
     from finetune.training.lean_activations import use_lean_activations
 
     model = tiny_model("llama")
     assert use_lean_activations(model) > 0
     assert LeanDecoder.of(model.eval()) is not None
+    assert describe_generation(model.train()).startswith("generation: lean decode steps")
 
 
 def test_it_declines_when_the_copies_would_not_fit(monkeypatch):

@@ -91,18 +91,14 @@ class LeanDecoder:
 
     @classmethod
     def of(cls, model: Any) -> LeanDecoder | None:
-        """The decoder for `model` (a transformers causal LM or a peft model of one), or None if it declines."""
-        inner = model.get_base_model() if hasattr(model, "get_base_model") else model
-        if not _supported(inner) or _copies_bytes(inner) > MEMORY_SHARE * _device_memory(inner.lm_head.weight):
+        """The decoder for `model` (a transformers causal LM or a peft model of one, in eval mode), or None if it
+        declines (`declined_because` says why)."""
+        inner = _inner(model)
+        if inner.training or declined_because(model) is not None:
             return None
         with torch.no_grad():
-            try:
-                layers = [_layer(layer) for layer in inner.model.layers]
-                head, head_bias = _merged(inner.lm_head)
-            except _Declined:
-                return None
-            if type(inner.model.embed_tokens) is not torch.nn.Embedding:
-                return None
+            layers = [_layer(layer) for layer in inner.model.layers]
+            head, head_bias = _merged(inner.lm_head)
             norm = inner.model.norm
             final_norm = Norm(norm.weight, norm.variance_epsilon)
             return cls(inner, layers, inner.model.embed_tokens.weight, final_norm, (head.t().contiguous(), head_bias))
@@ -131,10 +127,6 @@ class LeanDecoder:
         return _project(self.final_norm(hidden), self.head, self.head_bias)
 
 
-class _Declined(Exception):
-    """A part of the model the lean decoder does not reproduce."""
-
-
 def _project(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x @ Wᵀ (+ b) with Wᵀ stored (in, out): on a CPU, `F.linear`'s (out, in) weight took up to 4x longer
     for a decode step's few rows (8 x 128 against 384 x 128: 60 µs against 15 µs, 2 threads)."""
@@ -147,24 +139,65 @@ def _rotated(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Ten
     return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
 
 
-def _supported(model: Any) -> bool:
-    """Is `model` one of transformers' own Llama-family causal LMs, full attention, SiLU, in eval mode,
-    with whole (not quantized, sharded or offloaded) weights?"""
-    config = getattr(model, "config", None)
-    if config is None or getattr(config, "model_type", None) not in FAMILIES or model.training:
-        return False
-    if not type(model).__module__.startswith("transformers.models."):
-        return False  # remote code: its forward may differ
-    if getattr(config, "sliding_window", None) is not None or getattr(config, "hidden_act", None) != "silu":
-        return False
-    if any(kind != "full_attention" for kind in getattr(config, "layer_types", None) or []):
-        return False
-    if (getattr(config, "partial_rotary_factor", 1.0) or 1.0) != 1.0:
-        return False
-    for parameter in model.parameters():
+def declined_because(model: Any) -> str | None:
+    """Why the lean step would not decode `model` in eval mode (None: it would), in a few words for the log.
+    The weights first: FSDP2 also swaps the model's class for a subclass of its own."""
+    inner = _inner(model)
+    for parameter in inner.parameters():
+        if not parameter.is_floating_point():
+            return "the base is quantized"  # bitsandbytes' packed 4-bit or int8 weights
         if type(parameter.data) is not torch.Tensor or hasattr(parameter, "ds_numel") or parameter.is_meta:
-            return False  # a DTensor (FSDP2), a ZeRO-3 shard, a bitsandbytes weight, or not loaded
-    return all(_computes_its_class(module) for module in model.modules())
+            return "the weights are sharded or offloaded"  # a DTensor (FSDP2), a ZeRO-3 shard, not loaded
+    config = getattr(inner, "config", None)
+    family = getattr(config, "model_type", None)
+    if family not in FAMILIES or not type(inner).__module__.startswith("transformers.models."):
+        return f"{family} models are not among transformers' own {', '.join(sorted(FAMILIES))} classes"
+    if getattr(config, "sliding_window", None) is not None or any(
+        kind != "full_attention" for kind in getattr(config, "layer_types", None) or []
+    ):
+        return "sliding-window attention"
+    if getattr(config, "hidden_act", None) != "silu" or (getattr(config, "partial_rotary_factor", 1.0) or 1.0) != 1.0:
+        return "an activation other than SiLU or a partial rotary embedding"
+    if not all(_computes_its_class(module) for module in inner.modules()):
+        return "a module has hooks or a forward another library replaced"
+    return _parts_declined(inner) or _memory_declined(inner)
+
+
+def _parts_declined(inner: Any) -> str | None:
+    """Why the model's parts are not ones the step computes: embeddings, norms, projections."""
+    if type(inner.model.embed_tokens) is not torch.nn.Embedding:
+        return "the embeddings have an adapter"
+    for layer in inner.model.layers:
+        norms = [layer.input_layernorm, layer.post_attention_layernorm, inner.model.norm]
+        norms += [norm for norm in (getattr(layer.self_attn, "q_norm", None), getattr(layer.self_attn, "k_norm", None))
+                  if norm is not None]  # fmt: skip
+        if not all(type(norm).__name__.endswith("RMSNorm") and hasattr(norm, "variance_epsilon") for norm in norms):
+            return "a norm other than RMSNorm"
+        for module in (*_attention_projections(layer), *_mlp_projections(layer), inner.lm_head):
+            if type(module) is not torch.nn.Linear and plain_lora_parts(module, eval_only=False) is None:
+                return f"a {type(module).__name__} layer that is not a plain LoRA (a variant such as DoRA, or several)"
+    return None
+
+
+def _memory_declined(inner: Any) -> str | None:
+    copies, memory = _copies_bytes(inner), _device_memory(inner.lm_head.weight)
+    if copies > MEMORY_SHARE * memory:
+        return f"its merged copy ({copies / 2**30:.2f} GiB) would take over 1/8 of the device's memory"
+    return None
+
+
+def describe_generation(model: Any) -> str:
+    """The log line saying how sampling will decode `model` (a run's first lines say which speed-ups are on)."""
+    reason = declined_because(model)
+    if reason is not None:
+        return f"generation: the model's own forward per token (no lean decode step: {reason})"
+    copies = _copies_bytes(_inner(model))
+    return f"generation: lean decode steps, the LoRA merged into a copy of the weights while sampling ({copies / 2**20:,.1f} MiB)"
+
+
+def _inner(model: Any) -> Any:
+    """The transformers model inside a peft model (or the model itself)."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
 def _computes_its_class(module: torch.nn.Module) -> bool:
@@ -226,8 +259,6 @@ def _layer(layer: Any) -> Layer:
 
 
 def _norm(module: Any) -> Norm:
-    if not type(module).__name__.endswith("RMSNorm") or not hasattr(module, "variance_epsilon"):
-        raise _Declined(type(module).__name__)
     return Norm(module.weight, float(module.variance_epsilon))
 
 
@@ -237,8 +268,7 @@ def _merged(module: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
     if type(module) is torch.nn.Linear:
         return module.weight, module.bias
     parts = plain_lora_parts(module)
-    if parts is None:
-        raise _Declined(type(module).__name__)
+    assert parts is not None, "declined_because checked every projection"
     base, lora_a, lora_b, scaling = parts
     delta = (lora_b.weight.float() @ lora_a.weight.float()) * scaling
     return (base.weight.float() + delta).to(base.weight.dtype), base.bias

@@ -46,14 +46,22 @@ def unhooked(module: torch.nn.Module) -> bool:
     return not (module._forward_hooks or module._forward_pre_hooks or "forward" in module.__dict__)
 
 
-def plain_lora_parts(module: Any) -> tuple[torch.nn.Linear, torch.nn.Linear, torch.nn.Linear, float] | None:
+def plain_lora_parts(
+    module: Any, *, eval_only: bool = True
+) -> tuple[torch.nn.Linear, torch.nn.Linear, torch.nn.Linear, float] | None:
     """(base, A, B, scaling) of a plain peft LoRA linear layer in eval mode, else None: one active adapter,
-    no DoRA or other variant, not merged, not disabled, `nn.Linear` base and factors without hooks."""
+    no DoRA or other variant, not merged, not disabled, `nn.Linear` base and factors without hooks.
+    `eval_only=False`: the same question of a layer in training mode (as it will be when evaluated)."""
     kind = type(module)
     if kind.__name__ != "Linear" or not kind.__module__.startswith("peft.tuners.lora"):
         return None
     base = getattr(module, "base_layer", None)
-    if type(base) is not torch.nn.Linear or module.training or not unhooked(module) or not unhooked(base):
+    if (
+        type(base) is not torch.nn.Linear
+        or (eval_only and module.training)
+        or not unhooked(module)
+        or not unhooked(base)
+    ):
         return None
     if module.disable_adapters or module.merged or getattr(module, "fan_in_fan_out", False):
         return None

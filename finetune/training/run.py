@@ -36,6 +36,7 @@ from finetune.data.packing import sequence_lengths
 from finetune.data.pipeline import build_datasets
 from finetune.data.sampler import MicroBatchStream
 from finetune.errors import CheckpointError, RecipeError
+from finetune.generation.lean_decoder import describe_generation
 from finetune.model import (
     DTYPES,
     describe_targets,
@@ -345,7 +346,7 @@ def start_run(recipe: Recipe, *, resume: bool, say: Say) -> TrainingRun:
     distributed = _measure_distribution(sharding, peft_model, accelerator, say)  # ZeRO-3 partitions in prepare
     if compiled:
         compile_layers(peft_model, quantized=quantized, say=say)
-    objective = _objective(recipe, tokenizer, varlen, peft_model)
+    objective = _objective(recipe, tokenizer, varlen, peft_model, say)
     models = Models(model_for_step, peft_model, accelerator)
     trained_rows = stream.rows_trained_on(length.total_steps * recipe.train.grad_accum_steps)
     data = precomputed_reference(
@@ -362,13 +363,15 @@ def start_run(recipe: Recipe, *, resume: bool, say: Say) -> TrainingRun:
     return run
 
 
-def _objective(recipe: Recipe, tokenizer: Any, varlen: bool, peft_model: Any) -> Objective:
+def _objective(recipe: Recipe, tokenizer: Any, varlen: bool, peft_model: Any, say: Say) -> Objective:
     """The recipe's objective. One measured against the model as the run starts (DPO, KTO, GRPO's KL) gets the
     starting LoRA weights when LoRA does not start as the base: copied here, before a resumed run loads its
-    checkpoint's."""
+    checkpoint's. GRPO's log says how it will decode."""
     objective = objective_for(recipe, tokenizer, varlen)
     if isinstance(objective, MeasuredAgainstStart) and objective.scores_reference and not recipe.lora.starts_as_base:
         objective.starting_weights = StartingWeights(peft_model)
+    if recipe.train.objective == "grpo":
+        say(describe_generation(peft_model))
     return objective
 
 
