@@ -158,9 +158,9 @@ def test_it_declines_when_the_copies_would_not_fit(monkeypatch):
     assert LeanDecoder.of(model) is None
 
 
-def test_a_lean_step_dispatches_about_half_the_models_ops_and_never_waits_on_the_device():
+def test_a_lean_step_dispatches_under_half_the_models_ops_and_never_waits_on_the_device():
     """What predicts a decode step's host time on a GPU: each aten op is at least one kernel launch, and a
-    host read makes the host wait for the queue. The lean step of a two-layer Llama dispatched 133 ops against
+    host read makes the host wait for the queue. The lean step of a two-layer Llama dispatched 107 ops against
     the model forward's 243 (peft's LoRA and transformers' modules around the same maths), and reads nothing."""
     from bench.host_work import OpCounter
     from finetune.training.host_sync import HostSyncDetector
@@ -177,4 +177,4 @@ def test_a_lean_step_dispatches_about_half_the_models_ops_and_never_waits_on_the
         with OpCounter() as full:
             model(input_ids=tokens[:, None], logits_to_keep=1, **theirs.forward_kwargs())
     assert syncs.found == []
-    assert lean.count <= 0.6 * full.count, (lean.count, full.count)
+    assert lean.count <= 0.5 * full.count, (lean.count, full.count)

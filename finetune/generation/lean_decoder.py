@@ -51,6 +51,8 @@ class Norm:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """As transformers' Llama RMSNorm: normalised in float32, cast back, then scaled by the weight."""
+        if x.dtype == torch.float32:  # the casts would be two more ops that do nothing
+            return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
         normed = x.float()
         normed = normed * torch.rsqrt(normed.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * normed.to(x.dtype)
@@ -108,19 +110,21 @@ class LeanDecoder:
         rows, heads, kv_heads, dim = len(token_ids), self.heads, self.kv_heads, self.head_dim
         hidden = F.embedding(token_ids, self.embed)  # (B, H): one position per row throughout
         cos, sin = self.rotary(hidden[:, None], batch.positions)  # (B, 1, d)
-        cos, sin = cos[:, None], sin[:, None]  # (B, 1, 1, d) against (B, heads, 1, d)
+        rotation = _Rotation(cos[:, None], sin[:, None])  # (B, 1, 1, d) against (B, heads, 1, d)
         mask = batch.mask[:, None, None, :].bool()  # (B, 1, 1, T): padded slots masked out
         q_size, kv_size = heads * dim, kv_heads * dim
         for index, layer in enumerate(self.layers):
             qkv = _project(layer.input_norm(hidden), layer.qkv, layer.qkv_bias)
-            q = qkv[:, :q_size].view(rows, heads, 1, dim)
-            k = qkv[:, q_size : q_size + kv_size].view(rows, kv_heads, 1, dim)
             v = qkv[:, q_size + kv_size :].view(rows, kv_heads, 1, dim)
-            if layer.q_norm is not None and layer.k_norm is not None:
-                q, k = layer.q_norm(q), layer.k_norm(k)
-            keys, values = batch.cache.layers[index].update(_rotated(k, cos, sin), v)
-            attended = F.scaled_dot_product_attention(_rotated(q, cos, sin), keys, values, attn_mask=mask,
-                                                      scale=layer.scaling, enable_gqa=heads != kv_heads)  # fmt: skip
+            if layer.q_norm is not None and layer.k_norm is not None:  # each head normalised, then rotated
+                q = rotation(layer.q_norm(qkv[:, :q_size].view(rows, heads, 1, dim)))
+                k = rotation(layer.k_norm(qkv[:, q_size : q_size + kv_size].view(rows, kv_heads, 1, dim)))
+            else:  # queries and keys rotated together
+                qk = rotation(qkv[:, : q_size + kv_size].view(rows, heads + kv_heads, 1, dim))
+                q, k = qk[:, :heads], qk[:, heads:]
+            keys, values = batch.cache.layers[index].update(k, v)
+            attended = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=layer.scaling,
+                                                      enable_gqa=heads != kv_heads)  # fmt: skip
             hidden = hidden + _project(attended.reshape(rows, q_size), layer.out, layer.out_bias)
             gate, up = _project(layer.post_norm(hidden), layer.gate_up, layer.gate_up_bias).chunk(2, dim=-1)
             hidden = hidden + _project(F.silu(gate) * up, layer.down, layer.down_bias)
@@ -133,10 +137,17 @@ def _project(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None)
     return x @ weight_t if bias is None else torch.addmm(bias, x, weight_t)
 
 
-def _rotated(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary position embedding as transformers' Llama applies it (rotate_half form)."""
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
+class _Rotation:
+    """Rotary position embedding as transformers' Llama applies it, x·cos + rotate_half(x)·sin, in 4 ops:
+    rotate_half(x)·sin = (−x₂·sin₁, x₁·sin₂) = roll(x, d/2)·(−sin₁, sin₂), the same products bit for bit."""
+
+    def __init__(self, cos: torch.Tensor, sin: torch.Tensor):
+        half = sin.shape[-1] // 2
+        self.cos, self.half = cos, half
+        self.signed_sin = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.cos + x.roll(self.half, dims=-1) * self.signed_sin
 
 
 def declined_because(model: Any) -> str | None:
