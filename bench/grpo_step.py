@@ -4,7 +4,10 @@ Both train a LoRA (r 16 on every linear layer of the blocks) on the embedded bas
 `--generations` completions of at most `--tokens` tokens sampled at temperature 1, the reward the negative
 completion length in characters / 100, `--steps` steps after one warm-up step. Printed per side: seconds per
 step (the median of the timed steps), completion tokens per step, and for finetune the split between
-generation, the reward functions and the update, from its metrics.
+generation, the reward functions and the update, from its metrics. Then what predicts generation's time on a
+GPU, per generated token of the same 8 x 32 greedy tokens: aten ops (each at least one kernel launch) and
+host-syncing ops, for finetune's sampler and for transformers' `generate` on the same peft model (what trl's
+GRPOTrainer samples with).
 
 Example:
     python bench/grpo_step.py --steps 5 --threads 2
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -23,6 +27,8 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:  # run from a checkout: `python bench/grpo_step.py`
+    sys.path.insert(0, str(REPO))
 PROMPTS = [
     {"prompt": f"### Instruction:\nWrite the weather bulletin for Town{i}.\n\n### Response:\n"} for i in range(64)
 ]
@@ -97,6 +103,44 @@ def trls(work: Path, args: argparse.Namespace) -> dict[str, float]:
     return {"step_s": statistics.median(times[1:]), "tokens": statistics.fmean(lengths[1:]) * args.generations}
 
 
+def host_work(args: argparse.Namespace, tokens: int = 32) -> dict[str, dict[str, float]]:
+    """Aten ops and host-syncing ops per generated token: finetune's `sample_completions` and transformers'
+    `generate`, greedy, on the embedded base with the bench's LoRA (B drawn as if trained), 8 rows of one prompt."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from bench.host_work import OpCounter
+    from finetune.embedded.cache import resolve_base_id
+    from finetune.generation.sample import SampleSettings, sample_completions
+    from finetune.training.host_sync import HostSyncDetector
+
+    base = resolve_base_id("embedded:tiny-llama")
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    lora = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear")
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(base), lora).eval()
+    for name, parameter in model.named_parameters():
+        if "lora_B" in name:
+            parameter.data.normal_(0, 0.02)
+    prompt = tokenizer(PROMPTS[0]["prompt"])["input_ids"]
+    settings = SampleSettings(max_new_tokens=tokens, temperature=0.0)
+
+    def ours() -> None:
+        sample_completions(model, [prompt] * args.generations, settings, stop_ids=set(), pad_token_id=0)
+
+    def theirs() -> None:
+        ids = torch.tensor([prompt] * args.generations)
+        with torch.no_grad():
+            model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=tokens,
+                           min_new_tokens=tokens, do_sample=False, pad_token_id=0)  # fmt: skip
+
+    result = {}
+    for name, generate in (("finetune", ours), ("transformers generate", theirs)):
+        with OpCounter() as ops, HostSyncDetector() as syncs:
+            generate()
+        result[name] = {"aten_ops_per_token": ops.count / tokens, "host_syncs_per_token": len(syncs.found) / tokens}
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=5)
@@ -108,8 +152,6 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as scratch:
         work = Path(scratch)
-        import os
-
         os.chdir(work)
         results = {}
         if args.only != "trl":
@@ -120,6 +162,9 @@ def main() -> None:
         print(f"{name}: {json.dumps({k: round(v, 3) for k, v in result.items()})}", file=sys.stdout)
     if len(results) == 2:
         print(f"finetune is {results['trl']['step_s'] / results['finetune']['step_s']:.2f}x trl's speed per step")
+    os.chdir(REPO)  # the scratch directory is gone
+    for name, figures in host_work(args).items():
+        print(f"{name} sampling, per token: {json.dumps({k: round(v, 2) for k, v in figures.items()})}")
 
 
 if __name__ == "__main__":

@@ -97,6 +97,13 @@ def test_the_detector_catches_every_kind_of_sync():
         with HostSyncDetector() as detector:
             operation()
         assert detector.found, f"{name} was not caught"
+    with torch.inference_mode():  # sampling's tensors: their scalar reads dispatch nothing
+        total = x.sum()
+    reads = {"item": total.item, "int": lambda: int(total), "float": lambda: float(total), "bool": lambda: bool(total)}
+    for name, operation in reads.items():
+        with torch.inference_mode(), HostSyncDetector() as detector:
+            operation()
+        assert len(detector.found) == 1, f"{name} of an inference tensor: {detector.found}"
     with HostSyncDetector() as detector:  # what a step does instead
         index = torch.tensor([3, 4, 5])
         x.index_select(0, index).sum()

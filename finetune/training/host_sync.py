@@ -9,7 +9,9 @@ on the CPU finds exactly what would synchronise it on a GPU:
 - `_local_scalar_dense` (`.item()`, `float(t)`, `int(t)`, `bool(t)`, `if t:`), `is_nonzero`, `equal`;
 - output shapes that depend on values: `nonzero`, `argwhere`, `masked_select`, `unique`, boolean-mask
   indexing (`t[mask]`, `t[mask] = v`), `repeat_interleave` without `output_size`;
-- `.tolist()`, `.numpy()` (they read memory without an aten operation: caught as torch functions);
+- `.tolist()`, `.numpy()` (they read memory without an aten operation: caught as torch functions), and
+  `.item()`, `int(t)`, `float(t)` of an inference tensor (under `torch.inference_mode` they dispatch
+  nothing either; `bool(t)` still dispatches `is_nonzero`);
 - a copy from an accelerator to the host (`.cpu()`, `.to("cpu")`).
 
 Used by `tests/test_host_sync.py` on whole optimizer steps, and by `bench/host_work.py` to count them.
@@ -45,6 +47,10 @@ _SYNCING_OPS = frozenset(
     }
 )
 _READING_METHODS = frozenset({"tolist", "numpy"})
+_SCALAR_METHODS = frozenset({"item", "__int__", "__float__", "__index__"})
+"""Reads of one value. Of an ordinary tensor they dispatch `_local_scalar_dense` (caught there); of an
+inference tensor (made under `torch.inference_mode`, as sampling's) they read it without dispatching it.
+(`bool(t)` dispatches `is_nonzero` either way.)"""
 
 
 class _DispatchWatch(TorchDispatchMode):
@@ -68,7 +74,8 @@ class _FunctionWatch(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         name = getattr(func, "__name__", "")
-        if name in _READING_METHODS and args and isinstance(args[0], torch.Tensor):
+        reads = args and isinstance(args[0], torch.Tensor)
+        if reads and (name in _READING_METHODS or (name in _SCALAR_METHODS and args[0].is_inference())):
             self.found.append(f"Tensor.{name}")
             self.where.append("".join(traceback.format_stack(limit=12)[:-2]))
         return func(*args, **(kwargs or {}))
