@@ -101,8 +101,9 @@ def test_the_merged_copies_are_the_models_weights_plus_the_lora_update():
     q_proj = model.base_model.model.model.layers[1].self_attn.q_proj
     delta = q_proj.get_delta_weight("default")  # peft's own ΔW = s·B·A
     expected = q_proj.base_layer.weight + delta
-    assert_within_ulps(decoder.layers[1].qkv[:, : expected.shape[0]].t(), expected, REORDERED_ULPS, what="q")
-    assert decoder.layers[1].qkv.is_contiguous() and decoder.layers[1].gate_up.shape == (64, 2 * 96)
+    qkv, gate_up = decoder.layers[1].qkv, decoder.layers[1].gate_up
+    assert_within_ulps(qkv.weight_t[:, : expected.shape[0]].t(), expected, REORDERED_ULPS, what="q")
+    assert qkv.weight_t.is_contiguous() and gate_up.weight_t.shape == (64, 2 * 96)
 
 
 def declined_models():
@@ -147,15 +148,23 @@ def test_it_declines_what_it_does_not_reproduce(tiny_base_dir):
     assert describe_generation(model.train()).startswith("generation: lean decode steps")
 
 
-def test_it_declines_when_the_copies_would_not_fit(monkeypatch):
-    """A base whose merged copies would take more than MEMORY_SHARE of the device's memory is sampled with the
-    model's forward: the copies are a second set of the weights."""
-    model = tiny_model("llama")
-    assert LeanDecoder.of(model) is not None
-    copies = sum(p.numel() * 4 for name, p in model.named_parameters() if "proj" in name or "lm_head" in name)
-    assert lean_decoder._copies_bytes(model) == copies
-    monkeypatch.setattr(lean_decoder, "MEMORY_SHARE", copies / lean_decoder._device_memory(model.lm_head.weight) / 2)
-    assert LeanDecoder.of(model) is None
+def test_without_room_for_the_copies_it_decodes_over_the_models_own_weights(monkeypatch):
+    """A base whose merged copies would take more than MEMORY_SHARE of the device's memory is decoded over its
+    own weights, the LoRA unmerged (each projection as peft computes it): the same logits, no copy."""
+    model = with_adapter(tiny_model("qwen3", head_dim=24))
+    assert LeanDecoder.of(model).merged
+    inner = model.get_base_model()
+    copies = sum(p.numel() * 4 for name, p in inner.named_parameters()
+                 if ("proj" in name or "lm_head" in name) and "lora" not in name)  # fmt: skip
+    assert lean_decoder._copies_bytes(inner) == copies
+    monkeypatch.setattr(lean_decoder, "MEMORY_SHARE", copies / lean_decoder._device_memory(inner.lm_head.weight) / 2)
+    decoder = LeanDecoder.of(model)
+    assert decoder is not None and not decoder.merged
+    q_proj = inner.model.layers[0].self_attn.q_proj
+    closure = decoder.layers[0].qkv.forwards[0].__closure__ or ()
+    assert any(cell.cell_contents is q_proj.base_layer for cell in closure)  # the model's own layer, no copy
+    assert "own weights, the LoRA unmerged" in describe_generation(model)
+    assert_steps_equal(model, "qwen3", torch.float32)
 
 
 def test_a_lean_step_dispatches_under_half_the_models_ops_and_never_waits_on_the_device():

@@ -7,20 +7,22 @@ layers three matrix products and their bookkeeping per projection. On the embedd
 
 `LeanDecoder.of(model)` reads the model's weights once per sampling call and merges each LoRA update into a
 copy of its projection (W + s·B·A, computed in float32), with q, k and v stacked into one matrix and the
-MLP's gate and up into another; `step` then runs the same arithmetic as transformers' forward (RMSNorm,
-rotary embeddings from the model's own rotary module, grouped-query attention over the cache, SwiGLU) on
-those. Its logits equal the model's within float rounding, not bit for bit: the samples come from the
-policy the loss scores, as with any inference engine (vLLM merges too). The prefill stays the model's
+MLP's gate and up into another (`Merged`); `step` then runs the same arithmetic as transformers' forward
+(RMSNorm, rotary embeddings from the model's own rotary module, grouped-query attention over the cache,
+SwiGLU) on those. Its logits equal the model's within float rounding, not bit for bit: the samples come from
+the policy the loss scores, as with any inference engine (vLLM merges too). The prefill stays the model's
 own forward, since it needs the causal and padding masks.
+
+The copies live only while sampling, but a large base on a small card has no room for a second set of its
+weights: where they would take more than `MEMORY_SHARE` of the device's memory, the step runs over the
+model's own weights instead, each projection as peft computes it (`InPlace`: more products, no copy).
 
 It declines (returns None; the caller keeps the model's forward) for anything it does not reproduce:
 other architectures (only transformers' own llama, mistral, qwen2 and qwen3 classes), sliding-window
 attention, an activation other than SiLU, a quantized or sharded base (FSDP2 and ZeRO-3 gather weights
 only inside the forward), modules with hooks or a forward replaced by another library (accelerate's
-offloading, a patching library's kernels), LoRA variants (DoRA) or several
-active adapters, adapters on the embeddings, and a model whose copied weights would take more
-than `MEMORY_SHARE` of the device's memory: the copies live only while sampling, but a large base on a
-small card has no room for a second set of its weights.
+offloading, a patching library's kernels), LoRA variants (DoRA) or several active adapters, and adapters
+on the embeddings.
 
 Example:
     decoder = LeanDecoder.of(model)          # after the prefill, model in eval mode
@@ -30,13 +32,14 @@ Example:
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from finetune.generation.lean_lora import plain_lora_parts
+from finetune.generation.lean_lora import lean_forward, plain_lora_parts
 
 FAMILIES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 MEMORY_SHARE = 1 / 8  # the most of the device's memory the merged copies may take
@@ -58,52 +61,85 @@ class Norm:
         return self.weight * normed.to(x.dtype)
 
 
+Projection = Callable[[torch.Tensor], torch.Tensor]
+"""(B, in) -> (B, out): one or more of a layer's linear projections of the same input, side by side."""
+
+
 @dataclass(frozen=True)
 class Layer:
-    """One decoder layer's merged weights, each stored transposed (in, out): q, k, v stacked; gate and up."""
+    """One decoder layer's parts: q/k/v as one projection, gate/up as another."""
 
     input_norm: Norm
-    qkv: torch.Tensor
-    qkv_bias: torch.Tensor | None
+    qkv: Projection
     q_norm: Norm | None  # Qwen3 normalises each head's queries and keys
     k_norm: Norm | None
-    out: torch.Tensor
-    out_bias: torch.Tensor | None
+    out: Projection
     post_norm: Norm
-    gate_up: torch.Tensor
-    gate_up_bias: torch.Tensor | None
-    down: torch.Tensor
-    down_bias: torch.Tensor | None
+    gate_up: Projection
+    down: Projection
     scaling: float
+
+
+class Merged:
+    """Projections of the same input with their LoRA updates merged (W + s·B·A, in float32 as peft merges on
+    the CPU, then cast to the base's dtype), stacked and stored transposed (in, out): one product, a copy."""
+
+    def __init__(self, modules: list[Any]):
+        parts = [_merged(module) for module in modules]
+        self.weight_t = torch.cat([weight for weight, _ in parts]).t().contiguous()
+        self.bias = None
+        if any(bias is not None for _, bias in parts):  # zeros where one has none
+            self.bias = torch.cat([w.new_zeros(len(w)) if b is None else b for w, b in parts]).contiguous()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ Wᵀ (+ b) with Wᵀ stored (in, out): on a CPU, `F.linear`'s (out, in) weight took up to 4x longer
+        for a decode step's few rows (8 x 128 against 384 x 128: 60 µs against 15 µs, 2 threads)."""
+        return x @ self.weight_t if self.bias is None else torch.addmm(self.bias, x, self.weight_t)
+
+
+class InPlace:
+    """Projections of the same input over the model's own weights, no copy: each one's base product plus its
+    LoRA's two (peft's arithmetic bit for bit, as `lean_lora`), concatenated. For a base whose merged copy
+    would not fit."""
+
+    def __init__(self, modules: list[Any]):
+        self.forwards = [lean_forward(module) or _plain_forward(module) for module in modules]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        outputs = [forward(x) for forward in self.forwards]
+        return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=-1)
 
 
 class LeanDecoder:
     """A Llama-family model's decode step over merged weights (see the module docstring)."""
 
-    def __init__(self, model: Any, layers: list[Layer], embed: torch.Tensor, final_norm: Norm,
-                 head: tuple[torch.Tensor, torch.Tensor | None]):  # fmt: skip
+    def __init__(self, model: Any, layers: list[Layer], embed: torch.Tensor, final_norm: Norm, head: Projection,
+                 merged: bool):  # fmt: skip
         config = model.config
         self.rotary = model.model.rotary_emb
         self.layers = layers
         self.embed = embed
         self.final_norm = final_norm
-        self.head, self.head_bias = head
+        self.head = head
+        self.merged = merged
         self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
 
     @classmethod
     def of(cls, model: Any) -> LeanDecoder | None:
         """The decoder for `model` (a transformers causal LM or a peft model of one, in eval mode), or None if it
-        declines (`declined_because` says why)."""
+        declines (`declined_because` says why). Over merged copies where they fit (`fits_merged`), else over
+        the model's own weights."""
         inner = _inner(model)
         if inner.training or declined_because(model) is not None:
             return None
+        kind = Merged if fits_merged(inner) else InPlace
         with torch.no_grad():
-            layers = [_layer(layer) for layer in inner.model.layers]
-            head, head_bias = _merged(inner.lm_head)
+            layers = [_layer(layer, kind) for layer in inner.model.layers]
             norm = inner.model.norm
             final_norm = Norm(norm.weight, norm.variance_epsilon)
-            return cls(inner, layers, inner.model.embed_tokens.weight, final_norm, (head.t().contiguous(), head_bias))
+            return cls(inner, layers, inner.model.embed_tokens.weight, final_norm, kind([inner.lm_head]),
+                       merged=kind is Merged)  # fmt: skip
 
     def step(self, token_ids: torch.Tensor, batch: Any) -> torch.Tensor:
         """Feed one token per row of `batch` (a KVBatch after `advance`): the next-token logits (B, V)."""
@@ -114,7 +150,7 @@ class LeanDecoder:
         mask = batch.mask[:, None, None, :].bool()  # (B, 1, 1, T): padded slots masked out
         q_size, kv_size = heads * dim, kv_heads * dim
         for index, layer in enumerate(self.layers):
-            qkv = _project(layer.input_norm(hidden), layer.qkv, layer.qkv_bias)
+            qkv = layer.qkv(layer.input_norm(hidden))
             v = qkv[:, q_size + kv_size :].view(rows, kv_heads, 1, dim)
             if layer.q_norm is not None and layer.k_norm is not None:  # each head normalised, then rotated
                 q = rotation(layer.q_norm(qkv[:, :q_size].view(rows, heads, 1, dim)))
@@ -125,16 +161,10 @@ class LeanDecoder:
             keys, values = batch.cache.layers[index].update(k, v)
             attended = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=layer.scaling,
                                                       enable_gqa=heads != kv_heads)  # fmt: skip
-            hidden = hidden + _project(attended.reshape(rows, q_size), layer.out, layer.out_bias)
-            gate, up = _project(layer.post_norm(hidden), layer.gate_up, layer.gate_up_bias).chunk(2, dim=-1)
-            hidden = hidden + _project(F.silu(gate) * up, layer.down, layer.down_bias)
-        return _project(self.final_norm(hidden), self.head, self.head_bias)
-
-
-def _project(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x @ Wᵀ (+ b) with Wᵀ stored (in, out): on a CPU, `F.linear`'s (out, in) weight took up to 4x longer
-    for a decode step's few rows (8 x 128 against 384 x 128: 60 µs against 15 µs, 2 threads)."""
-    return x @ weight_t if bias is None else torch.addmm(bias, x, weight_t)
+            hidden = hidden + layer.out(attended.reshape(rows, q_size))
+            gate, up = layer.gate_up(layer.post_norm(hidden)).chunk(2, dim=-1)
+            hidden = hidden + layer.down(F.silu(gate) * up)
+        return self.head(self.final_norm(hidden))
 
 
 class _Rotation:
@@ -171,7 +201,7 @@ def declined_because(model: Any) -> str | None:
         return "an activation other than SiLU or a partial rotary embedding"
     if not all(_computes_its_class(module) for module in inner.modules()):
         return "a module has hooks or a forward another library replaced"
-    return _parts_declined(inner) or _memory_declined(inner)
+    return _parts_declined(inner)
 
 
 def _parts_declined(inner: Any) -> str | None:
@@ -190,11 +220,10 @@ def _parts_declined(inner: Any) -> str | None:
     return None
 
 
-def _memory_declined(inner: Any) -> str | None:
-    copies, memory = _copies_bytes(inner), _device_memory(inner.lm_head.weight)
-    if copies > MEMORY_SHARE * memory:
-        return f"its merged copy ({copies / 2**30:.2f} GiB) would take over 1/8 of the device's memory"
-    return None
+def fits_merged(model: Any) -> bool:
+    """Would the merged copies of `model`'s projections take at most `MEMORY_SHARE` of its device's memory?"""
+    inner = _inner(model)
+    return _copies_bytes(inner) <= MEMORY_SHARE * _device_memory(inner.lm_head.weight)
 
 
 def describe_generation(model: Any) -> str:
@@ -203,7 +232,10 @@ def describe_generation(model: Any) -> str:
     if reason is not None:
         return f"generation: the model's own forward per token (no lean decode step: {reason})"
     copies = _copies_bytes(_inner(model))
-    return f"generation: lean decode steps, the LoRA merged into a copy of the weights while sampling ({copies / 2**20:,.1f} MiB)"
+    if fits_merged(model):
+        return f"generation: lean decode steps, the LoRA merged into a copy of the weights while sampling ({copies / 2**20:,.1f} MiB)"
+    return (f"generation: lean decode steps over the model's own weights, the LoRA unmerged (a merged copy would "
+            f"take {copies / 2**30:.2f} GiB, over 1/8 of the device's memory)")  # fmt: skip
 
 
 def _inner(model: Any) -> Any:
@@ -253,18 +285,14 @@ def _base(module: Any) -> Any:
     return getattr(module, "base_layer", module)
 
 
-def _layer(layer: Any) -> Layer:
+def _layer(layer: Any, kind: type[Merged] | type[InPlace]) -> Layer:
     attention = layer.self_attn
-    q, k, v, out = (_merged(module) for module in _attention_projections(layer))
-    gate, up, down = (_merged(module) for module in _mlp_projections(layer))
-    qkv, qkv_bias = _stacked([q, k, v])
-    gate_up, gate_up_bias = _stacked([gate, up])
     q_norm, k_norm = getattr(attention, "q_norm", None), getattr(attention, "k_norm", None)
     return Layer(
-        input_norm=_norm(layer.input_layernorm), qkv=qkv, qkv_bias=qkv_bias,
+        input_norm=_norm(layer.input_layernorm), qkv=kind([attention.q_proj, attention.k_proj, attention.v_proj]),
         q_norm=None if q_norm is None else _norm(q_norm), k_norm=None if k_norm is None else _norm(k_norm),
-        out=out[0].t().contiguous(), out_bias=out[1], post_norm=_norm(layer.post_attention_layernorm),
-        gate_up=gate_up, gate_up_bias=gate_up_bias, down=down[0].t().contiguous(), down_bias=down[1],
+        out=kind([attention.o_proj]), post_norm=_norm(layer.post_attention_layernorm),
+        gate_up=kind([layer.mlp.gate_proj, layer.mlp.up_proj]), down=kind([layer.mlp.down_proj]),
         scaling=float(attention.scaling),
     )  # fmt: skip
 
@@ -285,10 +313,7 @@ def _merged(module: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
     return (base.weight.float() + delta).to(base.weight.dtype), base.bias
 
 
-def _stacked(parts: list[tuple[torch.Tensor, torch.Tensor | None]]) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Projections that read the same input as one (in, out) matrix, Wᵀ of their stacked rows; their biases
-    stacked too (zeros where one has none). Always a copy, contiguous."""
-    weight = torch.cat([w for w, _ in parts]).t().contiguous()
-    if all(b is None for _, b in parts):
-        return weight, None
-    return weight, torch.cat([w.new_zeros(len(w)) if b is None else b for w, b in parts]).contiguous()
+def _plain_forward(module: torch.nn.Linear) -> Projection:
+    """A plain `nn.Linear`'s product (the projections without an adapter)."""
+    weight, bias = module.weight, module.bias
+    return lambda x: F.linear(x, weight, bias)

@@ -30,7 +30,7 @@ def lean_lora(model: torch.nn.Module) -> Iterator[int]:
     """Within the block, the model's plain LoRA linear layers run as matrix products; yields how many."""
     patched = []
     for module in model.modules():
-        forward = _lean_forward(module)
+        forward = lean_forward(module)
         if forward is not None:
             module.forward = forward
             patched.append(module)
@@ -76,7 +76,7 @@ def plain_lora_parts(
     return base, lora_a, lora_b, module.scaling[active[0]]
 
 
-def _lean_forward(module: Any) -> Callable[..., torch.Tensor] | None:
+def lean_forward(module: Any) -> Callable[..., torch.Tensor] | None:
     """The lean forward of a plain peft LoRA linear layer in eval mode, else None (peft's forward stays)."""
     parts = plain_lora_parts(module)
     if parts is None:
