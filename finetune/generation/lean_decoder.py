@@ -25,7 +25,7 @@ offloading, a patching library's kernels), LoRA variants (DoRA) or several activ
 on the embeddings.
 
 Example:
-    decoder = LeanDecoder.of(model)          # after the prefill, model in eval mode
+    decoder = LeanDecoder.of(model)          # model in eval mode; the prefill is the model's own forward
     logits = decoder.step(token_ids, batch)  # (B,) ids, a KVBatch -> (B, V)
 """
 
@@ -113,15 +113,13 @@ class InPlace:
 class LeanDecoder:
     """A Llama-family model's decode step over merged weights (see the module docstring)."""
 
-    def __init__(self, model: Any, layers: list[Layer], embed: torch.Tensor, final_norm: Norm, head: Projection,
-                 merged: bool):  # fmt: skip
+    def __init__(self, model: Any, layers: list[Layer], embed: torch.Tensor, final_norm: Norm, head: Projection):
         config = model.config
         self.rotary = model.model.rotary_emb
         self.layers = layers
         self.embed = embed
         self.final_norm = final_norm
         self.head = head
-        self.merged = merged
         self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
 
@@ -138,8 +136,12 @@ class LeanDecoder:
             layers = [_layer(layer, kind) for layer in inner.model.layers]
             norm = inner.model.norm
             final_norm = Norm(norm.weight, norm.variance_epsilon)
-            return cls(inner, layers, inner.model.embed_tokens.weight, final_norm, kind([inner.lm_head]),
-                       merged=kind is Merged)  # fmt: skip
+            return cls(inner, layers, inner.model.embed_tokens.weight, final_norm, kind([inner.lm_head]))
+
+    @property
+    def merged(self) -> bool:
+        """Whether the step runs over merged copies (else over the model's own weights)."""
+        return isinstance(self.head, Merged)
 
     def step(self, token_ids: torch.Tensor, batch: Any) -> torch.Tensor:
         """Feed one token per row of `batch` (a KVBatch after `advance`): the next-token logits (B, V)."""
@@ -287,13 +289,14 @@ def _base(module: Any) -> Any:
 
 def _layer(layer: Any, kind: type[Merged] | type[InPlace]) -> Layer:
     attention = layer.self_attn
+    q, k, v, out = _attention_projections(layer)
+    gate, up, down = _mlp_projections(layer)
     q_norm, k_norm = getattr(attention, "q_norm", None), getattr(attention, "k_norm", None)
     return Layer(
-        input_norm=_norm(layer.input_layernorm), qkv=kind([attention.q_proj, attention.k_proj, attention.v_proj]),
+        input_norm=_norm(layer.input_layernorm), qkv=kind([q, k, v]),
         q_norm=None if q_norm is None else _norm(q_norm), k_norm=None if k_norm is None else _norm(k_norm),
-        out=kind([attention.o_proj]), post_norm=_norm(layer.post_attention_layernorm),
-        gate_up=kind([layer.mlp.gate_proj, layer.mlp.up_proj]), down=kind([layer.mlp.down_proj]),
-        scaling=float(attention.scaling),
+        out=kind([out]), post_norm=_norm(layer.post_attention_layernorm), gate_up=kind([gate, up]),
+        down=kind([down]), scaling=float(attention.scaling),
     )  # fmt: skip
 
 
