@@ -159,6 +159,42 @@ def test_cuda_varlen_kernel_equals_sdpa_per_document_in_bf16():
         assert cosine > 0.999, cosine
 
 
+def test_flash_dtype_is_the_tensors_own_or_autocasts():
+    """FlashAttention computes in 16 bits: float32 activations (a 4-bit base's, under bf16 autocast) are cast
+    to autocast's dtype as SDPA's autocast rule casts them, and without autocast they get no kernel."""
+    from finetune.training.varlen_attention import flash_dtype
+
+    activations = torch.ones(2, 3)
+    assert flash_dtype(activations) is None
+    assert flash_dtype(activations.bfloat16()) is torch.bfloat16 and flash_dtype(activations.half()) is torch.float16
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert flash_dtype(activations) is torch.bfloat16
+        assert flash_dtype(activations.half()) is torch.float16  # already 16-bit: kept
+
+
+@pytest.mark.gpu
+def test_cuda_varlen_takes_float32_activations_under_autocast():
+    """A 4-bit base's layers hand attention float32 under bf16 autocast; torch's varlen op refused them
+    ("FlashAttention only support fp16 and bf16", found on an H100). Cast as autocast casts SDPA's inputs,
+    the result is the bf16 inputs' bit for bit."""
+    from finetune.training.varlen_attention import varlen_attention_forward
+
+    documents = _documents(random.Random(5), [70, 33, 25])
+    batch = collate_batch(documents, 0, packing=True, row_len=128, document_index=True)
+    rows, length = batch["input_ids"].shape
+    generator = torch.Generator("cuda").manual_seed(1)
+    query, key, value = (torch.randn((rows, heads, length, 64), generator=generator, device="cuda")
+                         for heads in (8, 2, 2))  # fmt: skip
+    boundaries = batch["cu_seq_lens"].cuda()
+    kwargs = dict(cu_seq_lens_q=boundaries, cu_seq_lens_k=boundaries, max_length_q=batch["max_length"],
+                  max_length_k=batch["max_length"])  # fmt: skip
+    expected, _ = varlen_attention_forward(torch.nn.Module(), query.bfloat16(), key.bfloat16(), value.bfloat16(), None,
+                                           scaling=0.125, **kwargs)  # fmt: skip
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        actual, _ = varlen_attention_forward(torch.nn.Module(), query, key, value, None, scaling=0.125, **kwargs)
+    assert actual.dtype == torch.bfloat16 and torch.equal(actual, expected)
+
+
 @pytest.mark.gpu
 def test_cuda_varlen_training_forward_equals_the_document_mask_in_bf16(tiny_base_dir):
     """A LoRA model's per-token losses and gradients under varlen against the document mask's SDPA."""

@@ -149,13 +149,29 @@ def varlen_attention_forward(
                                       **kwargs)  # fmt: skip
     batch, heads, length, dim = query.shape
     flat_q, flat_k, flat_v = (t.transpose(1, 2).reshape(batch * length, t.shape[1], dim) for t in (query, key, value))
-    if query.device.type == "cuda" and varlen_kernel() is not None:
+    dtype = flash_dtype(query)
+    if query.device.type == "cuda" and varlen_kernel() is not None and dtype is not None:
+        flat_q, flat_k, flat_v = (t.to(dtype) for t in (flat_q, flat_k, flat_v))
         out = _flash_varlen(flat_q, flat_k, flat_v, boundaries, int(kwargs["max_length_q"]), scaling)
-    elif torch.compiler.is_compiling():
+    elif torch.compiler.is_compiling() or query.device.type == "cuda":
         return _masked_sdpa(query, key, value, boundaries, scaling), None
     else:
         out = _per_document_sdpa(flat_q, flat_k, flat_v, boundaries, scaling)
     return out.reshape(batch, length, heads, dim), None
+
+
+def flash_dtype(tensor: torch.Tensor) -> torch.dtype | None:
+    """The 16-bit dtype FlashAttention computes `tensor` in: its own, or autocast's where it is float32 under
+    autocast (a 4-bit base's layers run in float32 under bf16 autocast). SDPA gets that cast from autocast;
+    torch's varlen op does not, and refused float32 ("FlashAttention only support fp16 and bf16", an H100).
+    None where neither: the document mask is used instead."""
+    sixteen_bit = (torch.bfloat16, torch.float16)
+    if tensor.dtype in sixteen_bit:
+        return tensor.dtype
+    device = tensor.device.type
+    if torch.is_autocast_enabled(device) and torch.get_autocast_dtype(device) in sixteen_bit:
+        return torch.get_autocast_dtype(device)
+    return None
 
 
 def _flash_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, boundaries: torch.Tensor, longest: int,
