@@ -6,7 +6,10 @@ runs on a GPU machine without the project's other dependencies:
 1. Llama-3's 128,256-word head at 2 x 2048 tokens in bf16: peak memory above the inputs
    (`torch.cuda.max_memory_allocated`), time of forward + backward, and the losses and hidden-state gradients
    of `token_losses` against `F.cross_entropy(head(hidden).float())`;
-2. under `HostSyncDetector`: that loss, its backward, clipping and fused AdamW skipping a non-finite step
+2. where liger-kernel is installed, its fused linear cross-entropy measured alike, with per-token losses
+   (`reduction="none"`, what every objective here needs: the preference objectives sum them per sequence),
+   and whether its forward and backward sync with the host: the evidence for keeping finetune's own loss;
+3. under `HostSyncDetector`: that loss, its backward, clipping and fused AdamW skipping a non-finite step
    through `found_inf` with a tensor learning rate find no sync; `.item()` and `.cpu()` are caught.
 
 Example:
@@ -53,6 +56,26 @@ def measure(function, head, hidden, targets, weights):
     return losses.detach(), hidden.grad, torch.cuda.max_memory_allocated() - start_bytes, seconds
 
 
+def liger(head, hidden, targets):
+    """Liger Kernel's fused linear cross-entropy, per-token losses (it recomputes the logits in the backward
+    to fold in the per-token gradient)."""
+    from liger_kernel.ops.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyFunction
+
+    return LigerFusedLinearCrossEntropyFunction.apply(hidden, head.weight, targets, None, None, -100, 0.0, 0.0, "none")[
+        0
+    ]
+
+
+def arms():
+    """The losses compared: whole logits, finetune's chunks, and Liger's kernel where it is installed."""
+    found = [("whole", whole), ("chunked", chunked_loss.token_losses)]
+    if importlib.util.find_spec("liger_kernel") is not None:
+        found.append(("liger", liger))
+    else:
+        print("liger: not measured (liger-kernel is not installed)")
+    return found
+
+
 def main() -> None:
     device = torch.device("cuda")
     print(torch.cuda.get_device_name(), torch.__version__)
@@ -62,14 +85,21 @@ def main() -> None:
     hidden = torch.randn(tokens, size, device=device, dtype=torch.bfloat16, generator=generator)
     targets = torch.randint(0, vocab, (tokens,), device=device, generator=generator)
     weights = torch.rand(tokens, device=device, generator=generator) + 0.5
-    for _ in range(2):  # warm-up, then measured
-        results = {name: measure(fn, head, hidden, targets, weights)
-                   for name, fn in (("whole", whole), ("chunked", chunked_loss.token_losses))}  # fmt: skip
+    for _ in range(3):  # warm-up twice (Triton compiles Liger's kernels), then measured
+        results = {name: measure(fn, head, hidden, targets, weights) for name, fn in arms()}
     for name, (_, _, peak, seconds) in results.items():
         print(f"{name:>8}: loss peak {peak / 2**20:,.0f} MiB, forward+backward {seconds * 1e3:.1f} ms")
-    (l0, g0, _, _), (l1, g1, _, _) = results["whole"], results["chunked"]
-    print(f"losses: max relative difference {((l1 - l0).abs() / l0.abs()).max().item():.2e}")
-    print(f"hidden gradients: max difference {(g1 - g0).abs().max().item():.2e} of max {g0.abs().max().item():.2e}")
+    l0, g0, _, _ = results["whole"]
+    for name in [name for name in results if name != "whole"]:
+        l1, g1, _, _ = results[name]
+        print(
+            f"{name}: losses' max relative difference to whole logits {((l1 - l0).abs() / l0.abs()).max().item():.2e}, "
+            f"hidden gradients' max difference {(g1 - g0).abs().max().item():.2e} of max {g0.abs().max().item():.2e}"
+        )
+        with host_sync.HostSyncDetector() as detector:
+            losses = dict(arms())[name](head, hidden.detach().clone().requires_grad_(True), targets)
+            (losses * weights).sum().backward()
+        print(f"{name}: forward + backward {detector.found or 'make no host sync'}")
 
     lora = torch.nn.Parameter(torch.zeros(size, 8, device=device))
     optimizer = torch.optim.AdamW([lora], lr=1e-3, fused=True)
