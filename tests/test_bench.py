@@ -106,7 +106,7 @@ def test_the_qlora_presets_plan_is_finetune_plans_estimate_of_ours_recipe():
     assert notes["weights"] == "8,030,261,248 frozen, 4-bit nf4"
     assert notes["activations"].startswith("checkpointed: 32 layer inputs")
     assert notes["logits"] == "chunks of 261 of 4096 tokens x 128,256 vocabulary"  # the chunked loss
-    assert plan["comparable_bytes"] == plan["peak_bytes"] - plan["runtime_bytes"] > 10 * GiB
+    assert plan["comparable_bytes"] == plan["peak_bytes"] - plan["runtime_bytes"] > 5 * GiB  # 4-bit weights: 5.3
 
 
 def test_gpu_mfu_has_no_per_cpu_second_figure_and_the_plan_ratio_is_plan_over_measured():

@@ -387,19 +387,24 @@ def test_invariant_holds_on_expert_tensors_in_bf16(bf16_moe, family, operations)
     assert m.pristine_copy_bytes == 0
 
 
-def test_qlora_keeps_the_experts_in_the_model_dtype(moe_base):
-    """bitsandbytes quantizes the linear layers; peft's kbit preparation would upcast the bf16 experts to
-    float32 (twice the model's bulk), which wrap_with_lora prevents."""
+@pytest.mark.parametrize("dtype, unquantized", [("bfloat16", torch.bfloat16), ("float16", torch.float32)])
+def test_qlora_keeps_the_experts_in_the_model_dtype(moe_base, dtype, unquantized):
+    """bitsandbytes quantizes the linear layers. On a float16 base peft's kbit preparation upcasts what it
+    left (embeddings, head, norms) to float32, and would upcast the experts too (twice the model's bulk),
+    which wrap_with_lora prevents; a bf16 base keeps everything in bf16 (float32's range already)."""
     pytest.importorskip("bitsandbytes")
     from finetune.model import load_base
     from finetune.quantization import Quantization
 
     family, base_dir = moe_base
-    model, _, _ = load_base(str(base_dir), dtype="bfloat16", quantization=Quantization("4bit"))
+    model, _, _ = load_base(str(base_dir), dtype=dtype, quantization=Quantization("4bit"))
     peft_model = wrap_with_lora(model, LoraConfig(r=4))
     experts = expert_tensors(peft_model)
     assert len(experts) == 4
-    assert {unwrapped_parameter(peft_model, e.name).dtype for e in experts} == {torch.bfloat16}
+    assert {unwrapped_parameter(peft_model, e.name).dtype for e in experts} == {getattr(torch, dtype)}
+    norms = [p for name, p in peft_model.named_parameters() if "norm" in name]
+    assert norms and {p.dtype for p in norms} == {unquantized}
+    assert peft_model.get_input_embeddings().weight.dtype == unquantized
     assert any(type(m).__name__ == "Linear4bit" for m in peft_model.modules())
     assert describe_targets(peft_model) == ["LoRA on 8 linear modules and 4 of 4 expert tensors"]
 

@@ -170,16 +170,18 @@ def test_estimate_is_within_25_percent_of_torchtunes_published_peaks(name):
     assert ours.as_json()["parts"]["logits"]["bytes"] * 8 < whole.as_json()["parts"]["logits"]["bytes"]
 
 
-def test_json_has_the_peak_and_every_part_with_where_it_lives(capsys):
-    plan = _plan_json(capsys, "llama-3.1-8b-instruct-chat-qlora", "--device", "cuda")
+@pytest.mark.parametrize("dtype, unquantized_bytes", [("bfloat16", 2), ("float16", 4)])
+def test_json_has_the_peak_and_every_part_with_where_it_lives(capsys, dtype, unquantized_bytes):
+    plan = _plan_json(capsys, "llama-3.1-8b-instruct-chat-qlora", f"model.dtype={dtype}", "--device", "cuda")
     assert set(plan["parts"]) == {"weights", "lora", "gradients", "optimizer", "activations", "logits", "runtime"}
     assert plan["peak_bytes"] == sum(part["bytes"] for part in plan["parts"].values())
     assert all(part["where"] == "device" for part in plan["parts"].values())
-    # 4-bit nf4 with double quantization: 0.5 byte per decoder weight + 1/64 + 4/(64*256) for the block scales,
-    # and peft's float32 for the 1,050,673,152 embedding, head and norm weights it leaves unquantized.
+    # 4-bit nf4 with double quantization: 0.5 byte per decoder weight + 1/64 + 4/(64*256) for the block scales;
+    # the 1,050,673,152 embedding, head and norm weights bitsandbytes leaves unquantized stay bf16, and only a
+    # float16 base has them upcast to float32 by peft's kbit preparation (finetune.model._upcasts_unquantized).
     decoder_weights = 8_030_261_248 - 2 * 128_256 * 4096 - (2 * 32 + 1) * 4096
-    expected = int(decoder_weights * (0.5 + 1 / 64 + 4 / (64 * 256))) + (8_030_261_248 - decoder_weights) * 4
-    assert plan["parts"]["weights"]["bytes"] == expected
+    expected = int(decoder_weights * (0.5 + 1 / 64 + 4 / (64 * 256)))
+    assert plan["parts"]["weights"]["bytes"] == expected + (8_030_261_248 - decoder_weights) * unquantized_bytes
 
 
 def test_offloaded_parts_live_on_the_host_and_leave_the_device_peak(capsys):

@@ -43,9 +43,10 @@ class Implementation:
     name: str
     lora_bytes: int
     """Bytes per trainable parameter (and per gradient): finetune trains LoRA in float32."""
-    upcast_unquantized: bool
-    """With a quantized base, peft's `prepare_model_for_kbit_training` casts every weight bitsandbytes left
-    unquantized (embeddings, output head, norms) to float32."""
+    upcast_unquantized: frozenset[str]
+    """Base dtypes whose weights bitsandbytes left unquantized (embeddings, output head, norms) go to float32
+    on a quantized base (peft's `prepare_model_for_kbit_training`), the residual stream with them. finetune:
+    float16 only (`finetune.model._upcasts_unquantized`)."""
     logits_bytes: float
     """Bytes per logit alive at the peak of the loss, for the logits it holds at once (all B·T of them, or a
     chunk of `chunk_logits`). finetune's loss (`finetune.chunked_loss`) computes the logits only at labelled
@@ -56,14 +57,18 @@ class Implementation:
     """Logits computed at once (0: all B·T·V). A chunked loss also keeps the hidden states' gradient, (B·T, H)."""
 
 
-FINETUNE = Implementation("finetune", lora_bytes=4, upcast_unquantized=True, logits_bytes=10.0, chunk_logits=1 << 25)
-WHOLE_LOGITS = Implementation("finetune before chunking", lora_bytes=4, upcast_unquantized=True, logits_bytes=12.0)
+FINETUNE = Implementation(
+    "finetune", lora_bytes=4, upcast_unquantized=frozenset({"float16"}), logits_bytes=10.0, chunk_logits=1 << 25
+)
+WHOLE_LOGITS = Implementation(
+    "finetune before chunking", lora_bytes=4, upcast_unquantized=frozenset({"float16", "bfloat16"}), logits_bytes=12.0
+)
 """finetune's loss before `finetune.chunked_loss`: the (B·T, V) logits upcast to float32, the float32 log-softmax kept
 for backward, and the backward holding the incoming gradient, the saved output and the outgoing one: 3 x 4 bytes."""
 TORCHTUNE = Implementation(
     "torchtune (bf16 LoRA weights, chunked cross-entropy, compiled)",
     lora_bytes=2,
-    upcast_unquantized=False,
+    upcast_unquantized=frozenset(),
     logits_bytes=3.0,  # bf16 logit chunks kept for backward (2) + one float32 chunk of 8 and its gradient (2 x 4/8)
 )
 
@@ -182,7 +187,7 @@ def weight_bytes(recipe: Recipe, shape: ModelShape, impl: Implementation) -> int
         per_weight = 0.5 + absmax
     else:  # 8-bit: int8 plus one float32 scale per output row
         per_weight = 1 + 4 / shape.hidden_size
-    other_bytes = 4 if impl.upcast_unquantized else dtype_bytes
+    other_bytes = 4 if model.dtype in impl.upcast_unquantized else dtype_bytes
     # Expert tensors are not nn.Linear: bitsandbytes leaves them, and training keeps them in the model's dtype.
     others = (shape.other_params - shape.expert_params) * other_bytes + shape.expert_params * dtype_bytes
     return int(shape.quantizable_params * per_weight) + others
@@ -289,7 +294,8 @@ def activation_bytes(
     if not recipe.train.gradient_checkpointing:
         return int(one_layer * shape.num_layers), f"{shape.num_layers} layers x {tokens} tokens"
     quantized = recipe.model.quantization != "none"
-    residual_bytes = 4 if quantized and impl.upcast_unquantized else DTYPE_BYTES[recipe.model.dtype]
+    upcast = quantized and recipe.model.dtype in impl.upcast_unquantized
+    residual_bytes = 4 if upcast else DTYPE_BYTES[recipe.model.dtype]
     kept = tokens * shape.hidden_size * residual_bytes * shape.num_layers
     excess = max(0, one_layer - logits_bytes(recipe, shape, impl))
     note = f"checkpointed: {shape.num_layers} layer inputs; 1 layer recomputed later ({one_layer / GiB:.2f} GiB)"
