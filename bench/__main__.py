@@ -81,9 +81,15 @@ PARTS: dict[str, dict[str, Any]] = {
 }
 
 
-# The GPU presets (--gpu): one part each, the preset's own settings, shrunken with --quick.
+# The GPU presets (--gpu): one part each, the preset's own settings, shrunken with --quick; --short keeps the
+# sizes and runs one round of 6 steps (4 timed), for a GPU lent for minutes (bench/gpu_check.sh --short).
 GPU_PARTS: dict[str, dict[str, Any]] = {
-    name: {"script": "train_throughput.py", "full": f"--preset {name}", "quick": f"--preset {name} --smoke"}
+    name: {
+        "script": "train_throughput.py",
+        "full": f"--preset {name}",
+        "quick": f"--preset {name} --smoke",
+        "short": f"--preset {name} --repeats 1 --steps 6",
+    }
     for name in PRESETS
 }
 
@@ -139,6 +145,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--gpu", action="store_true", help=f"the GPU presets instead: parts {', '.join(GPU_PARTS)} (needs CUDA)"
     )
+    parser.add_argument(
+        "--short", action="store_true", help="with --gpu: full sizes, one round of 6 steps per arm (a GPU lent briefly)"
+    )
     parser.add_argument("--only", help=f"comma-separated parts of {', '.join(PARTS)} (with --gpu: of the presets)")
     parser.add_argument(
         "--out",
@@ -154,6 +163,8 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(parts) - set(available))
     if unknown:
         parser.error(f"unknown part(s) {unknown}; choose from {', '.join(available)}")
+    if args.short and (not args.gpu or args.quick):
+        parser.error("--short goes with --gpu and without --quick")
     if args.gpu and not args.quick:
         import torch
 
@@ -168,13 +179,14 @@ def main(argv: list[str] | None = None) -> int:
         "date_utc": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "command": " ".join(["python -m bench", *(argv if argv is not None else sys.argv[1:])]),
         "quick": args.quick,
+        "short": args.short,
         "machine": machine(),
         "load_average_start": os.getloadavg(),
         "parts": {},
     }
     started = time.perf_counter()
     for name in parts:
-        arguments = available[name]["quick" if args.quick else "full"].split()
+        arguments = available[name]["quick" if args.quick else "short" if args.short else "full"].split()
         if available[name]["script"] == "train_throughput.py":  # builds model and data in a temporary directory
             arguments += ["--threads", str(args.threads)] if args.threads else []
         else:

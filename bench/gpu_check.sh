@@ -10,6 +10,8 @@
 #      memory, `finetune plan`'s estimate and their ratio, held-out loss; exits 1 if anything failed.
 #
 # Usage, from anywhere:  bench/gpu_check.sh            # the full presets
+#                        bench/gpu_check.sh --short    # full sizes, one round of 6 steps, tests on 8 workers:
+#                                                      # about 10 minutes on an H100, for a GPU lent briefly
 #                        bench/gpu_check.sh --quick    # the presets shrunken: checks the script, measures nothing
 # Logs and JSON go to $GPU_CHECK_OUT (default bench/results/gpu-check/). $PYTHON picks the interpreter.
 set -uo pipefail
@@ -20,10 +22,12 @@ PYTHON=${PYTHON:-python3}
 OUT=${GPU_CHECK_OUT:-bench/results/gpu-check}
 WHEELS=${FINETUNE_WHEELS:-.whl}
 QUICK=()
+TEST_WORKERS=()
 case "${1:-}" in
   "") ;;
   --quick) QUICK=(--quick) ;;
-  *) echo "usage: bench/gpu_check.sh [--quick]" >&2; exit 2 ;;
+  --short) QUICK=(--short) ;;
+  *) echo "usage: bench/gpu_check.sh [--short | --quick]" >&2; exit 2 ;;
 esac
 
 fail() {
@@ -51,9 +55,14 @@ fi
 "$PYTHON" -c "import finetune, bitsandbytes, peft, datasets" \
   || fail "finetune or a dependency does not import; bring wheels in $WHEELS (see bench/README.md, On a GPU)"
 
+if [ "${QUICK[*]-}" = "--short" ] && "$PYTHON" -c "import xdist, pytest_timeout" 2>/dev/null; then
+  TEST_WORKERS=(-n 8 --timeout 150)  # the tests are small: 8 processes share the GPU; none may hang the run
+fi
 mkdir -p "$OUT"
 echo "gpu_check: pytest -m gpu (log: $OUT/gpu-tests.log)"
-"$PYTHON" -m pytest -m gpu -q -rfEs -p no:cacheprovider --junitxml="$OUT/gpu-tests.xml" 2>&1 | tee "$OUT/gpu-tests.log"
+# -v: each test's verdict is printed as it ends, so a run stopped early still names what passed and failed
+"$PYTHON" -m pytest -m gpu -v -rfEs -p no:cacheprovider ${TEST_WORKERS[@]+"${TEST_WORKERS[@]}"} \
+  --junitxml="$OUT/gpu-tests.xml" 2>&1 | tee "$OUT/gpu-tests.log"
 tests_exit=${PIPESTATUS[0]}
 
 echo "gpu_check: python -m bench --gpu ${QUICK[*]} (log: $OUT/bench.log)"

@@ -197,3 +197,15 @@ def test_the_trainer_with_liger_kernel_is_skipped_saying_why_where_it_cannot_run
     figures = {**preset_figures(None), "skipped_arms": {"hf-trainer-liger": "no CUDA"}}
     assert skipped_arms(figures) == ["\nNot run: HF Trainer + peft + Liger Kernel (`use_liger_kernel`): no CUDA."]
     assert all("hf-trainer-liger" in presets.flag_defaults(p, smoke=False)["arms"] for p in presets.PRESETS.values())
+
+
+@pytest.mark.parametrize("name", sorted(presets.PRESETS))
+def test_the_short_gpu_run_keeps_each_presets_sizes_with_one_round_of_six_steps(name):
+    """`bench/gpu_check.sh --short` (`python -m bench --gpu --short`): for a GPU lent for minutes."""
+    from bench.__main__ import GPU_PARTS
+
+    _, full = train_throughput.parse_arguments(GPU_PARTS[name]["full"].split())
+    _, short = train_throughput.parse_arguments(GPU_PARTS[name]["short"].split())
+    assert (short.repeats, short.steps, short.warmup_steps) == (1, 6, 2)
+    changed = {key for key, value in vars(short).items() if vars(full)[key] != value}
+    assert changed == {"repeats", "steps"}  # the same records: enough for the full run, so for 6 steps
