@@ -143,6 +143,35 @@ def gpu_memory() -> dict[str, int]:
     }
 
 
+class StepProfiler:
+    """`--profile-steps N`: torch.profiler over the N optimizer steps after the warm-up (CUDA kernels too on a
+    GPU); the arm prints its busiest operations, by device time on a GPU, by CPU time here. For finding where a
+    step's time goes: profiled steps run slower, so a profiled run's speeds are not figures to quote."""
+
+    def __init__(self, spec: dict[str, Any]) -> None:
+        self.first = spec["warmup_steps"]
+        self.last = min(spec["steps"], self.first + spec.get("profile_steps", 0))
+        self.profiler: Any = None
+
+    def on_step_end(self, step: int) -> None:
+        """Called as each optimizer step ends, after its clock mark."""
+        import torch.profiler as tp
+
+        if step == self.first and self.last > self.first:
+            activities = [tp.ProfilerActivity.CPU] + ([tp.ProfilerActivity.CUDA] if on_gpu() else [])
+            self.profiler = tp.profile(activities=activities)
+            self.profiler.start()
+        elif step == self.last and self.profiler is not None:
+            self.profiler.stop()
+
+    def report(self, arm: str) -> None:
+        if self.profiler is None:
+            return
+        sort_by = "self_device_time_total" if on_gpu() else "self_cpu_time_total"
+        table = self.profiler.key_averages().table(sort_by=sort_by, row_limit=30)
+        say(f"{arm}: profile of steps {self.first + 1}-{self.last} (by {sort_by}):\n{table}")
+
+
 def free_gpu_memory() -> None:
     """Give the dropped training model's memory back before the held-out evaluation loads a fresh base (the
     peaks were read at the last step, so this changes no figure)."""
@@ -388,8 +417,11 @@ def run_ours(spec: dict[str, Any], arm: str) -> dict[str, Any]:
 
     memory: dict[str, int] = {}
 
+    profiler = StepProfiler(spec)
+
     def on_step(step: int, metrics: dict[str, float]) -> None:
         marks[step] = clock()
+        profiler.on_step_end(step)
         if step == spec["steps"]:
             memory.update(gpu_memory())
 
@@ -408,6 +440,7 @@ def run_ours(spec: dict[str, Any], arm: str) -> dict[str, Any]:
     _, metrics = train(recipe, resume=False, log=log, progress=False, on_step=on_step)
     end = time.perf_counter()
     rss = peak_rss_mib()
+    profiler.report(arm)
 
     # Which documents each step took: the same deterministic stream the loop uses, over the cached rows,
     # laid out by the same collate function (packed rows, or padded ones).
@@ -538,12 +571,15 @@ def run_hf_trainer(spec: dict[str, Any], arm: str) -> dict[str, Any]:
     marks: dict[int, tuple[float, float]] = {}
     memory: dict[str, int] = {}
 
+    profiler = StepProfiler(spec)
+
     class StepClock(TrainerCallback):
         def on_train_begin(self, args, state, control, **kwargs):
             marks[0] = clock()
 
         def on_step_end(self, args, state, control, **kwargs):
             marks[state.global_step] = clock()
+            profiler.on_step_end(state.global_step)
             if state.global_step == spec["steps"]:
                 memory.update(gpu_memory())
 
@@ -584,6 +620,7 @@ def run_hf_trainer(spec: dict[str, Any], arm: str) -> dict[str, Any]:
     own_eval = trainer.evaluate() if spec["own_eval"] else {}
     after_seconds = time.perf_counter() - marks[spec["steps"]][0]
     rss = peak_rss_mib()
+    profiler.report(arm)
 
     for micro_batch in micro_batches:
         micro_batch["model_flops"] = micro_batch_flops(
@@ -860,6 +897,7 @@ def run_settings(args: argparse.Namespace) -> dict[str, Any]:
         "compile": args.compile,
         "threads": args.threads,
         "verbose": args.verbose,
+        "profile_steps": args.profile_steps,
         "own_eval": not args.no_own_eval,
         "heldout_batch_size": args.heldout_batch_size,
         "preset": args.preset,
@@ -1089,6 +1127,8 @@ def run_rounds(
 def print_report(report: dict[str, Any], args: argparse.Namespace) -> None:
     spec, peak = report["spec"], report["matmul_peak"]["best"]
     print(f"\n{report['date_utc']}  {report['command']}")
+    if args.profile_steps:
+        print(f"PROFILED ({args.profile_steps} steps under torch.profiler): the speeds below are distorted")
     machine = report["machine"] + (f", {report['gpu']}" if report["gpu"] else "")
     print(", ".join(f"{k} {v}" for k, v in report["versions"].items()) + f"; {machine}")
     m, d = spec["model"], spec["data"]
@@ -1206,6 +1246,13 @@ def parse_arguments(argv: list[str] | None) -> tuple[argparse.ArgumentParser, ar
     parser.add_argument("--workdir", type=Path, help="where model, data and runs go (default: a temp dir, removed)")
     parser.add_argument("--json", type=Path, help="write every figure here")
     parser.add_argument("--verbose", action="store_true", help="show each arm's own log")
+    parser.add_argument(
+        "--profile-steps",
+        type=int,
+        default=0,
+        help="print each arm's busiest operations over N steps after the warm-up (torch.profiler; GPU kernels "
+        "on a GPU); slows those steps: a diagnosis, not figures to quote",
+    )
     add_gpu_arguments(parser)
     parser.add_argument("--_arm", help=argparse.SUPPRESS)
     parser.add_argument("--_spec", type=Path, help=argparse.SUPPRESS)

@@ -209,3 +209,16 @@ def test_the_short_gpu_run_keeps_each_presets_sizes_with_one_round_of_six_steps(
     assert (short.repeats, short.steps, short.warmup_steps) == (1, 6, 2)
     changed = {key for key, value in vars(short).items() if vars(full)[key] != value}
     assert changed == {"repeats", "steps"}  # the same records: enough for the full run, so for 6 steps
+
+
+def test_the_step_profiler_covers_the_steps_after_the_warm_up_and_no_others(capsys):
+    profiler = train_throughput.StepProfiler({"warmup_steps": 1, "steps": 5, "profile_steps": 2})
+    matrix = torch.ones(8, 8)
+    for step in range(1, 6):  # each step's end, then the next step's work: one product per step
+        profiler.on_step_end(step)
+        matrix @ matrix
+    counts = {event.key: event.count for event in profiler.profiler.key_averages()}
+    assert counts["aten::mm"] == 2  # steps 2 and 3, between the warm-up's end and step 3's end
+    profiler.report("ours-packed")
+    assert "ours-packed: profile of steps 2-3 (by self_cpu_time_total)" in capsys.readouterr().err
+    assert train_throughput.StepProfiler({"warmup_steps": 2, "steps": 6}).last == 2  # off unless asked
