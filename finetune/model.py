@@ -367,7 +367,7 @@ def _upcasts_unquantized(model: PreTrainedModel) -> bool:
     peft's `prepare_model_for_kbit_training`, as the QLoRA recipe does: only on a float16 base, whose
     activations and logits can overflow float16's range. bfloat16 has float32's range, and the upcast would
     double those weights and carry the whole residual stream in float32 (a 4-bit Llama-3.1-8B: 2.1 GB more
-    weights, 2 GB more checkpointed layer inputs at 2 x 2048 tokens, and attention handed float32); a bf16
+    weights, 1.1 GB more checkpointed layer inputs at 2 x 2048 tokens, and attention handed float32); a bf16
     base then trains as a bf16 LoRA base does, its linear layers 4-bit. (peft's function also freezes the
     base, which `get_peft_model` does too.)"""
     quantized = getattr(model, "is_loaded_in_4bit", False) or getattr(model, "is_loaded_in_8bit", False)
