@@ -224,8 +224,13 @@ def _parts_declined(inner: Any) -> str | None:
 
 def fits_merged(model: Any) -> bool:
     """Would the merged copies of `model`'s projections take at most `MEMORY_SHARE` of its device's memory?"""
-    inner = _inner(model)
-    return _copies_bytes(inner) <= MEMORY_SHARE * _device_memory(inner.lm_head.weight)
+    return _copies_fit(_inner(model))[1]
+
+
+def _copies_fit(inner: Any) -> tuple[int, bool]:
+    """The merged copies' bytes, and whether they are within `MEMORY_SHARE` of the device's memory."""
+    copies = _copies_bytes(inner)
+    return copies, copies <= MEMORY_SHARE * _device_memory(inner.lm_head.weight)
 
 
 def describe_generation(model: Any) -> str:
@@ -233,11 +238,11 @@ def describe_generation(model: Any) -> str:
     reason = declined_because(model)
     if reason is not None:
         return f"generation: the model's own forward per token (no lean decode step: {reason})"
-    copies = _copies_bytes(_inner(model))
-    if fits_merged(model):
+    copies, fits = _copies_fit(_inner(model))
+    if fits:
         return f"generation: lean decode steps, the LoRA merged into a copy of the weights while sampling ({copies / 2**20:,.1f} MiB)"
     return (f"generation: lean decode steps over the model's own weights, the LoRA unmerged (a merged copy would "
-            f"take {copies / 2**30:.2f} GiB, over 1/8 of the device's memory)")  # fmt: skip
+            f"take {copies / 2**30:.2f} GiB, over 1/{round(1 / MEMORY_SHARE)} of the device's memory)")  # fmt: skip
 
 
 def _inner(model: Any) -> Any:
