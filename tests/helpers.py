@@ -187,6 +187,15 @@ def assert_within_ulps(
     )
 
 
+def assert_tensors_within_ulps(
+    actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], ulps: float, *, what: str = ""
+) -> None:
+    """The same names, and each tensor within `ulps` of its own largest entry (`assert_within_ulps`)."""
+    assert actual.keys() == expected.keys() and expected, f"{what}: {sorted(actual)} != {sorted(expected)}"
+    for name, tensor in expected.items():
+        assert_within_ulps(actual[name], tensor, ulps, what=f"{what} {name}".strip())
+
+
 def ulps_apart(
     actual: float | torch.Tensor, expected: float | torch.Tensor, dtype: torch.dtype = torch.float32
 ) -> float:

@@ -14,7 +14,7 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import REORDERED_ULPS, assert_within_ulps
+from helpers import REORDERED_ULPS, assert_tensors_within_ulps, assert_within_ulps
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 
@@ -107,11 +107,6 @@ def _by_document(batch: dict[str, torch.Tensor]) -> list[tuple[int, ...]]:
     return [tuple(tokens) for tokens, trained in documents if trained]  # a row's padded tail trains nothing
 
 
-def _relative_error(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> float:
-    assert got.keys() == want.keys() and got
-    return max(((got[k] - want[k]).norm() / want[k].norm()).item() for k in want)
-
-
 @pytest.mark.parametrize("layout", ["rows", "one_sequence"])
 @pytest.mark.parametrize("attn_implementation", ["eager", "sdpa"])
 def test_packed_batch_matches_documents_one_by_one(single, tiny_base_dir, tiny_tokenizer, attn_implementation, layout):
@@ -142,7 +137,7 @@ def test_packed_batch_matches_documents_one_by_one(single, tiny_base_dir, tiny_t
     )
     reordered = torch.cat([separate_by_doc[document] for document in _by_document(batch)])
     assert_within_ulps(packed_losses, reordered, REORDERED_ULPS, what="token losses")
-    assert _relative_error(packed_grads, separate_grads) < 1e-5
+    assert_tensors_within_ulps(packed_grads, separate_grads, REORDERED_ULPS, what="LoRA gradient")
 
 
 def test_padded_batch_matches_documents_one_by_one(single, tiny_base_dir, tiny_tokenizer):
@@ -155,7 +150,7 @@ def test_padded_batch_matches_documents_one_by_one(single, tiny_base_dir, tiny_t
     padded_losses = _token_losses(model, batch)
     (padded_losses.sum() / padded_losses.numel()).backward()
     assert_within_ulps(padded_losses.detach(), separate_losses, REORDERED_ULPS, what="token losses")
-    assert _relative_error(_lora_grads(model), separate_grads) < 1e-5
+    assert_tensors_within_ulps(_lora_grads(model), separate_grads, REORDERED_ULPS, what="LoRA gradient")
 
 
 def test_packing_leaks_across_documents_when_the_kv_cache_is_on(single, tiny_base_dir, tiny_tokenizer):

@@ -429,14 +429,16 @@ def test_from_an_adapter_the_reference_is_that_adapter_swapped_in_as_precomputed
     swapped, after = train("pref.yaml", [*refine, "train.precompute_reference=false", "output.name=swapped"], **quiet)
     for metrics in (before, after):  # every reward 0: no margin, and DPO's loss -log sigmoid(0)
         assert metrics["base_eval_reward_margin"] == 0.0, metrics
-        assert metrics["base_eval_loss"] == pytest.approx(math.log(2), abs=1e-6), metrics
+        assert_within_ulps(metrics["base_eval_loss"], math.log(2), SUM_ULPS, what="DPO loss at margin 0")
     expected, actual = (
         load_file(precomputed / "adapter_model.safetensors"),
         load_file(swapped / "adapter_model.safetensors"),
     )
     moved = max((expected[k] - load_file(start / "adapter_model.safetensors")[k]).abs().max().item() for k in expected)
     largest = max((expected[k] - actual[k]).abs().max().item() for k in expected)
-    assert largest < 1e-4 < moved, (largest, moved)  # float rounding of batches laid out otherwise; it trained
+    # within a thousandth of how far training moved them: float rounding of batches laid out otherwise, which
+    # Adam may magnify (none seen: 0.0 apart on an AMD EPYC); and it trained
+    assert largest <= 1e-3 * moved and moved > 1e-3, (largest, moved)
 
     (preference_workdir / "examples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in unpaired_records(12)))
     (preference_workdir / "kto.yaml").write_text(KTO_RECIPE.format(base=tiny_base_dir, start=start))

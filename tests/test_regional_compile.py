@@ -10,6 +10,7 @@ import random
 
 import pytest
 import torch
+from helpers import LIBRARY_ULPS, assert_within_ulps
 
 from finetune.data.collate import collate_batch
 from finetune.training.objectives.logprobs import add_targets
@@ -67,9 +68,10 @@ def test_compiled_layers_equal_eager_without_graph_breaks_or_recompiles(tiny_bas
     for batch in batches:  # the same shapes again: nothing new compiles, and eager agrees
         expected_loss, expected_grads = _step(eager, batch)
         loss, grads = _step(compiled, batch)
-        assert loss == pytest.approx(expected_loss, rel=1e-5)
-        for ours, theirs in zip(grads, expected_grads):  # inductor fuses and orders sums its own way
-            torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5 * theirs.abs().max().item())
+        # inductor's generated kernels fuse and order the sums their own way: another library's op order
+        assert_within_ulps(loss, expected_loss, LIBRARY_ULPS, what="loss")
+        for ours, theirs in zip(grads, expected_grads):
+            assert_within_ulps(ours, theirs, LIBRARY_ULPS, what="LoRA gradient")
     assert dict(counters["stats"]) == warm, "recompiled after warm-up"
     assert not counters["graph_break"], dict(counters["graph_break"])
     # Forwards that record no gradients (evaluation, reference log-probabilities, sampling) run the eager layers:

@@ -20,13 +20,22 @@ from pathlib import Path
 import pytest
 import torch
 from grpo_helpers import write_grpo_run
-from helpers import REPO, instruction_records, preference_records
+from helpers import REPO, SUM_ULPS, assert_within_ulps, instruction_records, preference_records
 from safetensors.torch import load_file
 
 from finetune.embedded.tiny import build_tiny_llama
 from finetune.errors import CheckpointError
 from finetune.training import checkpoint as ckpt
 from finetune.training.loop import SLOW_STEP_ENV, train
+
+# Adapters trained on the same batches with gradients summed in another order agree to float rounding, which
+# Adam magnifies: its update m/sqrt(v) is near ±lr for any gradient entry well above its eps, so an entry
+# whose gradient is rounding noise near zero may step either way. Each tensor is therefore compared relative
+# to its norm, with margins over the most measured (AMD EPYC with AVX2 and Intel Xeon with AVX-512):
+REDUCED_RELATIVE = 1e-4  # gradients reduced across 2 ranks (DDP, FSDP, ZeRO on the tiny base): 1.7e-5 seen
+WHOLE_LOGITS_RELATIVE = 2e-3  # and FSDP's loss from whole logits against chunks (the 40M base): 3.6e-4 seen
+RESUMED_RELATIVE = 1e-6  # a ZeRO-3 run resumed from its checkpoint against one unbroken run: 1.2e-7 seen
+HELD_OUT_RELATIVE = 1e-4  # the held-out loss of adapters that agree as above (was within 1e-4 of ~6 absolute)
 
 # 41.8M parameters, 14 decoder layers: large enough that sharding shows in what each rank holds.
 SHAPE_40M = dict(
@@ -115,8 +124,8 @@ def test_fsdp_shards_resumes_and_trains_the_single_process_adapter(sharded_workd
     _train(*fsdp, "train.max_steps=3", "--resume")  # ... which resumes (weights and Adam moments) to step 3
     # FSDP computes the loss from whole logits (a sharded head: `finetune.training.target_loss`), DDP in chunks:
     # the same sums in another order, which Adam's 1/sqrt(v) magnifies on weights whose gradient is near zero
-    # (measured: 3.4e-4 at most, 2.8e-4 relative to a tensor's norm), as for ZeRO below.
-    _assert_same_adapter("adapters/single", "adapters/fsdp", max_abs=1e-3, max_relative=1e-3)
+    # (measured: 2.8e-4 of a tensor's norm on an Intel Xeon, 3.6e-4 on an AMD EPYC), as for ZeRO below.
+    _assert_same_adapter("adapters/single", "adapters/fsdp", WHOLE_LOGITS_RELATIVE)
 
 
 @pytest.mark.slow
@@ -132,7 +141,7 @@ def test_deepspeed_shards_trains_the_single_process_adapter_and_resumes(workdir)
     assert _distributed("zero")["strategy"] == "deepspeed" and _distributed("zero")["max_rank_param_share"] <= 0.6
     # Adam divides by sqrt(v): on weights whose gradient is near zero, rounding in ZeRO's reduce-scatter
     # becomes visible (on the 41.8M Llama: 4 of 1.05M weights off by more than 1e-4, at most 3.6e-4).
-    _assert_same_adapter("adapters/single", "adapters/zero", max_abs=1e-3, max_relative=1e-3)
+    _assert_same_adapter("adapters/single", "adapters/zero", REDUCED_RELATIVE)
 
     # ZeRO keeps Adam's moments and fp32 master weights in flat partitions of its own; the checkpoint holds
     # them whole, as torch names them, and resuming scatters them back. Resumed in stage 2 from stage 3's
@@ -147,7 +156,7 @@ def test_deepspeed_shards_trains_the_single_process_adapter_and_resumes(workdir)
     assert "resumed from" in _train(*zero3, *resume)
     # Stage 2 differs from stage 3 by rounding (2e-7 measured). Skipping the scatter of Adam's moments on
     # resume failed this check (tried).
-    _assert_same_adapter("unbroken", "adapters/zero", max_abs=1e-6, max_relative=1e-6)
+    _assert_same_adapter("unbroken", "adapters/zero", RESUMED_RELATIVE)
 
 
 def _train_here(*args: str) -> Path:
@@ -160,24 +169,22 @@ def _distributed(name: str) -> dict:
     return json.loads(Path(f"adapters/{name}/manifest.json").read_text())["distributed"]
 
 
-def _assert_same_adapter(reference: str, sharded: str, max_abs: float = 1e-4, max_relative: float = 1e-4) -> None:
-    """Same names and whole shapes, values within the tolerances, the same held-out loss; and it trained."""
-    _assert_same_weights(reference, sharded, max_abs, max_relative)
+def _assert_same_adapter(reference: str, sharded: str, relative: float) -> None:
+    """Same names and whole shapes, values within `relative`, the same held-out loss; and it trained."""
+    _assert_same_weights(reference, sharded, relative)
     eval_losses = [_metric(path, "eval_loss") for path in (reference, sharded)]
-    assert abs(eval_losses[0] - eval_losses[1]) < 1e-4, eval_losses
+    assert eval_losses[1] == pytest.approx(eval_losses[0], rel=HELD_OUT_RELATIVE), eval_losses
 
 
-def _assert_same_weights(reference: str, sharded: str, max_abs: float = 1e-4, max_relative: float = 1e-4) -> None:
-    """Same names and whole shapes, values within the tolerances (absolute, and relative to each tensor's
-    norm: float rounding of sums taken in another order); and it trained."""
+def _assert_same_weights(reference: str, sharded: str, relative: float) -> None:
+    """Same names and whole shapes, each tensor within `relative` of its norm; and it trained."""
     expected = load_file(f"{reference}/adapter_model.safetensors")
     actual = load_file(f"{sharded}/adapter_model.safetensors")
     assert expected.keys() == actual.keys()
     assert all(expected[k].shape == actual[k].shape for k in expected)  # whole tensors, not one rank's shard
-    largest = max((expected[k] - actual[k]).abs().max().item() for k in expected)
-    assert largest < max_abs, largest
-    relative = max(((expected[k] - actual[k]).norm() / expected[k].norm().clamp(min=1e-12)).item() for k in expected)
-    assert relative < max_relative, relative
+    apart = {k: ((expected[k] - actual[k]).norm() / expected[k].norm().clamp(min=1e-12)).item() for k in expected}
+    worst = max(apart, key=apart.__getitem__)
+    assert apart[worst] < relative, f"{worst}: {apart[worst]:.3e} of its norm apart (allowed {relative:.0e})"
     assert any(t.abs().max() > 0 for k, t in actual.items() if "lora_B" in k)
 
 
@@ -268,12 +275,12 @@ def test_dpo_under_ddp_fsdp_and_deepspeed_trains_the_single_process_adapter(work
     Path("recipe.yaml").write_text(DPO_RECIPE.format(base=tiny_base_dir))
     train("recipe.yaml", ["train.micro_batch_size=4", "output.name=single"], log=lambda line: None)
     assert "2 process(es)" in _train("output.name=ddp", "train.precompute_reference=true")
-    _assert_same_adapter("adapters/single", "adapters/ddp", max_abs=1e-5, max_relative=1e-5)
+    _assert_same_adapter("adapters/single", "adapters/ddp", REDUCED_RELATIVE)
     assert "fsdp over 2 processes" in _train("output.name=fsdp", "distributed.strategy=fsdp")
-    _assert_same_adapter("adapters/single", "adapters/fsdp")
+    _assert_same_adapter("adapters/single", "adapters/fsdp", REDUCED_RELATIVE)
     zero3 = ("output.name=zero", "distributed.strategy=deepspeed", "distributed.deepspeed.stage=3")
     assert "deepspeed over 2 processes" in _train(*zero3)
-    _assert_same_adapter("adapters/single", "adapters/zero", max_abs=1e-3, max_relative=1e-3)
+    _assert_same_adapter("adapters/single", "adapters/zero", REDUCED_RELATIVE)
     assert _metric("adapters/zero", "eval_reward_accuracy") == _metric("adapters/single", "eval_reward_accuracy")
 
 
@@ -302,23 +309,24 @@ def test_grpo_under_ddp_fsdp_and_deepspeed_trains_the_single_process_adapter(wor
     assert len(set(_rewards("single"))) == 2  # the completions (and so the update) differ from step to step
     ddp = _train("output.name=ddp")
     assert "2 process(es)" in ddp and "generation: lean decode steps" in ddp  # DDP ranks hold whole weights
-    _assert_same_weights("adapters/single", "adapters/ddp", max_abs=1e-5, max_relative=1e-5)
-    assert _rewards("ddp") == pytest.approx(_rewards("single"), abs=1e-6)  # the ranks sampled what one process did
+    _assert_same_weights("adapters/single", "adapters/ddp", REDUCED_RELATIVE)
+    assert_within_ulps(_rewards("ddp"), _rewards("single"), SUM_ULPS)  # the ranks sampled what one process did
     # held-out prompts are sampled with draws keyed by the record: the same at the start and the end of a run
     # (the end differs by what was learnt), and the same whichever rank evaluates a prompt
-    assert _metric("adapters/ddp", "eval_reward") == pytest.approx(_metric("adapters/single", "eval_reward"), abs=1e-6)
+    assert_within_ulps(_metric("adapters/ddp", "eval_reward"), _metric("adapters/single", "eval_reward"), SUM_ULPS)
     assert _metric("adapters/single", "eval_reward") != _metric("adapters/single", "base_eval_reward")
     refine = ["lora.init_from=adapters/single"]
     train("recipe.yaml", [*refine, "train.micro_batch_size=4", "output.name=refined"], log=lambda line: None)
     fsdp = _train(*refine, "output.name=fsdp", "distributed.strategy=fsdp")
     assert "fsdp over 2 processes" in fsdp and "no lean decode step: the weights are sharded" in fsdp
-    _assert_same_weights("adapters/refined", "adapters/fsdp")
-    assert _rewards("fsdp") == pytest.approx(_rewards("refined"), abs=1e-6) != _rewards("single")
+    _assert_same_weights("adapters/refined", "adapters/fsdp", REDUCED_RELATIVE)
+    assert_within_ulps(_rewards("fsdp"), _rewards("refined"), SUM_ULPS)
+    assert _rewards("fsdp") != _rewards("single")
     zero3 = ("output.name=zero", "distributed.strategy=deepspeed", "distributed.deepspeed.stage=3")
     assert "deepspeed over 2 processes" in _train(*zero3)
-    _assert_same_weights("adapters/single", "adapters/zero", max_abs=1e-3, max_relative=1e-3)
-    assert _rewards("zero") == pytest.approx(_rewards("single"), abs=1e-6)
-    assert _metric("adapters/zero", "eval_reward") == pytest.approx(_metric("adapters/single", "eval_reward"), abs=1e-6)
+    _assert_same_weights("adapters/single", "adapters/zero", REDUCED_RELATIVE)
+    assert_within_ulps(_rewards("zero"), _rewards("single"), SUM_ULPS)
+    assert_within_ulps(_metric("adapters/zero", "eval_reward"), _metric("adapters/single", "eval_reward"), SUM_ULPS)
 
 
 def _rewards(name: str) -> list[float]:
