@@ -97,6 +97,8 @@ def test_importing_the_api_loads_no_training(tmp_path):
     modules = set(json.loads(completed.stdout))
     assert "finetune.adapters.inmemory" in modules and "transformers" in modules  # it imported what inference needs
     assert training_modules(modules) == []
+    # nor the embedded base's build (its pretraining loop): resolving `embedded:` names needs its settings only
+    assert {"finetune.embedded.build", "finetune.embedded.pretrain"} & modules == set()
 
 
 @pytest.mark.slow

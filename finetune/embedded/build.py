@@ -1,9 +1,9 @@
 """How an embedded base is made: corpus → tokenizer → tiny Llama → brief pretraining → model directory.
 
-`EMBEDDED_BASES` names every embedded base and the settings it is built from. `build_embedded_base`
-writes a normal Hugging Face model directory (config.json, model.safetensors, generation_config.json,
-tokenizer files) plus `embedded.json`, a record of how it was built. The same settings on the same
-Python and torch give the same weights, bit for bit. Where the directory lives and when it is (re)built
+`EMBEDDED_BASES` (from `finetune.embedded.settings`) names every embedded base and the settings it is built
+from. `build_embedded_base` writes a normal Hugging Face model directory (config.json, model.safetensors,
+generation_config.json, tokenizer files) plus `embedded.json`, a record of how it was built. The same
+settings on the same Python and torch give the same weights, bit for bit. Where the directory lives and when it is (re)built
 is `finetune.embedded`'s job.
 
 Example:
@@ -18,7 +18,7 @@ import os
 import platform
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -27,7 +27,13 @@ from transformers.utils import logging as hf_logging
 
 from finetune.atomic import remove_directory
 from finetune.embedded.corpus import stdlib_corpus
-from finetune.embedded.pretrain import PretrainResult, PretrainSettings, pretrain, token_rows
+from finetune.embedded.pretrain import PretrainResult, pretrain, token_rows
+from finetune.embedded.settings import (
+    BUILD_FORMAT_VERSION,
+    EMBEDDED_BASES,
+    BuildSettings,
+    settings_record,
+)
 from finetune.embedded.shipped import (
     FINGERPRINTED_FILES,
     RECORD_FILE,
@@ -36,70 +42,9 @@ from finetune.embedded.shipped import (
     shipped_base_dir,
 )
 from finetune.embedded.synthetic import copy_score, synthetic_rows
-from finetune.embedded.tiny import TINY_LLAMA_SHAPE, build_tiny_llama, wire_previous_token_head
+from finetune.embedded.tiny import build_tiny_llama, wire_previous_token_head
 from finetune.embedded.tokenizer import train_tokenizer
 from finetune.errors import ModelError
-
-BUILD_FORMAT_VERSION = 2
-"""Bump when the build code changes what it produces, so cached bases are rebuilt (new directory name).
-2: synthetic copying rows in the pretraining mix; sha256 of the weights and tokenizer in the record."""
-
-
-@dataclass(frozen=True)
-class BuildSettings:
-    """Everything an embedded base is built from; its cache directory name is derived from these."""
-
-    corpus_max_bytes: int
-    """Standard-library source read for the tokenizer and for pretraining, in UTF-8 bytes."""
-    corpus_file_max_bytes: int
-    """At most this many bytes from any one source file."""
-    vocab_size: int
-    seq_len: int
-    """Pretraining row length in tokens."""
-    pretraining: PretrainSettings
-    shape: dict[str, int | bool] = field(default_factory=lambda: dict(TINY_LLAMA_SHAPE))
-    """`LlamaConfig` fields; every linear out_features a multiple of 32 (bitsandbytes' CPU 4-bit)."""
-    synthetic_fraction: float = 0.0
-    """Share of the training rows that are synthetic copying rows (`finetune.embedded.synthetic`); the
-    rest are the corpus's. Without them a small model does not learn to copy from its context."""
-    copy_curriculum: PretrainSettings | None = None
-    """A first pretraining phase on `repeat` rows alone, before the mixed one: with corpus rows in every
-    batch from the start, copying had not formed after 1,500 steps; alone, it forms in a few hundred."""
-    previous_token_head: bool = False
-    """Start from a wired previous-token head (`tiny.wire_previous_token_head`), so that copying from
-    the context is learnt within the pretraining budget."""
-    init_seed: int = 0
-    num_threads: int | None = None
-    """torch threads for pretraining; None uses every CPU this process may run on. Part of the settings
-    because it changes the weights: a different thread count sums in a different order, and 600 steps
-    amplify that (1 vs 2 threads differed by up to 0.34 in a weight). A fixed count builds the same base
-    on any machine with the same CPU kernels. The default uses 1: on 2 busy cores a 2-thread build took
-    6x longer than a 1-thread one (threads spin-waiting for each other); on idle ones 2 threads would be
-    about 1.5x faster."""
-
-
-EMBEDDED_BASES: dict[str, BuildSettings] = {
-    "tiny-llama": BuildSettings(
-        corpus_max_bytes=4_000_000,
-        corpus_file_max_bytes=16_000,
-        vocab_size=2048,
-        seq_len=256,
-        pretraining=PretrainSettings(steps=1500, micro_batch_size=8, lr=3e-3, warmup_steps=50, heldout_rows=64),
-        shape=dict(TINY_LLAMA_SHAPE),
-        synthetic_fraction=0.5,
-        copy_curriculum=PretrainSettings(
-            steps=800, micro_batch_size=8, lr=3e-3, warmup_steps=30, min_lr_ratio=1.0, heldout_rows=64
-        ),
-        previous_token_head=True,
-        num_threads=1,
-    ),
-}
-"""The embedded bases a recipe can name as `embedded:<name>`."""
-
-
-def settings_record(settings: BuildSettings) -> dict:
-    """The settings as plain JSON-able data (also what the cache directory name is hashed from)."""
-    return asdict(settings)
 
 
 def _synthetic_rows(tokenizer, settings: BuildSettings, num_corpus_rows: int) -> tuple[torch.Tensor, torch.Tensor]:

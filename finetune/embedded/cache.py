@@ -33,13 +33,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from finetune.atomic import remove_directory
-from finetune.embedded.build import (
-    BUILD_FORMAT_VERSION,
-    EMBEDDED_BASES,
-    BuildSettings,
-    build_embedded_base,
-    settings_record,
-)
+from finetune.embedded.settings import BUILD_FORMAT_VERSION, EMBEDDED_BASES, BuildSettings, settings_record
 from finetune.embedded.shipped import RECORD_FILE, check_shipped_base, shipped_base_dir
 from finetune.errors import ModelError
 from finetune.paths import finetune_home
@@ -139,6 +133,8 @@ def _build_into(final_dir: Path, name: str, settings: BuildSettings, report: Cal
     start_seconds = time.perf_counter()
     work_dir = Path(tempfile.mkdtemp(prefix=f".{final_dir.name}.tmp-", dir=final_dir.parent))
     work_dir.chmod(0o755)  # mkdtemp makes it private; a model directory is ordinary data
+    from finetune.embedded.build import build_embedded_base  # torch, transformers: only when a base is built
+
     try:
         build_embedded_base(work_dir, settings, report)
         os.rename(work_dir, final_dir)

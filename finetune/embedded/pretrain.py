@@ -21,24 +21,7 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
-
-@dataclass(frozen=True)
-class PretrainSettings:
-    """How long and how hard to pretrain."""
-
-    steps: int
-    micro_batch_size: int
-    lr: float
-    warmup_steps: int = 20
-    min_lr_ratio: float = 0.1
-    """The cosine schedule ends at `lr * min_lr_ratio`."""
-    weight_decay: float = 0.01
-    max_grad_norm: float = 1.0
-    heldout_rows: int = 16
-    """Rows kept out of training and scored before and after, to show the model learnt something."""
-    bf16_autocast: bool = True
-    """Run the forward pass under bfloat16 autocast (about 1.5x faster on CPU); weights stay float32."""
-    seed: int = 0
+from finetune.embedded.settings import PretrainSettings
 
 
 @dataclass(frozen=True)

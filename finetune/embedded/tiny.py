@@ -16,19 +16,11 @@ from typing import Any
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerBase
 
+from finetune.embedded.settings import TINY_LLAMA_SHAPE
+
+
 # The embedded default's shape: about 1.1M parameters with its 2048-token vocabulary. Every quantizable
 # linear layer has out_features divisible by 32, which bitsandbytes' CPU 4-bit forward requires.
-TINY_LLAMA_SHAPE = dict(
-    hidden_size=128,
-    intermediate_size=352,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=4,
-    max_position_embeddings=1024,
-    tie_word_embeddings=True,
-)
-
-
 def tiny_llama_config(tokenizer: PreTrainedTokenizerBase, **shape: int | bool | float) -> LlamaConfig:
     """A `LlamaConfig` sized for CPU training, with token ids taken from `tokenizer`.
 

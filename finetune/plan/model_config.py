@@ -16,8 +16,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from finetune.embedded.build import EMBEDDED_BASES
 from finetune.embedded.cache import EMBEDDED_PREFIX, existing_embedded_base
+from finetune.embedded.settings import EMBEDDED_BASES
 from finetune.errors import ModelError
 from finetune.paths import local_model_dir
 
