@@ -267,3 +267,35 @@ def greedy_text(
         prompt_ids = tokenizer(prompt)["input_ids"]
     ids = greedy_ids(model.eval(), prompt_ids, max_new_tokens, tokenizer.eos_token_id)
     return tokenizer.decode(ids, skip_special_tokens=True)
+
+
+FAMILY_SHAPE = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=128)  # fmt: skip
+
+
+def tiny_model(family: str, **config):
+    """A random tiny causal LM of `family` (grouped-query attention: 4 query heads, 2 key/value heads)."""
+    import transformers
+
+    config_class, model_class = {
+        "llama": ("LlamaConfig", "LlamaForCausalLM"),
+        "mistral": ("MistralConfig", "MistralForCausalLM"),
+        "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+        "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+        "gemma": ("GemmaConfig", "GemmaForCausalLM"),
+    }[family]
+    torch.manual_seed(0)
+    settings = {**FAMILY_SHAPE, **config}
+    model = getattr(transformers, model_class)(getattr(transformers, config_class)(**settings))
+    return model.eval()
+
+
+def with_adapter(model, **lora):
+    """`model` with a LoRA on every linear layer of its blocks, B drawn as if trained (not zero)."""
+    from peft import LoraConfig, get_peft_model
+
+    peft_model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", **lora))
+    for name, parameter in peft_model.named_parameters():
+        if "lora_B" in name:
+            parameter.data.normal_(0, 0.05)
+    return peft_model.eval()

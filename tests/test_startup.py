@@ -114,7 +114,7 @@ def test_inference_commands_load_no_training(tmp_path, tiny_base_dir, adapter_di
         "plan": ["plan", "quickstart"],
     }
     loaded = loaded_modules_of(tmp_path, commands)
-    assert "finetune.scoring" in loaded["eval"] and "peft" in loaded["generate"]  # they ran what they say
+    assert "finetune.scoring" in loaded["eval"] and "finetune.generation.light_model" in loaded["generate"]
     assert (tmp_path / "merged").is_dir()
     assert {name: training_modules(modules) for name, modules in loaded.items()} == {name: [] for name in commands}
 

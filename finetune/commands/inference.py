@@ -1,7 +1,9 @@
 """`finetune eval` (perplexity on a data file) and `finetune generate` (text from a prompt).
 
 Both load a base with an optional adapter switched on unmerged through `finetune.load_model`; the base
-may be left out when the adapter's manifest names it.
+may be left out when the adapter's manifest names it. A greedy plain-text `generate` on the CPU first tries
+`finetune.generation.light_model`, which computes the same tokens without importing transformers' model code
+(seconds of start-up on a small machine), and falls back to `load_model` for what it declines.
 
 Example:
     finetune eval --adapter adapters/quickstart --data data/quickstart/valid.jsonl --format instruction
@@ -94,6 +96,16 @@ def run_eval(args: argparse.Namespace) -> int:
 
 
 def run_generate(args: argparse.Namespace) -> int:
+    if not args.chat and args.temperature == 0:  # greedy on plain text: first without transformers' model code
+        from finetune.generation.light_model import light_generate
+
+        text = light_generate(
+            base=args.base, adapter=args.adapter, prompt=args.prompt, max_new_tokens=args.max_new_tokens,
+            dtype=args.dtype, device=args.device, force=args.force,
+        )  # fmt: skip
+        if text is not None:
+            print(text)
+            return 0
     import torch
 
     from finetune.prompting import chat_prompt_ids, prompt_ids

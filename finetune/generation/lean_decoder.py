@@ -192,8 +192,21 @@ def declined_because(model: Any) -> str | None:
         if type(parameter.data) is not torch.Tensor or hasattr(parameter, "ds_numel") or parameter.is_meta:
             return "the weights are sharded or offloaded"  # a DTensor (FSDP2), a ZeRO-3 shard, not loaded
     config = getattr(inner, "config", None)
+    if not type(inner).__module__.startswith("transformers.models."):
+        return f"{type(inner).__name__} is not one of transformers' own classes"
+    reason = config_declined_because(config)
+    if reason is not None:
+        return reason
+    if not all(_computes_its_class(module) for module in inner.modules()):
+        return "a module has hooks or a forward another library replaced"
+    return _parts_declined(inner)
+
+
+def config_declined_because(config: Any) -> str | None:
+    """Why a model of this config (transformers' or config.json's fields as attributes) is not one the lean
+    arithmetic reproduces (None: it is): the family, sliding windows, the activation, a partial rotary."""
     family = getattr(config, "model_type", None)
-    if family not in FAMILIES or not type(inner).__module__.startswith("transformers.models."):
+    if family not in FAMILIES:
         return f"{family} models are not among transformers' own {', '.join(sorted(FAMILIES))} classes"
     if getattr(config, "sliding_window", None) is not None or any(
         kind != "full_attention" for kind in getattr(config, "layer_types", None) or []
@@ -201,9 +214,7 @@ def declined_because(model: Any) -> str | None:
         return "sliding-window attention"
     if getattr(config, "hidden_act", None) != "silu" or (getattr(config, "partial_rotary_factor", 1.0) or 1.0) != 1.0:
         return "an activation other than SiLU or a partial rotary embedding"
-    if not all(_computes_its_class(module) for module in inner.modules()):
-        return "a module has hooks or a forward another library replaced"
-    return _parts_declined(inner)
+    return None
 
 
 def _parts_declined(inner: Any) -> str | None:

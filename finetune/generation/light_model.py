@@ -1,0 +1,315 @@
+"""`finetune generate` without transformers' model code: a Llama-family model computed from its files by torch.
+
+Why: on 2 CPU cores, importing transformers' model code (it pulls in torch's dynamo, DTensor and scipy) took
+longer than reading the embedded base, applying an adapter and generating 40 tokens together: 4.4 s of wall
+time for the command, most of it imports (AMD EPYC, 2026-11-27). A one-shot command pays that on every run.
+
+`LightModel.load` reads config.json and the safetensors weights, and the adapter's A and B as
+`finetune.adapters.lora` reads them, and computes the forward transformers' Llama, Mistral, Qwen2 and Qwen3
+classes compute, op for op in float32: RMSNorm as theirs, each projection as peft's unmerged LoRA
+(`base(x) + B(A(x)) * scaling`), rotary embeddings with transformers' inverse frequencies, SDPA attention
+(causal over the prompt, then one token at a time over the cache). `light_generate` decodes greedily with
+the tokenizer's own `tokenizer.json` (the `tokenizers` library, which transformers' fast tokenizers wrap).
+
+It declines (returns None, and the command takes the transformers path) for anything it does not
+reproduce exactly: sampling and chat prompts (transformers' logits processors and chat-template rendering),
+a dtype other than float32, a device other than the CPU, a quantized base or a merged checkpoint, what
+`config_declined_because` names (families, sliding windows, activations), scaled rotary embeddings, weights
+other than the family's own tensors, LoRA on embeddings or experts or with saved modules, generation settings
+that change greedy decoding (a repetition penalty, ...), and tokenizers whose settings transformers applies
+on top of `tokenizer.json`. Its logits equal transformers + peft's within float rounding (tests).
+
+Example:
+    text = light_generate(base=None, adapter="adapters/quickstart", prompt="...", max_new_tokens=40,
+                          dtype="float32", device="auto", force=False)   # None: take the transformers path
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from finetune.adapters.fit import check_fingerprint
+from finetune.adapters.lora import Adapter, LoraWeights, read_adapter, recorded_quantization
+from finetune.adapters.resolved_base import resolve_base
+from finetune.fingerprint import weight_files
+from finetune.generation.lean_decoder import Layer, Norm, _Rotation, config_declined_because
+
+# generation_config.json keys that leave greedy decoding with an explicit EOS and max_new_tokens unchanged
+GREEDY_NEUTRAL = frozenset({
+    "_from_model_config", "bos_token_id", "eos_token_id", "pad_token_id", "transformers_version", "use_cache",
+    "output_attentions", "output_hidden_states", "do_sample", "temperature", "top_p", "top_k", "max_length",
+})  # fmt: skip
+# tokenizer classes that are `tokenizer.json` as it is, and settings that would make transformers alter it
+PLAIN_TOKENIZERS = frozenset({"TokenizersBackend", "PreTrainedTokenizerFast"})
+TOKENIZER_OVERRIDES = ("add_bos_token", "add_eos_token", "add_prefix_space", "clean_up_tokenization_spaces")
+ATTENTION = ("q_proj", "k_proj", "v_proj")
+MLP = ("gate_proj", "up_proj")
+
+
+class Declined(Exception):
+    """The light path does not reproduce this model or request; the message says why."""
+
+
+@dataclass(frozen=True)
+class LoraLinear:
+    """A linear layer with its LoRA updates unmerged, computed as peft computes it: x·Wᵀ + b, then for each
+    adapter + (x·Aᵀ)·Bᵀ · scale."""
+
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    loras: tuple[tuple[torch.Tensor, torch.Tensor, float], ...] = ()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        result = F.linear(x, self.weight, self.bias)
+        for A, B, scale in self.loras:
+            result = result + F.linear(F.linear(x, A), B) * scale
+        return result
+
+
+@dataclass(frozen=True)
+class SideBySide:
+    """Several projections of the same input, their outputs concatenated (q, k and v; gate and up)."""
+
+    parts: tuple[LoraLinear, ...]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([part(x) for part in self.parts], dim=-1)
+
+
+class LightModel:
+    """A Llama-family causal LM over plain tensors (see the module docstring)."""
+
+    def __init__(self, config: Any, layers: list[Layer], embed: torch.Tensor, final_norm: Norm, head: LoraLinear):
+        self.layers, self.embed, self.final_norm, self.head = layers, embed, final_norm, head
+        self.heads = config.num_attention_heads
+        self.kv_heads = getattr(config, "num_key_value_heads", None) or self.heads
+        self.head_dim = _head_dim(config)
+        theta = _rope_theta(config)
+        exponents = torch.arange(0, self.head_dim, 2, dtype=torch.int64).to(dtype=torch.float) / self.head_dim
+        self.inv_freq = 1.0 / (theta**exponents)  # as transformers' default rotary initialisation computes it
+
+    @classmethod
+    def load(cls, model_dir: Path, adapter: Adapter | None) -> LightModel:
+        """The model in `model_dir` (config.json, safetensors) with `adapter` unmerged, in float32.
+
+        Raises:
+            Declined: the model or adapter is not one the light path reproduces.
+        """
+        config = _read_config(model_dir)
+        tensors = _read_weights(model_dir, config)
+        loras = _adapter_loras(adapter, tensors)
+        get = lambda name: _linear(tensors, name, loras)
+        layers = []
+        for index in range(config.num_hidden_layers):
+            prefix = f"model.layers.{index}."
+            q_norm = tensors.get(prefix + "self_attn.q_norm.weight")
+            k_norm = tensors.get(prefix + "self_attn.k_norm.weight")
+            layers.append(Layer(
+                input_norm=Norm(tensors[prefix + "input_layernorm.weight"], _eps(config)),
+                qkv=SideBySide(tuple(get(prefix + "self_attn." + name) for name in ATTENTION)),
+                q_norm=None if q_norm is None else Norm(q_norm, _eps(config)),
+                k_norm=None if k_norm is None else Norm(k_norm, _eps(config)),
+                out=get(prefix + "self_attn.o_proj"),
+                post_norm=Norm(tensors[prefix + "post_attention_layernorm.weight"], _eps(config)),
+                gate_up=SideBySide(tuple(get(prefix + "mlp." + name) for name in MLP)),
+                down=get(prefix + "mlp.down_proj"),
+                scaling=_head_dim(config) ** -0.5,
+            ))  # fmt: skip
+        final_norm = Norm(tensors["model.norm.weight"], _eps(config))
+        return cls(config, layers, tensors["model.embed_tokens.weight"], final_norm, get("lm_head"))
+
+    def rotation(self, positions: torch.Tensor) -> _Rotation:
+        """cos and sin at `positions` as transformers' rotary embedding computes them (a float32 outer product
+        of the inverse frequencies and the positions, concatenated with itself), shaped (1, 1, T, d)."""
+        freqs = (self.inv_freq[None, :, None] @ positions[None, None, :].float()).transpose(1, 2)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return _Rotation((emb.cos() * 1.0)[:, None], (emb.sin() * 1.0)[:, None])
+
+    def forward(self, token_ids: list[int], cache: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """Feed `token_ids` after the `cache`'s positions (extended in place): the last position's logits (V,).
+        The first call (empty cache) attends causally over its tokens; later calls feed one token each."""
+        start, length = (cache[0][0].shape[2] if cache else 0), len(token_ids)
+        heads, kv_heads, dim = self.heads, self.kv_heads, self.head_dim
+        hidden = F.embedding(torch.tensor([token_ids]), self.embed)  # (1, T, H)
+        rotation = self.rotation(torch.arange(start, start + length))
+        q_size, kv_size = heads * dim, kv_heads * dim
+        for index, layer in enumerate(self.layers):
+            qkv = layer.qkv(layer.input_norm(hidden))
+            q = qkv[..., :q_size].view(1, length, heads, dim)
+            k = qkv[..., q_size : q_size + kv_size].view(1, length, kv_heads, dim)
+            v = qkv[..., q_size + kv_size :].view(1, length, kv_heads, dim).transpose(1, 2)
+            if layer.q_norm is not None and layer.k_norm is not None:
+                q, k = layer.q_norm(q), layer.k_norm(k)
+            q, k = rotation(q.transpose(1, 2)), rotation(k.transpose(1, 2))
+            if len(cache) > index:
+                k, v = torch.cat([cache[index][0], k], dim=2), torch.cat([cache[index][1], v], dim=2)
+                cache[index] = (k, v)
+            else:
+                cache.append((k, v))
+            attended = F.scaled_dot_product_attention(q, k, v, is_causal=length > 1, scale=layer.scaling,
+                                                      enable_gqa=heads != kv_heads)  # fmt: skip
+            hidden = hidden + layer.out(attended.transpose(1, 2).reshape(1, length, q_size))
+            gate, up = layer.gate_up(layer.post_norm(hidden)).chunk(2, dim=-1)
+            hidden = hidden + layer.down(F.silu(gate) * up)
+        return self.head(self.final_norm(hidden[0, -1]))
+
+    def greedy(self, prompt: list[int], max_new_tokens: int, eos_id: int | None) -> list[int]:
+        """The greedy continuation of `prompt`, through the first `eos_id` (kept, as transformers keeps it)."""
+        cache: list[tuple[torch.Tensor, torch.Tensor]] = []
+        generated: list[int] = []
+        with torch.no_grad():
+            logits = self.forward(prompt, cache)
+            while len(generated) < max_new_tokens:
+                token = int(torch.argmax(logits))
+                generated.append(token)
+                if token == eos_id or len(generated) == max_new_tokens:
+                    break
+                logits = self.forward([token], cache)
+        return generated
+
+
+def light_generate(
+    *, base: str | None, adapter: str | None, prompt: str, max_new_tokens: int, dtype: str, device: str, force: bool
+) -> str | None:
+    """The text `finetune generate` prints for a greedy, plain-text request, or None where the light path
+    declines (the caller then loads the model through transformers). Errors in the inputs (an unreadable
+    adapter, one trained on another base) are raised as the transformers path raises them."""
+    if dtype != "float32":
+        return None
+    lead = read_adapter(adapter) if adapter is not None else None
+    if base is None:
+        if lead is None or lead.base_path is None:
+            return None  # the transformers path says what is missing
+        base = lead.base_path
+    try:
+        model_dir = _model_dir(base, device, lead, force)
+        tokenizer, eos_id = _tokenizer(model_dir)
+        model = LightModel.load(model_dir, lead)
+    except Declined:
+        return None
+    ids = tokenizer.encode(prompt, add_special_tokens=True).ids
+    return tokenizer.decode(model.greedy(ids, max_new_tokens, eos_id), skip_special_tokens=True)
+
+
+def _model_dir(base: str, device: str, adapter: Adapter | None, force: bool) -> Path:
+    """The base's local directory, after the checks `finetune.load_model` makes (the adapter's fingerprint)."""
+    recorded = recorded_quantization([adapter]) if adapter is not None else None
+    if recorded is not None and recorded.method != "none":
+        raise Declined("the adapter was trained on a quantized base, which the transformers path quantizes")
+    resolved = resolve_base(base, device=device)
+    if resolved.quantization.method != "none" or resolved.device.type != "cpu":
+        raise Declined("a quantized base, or a GPU")
+    if resolved.weights_dir is None or resolved.ledger.entries:
+        raise Declined("a hub id not in the local cache, or a merged checkpoint")
+    if resolved.fingerprint is None:
+        raise Declined("no safetensors fingerprint")
+    if adapter is not None:
+        check_fingerprint(adapter, resolved.fingerprint, str(resolved.pristine_dir or resolved.source), force=force)
+    return resolved.weights_dir
+
+
+def _read_config(model_dir: Path) -> Any:
+    config = SimpleNamespace(**json.loads((model_dir / "config.json").read_text(encoding="utf-8")))
+    reason = config_declined_because(config)
+    if reason is not None or getattr(config, "quantization_config", None) is not None:
+        raise Declined(reason or "a quantized base")
+    if getattr(config, "pretraining_tp", 1) != 1:
+        raise Declined("tensor-parallel slicing")
+    _rope_theta(config)  # raises for scaled rotary embeddings
+    generation = model_dir / "generation_config.json"
+    if generation.is_file() and set(json.loads(generation.read_text(encoding="utf-8"))) - GREEDY_NEUTRAL:
+        raise Declined("generation settings that change greedy decoding")
+    return config
+
+
+def _rope_theta(config: Any) -> float:
+    """The rotary base of an unscaled rotary embedding (transformers 5's `rope_parameters` or the older fields)."""
+    parameters = getattr(config, "rope_parameters", None) or {}
+    scaling = getattr(config, "rope_scaling", None) or {}
+    if parameters.get("rope_type", "default") != "default" or scaling.get("rope_type", "default") != "default":
+        raise Declined("a scaled rotary embedding")
+    return float(parameters.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
+
+
+def _eps(config: Any) -> float:
+    return getattr(config, "rms_norm_eps", 1e-6)  # the families' default
+
+
+def _head_dim(config: Any) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def _read_weights(model_dir: Path, config: Any) -> dict[str, torch.Tensor]:
+    """Every tensor of the base in float32, the head tied to the embeddings where the config says so; exactly
+    the family's own tensor names, or Declined."""
+    from safetensors.torch import load_file
+
+    tensors: dict[str, torch.Tensor] = {}
+    for file in weight_files(model_dir):
+        tensors.update(load_file(file))
+    if not tensors or any(not t.is_floating_point() for t in tensors.values()):
+        raise Declined("no weights, or quantized ones")
+    tensors = {name: tensor.float() for name, tensor in tensors.items()}
+    if getattr(config, "tie_word_embeddings", False):
+        tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]
+    if set(tensors) != _expected_names(config, tensors):
+        raise Declined("tensors other than the family's own")
+    return tensors
+
+
+def _expected_names(config: Any, tensors: dict[str, torch.Tensor]) -> set[str]:
+    names = {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"}
+    for index in range(config.num_hidden_layers):
+        prefix = f"model.layers.{index}."
+        names |= {prefix + n + ".weight" for n in ("input_layernorm", "post_attention_layernorm")}
+        names |= {f"{prefix}self_attn.{n}.weight" for n in (*ATTENTION, "o_proj")}
+        names |= {f"{prefix}mlp.{n}.weight" for n in (*MLP, "down_proj")}
+        optional = [f"{prefix}self_attn.{n}.bias" for n in (*ATTENTION, "o_proj")]  # Qwen2's, attention_bias
+        optional += [f"{prefix}mlp.{n}.bias" for n in (*MLP, "down_proj")]  # mlp_bias
+        optional += [f"{prefix}self_attn.{n}.weight" for n in ("q_norm", "k_norm")]  # Qwen3's head norms
+        names |= {name for name in optional if name in tensors}
+    return names
+
+
+def _adapter_loras(adapter: Adapter | None, tensors: dict[str, torch.Tensor]) -> dict[str, LoraWeights]:
+    """The adapter's LoRA pairs by module, if every one is a plain LoRA on a projection of the base."""
+    if adapter is None:
+        return {}
+    if adapter.config.get("modules_to_save") or adapter.base_copies:
+        raise Declined("the adapter saves whole modules")
+    for module, lora in adapter.modules.items():
+        if lora.embedding or lora.num_experts > 1 or lora.fan_in_fan_out or module + ".weight" not in tensors:
+            raise Declined(f"the adapter's {module} is not a plain LoRA on a projection")
+        if module.endswith(("layernorm", "norm")) or module == "model.embed_tokens":
+            raise Declined(f"the adapter's {module} is not a projection")
+    return adapter.modules
+
+
+def _linear(tensors: dict[str, torch.Tensor], module: str, loras: dict[str, LoraWeights]) -> LoraLinear:
+    lora = loras.get(module)
+    updates = () if lora is None else ((lora.A.float(), lora.B.float(), lora.scale),)
+    return LoraLinear(tensors[module + ".weight"], tensors.get(module + ".bias"), updates)
+
+
+def _tokenizer(model_dir: Path) -> tuple[Any, int | None]:
+    """`tokenizer.json` through the `tokenizers` library, and the EOS id, where transformers would use that
+    file as it is (else Declined)."""
+    from tokenizers import Tokenizer
+
+    config_file, tokenizer_file = model_dir / "tokenizer_config.json", model_dir / "tokenizer.json"
+    if not (config_file.is_file() and tokenizer_file.is_file()):
+        raise Declined("no tokenizer.json")
+    settings = json.loads(config_file.read_text(encoding="utf-8"))
+    if settings.get("tokenizer_class") not in PLAIN_TOKENIZERS or any(settings.get(k) for k in TOKENIZER_OVERRIDES):
+        raise Declined("tokenizer settings transformers applies on top of tokenizer.json")
+    tokenizer = Tokenizer.from_file(str(tokenizer_file))
+    eos = settings.get("eos_token")
+    eos = eos.get("content") if isinstance(eos, dict) else eos
+    return tokenizer, (None if eos is None else tokenizer.token_to_id(eos))
