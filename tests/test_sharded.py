@@ -31,7 +31,7 @@ from finetune.training.loop import SLOW_STEP_ENV, train
 # Adapters trained on the same batches with gradients summed in another order agree to float rounding, which
 # Adam magnifies: its update m/sqrt(v) is near ±lr for any gradient entry well above its eps, so an entry
 # whose gradient is rounding noise near zero may step either way. Each tensor is therefore compared relative
-# to its norm, with margins over the most measured (AMD EPYC with AVX2 and Intel Xeon with AVX-512):
+# to its norm, with margins over the most measured (an AMD EPYC and an Intel Xeon, both with AVX-512):
 REDUCED_RELATIVE = 1e-4  # gradients reduced across 2 ranks (DDP, FSDP, ZeRO on the tiny base): 1.7e-5 seen
 WHOLE_LOGITS_RELATIVE = 2e-3  # and FSDP's loss from whole logits against chunks (the 40M base): 3.6e-4 seen
 RESUMED_RELATIVE = 1e-6  # a ZeRO-3 run resumed from its checkpoint against one unbroken run: 1.2e-7 seen
