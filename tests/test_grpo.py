@@ -381,27 +381,35 @@ def test_loss_and_gradients_equal_trls(tmp_path, tiny_base_dir, tiny_tokenizer, 
 
 
 @pytest.mark.slow
-def test_resume_from_a_checkpoint_gives_the_same_adapter_bit_for_bit(tmp_path, tiny_base_dir, monkeypatch):
-    """What a SIGKILL after step 2 leaves (checkpoint 2, no adapter, no later checkpoint), resumed: the sampling
-    RNG travels in the checkpoint, so steps 3 and 4 draw the same completions and write the same adapter."""
+@pytest.mark.parametrize(("iterations", "resumed_at"), [(1, 2), (3, 2), (2, 3)])
+def test_resume_from_a_checkpoint_gives_the_same_adapter_bit_for_bit(
+    tmp_path, tiny_base_dir, monkeypatch, iterations, resumed_at
+):
+    """What a SIGKILL after step `resumed_at` leaves (that checkpoint, no adapter, no later checkpoint), resumed:
+    the sampling RNG travels in the checkpoint, so the later steps draw the same completions and write the same
+    adapter; and in the middle of a `num_iterations` group (3 steps from step 1's completions, or 2), the
+    checkpoint carries the group's completions, rewards and π_old, which the resumed steps train on again."""
     import shutil
 
     from safetensors.torch import load_file
 
-    from finetune.training.checkpoint import checkpoint_path
+    from finetune.training.checkpoint import CARRIED_FILE, checkpoint_path
     from finetune.training.loop import train
 
     monkeypatch.chdir(tmp_path)
     recipe = write_grpo_run(tmp_path, tiny_base_dir, "lengths.py:short")
-    settings = ["train.max_steps=4", "train.save_every_steps=1", "train.keep_checkpoints=4", "train.report_to=[]"]
+    settings = ["train.max_steps=4", "train.save_every_steps=1", "train.keep_checkpoints=4", "train.report_to=[]",
+                f"train.num_iterations={iterations}"]  # fmt: skip
     whole, _ = train(recipe, [*settings, "output.name=whole"], log=lambda line: None)
     expected = load_file(whole / "adapter_model.safetensors")
     shutil.rmtree(whole)
-    for step in (3, 4):
+    for step in range(resumed_at + 1, 5):
         shutil.rmtree(checkpoint_path(tmp_path / "runs" / "whole", step))
+    carried = checkpoint_path(tmp_path / "runs" / "whole", resumed_at) / CARRIED_FILE
+    assert carried.is_file() == (resumed_at % iterations != 0)  # only a group's middle carries its completions
     log: list[str] = []
     resumed, _ = train(recipe, [*settings, "output.name=whole"], resume=True, log=log.append)
-    assert any(line.startswith("resumed from") and "step 2" in line for line in log), log
+    assert any(line.startswith("resumed from") and f"step {resumed_at}" in line for line in log), log
     actual = load_file(resumed / "adapter_model.safetensors")
     assert expected.keys() == actual.keys() and all(torch.equal(expected[k], actual[k]) for k in expected)
 

@@ -2,8 +2,9 @@
 
 A checkpoint is a directory `checkpoint-000120/` in the run directory holding everything that decides
 what the next step computes: the trainable (LoRA) weights, the optimizer and scheduler state, every
-process's RNG state, and the position in the data stream. Resuming from it and training on gives the
-same adapter as never stopping (bit for bit on CPU).
+process's RNG state, the position in the data stream, and what an objective carries from step to step (GRPO's
+completions while a `num_iterations` group trains on them). Resuming from it and training on gives the same
+adapter as never stopping (bit for bit on CPU).
 
 Tensors go to safetensors and everything else to JSON: nothing here is ever unpickled. A checkpoint is
 written through `finetune.atomic` (a hidden staging directory renamed into place), so a crash mid-write
@@ -33,6 +34,7 @@ PREFIX = "checkpoint-"
 TRAINABLE_FILE = "trainable.safetensors"
 OPTIMIZER_TENSORS_FILE = "optimizer.safetensors"
 STATE_FILE = "trainer_state.json"
+CARRIED_FILE = "carried.safetensors"
 
 
 def capture_rng_state() -> dict[str, Any]:
@@ -87,6 +89,18 @@ def _join_tensors(value: Any, tensors: dict[str, torch.Tensor]) -> Any:
     return value
 
 
+def cpu_copy(value: Any) -> Any:
+    """`value` (tensors nested in dicts and lists) with every tensor copied to the host: what a process hands
+    to the main one (`gather_object` pickles it) to write into a checkpoint."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, dict):
+        return {k: cpu_copy(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [cpu_copy(v) for v in value]
+    return value
+
+
 def checkpoint_path(run_dir: Path, step: int) -> Path:
     return run_dir / f"{PREFIX}{step:06d}"
 
@@ -100,6 +114,7 @@ def save_checkpoint(
     scheduler: Any,
     state: dict[str, Any],
     keep: int,
+    carried: list[Any] | None = None,
 ) -> Path:
     """Write checkpoint `step` atomically and prune all but the newest `keep`.
 
@@ -107,6 +122,8 @@ def save_checkpoint(
         trainable: the trainable weights (peft's adapter state dict), whole.
         optimizer_state: the optimizer's state dict, whole (gathered from the ranks of a sharded run).
         state: JSON-ready trainer state: step, data position, per-process RNG states, recipe digest.
+        carried: per process, what the objective carries into the next steps (tensors nested in dicts and
+            lists); None when it carries nothing.
     """
     final = checkpoint_path(run_dir, step)
     with atomic_directory(final, replace=True, error=CheckpointError) as tmp:
@@ -115,6 +132,10 @@ def save_checkpoint(
         optimizer_structure = _split_tensors(optimizer_state, "optimizer", optimizer_tensors)
         save_file(optimizer_tensors, tmp / OPTIMIZER_TENSORS_FILE)
         document = {**state, "step": step, "optimizer": optimizer_structure, "scheduler": scheduler.state_dict()}
+        if carried is not None:
+            carried_tensors: dict[str, torch.Tensor] = {}
+            document["carried"] = _split_tensors(carried, "carried", carried_tensors)
+            save_file(carried_tensors, tmp / CARRIED_FILE)
         (tmp / STATE_FILE).write_text(json.dumps(document))
     for old in list_checkpoints(run_dir)[:-keep]:
         # out of view first: a SIGKILL in the middle of deleting left a checkpoint without its weights in view
@@ -149,6 +170,9 @@ def load_checkpoint(path: Path, *, scheduler: Any) -> tuple[dict[str, torch.Tens
         raise CheckpointError(
             f"checkpoint {path} is unreadable ({exc}); delete it to resume from an earlier one"
         ) from None
+    if "carried" in document:
+        check_safetensors(path / CARRIED_FILE, CheckpointError, "delete this checkpoint to resume from an earlier one")
+        document["carried"] = _join_tensors(document["carried"], load_file(path / CARRIED_FILE))
     optimizer_state = _join_tensors(document.pop("optimizer"), optimizer_tensors)
     optimizer_state["state"] = {int(k): v for k, v in optimizer_state["state"].items()}
     scheduler.load_state_dict(document.pop("scheduler"))

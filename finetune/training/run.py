@@ -55,7 +55,7 @@ from finetune.training.fsdp import FsdpSharding
 from finetune.training.lean_activations import use_lean_activations
 from finetune.training.liger_kernels import use_liger_kernels
 from finetune.training.objectives import Objective, objective_for
-from finetune.training.objectives.base import Models, describe_rewards
+from finetune.training.objectives.base import CarriesState, Models, describe_rewards
 from finetune.training.objectives.reference import MeasuredAgainstStart, StartingWeights
 from finetune.training.preference_setup import initial_adapter, precomputed_reference
 from finetune.training.recipe_digest import recipe_digest, resume_mismatch
@@ -230,6 +230,8 @@ class TrainingRun:
         """Write a resumable checkpoint of this step (every process takes part: RNG states and sharded
         weights and optimizer state are gathered, and the main process writes them whole)."""
         rng_states = gather_object([ckpt.capture_rng_state()])
+        carried = self.objective.carried_state() if isinstance(self.objective, CarriesState) else None
+        carried_states = gather_object([ckpt.cpu_copy(carried)])  # one entry per process, None or all lists
         trainable = adapter_state(self.peft_model, self.sharding.state.trainable_state(self.peft_model))
         optimizer = self.sharding.state.optimizer_state(self.optimizer)
         path = ckpt.checkpoint_path(self.run_dir, self.step)
@@ -248,6 +250,7 @@ class TrainingRun:
                     "base_eval": self.base_eval,
                 },
                 keep=self.recipe.train.keep_checkpoints,
+                carried=None if carried is None else carried_states,
             )
         self.accelerator.wait_for_everyone()
         return path
@@ -465,6 +468,8 @@ def _restore(run: TrainingRun, path: Path, say: Say) -> None:
     run.step, run.tokens_seen, run.position = state["step"], state["tokens_seen"], state["position"]
     if hasattr(run.objective, "steps_prepared"):  # an online objective generates again on its own schedule
         run.objective.steps_prepared = run.step
+    if state.get("carried") is not None and isinstance(run.objective, CarriesState):
+        run.objective.restore_carried_state(state["carried"][run.accelerator.process_index], run.accelerator.device)
     run.base_eval = state.get("base_eval", {})
     run.resumed_from = path
     ckpt.restore_rng_state(rng_states[run.accelerator.process_index])

@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -87,6 +87,20 @@ class Objective(Protocol):
     def prepare(self, models: Models, batches: list[dict[str, torch.Tensor]], *, reduce: bool) -> list[dict]: ...
 
     def terms(self, models: Models, batch: dict[str, torch.Tensor], prepared: dict) -> Terms: ...
+
+
+@runtime_checkable
+class CarriesState(Protocol):
+    """An objective whose next steps train on what an earlier step computed (GRPO's completions, rewards and
+    π_old through a `num_iterations` group): a checkpoint keeps it, so a resumed run trains on it again."""
+
+    def carried_state(self) -> list[dict] | None:
+        """What the next step will use again, or None when it computes everything afresh."""
+        ...
+
+    def restore_carried_state(self, states: list[dict], device: torch.device) -> None:
+        """Take back what `carried_state` returned (read from a checkpoint, its tensors on the host)."""
+        ...
 
 
 def summarise(objective: Objective, sums: Mapping[str, float], counts: Mapping[str, float]) -> dict[str, float]:

@@ -167,6 +167,16 @@ class GRPO(MeasuredAgainstStart):
         self.steps_prepared += 1
         return states
 
+    def carried_state(self) -> list[dict] | None:
+        """The completions a `num_iterations` group is still training on (None at a group's end: the next step
+        generates anew)."""
+        if self._generated is None or self.steps_prepared % self.settings.num_iterations == 0:
+            return None
+        return self._generated
+
+    def restore_carried_state(self, states: list[dict], device: torch.device) -> None:
+        self._generated = [to_device(state, device) for state in states]
+
     def _generate(self, models: Models, batches: list[dict[str, Any]], *, reduce: bool) -> list[dict]:
         settings, group = self.settings, self.settings.num_generations
         rows = [row for batch in batches for row in batch["rows"]]
