@@ -130,7 +130,7 @@ class LightModel:
         of the inverse frequencies and the positions, concatenated with itself), shaped (1, 1, T, d)."""
         freqs = (self.inv_freq[None, :, None] @ positions[None, None, :].float()).transpose(1, 2)
         emb = torch.cat((freqs, freqs), dim=-1)
-        return _Rotation((emb.cos() * 1.0)[:, None], (emb.sin() * 1.0)[:, None])
+        return _Rotation(emb.cos()[:, None], emb.sin()[:, None])  # attention_scaling is 1.0 unscaled
 
     def forward(self, token_ids: list[int], cache: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """Feed `token_ids` after the `cache`'s positions (extended in place): the last position's logits (V,).
