@@ -136,6 +136,7 @@ class LightModel:
         """Feed `token_ids` after the `cache`'s positions (extended in place): the last position's logits (V,).
         The first call (empty cache) attends causally over its tokens; later calls feed one token each."""
         start, length = (cache[0][0].shape[2] if cache else 0), len(token_ids)
+        assert not (start and length > 1), "after the prompt, one token per call (SDPA's causal mask is top-left)"
         heads, kv_heads, dim = self.heads, self.kv_heads, self.head_dim
         hidden = F.embedding(torch.tensor([token_ids]), self.embed)  # (1, T, H)
         rotation = self.rotation(torch.arange(start, start + length))
