@@ -329,6 +329,25 @@ def test_grpo_under_ddp_fsdp_and_deepspeed_trains_the_single_process_adapter(wor
     assert_within_ulps(_metric("adapters/zero", "eval_reward"), _metric("adapters/single", "eval_reward"), SUM_ULPS)
 
 
+@pytest.mark.slow
+def test_grpo_resumed_in_the_middle_of_a_group_on_2_ranks_gives_the_unbroken_adapter(workdir, tiny_base_dir):
+    """Two updates per generation (`num_iterations: 2`) under DDP, stopped after step 1 (the group's middle)
+    and resumed: each rank's checkpointed completions, rewards and π_old come back to that rank, and steps 2
+    and 3 write the unbroken run's adapter bit for bit."""
+    write_grpo_run(workdir, tiny_base_dir, "lengths.py:short")
+    Path("recipe.yaml").write_text(GRPO_RECIPE.format(base=tiny_base_dir))
+    steps = ("train.num_iterations=2", "train.max_steps=3", "train.save_every_steps=1", "train.keep_checkpoints=3")
+    _train(*steps, "output.name=ddp")
+    assert (Path("runs/ddp") / "checkpoint-000001" / ckpt.CARRIED_FILE).is_file()
+    os.rename("adapters/ddp", "unbroken")
+    for step in (2, 3):
+        shutil.rmtree(ckpt.checkpoint_path(Path("runs/ddp"), step))
+    assert "resumed from" in _train(*steps, "output.name=ddp", "--resume")
+    expected = load_file("unbroken/adapter_model.safetensors")
+    actual = load_file("adapters/ddp/adapter_model.safetensors")
+    assert expected.keys() == actual.keys() and all(torch.equal(expected[k], actual[k]) for k in expected)
+
+
 def _rewards(name: str) -> list[float]:
     """The mean reward of each step's completions, as the run logged it (the main process, after the gather)."""
     lines = Path(f"runs/{name}/metrics.jsonl").read_text().splitlines()
