@@ -288,8 +288,6 @@ def _adapter_loras(adapter: Adapter | None, tensors: dict[str, torch.Tensor]) ->
     for module, lora in adapter.modules.items():
         if lora.embedding or lora.num_experts > 1 or lora.fan_in_fan_out or module + ".weight" not in tensors:
             raise Declined(f"the adapter's {module} is not a plain LoRA on a projection")
-        if module.endswith(("layernorm", "norm")) or module == "model.embed_tokens":
-            raise Declined(f"the adapter's {module} is not a projection")
     return adapter.modules
 
 
