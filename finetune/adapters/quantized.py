@@ -94,7 +94,7 @@ def quantized_linear(
     are its own, so a base is reproduced on the device it was quantized on).
 
     4-bit: `Params4bit` quantizes the weight as given (its dtype is what dequantization returns);
-    8-bit: `Int8Params` rounds to fp16 first, then row-wise absmax int8.
+    8-bit: `Int8Params` rounds to fp16 first (on the host), then row-wise absmax int8 on the device.
     """
     bnb = _bnb()
     out_features, in_features = weight.shape
@@ -119,8 +119,10 @@ def quantized_linear(
         layer = bnb.nn.Linear8bitLt(
             in_features, out_features, bias=False, has_fp16_weights=False, threshold=threshold, device="meta"
         )
+        # Int8Params quantizes only when it moves off the CPU (or within it): a weight already on a GPU would
+        # stay fp16 with no scales (found on an H200). From the host, `.to` below quantizes on the device.
         layer.weight = bnb.nn.Int8Params(
-            weight.detach().to(torch.float16).clone(), requires_grad=False, has_fp16_weights=False
+            weight.detach().to("cpu", torch.float16, copy=True), requires_grad=False, has_fp16_weights=False
         )
     keep_float_kernels(layer)
     return layer.to(weight.device)
