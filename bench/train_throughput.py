@@ -152,6 +152,7 @@ class StepProfiler:
         self.first = spec["warmup_steps"]
         self.last = min(spec["steps"], self.first + spec.get("profile_steps", 0))
         self.profiler: Any = None
+        self.started = self.wall_s = 0.0
 
     def on_step_end(self, step: int) -> None:
         """Called as each optimizer step ends, after its clock mark."""
@@ -161,15 +162,22 @@ class StepProfiler:
             activities = [tp.ProfilerActivity.CPU] + ([tp.ProfilerActivity.CUDA] if on_gpu() else [])
             self.profiler = tp.profile(activities=activities)
             self.profiler.start()
+            self.started = time.perf_counter()
         elif step == self.last and self.profiler is not None:
             self.profiler.stop()
+            self.wall_s = time.perf_counter() - self.started
 
     def report(self, arm: str) -> None:
         if self.profiler is None:
             return
         sort_by = "self_device_time_total" if on_gpu() else "self_cpu_time_total"
-        table = self.profiler.key_averages().table(sort_by=sort_by, row_limit=30)
-        say(f"{arm}: profile of steps {self.first + 1}-{self.last} (by {sort_by}):\n{table}")
+        averages = self.profiler.key_averages()
+        table = averages.table(sort_by=sort_by, row_limit=40)
+        busy_s = sum(event.self_device_time_total for event in averages) / 1e6
+        say(
+            f"{arm}: profile of steps {self.first + 1}-{self.last} (by {sort_by}; {self.wall_s:.2f} s of wall time, "
+            f"{busy_s:.2f} s of device time in kernels):\n{table}"
+        )
 
 
 def free_gpu_memory() -> None:
@@ -330,44 +338,44 @@ def summarise(
 def ours_recipe(spec: dict[str, Any], arm: str) -> Any:
     """The recipe `finetune.train` runs for `arm`; the parent hands the same one to `finetune plan`'s estimate."""
     from finetune import Recipe
+    from finetune.recipe import apply_overrides
 
     work = Path(spec["workdir"]) / arm
-    return Recipe.model_validate(
-        {
-            "model": {
-                "base": spec["base_dir"],
-                "dtype": spec["model_dtype"],
-                "attn_implementation": "sdpa",
-                "quantization": spec["quantization"],
-            },
-            "lora": {**LORA, "target_modules": "all-linear"},
-            "data": {
-                "train": [spec["train_path"]],
-                # Without validation data, ours skips its base and final evaluations (--no-own-eval).
-                "validation": [spec["validation_path"]] if spec["own_eval"] else [],
-                "format": "instruction",
-                "prompt_template": PROMPT_TEMPLATE,
-                "completion_only_loss": True,
-                "max_seq_len": spec["seq_len"],
-                "packing": arm == "ours-packed",
-            },
-            "train": {
-                "max_steps": spec["steps"],
-                "micro_batch_size": spec["micro_batch_size"],
-                "grad_accum_steps": spec["grad_accum_steps"],
-                "lr": spec["lr"],
-                "schedule": "cosine",
-                "warmup_steps": 0,
-                "max_grad_norm": 1.0,
-                "precision": spec["precision"],
-                "gradient_checkpointing": spec["gradient_checkpointing"],
-                "compile": spec["compile"] or "auto",  # ours' default unless --compile
-                "seed": SEED,
-                "log_every_steps": 1,
-            },
-            "output": {"name": arm, "dir": str(work / "adapter"), "run_dir": str(work / "run"), "overwrite": True},
-        }
-    )
+    fields = {
+        "model": {
+            "base": spec["base_dir"],
+            "dtype": spec["model_dtype"],
+            "attn_implementation": "sdpa",
+            "quantization": spec["quantization"],
+        },
+        "lora": {**LORA, "target_modules": "all-linear"},
+        "data": {
+            "train": [spec["train_path"]],
+            # Without validation data, ours skips its base and final evaluations (--no-own-eval).
+            "validation": [spec["validation_path"]] if spec["own_eval"] else [],
+            "format": "instruction",
+            "prompt_template": PROMPT_TEMPLATE,
+            "completion_only_loss": True,
+            "max_seq_len": spec["seq_len"],
+            "packing": arm == "ours-packed",
+        },
+        "train": {
+            "max_steps": spec["steps"],
+            "micro_batch_size": spec["micro_batch_size"],
+            "grad_accum_steps": spec["grad_accum_steps"],
+            "lr": spec["lr"],
+            "schedule": "cosine",
+            "warmup_steps": 0,
+            "max_grad_norm": 1.0,
+            "precision": spec["precision"],
+            "gradient_checkpointing": spec["gradient_checkpointing"],
+            "compile": spec["compile"] or "auto",  # ours' default unless --compile
+            "seed": SEED,
+            "log_every_steps": 1,
+        },
+        "output": {"name": arm, "dir": str(work / "adapter"), "run_dir": str(work / "run"), "overwrite": True},
+    }
+    return Recipe.model_validate(apply_overrides(fields, spec.get("ours_overrides", [])))
 
 
 def adapter_heldout_loss(
@@ -895,6 +903,7 @@ def run_settings(args: argparse.Namespace) -> dict[str, Any]:
         "quantization": args.quantization,
         "gradient_checkpointing": args.gradient_checkpointing,
         "compile": args.compile,
+        "ours_overrides": args.ours_set,
         "threads": args.threads,
         "verbose": args.verbose,
         "profile_steps": args.profile_steps,
@@ -1143,6 +1152,7 @@ def print_report(report: dict[str, Any], args: argparse.Namespace) -> None:
         + (f", {spec['quantization']} nf4" if spec["quantization"] != "none" else "")
         + (", gradient checkpointing" if spec["gradient_checkpointing"] else "")
         + f"; on {spec['device']}"
+        + (f"; ours with {' '.join(spec['ours_overrides'])}" if spec.get("ours_overrides") else "")
     )
     print(describe_peak(peak, args.precision, spec))
     if report["plan"]:
@@ -1183,7 +1193,12 @@ def add_gpu_arguments(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument("--model-dtype", choices=("float32", "bfloat16"), default="float32", help="the base's dtype")
     group.add_argument("--quantization", choices=("none", "4bit"), default="none", help="4bit: nf4 QLoRA in every arm")
-    group.add_argument("--gradient-checkpointing", action="store_true", help="in every arm")
+    group.add_argument(
+        "--gradient-checkpointing",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="in every arm (a preset's default; --no-gradient-checkpointing turns it off)",
+    )
     group.add_argument(
         "--long-records", action="store_true", help="every record 95-100%% of --seq-len tokens (full rows)"
     )
@@ -1219,6 +1234,14 @@ def parse_arguments(argv: list[str] | None) -> tuple[argparse.ArgumentParser, ar
         help="torch.compile in every arm (ours compiles on CUDA anyway: train.compile auto)",
     )
     parser.add_argument(
+        "--ours-set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a recipe override for ours' arms only, as `finetune train` takes it (repeatable), e.g. "
+        "train.compile=true: tries a setting against the same Trainer run",
+    )
+    parser.add_argument(
         "--threads",
         type=int,
         default=0,
@@ -1244,6 +1267,12 @@ def parse_arguments(argv: list[str] | None) -> tuple[argparse.ArgumentParser, ar
         "--repeats", type=int, default=1, help="rounds of all arms, interleaved; ratios are medians over rounds"
     )
     parser.add_argument("--workdir", type=Path, help="where model, data and runs go (default: a temp dir, removed)")
+    parser.add_argument(
+        "--reuse-prepared",
+        action="store_true",
+        help="with --workdir: reuse the model and data an earlier run with the same shape flags prepared there "
+        "(saves building and saving a real-size base to try another setting)",
+    )
     parser.add_argument("--json", type=Path, help="write every figure here")
     parser.add_argument("--verbose", action="store_true", help="show each arm's own log")
     parser.add_argument(
@@ -1319,9 +1348,13 @@ def main(argv: list[str] | None = None) -> int:
         }
     )
     try:
-        say(f"preparing model and data in {workdir}")
-        spec = prepare(args, workdir, device)
         spec_path = workdir / "spec.json"
+        if args.reuse_prepared and spec_path.exists():
+            say(f"reusing the model and data prepared in {workdir}")
+            spec = {**json.loads(spec_path.read_text()), **run_settings(args)}
+        else:
+            say(f"preparing model and data in {workdir}")
+            spec = prepare(args, workdir, device)
         spec_path.write_text(json.dumps(spec, indent=2))
         say(
             f"model {spec['model']['parameters'] / 1e6:.2f}M parameters, {spec['data']['train_records']} training "

@@ -12,6 +12,7 @@ import importlib.util
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -92,21 +93,37 @@ def test_a_preset_sets_defaults_that_explicit_flags_override():
     )
 
 
-def test_the_qlora_presets_plan_is_finetune_plans_estimate_of_ours_recipe():
-    _, args = train_throughput.parse_arguments(["--preset", "llama-3.1-8b-qlora"])
-    spec = {
+def _spec_on_the_8b_config(args) -> dict:
+    """An arm's spec from parsed flags, without preparing anything: enough for ours' recipe and its plan."""
+    return {
         **train_throughput.run_settings(args),
         "workdir": "/nonexistent",
         "base_dir": "meta-llama/Llama-3.1-8B",  # finetune plan finds the shipped config by hub id
         "train_path": "/nonexistent/train.jsonl",
         "validation_path": "/nonexistent/validation.jsonl",
     }
+
+
+def test_the_qlora_presets_plan_is_finetune_plans_estimate_of_ours_recipe():
+    _, args = train_throughput.parse_arguments(["--preset", "llama-3.1-8b-qlora"])
+    spec = _spec_on_the_8b_config(args)
     plan = presets.plan_figures(train_throughput.ours_recipe(spec, "ours-packed"), "cuda")
     notes = {name: part["note"] for name, part in plan["parts"].items()}
     assert notes["weights"] == "8,030,261,248 frozen, 4-bit nf4"
     assert notes["activations"].startswith("checkpointed: 32 layer inputs")
     assert notes["logits"] == "chunks of 261 of 4096 tokens x 128,256 vocabulary"  # the chunked loss
     assert plan["comparable_bytes"] == plan["peak_bytes"] - plan["runtime_bytes"] > 5 * GiB  # 4-bit weights: 5.3
+
+
+def test_a_setting_tried_on_ours_alone_reaches_ours_recipe_and_its_plan():
+    """`--no-gradient-checkpointing` turns a preset's default off; `--ours-set` overrides ours' recipe only."""
+    argv = ["--preset", "llama-3.1-8b-qlora", "--no-gradient-checkpointing", "--ours-set", "train.compile=true"]
+    _, args = train_throughput.parse_arguments(argv)
+    spec = _spec_on_the_8b_config(args)
+    recipe = train_throughput.ours_recipe(spec, "ours-packed")
+    assert (recipe.train.gradient_checkpointing, recipe.train.compile) == (False, True)
+    plan = presets.plan_figures(recipe, "cuda")
+    assert plan["parts"]["activations"]["note"] == "32 layers x 4096 tokens"  # nothing recomputed
 
 
 def test_gpu_mfu_has_no_per_cpu_second_figure_and_the_plan_ratio_is_plan_over_measured():
@@ -217,8 +234,12 @@ def test_the_step_profiler_covers_the_steps_after_the_warm_up_and_no_others(caps
     for step in range(1, 6):  # each step's end, then the next step's work: one product per step
         profiler.on_step_end(step)
         matrix @ matrix
+        time.sleep(0.05)
     counts = {event.key: event.count for event in profiler.profiler.key_averages()}
     assert counts["aten::mm"] == 2  # steps 2 and 3, between the warm-up's end and step 3's end
+    assert 0.1 <= profiler.wall_s < 1.0  # the two profiled steps' wall time: what the device time is set against
     profiler.report("ours-packed")
-    assert "ours-packed: profile of steps 2-3 (by self_cpu_time_total)" in capsys.readouterr().err
+    assert (
+        f"profile of steps 2-3 (by self_cpu_time_total; {profiler.wall_s:.2f} s of wall time" in capsys.readouterr().err
+    )
     assert train_throughput.StepProfiler({"warmup_steps": 2, "steps": 6}).last == 2  # off unless asked
