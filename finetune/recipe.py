@@ -355,7 +355,7 @@ def _check_grpo_settings(train: TrainConfig) -> None:
 class TrainConfig(_Section):
     """The optimisation: how long, how fast, how often to evaluate and save."""
 
-    def compiles(self, device_type: str, quantized: bool) -> bool:
+    def compiles(self, device_type: str, quantized: bool, checkpointing: bool | None = None) -> bool:
         """`compile` resolved: `auto` compiles where it was measured to pay, CUDA with a 16-bit base (a 1B
         Llama LoRA on an H100: 52k tokens/s compiled, 29k eager, 40 s of compiling); not on the CPU, where the
         first step compiles for minutes, nor on a bitsandbytes base, whose layers do not compile whole, nor
@@ -363,11 +363,36 @@ class TrainConfig(_Section):
         2.11 on an H100: "Node add_697 was invalid, but is output"), nor for GRPO, whose step is mostly
         sampling (eager) and whose update forwards change shape every step (a bf16 GRPO run on an H100 hit
         torch's recompile limit; `compile: true` still asks for it), nor with `liger_kernels` (Triton kernels
-        inside compiled layers: not yet run on a GPU)."""
+        inside compiled layers: not yet run on a GPU). `checkpointing`: whether any layer is checkpointed, where
+        `gradient_checkpointing: auto` has been resolved (else `auto` counts as checkpointing)."""
         if self.compile == "auto":
-            eager_only = quantized or self.gradient_checkpointing or self.objective == "grpo" or self.liger_kernels
+            if checkpointing is None:
+                checkpointing = self.gradient_checkpointing not in (False, 0)
+            eager_only = quantized or checkpointing or self.objective == "grpo" or self.liger_kernels
             return device_type == "cuda" and not eager_only
         return bool(self.compile)
+
+    def checkpointed_layers(self, num_layers: int) -> int:
+        """How many of `num_layers` decoder layers `gradient_checkpointing` recomputes (`auto` is resolved against
+        the device's memory first: `finetune.plan.memory.resolve_checkpointing`)."""
+        setting = self.gradient_checkpointing
+        if setting == "auto":
+            raise ValueError("train.gradient_checkpointing auto: resolve it with the device's memory first")
+        if isinstance(setting, bool):
+            return num_layers if setting else 0
+        if setting > num_layers:
+            raise RecipeError(
+                f"train.gradient_checkpointing {setting}: the base has {num_layers} decoder layers; give at most "
+                f"{num_layers} (or true for all of them)"
+            )
+        return setting
+
+    @field_validator("gradient_checkpointing")
+    @classmethod
+    def _layer_count_is_not_negative(cls, value: bool | int | str) -> bool | int | str:
+        if not isinstance(value, bool) and isinstance(value, int) and value < 0:
+            raise ValueError(f"{value} layers: give true, false, auto or a number of decoder layers (0 or more)")
+        return value
 
     epochs: float | None = Field(1.0, gt=0)
     """Passes over the training data; ignored when `max_steps` is set."""
@@ -403,7 +428,12 @@ class TrainConfig(_Section):
     precision: Literal["auto", "fp32", "bf16", "fp16"] = "fp32"
     """Autocast precision of the forward pass (mixed precision); trainable weights stay float32. `auto`: bf16
     where `model.dtype: auto` picks bfloat16, else fp32."""
-    gradient_checkpointing: bool = False
+    gradient_checkpointing: bool | int | Literal["auto"] = False
+    """Recompute decoder layers' activations in the backward instead of keeping them: `true` every layer (each
+    keeps only its input, and runs again in the backward: about a third more matmul work a step), `false` none,
+    N the first N layers, `auto` the fewest layers with which `finetune plan`'s peak fits 90% of the device's
+    memory (every layer where that memory is unknown). Where the memory allows, fewer checkpointed layers are
+    less work for the same result."""
     varlen_attention: bool | Literal["auto"] = "auto"
     """Attention over packed rows from the documents' boundaries, no mask (`finetune.training.varlen_attention`):
     torch's varlen FlashAttention on CUDA, one SDPA per document elsewhere. `auto`: on with CUDA, a 16-bit

@@ -81,12 +81,19 @@ def _peak_rss_of_training(recipe_path) -> int:
 
 
 @pytest.mark.slow
-def test_estimate_is_within_10_percent_of_a_measured_cpu_run(measured_base, capsys):
-    recipe = measured_base / "recipe.yaml"
+@pytest.mark.parametrize("checkpointed", [0, 4])
+def test_estimate_is_within_10_percent_of_a_measured_cpu_run(measured_base, capsys, checkpointed):
+    """Also with the first 4 of the 8 layers checkpointed: the plan keeps 4 layers' inputs and 4 layers whole."""
+    recipe = measured_base / f"recipe-{checkpointed}.yaml"
+    settings = "train: {" + f"gradient_checkpointing: {checkpointed}, "
+    text = (measured_base / "recipe.yaml").read_text().replace("train: {", settings)
+    recipe.write_text(text.replace("output: {", "output: {overwrite: true, "))
     measured = _peak_rss_of_training(recipe)
     plan = _plan_json(capsys, str(recipe), "--device", "cpu")
+    assert plan["checkpointed_layers"] == checkpointed
     # Measured here: 1643 MiB peak against an estimate of 1642 MiB with the chunked loss (before it: 1905 against 1700).
     print(f"measured peak RSS {measured / 2**20:.0f} MiB, estimated {plan['peak_bytes'] / 2**20:.0f} MiB")
+    print(f"activations planned: {plan['parts']['activations']['bytes'] / 2**20:.0f} MiB")
     assert abs(plan["peak_bytes"] - measured) <= 0.10 * measured, (plan["peak_bytes"], measured)
     # The chunked loss: 1,048 rows of 32,000 logits fit a chunk, so the micro-batch's 1,024 are one chunk (10 bytes a
     # logit), and the float32 hidden states' gradient and its scaled copy (2 x 1,024 x 512 x 4 bytes).
@@ -215,6 +222,24 @@ def test_human_view_says_whether_it_fits_and_what_to_change(capsys):
     assert "QLoRA: 4-bit nf4 base: peak" in short and "(model.quantization=4bit)" in short
     assert "FSDP over 2 devices" in short and "--nproc 2" in short
     assert "micro-batch 1 x 16 accumulation" in short
+
+
+def test_checkpointing_n_layers_keeps_the_others_whole_and_auto_picks_the_fewest_that_fit(capsys):
+    args = ["llama-3.1-8b-instruct-chat-qlora", "--device", "cuda", "train.micro_batch_size=2", "data.max_seq_len=2048"]
+    peak = {n: _plan_json(capsys, *args, f"train.gradient_checkpointing={n}")["peak_bytes"] for n in (0, 1, 10, 32)}
+    saved_per_layer = peak[0] - peak[1]  # a layer's activations less the input it keeps
+    assert saved_per_layer > 0 and abs((peak[0] - peak[10]) - 10 * saved_per_layer) <= 10  # linear in the count
+    auto = _plan_json(capsys, *args, "train.gradient_checkpointing=auto", "--device-memory", "24GB")
+    chosen = auto["checkpointed_layers"]
+    assert 0 < chosen < auto["num_layers"] == 32
+    one_fewer = _plan_json(capsys, *args, f"train.gradient_checkpointing={chosen - 1}", "--device-memory", "24GB")
+    assert auto["peak_bytes"] <= 0.9 * 24 * GiB < one_fewer["peak_bytes"]  # the fewest that fit 90% of the card
+    roomy = _plan_json(capsys, *args, "train.gradient_checkpointing=auto", "--device-memory", "80GB")
+    assert (roomy["checkpointed_layers"], roomy["peak_bytes"]) == (0, peak[0])
+    unknown_memory = _plan_json(capsys, *args, "train.gradient_checkpointing=auto")
+    assert unknown_memory["checkpointed_layers"] == 32  # every layer, the safe choice
+    assert main(["plan", *args, "train.gradient_checkpointing=auto", "--device-memory", "24GB"]) == 0
+    assert f"gradient checkpointing on for {chosen} of 32 layers (auto)" in capsys.readouterr().out
 
 
 def test_json_suggestions_each_carry_their_own_peak(capsys):

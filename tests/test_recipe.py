@@ -216,6 +216,9 @@ def test_the_deepspeed_config_we_build_passes_deepspeeds_own_parser(tmp_path, op
         ([], "cuda", True, False),  # a bitsandbytes base does not compile whole
         ([], "cpu", False, False),  # the first step would compile for minutes
         (["train.gradient_checkpointing=true"], "cuda", False, False),  # inductor failed on it (torch 2.11)
+        (["train.gradient_checkpointing=3"], "cuda", False, False),
+        (["train.gradient_checkpointing=0"], "cuda", False, True),
+        (["train.gradient_checkpointing=auto"], "cuda", False, False),  # unresolved: it may checkpoint
         (["train.compile=false"], "cuda", False, False),
         (["train.compile=true"], "cpu", False, True),
         (["train.liger_kernels=true"], "cuda", False, False),  # Triton kernels in compiled layers: not run yet
@@ -232,6 +235,11 @@ def test_the_deepspeed_config_we_build_passes_deepspeeds_own_parser(tmp_path, op
 def test_train_compile_auto_resolves_by_device_and_base(tmp_path, override, device, quantized, compiles):
     train = load_recipe(write(tmp_path, MINIMAL), override).train
     assert train.compiles(device, quantized) is compiles
+
+
+def test_auto_checkpointing_resolved_to_no_layer_leaves_the_layers_compiled(tmp_path):
+    train = load_recipe(write(tmp_path, MINIMAL), ["train.gradient_checkpointing=auto"]).train
+    assert train.compiles("cuda", False, checkpointing=False) and not train.compiles("cuda", False, checkpointing=True)
 
 
 @pytest.mark.parametrize("name", ["quickstart-dpo", "quickstart-grpo"])

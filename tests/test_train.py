@@ -229,6 +229,7 @@ def test_existing_adapter_is_not_overwritten_unless_asked(workdir):
         ["model.quantization=4bit"],  # QLoRA: nf4 base, float32 LoRA weights
         ["train.optimizer=adamw_8bit"],
         ["train.gradient_checkpointing=true"],
+        ["train.gradient_checkpointing=1"],  # the first of the 2 layers
         ["lora.use_dora=true"],
         ["lora.use_rslora=true", "lora.target_modules=[q_proj,v_proj]"],
         ["data.packing=false"],

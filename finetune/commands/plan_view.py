@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from finetune.plan.memory import GiB, MemoryPlan, sequences_per_record
+from finetune.plan.memory import GiB, MemoryPlan, describe_checkpointing, sequences_per_record
 from finetune.plan.suggest import Suggestion
 from finetune.recipe import Recipe
 
@@ -27,7 +27,8 @@ def _header(name: str, recipe: Recipe, source: str, plan: MemoryPlan) -> list[st
     return [
         f"{name}: {recipe.model.base} (config: {source}); objective {train.objective}",
         f"{plan.device}, {layout}; micro-batch {records or train.micro_batch_size} x {recipe.data.max_seq_len} tokens, "
-        f"gradient checkpointing {'on' if train.gradient_checkpointing else 'off'}, precision {train.precision}",
+        f"{describe_checkpointing(train.gradient_checkpointing, plan.checkpointed_layers, plan.num_layers)}, "
+        f"precision {train.precision}",
         *_moe_lines(recipe, plan),
         "",
     ]

@@ -45,7 +45,7 @@ def _try(
 def _candidates(recipe: Recipe, nproc: int) -> list[tuple[str, list[str], int]]:
     """(description, overrides, processes) of every single change worth estimating for `recipe`."""
     train, found = recipe.train, []
-    if not train.gradient_checkpointing:
+    if train.gradient_checkpointing is not True and train.gradient_checkpointing != "auto":  # auto: already tried
         found.append(("gradient checkpointing", ["train.gradient_checkpointing=true"], nproc))
     micro = train.micro_batch_size // 2
     while micro >= 1:

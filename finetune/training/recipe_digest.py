@@ -34,6 +34,7 @@ RESUMABLE_TRAIN_KEYS = (
     "tracker_project",
     "compile",  # how a step is computed, not what it computes
     "varlen_attention",
+    "gradient_checkpointing",  # `auto` may choose otherwise on another device; the step computes the same
 )
 
 

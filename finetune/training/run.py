@@ -39,6 +39,7 @@ from finetune.errors import CheckpointError, RecipeError
 from finetune.generation.lean_decoder import describe_generation
 from finetune.model import (
     DTYPES,
+    decoder_layers,
     describe_targets,
     describe_trainable,
     embedding_module_names,
@@ -46,9 +47,11 @@ from finetune.model import (
     load_tokenizer_for,
     wrap_with_lora,
 )
+from finetune.plan.memory import describe_checkpointing
 from finetune.quantization import Quantization
 from finetune.recipe import Recipe
 from finetune.training import checkpoint as ckpt
+from finetune.training.checkpointing import checkpointed_layer_count, enable_checkpointing
 from finetune.training.deepspeed import DeepSpeedSharding, deepspeed_plugin
 from finetune.training.evaluate import evaluate
 from finetune.training.fsdp import FsdpSharding
@@ -280,28 +283,31 @@ def _make_accelerator(recipe: Recipe) -> Any:
     return accelerator
 
 
-def _wrap_for_training(recipe: Recipe, model: Any, say: Say) -> Any:
+def _wrap_for_training(recipe: Recipe, model: Any, checkpointed: int, say: Say) -> Any:
     model.config.use_cache = False  # packed rows are isolated by position ids only without the KV cache
     set_seed(recipe.train.seed)  # after loading: see the module docstring
     peft_model = wrap_with_lora(model, recipe.lora)
-    if recipe.train.gradient_checkpointing:
-        peft_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    enable_checkpointing(peft_model, checkpointed)
+    if recipe.train.gradient_checkpointing is not False:
+        setting, layers = recipe.train.gradient_checkpointing, len(decoder_layers(peft_model))
+        say(describe_checkpointing(setting, checkpointed, layers))
     for line in describe_targets(peft_model):
         say(line)
     say(describe_trainable(peft_model))
     return peft_model
 
 
-def _fit_to_device(recipe: Recipe, model: Any, device: torch.device, compiled: bool, say: Say) -> bool:
-    """What the device decides before LoRA wraps the base: a bf16-on-this-CPU note, Liger's kernels (else, unless
-    the layers will be `compiled`, the lean RMSNorm and MLP, `finetune.training.lean_activations`), and the
-    attention (returns whether it is varlen)."""
+def _fit_to_device(recipe: Recipe, model: Any, device: torch.device, checkpointed: int, say: Say) -> tuple[bool, bool]:
+    """What the device decides before LoRA wraps the base: a bf16-on-this-CPU note, whether the layers are
+    compiled (not where any is `checkpointed`), Liger's kernels (else, unless compiled, the lean RMSNorm and
+    MLP, `finetune.training.lean_activations`), and the attention. Returns (compiled, varlen attention)."""
+    compiled = recipe.train.compiles(device.type, recipe.model.quantization != "none", checkpointing=checkpointed > 0)
     bf16_note = bf16_cpu_note(recipe.model.dtype, recipe.train.precision, device=device.type)
     if bf16_note is not None:
         say(bf16_note)
     if not use_liger_kernels(recipe.train.liger_kernels, model, device, say) and not compiled:
         use_lean_activations(model)
-    return choose_attention(recipe.train.varlen_attention, model, device, say)
+    return compiled, choose_attention(recipe.train.varlen_attention, model, device, say)
 
 
 def start_run(recipe: Recipe, *, resume: bool, say: Say) -> TrainingRun:
@@ -324,10 +330,10 @@ def start_run(recipe: Recipe, *, resume: bool, say: Say) -> TrainingRun:
     # Every process at once: under ZeRO-3, transformers partitions the weights while loading (a collective).
     model, tokenizer, _ = load_base_from_config(recipe.model, tokenizer, device=base.device)
     say(f"base {recipe.model.base} ({base.source}, on {base.device}); data: {data.stats}")
-    quantized = recipe.model.quantization != "none"
-    compiled = recipe.train.compiles(torch.device(base.device).type, quantized)
-    varlen = _fit_to_device(recipe, model, torch.device(base.device), compiled, say)
-    peft_model = _wrap_for_training(recipe, model, say)
+    device = torch.device(base.device)
+    checkpointed = checkpointed_layer_count(recipe, model.config, device, accelerator.num_processes)
+    compiled, varlen = _fit_to_device(recipe, model, device, checkpointed, say)
+    peft_model = _wrap_for_training(recipe, model, checkpointed, say)
     initial_adapter(recipe, peft_model, base, say)
     sharding = _shard(recipe, peft_model, accelerator)
 
@@ -348,7 +354,7 @@ def start_run(recipe: Recipe, *, resume: bool, say: Say) -> TrainingRun:
     model_for_step, optimizer = sharding.prepare(accelerator, peft_model, optimizer)
     distributed = _measure_distribution(sharding, peft_model, accelerator, say)  # ZeRO-3 partitions in prepare
     if compiled:
-        compile_layers(peft_model, quantized=quantized, say=say)
+        compile_layers(peft_model, quantized=recipe.model.quantization != "none", say=say)
     objective = _objective(recipe, tokenizer, varlen, peft_model, say)
     models = Models(model_for_step, peft_model, accelerator)
     trained_rows = stream.rows_trained_on(length.total_steps * recipe.train.grad_accum_steps)

@@ -1,0 +1,77 @@
+"""`train.gradient_checkpointing` on a loaded model: which decoder layers recompute their activations in the
+backward, with `auto` resolved against the device's memory by `finetune plan`'s estimate.
+
+A checkpointed layer keeps only its input and runs its forward again in the backward. That is about a third
+more matmul work for the layer, and on a 4-bit base one more dequantization of each of its weights. Checkpointing
+every layer is the usual advice for QLoRA. It is what an 8B model needs on a 24 GB card, but it is not what an
+80 GB card needs: `finetune plan` puts the 8B QLoRA preset (2 x 2048 tokens) at 7.9 GiB with every layer
+checkpointed and 30.7 GiB with none. `auto` checkpoints the fewest layers with which the plan fits
+(`finetune.plan.memory.resolve_checkpointing`). That is 13 of 32 layers on a 24 GiB card and none on 80 GiB.
+
+The checkpointed layers are the first ones. Their backward runs last, after the activations the later layers
+kept have been freed, so the peak is the larger of those activations and one recomputed layer. transformers
+checkpoints a layer where its `gradient_checkpointing` flag is set (`GradientCheckpointingLayer`). peft's
+`gradient_checkpointing_enable` sets the flag on every layer, and the layers after the first N are then turned
+back off. torch's checkpoint restores the RNG state when it recomputes, so dropout draws the same masks: the
+step computes the same result whichever layers are checkpointed.
+
+Example:
+    layers = checkpointed_layer_count(recipe, model.config, device, nproc=1)
+    enable_checkpointing(peft_model, layers)
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Literal
+
+import torch
+from transformers.modeling_layers import GradientCheckpointingLayer
+
+from finetune.errors import RecipeError
+from finetune.model import decoder_layers
+from finetune.plan.memory import FINETUNE, resolve_checkpointing
+from finetune.plan.shape import model_shape
+from finetune.recipe import Recipe
+
+
+def checkpointed_layer_count(recipe: Recipe, config: Any, device: torch.device, nproc: int) -> int:
+    """How many decoder layers the run checkpoints: `gradient_checkpointing` as set, `auto` against the memory of
+    `device` (its total memory, the host's on a CPU) for `nproc` processes."""
+    setting = recipe.train.gradient_checkpointing
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    num_layers = int(text_config.num_hidden_layers)
+    if setting != "auto":
+        return recipe.train.checkpointed_layers(num_layers)
+    device_type: Literal["cpu", "cuda"] = "cuda" if device.type == "cuda" else "cpu"
+    resolved = resolve_checkpointing(
+        recipe.for_device(device_type),
+        model_shape(config, recipe.lora),
+        device=device_type,
+        nproc=nproc,
+        impl=FINETUNE,
+        device_bytes=device_memory_bytes(device),
+    )
+    return resolved.train.checkpointed_layers(num_layers)
+
+
+def device_memory_bytes(device: torch.device) -> int:
+    """The memory `auto` plans against: a GPU's total memory, the host's physical memory on a CPU."""
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).total_memory)
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def enable_checkpointing(peft_model: Any, layers: int) -> None:
+    """Checkpoint the first `layers` decoder layers of `peft_model` (none: checkpointing stays off)."""
+    if layers == 0:
+        return
+    all_layers = decoder_layers(peft_model)
+    if layers < len(all_layers) and not all(isinstance(layer, GradientCheckpointingLayer) for layer in all_layers):
+        raise RecipeError(
+            f"train.gradient_checkpointing {layers}: {type(all_layers[0]).__name__} cannot be checkpointed layer by "
+            f"layer (not a transformers GradientCheckpointingLayer); set true (all {len(all_layers)} layers) or false"
+        )
+    peft_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    for layer in all_layers[layers:]:
+        setattr(layer, "gradient_checkpointing", False)  # noqa: B010  # torch types module attributes as Tensor | Module
