@@ -156,20 +156,26 @@ def plan_figures(recipe: Any, device: Literal["cpu", "cuda"]) -> dict[str, Any]:
     """`finetune plan`'s estimate for `recipe` (the very recipe ours trains with) on one `device`.
 
     `comparable_bytes` leaves out the plan's runtime part (on a GPU the CUDA context, which
-    `torch.cuda.max_memory_allocated` does not see), so it can be set beside that measured peak.
+    `torch.cuda.max_memory_allocated` does not see), so it can be set beside that measured peak. On a GPU at hand
+    the plan knows its memory, as the run does, so `gradient_checkpointing: auto` resolves alike in both.
     """
+    import torch
+
     from finetune.plan.memory import estimate
     from finetune.plan.model_config import find_model_config
     from finetune.plan.shape import model_shape
+    from finetune.training.checkpointing import device_memory_bytes
 
     config, _ = find_model_config(recipe.model.base)
-    plan = estimate(recipe, model_shape(config, recipe.lora), device=device)
+    device_bytes = device_memory_bytes(torch.device("cuda")) if device == "cuda" and torch.cuda.is_available() else None
+    plan = estimate(recipe, model_shape(config, recipe.lora), device=device, device_bytes=device_bytes)
     runtime = sum(part.num_bytes for part in plan.parts if part.name == "runtime")
     return {
         "device": device,
         "peak_bytes": plan.peak_bytes,
         "runtime_bytes": runtime,
         "comparable_bytes": plan.peak_bytes - runtime,
+        "checkpointed_layers": plan.checkpointed_layers,
         "parts": plan.as_json()["parts"],
     }
 
