@@ -374,7 +374,7 @@ class TrainConfig(_Section):
 
     def checkpointed_layers(self, num_layers: int) -> int:
         """How many of `num_layers` decoder layers `gradient_checkpointing` recomputes (`auto` is resolved against
-        the device's memory first: `finetune.plan.memory.resolve_checkpointing`)."""
+        the device's memory first: `finetune.plan.memory.estimate`)."""
         setting = self.gradient_checkpointing
         if setting == "auto":
             raise ValueError("train.gradient_checkpointing auto: resolve it with the device's memory first")

@@ -12,6 +12,7 @@ Example:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -419,11 +420,15 @@ def estimate(
     device_bytes: int | None = None,
 ) -> MemoryPlan:
     """The peak memory of one rank of `recipe`'s run on `nproc` processes of `device` (of `device_bytes` each,
-    where known; `train.gradient_checkpointing: auto` is resolved against it)."""
-    recipe = resolve_checkpointing(
-        recipe.for_device(device), shape, device=device, nproc=nproc, impl=impl, device_bytes=device_bytes
-    )
-    return _estimate(recipe, shape, device=device, nproc=nproc, impl=impl, device_bytes=device_bytes)
+    where known; `train.gradient_checkpointing: auto` is resolved against it: `MemoryPlan.checkpointed_layers`)."""
+
+    def plan_of(candidate: Recipe) -> MemoryPlan:
+        return _estimate(candidate, shape, device=device, nproc=nproc, impl=impl, device_bytes=device_bytes)
+
+    recipe = recipe.for_device(device)
+    if recipe.train.gradient_checkpointing == "auto":
+        recipe = _fewest_checkpointed_layers(recipe, shape.num_layers, plan_of, device_bytes)
+    return plan_of(recipe)
 
 
 def describe_checkpointing(setting: bool | int | str, checkpointed: int, num_layers: int) -> str:
@@ -443,32 +448,22 @@ within 1% of the measured peak on an H100 and an H200 (README, "On a GPU"), and 
 fragmentation need some room above what is allocated."""
 
 
-def resolve_checkpointing(
-    recipe: Recipe,
-    shape: ModelShape,
-    *,
-    device: Literal["cpu", "cuda"],
-    nproc: int,
-    impl: Implementation,
-    device_bytes: int | None,
+def _fewest_checkpointed_layers(
+    recipe: Recipe, num_layers: int, plan_of: Callable[[Recipe], MemoryPlan], device_bytes: int | None
 ) -> Recipe:
-    """`recipe` with `train.gradient_checkpointing: auto` replaced by the fewest decoder layers to checkpoint for
-    the plan's peak to fit `AUTO_CHECKPOINTING_SHARE` of `device_bytes` (every layer where none fits, or where
+    """`recipe` with `gradient_checkpointing: auto` replaced by the fewest decoder layers to checkpoint for the
+    plan's peak to fit `AUTO_CHECKPOINTING_SHARE` of `device_bytes` (every layer where none fits, or where
     `device_bytes` is unknown). Each count is planned as it would run: none checkpointed may compile the layers."""
-    if recipe.train.gradient_checkpointing != "auto":
-        return recipe
 
     def checkpointing(layers: int) -> Recipe:
         return recipe.model_copy(update={"train": recipe.train.model_copy(update={"gradient_checkpointing": layers})})
 
     if device_bytes is not None:
-        budget = AUTO_CHECKPOINTING_SHARE * device_bytes
-        for layers in range(shape.num_layers + 1):
+        for layers in range(num_layers + 1):
             candidate = checkpointing(layers)
-            plan = _estimate(candidate, shape, device=device, nproc=nproc, impl=impl, device_bytes=device_bytes)
-            if plan.peak_bytes <= budget:
+            if plan_of(candidate).peak_bytes <= AUTO_CHECKPOINTING_SHARE * device_bytes:
                 return candidate
-    return checkpointing(shape.num_layers)
+    return checkpointing(num_layers)
 
 
 def _estimate(

@@ -6,7 +6,7 @@ more matmul work for the layer, and on a 4-bit base one more dequantization of e
 every layer is the usual advice for QLoRA. It is what an 8B model needs on a 24 GB card, but it is not what an
 80 GB card needs: `finetune plan` puts the 8B QLoRA preset (2 x 2048 tokens) at 7.9 GiB with every layer
 checkpointed and 30.7 GiB with none. `auto` checkpoints the fewest layers with which the plan fits
-(`finetune.plan.memory.resolve_checkpointing`). That is 13 of 32 layers on a 24 GiB card and none on 80 GiB.
+(`finetune.plan.memory.estimate`). That is 13 of 32 layers on a 24 GiB card and none on 80 GiB.
 
 The checkpointed layers are the first ones. Their backward runs last, after the activations the later layers
 kept have been freed, so the peak is the larger of those activations and one recomputed layer. transformers
@@ -30,7 +30,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 
 from finetune.errors import RecipeError
 from finetune.model import decoder_layers
-from finetune.plan.memory import FINETUNE, resolve_checkpointing
+from finetune.plan.memory import estimate
 from finetune.plan.shape import model_shape
 from finetune.recipe import Recipe
 
@@ -44,15 +44,10 @@ def checkpointed_layer_count(recipe: Recipe, config: Any, device: torch.device, 
     if setting != "auto":
         return recipe.train.checkpointed_layers(num_layers)
     device_type: Literal["cpu", "cuda"] = "cuda" if device.type == "cuda" else "cpu"
-    resolved = resolve_checkpointing(
-        recipe.for_device(device_type),
-        model_shape(config, recipe.lora),
-        device=device_type,
-        nproc=nproc,
-        impl=FINETUNE,
-        device_bytes=device_memory_bytes(device),
-    )
-    return resolved.train.checkpointed_layers(num_layers)
+    shape = model_shape(config, recipe.lora)
+    return estimate(
+        recipe, shape, device=device_type, nproc=nproc, device_bytes=device_memory_bytes(device)
+    ).checkpointed_layers
 
 
 def device_memory_bytes(device: torch.device) -> int:
