@@ -137,18 +137,25 @@ def build_base(workdir: Path, data: list[dict[str, str]]) -> Path:
     return base
 
 
-def run_ours(workdir: Path, base: Path, steps: int, warmup: int) -> dict[str, Any]:
+QLORA_MODEL = "dtype: bfloat16, quantization: 4bit"
+QLORA_TRAIN = "precision: bf16, gradient_checkpointing: true"
+"""`--qlora`: both arms on the 8B GPU preset's settings, shrunk: a bf16 base quantized to nf4 (double
+quantization, bf16 compute), bf16 autocast, every layer checkpointed."""
+
+
+def run_ours(workdir: Path, base: Path, steps: int, warmup: int, qlora: bool) -> dict[str, Any]:
     from finetune.data.collate import collate_batch
     from finetune.recipe import load_recipe
     from finetune.training.loop import PendingSteps, device_schedule, device_step, step_inputs
     from finetune.training.run import start_run
 
+    model, train = (f", {QLORA_MODEL}", f", {QLORA_TRAIN}") if qlora else ("", "")
     (workdir / "ours.yaml").write_text(f"""
-model: {{base: {base}, attn_implementation: sdpa}}
+model: {{base: {base}, attn_implementation: sdpa{model}}}
 lora: {{r: {LORA["r"]}, alpha: {LORA["alpha"]}, dropout: {LORA["dropout"]}, target_modules: all-linear}}
 data: {{train: {workdir / "train.jsonl"}, format: instruction, max_seq_len: 256}}
 train: {{max_steps: {steps + warmup + 1}, micro_batch_size: {MICRO_BATCH}, log_every_steps: {steps + warmup + 1},
-         report_to: []}}
+         report_to: []{train}}}
 output: {{name: ours, dir: {workdir / "adapter"}, run_dir: {workdir / "run"}, report: false}}
 """)
     run = start_run(load_recipe(workdir / "ours.yaml"), resume=False, say=lambda line: None)
@@ -213,17 +220,26 @@ def run_ours_compiled(workdir: Path, base: Path, steps: int, warmup: int) -> dic
     }
 
 
-def run_trainer(workdir: Path, base: Path, steps: int, warmup: int) -> dict[str, Any]:
+def trainer_model(base: Path, qlora: bool) -> Any:
+    """The base as a Trainer + peft user loads it; with `qlora`, as the QLoRA recipe does (nf4, double
+    quantization, bf16 compute, `prepare_model_for_kbit_training` with gradient checkpointing)."""
+    from peft import prepare_model_for_kbit_training
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    if not qlora:
+        return AutoModelForCausalLM.from_pretrained(base, attn_implementation="sdpa")
+    nf4 = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                             bnb_4bit_compute_dtype=torch.bfloat16)  # fmt: skip
+    model = AutoModelForCausalLM.from_pretrained(
+        base, attn_implementation="sdpa", dtype=torch.bfloat16, quantization_config=nf4, device_map={"": "cpu"}
+    )
+    return prepare_model_for_kbit_training(model, use_gradient_checkpointing=True)
+
+
+def run_trainer(workdir: Path, base: Path, steps: int, warmup: int, qlora: bool) -> dict[str, Any]:
     from datasets import Dataset
     from peft import LoraConfig, get_peft_model
-    from transformers import (
-        AutoModelForCausalLM,
-        AutoTokenizer,
-        DataCollatorForSeq2Seq,
-        Trainer,
-        TrainerCallback,
-        TrainingArguments,
-    )
+    from transformers import AutoTokenizer, DataCollatorForSeq2Seq, Trainer, TrainerCallback, TrainingArguments
 
     from finetune.data.pipeline import build_datasets
     from finetune.recipe import load_recipe
@@ -231,7 +247,7 @@ def run_trainer(workdir: Path, base: Path, steps: int, warmup: int) -> dict[str,
     recipe = load_recipe(workdir / "ours.yaml")
     tokenizer = AutoTokenizer.from_pretrained(base)
     rows = build_datasets(recipe.data, tokenizer, seed=0).train  # the same documents, tokenized the same way
-    model = AutoModelForCausalLM.from_pretrained(base, attn_implementation="sdpa")
+    model = trainer_model(base, qlora)
     model.config.use_cache = False
     lora = LoraConfig(r=LORA["r"], lora_alpha=LORA["alpha"], lora_dropout=LORA["dropout"], target_modules="all-linear",
                       task_type="CAUSAL_LM")  # fmt: skip
@@ -259,7 +275,8 @@ def run_trainer(workdir: Path, base: Path, steps: int, warmup: int) -> dict[str,
     arguments = TrainingArguments(
         output_dir=str(workdir / "trainer"), per_device_train_batch_size=MICRO_BATCH, max_steps=warmup + steps,
         learning_rate=1e-3, logging_steps=warmup + steps, save_strategy="no", report_to=[], use_cpu=True,
-        dataloader_num_workers=0, remove_unused_columns=False, disable_tqdm=True,
+        dataloader_num_workers=0, remove_unused_columns=False, disable_tqdm=True, bf16=qlora,
+        gradient_checkpointing=qlora, gradient_checkpointing_kwargs={"use_reentrant": False},
     )  # fmt: skip
     dataset = Dataset.from_list([{"input_ids": r["input_ids"], "labels": r["labels"]} for r in rows])
     trainer = Trainer(model=model, args=arguments, train_dataset=dataset, data_collator=collator,
@@ -277,6 +294,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup-steps", type=int, default=2)
     parser.add_argument("--records", type=int, default=400)
     parser.add_argument("--compiled", action="store_true", help="also ours with train.compile: true (minutes)")
+    parser.add_argument(
+        "--qlora",
+        action="store_true",
+        help="both arms as the 8B QLoRA preset runs: nf4 bf16 base, every layer checkpointed",
+    )
     parser.add_argument("--compiled-warmup-steps", type=int, default=12, help="steps that compile every shape first")
     parser.add_argument("--json", type=Path)
     parser.add_argument(
@@ -289,8 +311,8 @@ def main(argv: list[str] | None = None) -> int:
         data = records(args.records)
         (workdir / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in data))
         base = build_base(workdir, data)
-        results = {"ours": run_ours(workdir, base, args.steps, args.warmup_steps),
-                   "hf-trainer + peft": run_trainer(workdir, base, args.steps, args.warmup_steps)}  # fmt: skip
+        results = {"ours": run_ours(workdir, base, args.steps, args.warmup_steps, args.qlora),
+                   "hf-trainer + peft": run_trainer(workdir, base, args.steps, args.warmup_steps, args.qlora)}  # fmt: skip
         if args.compiled:
             results["ours, compiled"] = run_ours_compiled(workdir, base, args.steps, args.compiled_warmup_steps)
     ours, theirs = results["ours"], results["hf-trainer + peft"]
