@@ -358,9 +358,10 @@ class TrainConfig(_Section):
     def compiles(self, device_type: str, quantized: bool, checkpointing: bool | None = None) -> bool:
         """`compile` resolved: `auto` compiles where it was measured to pay, CUDA with a 16-bit base (a 1B
         Llama LoRA on an H100: 52k tokens/s compiled, 29k eager, 40 s of compiling); not on the CPU, where the
-        first step compiles for minutes, nor on a bitsandbytes base, whose layers do not compile whole, nor
-        with gradient checkpointing (inductor's partitioner failed on a checkpointed 8B Llama layer, torch
-        2.11 on an H100: "Node add_697 was invalid, but is output"), nor for GRPO, whose step is mostly
+        first step compiles for minutes, nor on a bitsandbytes base (its layers compile, equal to eager, on the
+        CPU; what that is worth on a GPU is not measured), nor with gradient checkpointing (inductor's
+        partitioner failed on a checkpointed 8B Llama layer, torch 2.11 on an H100: "Node add_697 was invalid,
+        but is output"), nor for GRPO, whose step is mostly
         sampling (eager) and whose update forwards change shape every step (a bf16 GRPO run on an H100 hit
         torch's recompile limit; `compile: true` still asks for it), nor with `liger_kernels` (Triton kernels
         inside compiled layers: not yet run on a GPU). `checkpointing`: whether any layer is checkpointed, where

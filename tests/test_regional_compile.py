@@ -101,3 +101,48 @@ def test_compiled_layers_equal_eager_without_graph_breaks_or_recompiles(tiny_bas
         _step(dropout, batch)
     assert dict(counters["stats"]) == warm, f"recompiled within an epoch of {len(widths)} shapes"
     assert not counters["graph_break"], dict(counters["graph_break"])
+
+
+def test_on_a_4_bit_base_the_layers_compile_around_the_quantized_matmuls_and_equal_eager(tiny_base_dir):
+    """`train.compile: true` on a bitsandbytes base: bitsandbytes 0.50 registers its 4-bit ops with torch, so
+    dynamo traces each layer whole, the quantized matmuls included (no graph break, although `compile_layers`
+    allows them there), computes what eager computes, and compiles nothing again once the shapes are warm."""
+    from peft import LoraConfig, get_peft_model
+    from torch._dynamo.utils import counters
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    from finetune.adapters.quantized import keep_float_kernels
+
+    def model():
+        nf4 = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32)
+        base = AutoModelForCausalLM.from_pretrained(
+            tiny_base_dir, dtype=torch.float32, attn_implementation="sdpa", quantization_config=nf4,
+            device_map={"": "cpu"},
+        )  # fmt: skip
+        keep_float_kernels(base)
+        base.config.use_cache = False
+        torch.manual_seed(0)
+        lora = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear")).train()
+        with torch.no_grad():
+            for name, parameter in lora.named_parameters():
+                if "lora_B" in name:
+                    parameter.normal_(std=0.1)
+        return lora
+
+    torch._dynamo.reset()
+    counters.clear()
+    rng = random.Random(1)
+    batches = [_batch(rng, n) for n in (64, 96, 128)]
+    eager, compiled = model(), model()
+    assert compile_layers(compiled, quantized=True, say=lambda line: None) == 2
+    for batch in batches:
+        _step(compiled, batch)
+    warm = dict(counters["stats"])
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    for batch in batches:
+        expected_loss, expected_grads = _step(eager, batch)
+        loss, grads = _step(compiled, batch)
+        assert_within_ulps(loss, expected_loss, LIBRARY_ULPS, what="loss")
+        for ours, theirs in zip(grads, expected_grads):
+            assert_within_ulps(ours, theirs, LIBRARY_ULPS, what="LoRA gradient")
+    assert dict(counters["stats"]) == warm, "recompiled after warm-up"

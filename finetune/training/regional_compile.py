@@ -9,8 +9,11 @@ slowdown. Measured here on a tiny Llama with LoRA (dropout 0.05) on every linear
 of `finetune.training.document_mask`: no graph break, the first step compiling for about 80 s on a loaded
 2-core CPU, then 2.5 s.
 
-With a bitsandbytes (4/8-bit) base the layers hold bitsandbytes' own matmuls, which dynamo does not trace
-whole: they are compiled without `fullgraph` (graph breaks around each quantized matmul), and the log says so.
+With a bitsandbytes (4/8-bit) base the layers hold bitsandbytes' own matmuls. bitsandbytes 0.50 registers its
+ops with torch, and on the CPU (torch 2.13) dynamo traced a 4-bit layer whole, with no graph break, its losses and
+LoRA gradients those of eager (tests/test_regional_compile.py). Such layers are still compiled without
+`fullgraph`, so that a version or device where dynamo does break there runs slower instead of stopping, and the
+log says so.
 
 Only forwards that record gradients (the training step's) run compiled; forwards under `no_grad` or
 `inference_mode` (evaluation, reference log-probabilities, sampling) run the eager layer. Each of those is
