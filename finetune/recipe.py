@@ -356,7 +356,7 @@ class TrainConfig(_Section):
     """The optimisation: how long, how fast, how often to evaluate and save."""
 
     def compiles(self, device_type: str, quantized: bool, checkpointing: bool | None = None) -> bool:
-        """`compile` resolved: `auto` compiles where it was measured to pay, CUDA with a 16-bit base (a 1B
+        """`compile` resolved: `auto` compiles where it was measured to pay, CUDA with an unquantized base (a 1B
         Llama LoRA on an H100: 52k tokens/s compiled, 29k eager, 40 s of compiling); not on the CPU, where the
         first step compiles for minutes, nor on a bitsandbytes base (its layers compile, equal to eager, on the
         CPU; what that is worth on a GPU is not measured), nor with gradient checkpointing (inductor's
@@ -442,8 +442,8 @@ class TrainConfig(_Section):
     compile: bool | Literal["auto"] = "auto"
     """`torch.compile` each decoder layer (`finetune.training.regional_compile`): the first steps of each shape
     compile (about 40 s for a 1B Llama on an H100, 80 s for a tiny model on a loaded 2-core CPU), later ones
-    run the compiled layers. `auto` (`compiles`): on for a 16-bit base on CUDA without gradient checkpointing,
-    off on the CPU, for a 4-bit or 8-bit base and with gradient checkpointing."""
+    run the compiled layers. `auto` (`compiles`): on for an unquantized base on CUDA where no layer is checkpointed
+    (measured on a bf16 one), off on the CPU, for a 4-bit or 8-bit base and with gradient checkpointing."""
     liger_kernels: bool = False
     """On CUDA, Liger Kernel's Triton RMSNorm, RoPE and SwiGLU in the base's layers (`pip install
     'finetune[liger]'`; `finetune.training.liger_kernels`): fewer, fused elementwise kernels per step. Not used

@@ -67,9 +67,17 @@ def test_training_on_the_gpu_learns_and_its_adapter_merges_there(workdir, overri
     assert torch.equal(merged.weight, expected.to(merged.weight.dtype))
 
 
-def test_resume_after_sigkill_on_the_gpu_is_bit_identical(workdir):
-    """Eager attention and a fixed cuBLAS workspace: every kernel of a step is deterministic, so bit for bit."""
+@pytest.mark.parametrize("compile_layers", ["false", "auto"])
+def test_resume_after_sigkill_on_the_gpu_is_bit_identical(workdir, compile_layers):
+    """Eager attention and a fixed cuBLAS workspace: every kernel of a step is deterministic, so bit for bit.
+
+    Both ways of running the layers: this test failed on an H100 with `compile: auto` (which compiles an fp32 base
+    on CUDA), while a resume within one process was bit for bit. A lead, not yet checked there: the killed run
+    compiled each layer for its first shape, then dynamic for the later ones; the resumed process starts at
+    another shape, and its first kernels are compiled for that shape alone (on the CPU the same resume is bit for
+    bit)."""
     args = [
+        f"train.compile={compile_layers}",
         "model.attn_implementation=eager",
         "train.max_steps=12",  # killed at step 5: 3 processes of 12 steps fit a short lease
         "train.save_every_steps=1",
