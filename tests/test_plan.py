@@ -240,6 +240,13 @@ def test_checkpointing_n_layers_keeps_the_others_whole_and_auto_picks_the_fewest
     assert unknown_memory["checkpointed_layers"] == 32  # every layer, the safe choice
     assert main(["plan", *args, "train.gradient_checkpointing=auto", "--device-memory", "24GB"]) == 0
     assert f"gradient checkpointing on for {chosen} of 32 layers (auto)" in capsys.readouterr().out
+    # a recipe that checkpoints every layer is told, where the device has room, that auto recomputes less
+    every_layer = _plan_json(capsys, *args, "train.gradient_checkpointing=true", "--device-memory", "24GB")
+    assert every_layer["notes"] == [
+        f"faster here: train.gradient_checkpointing=auto checkpoints {chosen} of 32 layers on this device "
+        f"(peak {auto['peak_bytes'] / GiB:.2f} GiB), recomputing less"
+    ]
+    assert _plan_json(capsys, *args, "train.gradient_checkpointing=true", "--device-memory", "8GB")["notes"] == []
 
 
 def test_json_suggestions_each_carry_their_own_peak(capsys):

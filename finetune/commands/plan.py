@@ -13,8 +13,14 @@ from __future__ import annotations
 import argparse
 import json
 import re
+from typing import TYPE_CHECKING, Literal
 
 from finetune.errors import FinetuneError
+
+if TYPE_CHECKING:
+    from finetune.plan.memory import MemoryPlan
+    from finetune.plan.shape import ModelShape
+    from finetune.recipe import Recipe
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(b|k|m|g|t)?(i?b)?\s*$", re.IGNORECASE)
 
@@ -67,6 +73,8 @@ def run_plan(args: argparse.Namespace) -> int:
     recipe = recipe.for_device(device)
     plan = estimate(recipe, shape, device=device, nproc=args.nproc, device_bytes=device_bytes)
     notes = [note for note in (bf16_cpu_note(recipe.model.dtype, recipe.train.precision, device=device),) if note]
+    if device_bytes is not None:
+        notes += fewer_checkpointed_layers_note(recipe, shape, plan, device, args.nproc, device_bytes)
     found = []
     if device_bytes is not None and plan.peak_bytes > device_bytes:
         from finetune.plan.suggest import suggestions
@@ -87,3 +95,22 @@ def run_plan(args: argparse.Namespace) -> int:
 
     print(render(args.recipe, recipe, source, plan, device_bytes, found, notes=notes))
     return 0
+
+
+def fewer_checkpointed_layers_note(
+    recipe: Recipe, shape: ModelShape, plan: MemoryPlan, device: Literal["cpu", "cuda"], nproc: int, device_bytes: int
+) -> list[str]:
+    """One line where `gradient_checkpointing: auto` would recompute fewer layers than the recipe asks on this device."""
+    from finetune.plan.memory import GiB, estimate
+    from finetune.recipe import load_recipe
+
+    if recipe.train.gradient_checkpointing == "auto" or plan.checkpointed_layers == 0:
+        return []
+    auto = estimate(load_recipe(recipe, ["train.gradient_checkpointing=auto"]), shape, device=device, nproc=nproc,
+                    device_bytes=device_bytes)  # fmt: skip
+    if auto.checkpointed_layers >= plan.checkpointed_layers:
+        return []
+    return [
+        f"faster here: train.gradient_checkpointing=auto checkpoints {auto.checkpointed_layers} of {plan.num_layers} "
+        f"layers on this device (peak {auto.peak_bytes / GiB:.2f} GiB), recomputing less"
+    ]
