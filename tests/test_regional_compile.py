@@ -21,11 +21,24 @@ from finetune.training.varlen_attention import use_varlen_attention
 pytestmark = pytest.mark.slow
 
 
-def _model(base_dir, dropout: float):
+def _model(base_dir, dropout: float, nf4: bool = False):
+    """The tiny base with LoRA on every linear layer, B drawn as if trained; `nf4`: the base quantized to 4 bits
+    by bitsandbytes, float32 compute, its float kernels kept (as finetune loads it)."""
     from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
-    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32, attn_implementation="sdpa")
+    from finetune.adapters.quantized import keep_float_kernels
+
+    quantized = {
+        "quantization_config": BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32
+        ),
+        "device_map": {"": "cpu"},
+    }
+    model = AutoModelForCausalLM.from_pretrained(
+        base_dir, dtype=torch.float32, attn_implementation="sdpa", **(quantized if nf4 else {})
+    )
+    keep_float_kernels(model)
     model.config.use_cache = False
     torch.manual_seed(0)
     lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=dropout, target_modules="all-linear")
@@ -65,14 +78,7 @@ def test_compiled_layers_equal_eager_without_graph_breaks_or_recompiles(tiny_bas
     for batch in batches:  # warm-up: each shape once (the second one makes the graphs dynamic)
         _step(compiled, batch)
     warm = dict(counters["stats"])
-    for batch in batches:  # the same shapes again: nothing new compiles, and eager agrees
-        expected_loss, expected_grads = _step(eager, batch)
-        loss, grads = _step(compiled, batch)
-        # inductor's generated kernels fuse and order the sums their own way: another library's op order
-        assert_within_ulps(loss, expected_loss, LIBRARY_ULPS, what="loss")
-        for ours, theirs in zip(grads, expected_grads):
-            assert_within_ulps(ours, theirs, LIBRARY_ULPS, what="LoRA gradient")
-    assert dict(counters["stats"]) == warm, "recompiled after warm-up"
+    _assert_warm_and_equal_to_eager(eager, compiled, batches, warm)
     assert not counters["graph_break"], dict(counters["graph_break"])
     # Forwards that record no gradients (evaluation, reference log-probabilities, sampling) run the eager layers:
     # new shapes and another grad mode compile nothing (on an H100 they hit torch's recompile limit), same logits
@@ -107,41 +113,29 @@ def test_on_a_4_bit_base_the_layers_compile_around_the_quantized_matmuls_and_equ
     """`train.compile: true` on a bitsandbytes base: bitsandbytes 0.50 registers its 4-bit ops with torch, so
     dynamo traces each layer whole, the quantized matmuls included (no graph break, although `compile_layers`
     allows them there), computes what eager computes, and compiles nothing again once the shapes are warm."""
-    from peft import LoraConfig, get_peft_model
     from torch._dynamo.utils import counters
-    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
-
-    from finetune.adapters.quantized import keep_float_kernels
-
-    def model():
-        nf4 = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32)
-        base = AutoModelForCausalLM.from_pretrained(
-            tiny_base_dir, dtype=torch.float32, attn_implementation="sdpa", quantization_config=nf4,
-            device_map={"": "cpu"},
-        )  # fmt: skip
-        keep_float_kernels(base)
-        base.config.use_cache = False
-        torch.manual_seed(0)
-        lora = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear")).train()
-        with torch.no_grad():
-            for name, parameter in lora.named_parameters():
-                if "lora_B" in name:
-                    parameter.normal_(std=0.1)
-        return lora
 
     torch._dynamo.reset()
     counters.clear()
     rng = random.Random(1)
     batches = [_batch(rng, n) for n in (64, 96, 128)]
-    eager, compiled = model(), model()
+    eager, compiled = _model(tiny_base_dir, 0.0, nf4=True), _model(tiny_base_dir, 0.0, nf4=True)
     assert compile_layers(compiled, quantized=True, say=lambda line: None) == 2
     for batch in batches:
         _step(compiled, batch)
-    warm = dict(counters["stats"])
     assert not counters["graph_break"], dict(counters["graph_break"])
+    _assert_warm_and_equal_to_eager(eager, compiled, batches, dict(counters["stats"]))
+
+
+def _assert_warm_and_equal_to_eager(eager, compiled, batches, warm: dict) -> None:
+    """The shapes of `batches` again: nothing new compiles (`warm`: dynamo's counters after the warm-up), and the
+    compiled layers' losses and LoRA gradients are eager's."""
+    from torch._dynamo.utils import counters
+
     for batch in batches:
         expected_loss, expected_grads = _step(eager, batch)
         loss, grads = _step(compiled, batch)
+        # inductor's generated kernels fuse and order the sums their own way: another library's op order
         assert_within_ulps(loss, expected_loss, LIBRARY_ULPS, what="loss")
         for ours, theirs in zip(grads, expected_grads):
             assert_within_ulps(ours, theirs, LIBRARY_ULPS, what="LoRA gradient")
