@@ -105,6 +105,27 @@ def test_resume_after_sigkill_on_the_gpu_is_bit_identical(workdir, compile_layer
     assert all(torch.equal(expected[name], actual[name]) for name in expected)
 
 
+def test_checkpointing_some_layers_on_the_gpu_trains_the_same_adapter(workdir):
+    """`train.gradient_checkpointing: 1` (of the tiny base's 2 layers) against none, bf16 on CUDA, each run in a
+    fresh process with eager attention and layers (deterministic kernels): the recomputed layer draws the same
+    dropout masks from the restored CUDA generator, so the adapters agree bit for bit; `auto` checkpoints nothing
+    on a GPU with room, and says so."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), **DETERMINISTIC}
+    command = [sys.executable, "-m", "finetune", "train", "recipe.yaml", "train.max_steps=3", "train.compile=false",
+               "model.attn_implementation=eager", "model.dtype=bfloat16", "train.precision=bf16"]  # fmt: skip
+    logs = {}
+    for setting in ("1", "false", "auto"):
+        done = subprocess.run([*command, f"train.gradient_checkpointing={setting}", f"output.name=ckpt-{setting}"],
+                              cwd=workdir, env=env, capture_output=True, text=True)  # fmt: skip
+        assert done.returncode == 0, done.stderr[-3000:]
+        logs[setting] = done.stderr + done.stdout
+    assert "gradient checkpointing on for 1 of 2 layers" in logs["1"]
+    assert "gradient checkpointing off (auto)" in logs["auto"]
+    adapters = workdir / "adapters"
+    one, none = (load_file(adapters / f"ckpt-{name}" / "adapter_model.safetensors") for name in ("1", "false"))
+    assert one.keys() == none.keys() and all(torch.equal(one[name], none[name]) for name in one)
+
+
 def test_eval_and_generate_run_on_the_gpu_and_agree_with_the_cpu(workdir, capsys):
     adapter_dir, _ = train("recipe.yaml", ["train.max_steps=6", "output.name=small"], log=lambda m: None)
     perplexities = {}
