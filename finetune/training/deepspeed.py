@@ -24,10 +24,12 @@ Example:
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 import torch
+from transformers.integrations import unset_hf_deepspeed_config
 
 from finetune.recipe import Recipe
 from finetune.training.sharding import GatheredState
@@ -61,6 +63,23 @@ def deepspeed_plugin(recipe: Recipe, world_size: int) -> Any:
     from accelerate.utils import DeepSpeedPlugin
 
     return DeepSpeedPlugin(hf_ds_config=deepspeed_config(recipe, world_size))
+
+
+@contextmanager
+def zero3_init_paused(accelerator: Any) -> Iterator[None]:
+    """transformers builds every model under `deepspeed.zero.Init` while a ZeRO-3 config is registered, which
+    partitions it as it is made: a model built on the meta device only to count its parameters (`finetune plan`'s
+    shape, for `gradient_checkpointing: auto`) then fails ("Cannot copy out of meta tensor"). The block runs with
+    the config unregistered; accelerate's plugin registers it again after."""
+    plugin = accelerator.state.deepspeed_plugin
+    if plugin is None:
+        yield
+        return
+    unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        plugin.set_deepspeed_weakref()
 
 
 class DeepSpeedSharding:

@@ -52,7 +52,7 @@ from finetune.quantization import Quantization
 from finetune.recipe import Recipe
 from finetune.training import checkpoint as ckpt
 from finetune.training.checkpointing import checkpointed_layer_count, enable_checkpointing
-from finetune.training.deepspeed import DeepSpeedSharding, deepspeed_plugin
+from finetune.training.deepspeed import DeepSpeedSharding, deepspeed_plugin, zero3_init_paused
 from finetune.training.evaluate import evaluate
 from finetune.training.fsdp import FsdpSharding
 from finetune.training.lean_activations import use_lean_activations
@@ -331,7 +331,8 @@ def start_run(recipe: Recipe, *, resume: bool, say: Say) -> TrainingRun:
     model, tokenizer, _ = load_base_from_config(recipe.model, tokenizer, device=base.device)
     say(f"base {recipe.model.base} ({base.source}, on {base.device}); data: {data.stats}")
     device = torch.device(base.device)
-    checkpointed = checkpointed_layer_count(recipe, model.config, device, accelerator.num_processes)
+    with zero3_init_paused(accelerator):  # `auto` builds a meta model of the base to plan its memory
+        checkpointed = checkpointed_layer_count(recipe, model.config, device, accelerator.num_processes)
     compiled, varlen = _fit_to_device(recipe, model, device, checkpointed, say)
     peft_model = _wrap_for_training(recipe, model, checkpointed, say)
     initial_adapter(recipe, peft_model, base, say)
