@@ -297,6 +297,13 @@ def _wrap_for_training(recipe: Recipe, model: Any, checkpointed: int, say: Say) 
     return peft_model
 
 
+def _checkpointed_layers(recipe: Recipe, model: Any, device: torch.device, accelerator: Any) -> int:
+    """`train.gradient_checkpointing` as a count of layers; `auto` plans the base's memory from a meta model of it,
+    which must not be built under ZeRO-3's model init."""
+    with zero3_init_paused(accelerator):
+        return checkpointed_layer_count(recipe, model.config, device, accelerator.num_processes)
+
+
 def _fit_to_device(recipe: Recipe, model: Any, device: torch.device, checkpointed: int, say: Say) -> tuple[bool, bool]:
     """What the device decides before LoRA wraps the base: a bf16-on-this-CPU note, whether the layers are
     compiled (not where any is `checkpointed`), Liger's kernels (else, unless compiled, the lean RMSNorm and
@@ -331,8 +338,7 @@ def start_run(recipe: Recipe, *, resume: bool, say: Say) -> TrainingRun:
     model, tokenizer, _ = load_base_from_config(recipe.model, tokenizer, device=base.device)
     say(f"base {recipe.model.base} ({base.source}, on {base.device}); data: {data.stats}")
     device = torch.device(base.device)
-    with zero3_init_paused(accelerator):  # `auto` builds a meta model of the base to plan its memory
-        checkpointed = checkpointed_layer_count(recipe, model.config, device, accelerator.num_processes)
+    checkpointed = _checkpointed_layers(recipe, model, device, accelerator)
     compiled, varlen = _fit_to_device(recipe, model, device, checkpointed, say)
     peft_model = _wrap_for_training(recipe, model, checkpointed, say)
     initial_adapter(recipe, peft_model, base, say)
