@@ -5,8 +5,9 @@ A checkpointed layer keeps only its input and runs its forward again in the back
 more matmul work for the layer, and on a 4-bit base one more dequantization of each of its weights. Checkpointing
 every layer is the usual advice for QLoRA. It is what an 8B model needs on a 24 GB card, but it is not what an
 80 GB card needs: `finetune plan` puts the 8B QLoRA preset (2 x 2048 tokens) at 7.9 GiB with every layer
-checkpointed and 30.7 GiB with none. `auto` checkpoints the fewest layers with which the plan fits
-(`finetune.plan.memory.estimate`). That is 13 of 32 layers on a 24 GiB card and none on 80 GiB.
+checkpointed and 30.7 GiB with none. `auto` checkpoints the fewest layers with which the plan fits in the memory
+this process can have (`finetune.plan.memory.estimate`, `device_memory_bytes`). That is 13 of 32 layers on an
+otherwise empty 24 GiB card and none on 80 GiB.
 
 The checkpointed layers are the first ones. Their backward runs last, after the activations the later layers
 kept have been freed, so the peak is the larger of those activations and one recomputed layer. transformers
@@ -22,7 +23,6 @@ Example:
 
 from __future__ import annotations
 
-import os
 from typing import Any, Literal
 
 import torch
@@ -37,7 +37,7 @@ from finetune.recipe import Recipe
 
 def checkpointed_layer_count(recipe: Recipe, config: Any, device: torch.device, nproc: int) -> int:
     """How many decoder layers the run checkpoints: `gradient_checkpointing` as set, `auto` against the memory of
-    `device` (its total memory, the host's on a CPU) for `nproc` processes."""
+    `device` (`device_memory_bytes`) for `nproc` processes."""
     setting = recipe.train.gradient_checkpointing
     text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
     num_layers = int(text_config.num_hidden_layers)
@@ -51,10 +51,17 @@ def checkpointed_layer_count(recipe: Recipe, config: Any, device: torch.device, 
 
 
 def device_memory_bytes(device: torch.device) -> int:
-    """The memory `auto` plans against: a GPU's total memory, the host's physical memory on a CPU."""
+    """The memory `auto` plans against: what this process can have of the device. That is the free memory plus
+    what the process already holds (the base it has loaded, which the plan counts): on a GPU, torch's reserved
+    memory; on a CPU, the host's available memory and the process's resident set. A GPU's total memory would
+    also count what another process on it holds (a notebook's kernel, a server), and `auto` would then plan
+    fewer checkpointed layers than fit."""
     if device.type == "cuda":
-        return int(torch.cuda.get_device_properties(device).total_memory)
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        free, _total = torch.cuda.mem_get_info(device)
+        return int(free + torch.cuda.memory_reserved(device))
+    import psutil  # accelerate's dependency
+
+    return int(psutil.virtual_memory().available + psutil.Process().memory_info().rss)
 
 
 def enable_checkpointing(peft_model: Any, layers: int) -> None:
