@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import torch
 from helpers import make_adapter
 
 from finetune.cli import main
@@ -423,3 +424,36 @@ def test_a_full_disk_during_a_merge_is_one_line_and_leaves_nothing(bad_input_wor
     result = run_cli([*MERGE, ADAPTER, "--out", "merged"], work, preexec_fn=_limit_file_size)
     assert_one_line_error(result.returncode, result.stderr, ("merged", "nothing was left behind"))
     assert_nothing_half_written(work, before)
+
+
+def _limit_memory() -> None:
+    """In the child: at most 1.5 GiB of data (heap and anonymous mappings): loading fits, a step of 1,200
+    quickstart documents does not, and torch's CPU allocator fails for real."""
+    resource.setrlimit(resource.RLIMIT_DATA, (1536 << 20, 1536 << 20))
+
+
+def test_running_out_of_memory_is_one_line_naming_the_settings_and_writes_no_adapter(tmp_path):
+    """`finetune train` that runs out of memory (here the host's, under a limit; a GPU's raises torch's
+    OutOfMemoryError, handled alike) ends with one line saying so and naming what lowers the peak, exit 2."""
+    args = ["train", str(REPO / "recipes" / "quickstart.yaml"), "train.micro_batch_size=1200", "train.max_steps=2",
+            f"output.dir={tmp_path / 'adapter'}", f"output.run_dir={tmp_path / 'run'}", "output.report=false"]  # fmt: skip
+    result = run_cli(args, REPO, preexec_fn=_limit_memory)
+    line = assert_one_line_error(result.returncode, result.stderr, ("out of host memory while allocating",))
+    assert "train.micro_batch_size=1200 x data.max_seq_len=256" in line and "finetune plan" in line, line
+    assert not (tmp_path / "adapter").exists()
+
+
+def test_a_gpu_out_of_memory_error_reads_as_the_gpu_s_with_the_size_torch_asked_for():
+    """torch's CUDA message, as its caching allocator words it: the line says GPU, the size in MiB, the settings."""
+    from finetune.recipe import load_recipe
+    from finetune.training.out_of_memory import is_out_of_memory, out_of_memory_line
+
+    error = torch.OutOfMemoryError(
+        "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.19 GiB of which 1.04 GiB "
+        "is free. Of the allocated memory 76.12 GiB is allocated by PyTorch"
+    )
+    recipe = load_recipe("quickstart", ["train.gradient_checkpointing=auto"])
+    assert is_out_of_memory(error) and is_out_of_memory(MemoryError()) and not is_out_of_memory(RuntimeError("shape"))
+    line = out_of_memory_line(recipe, error)
+    assert line.startswith("out of GPU memory while allocating 2,048 MiB with train.micro_batch_size=8 x "), line
+    assert "train.gradient_checkpointing=auto;" in line and "\n" not in line

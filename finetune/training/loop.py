@@ -51,6 +51,7 @@ from finetune.training.finish import finish_run
 from finetune.training.interrupt import TrainingInterrupted, graceful_stop, stop_agreed
 from finetune.training.objectives.base import Models, Objective, summarise
 from finetune.training.objectives.sft import BATCH_SFT
+from finetune.training.out_of_memory import explain_out_of_memory
 from finetune.training.progress import Say, StepCallback, TrainingLog, fan_out
 from finetune.training.run import TrainingRun, start_run
 from finetune.training.sharding import DdpSharding, Sharding
@@ -90,8 +91,16 @@ def train(
     Raises:
         TrainingError: a NaN/Inf loss or gradient (beyond `train.nonfinite_skips`); no adapter is written.
         TrainingInterrupted: SIGINT/SIGTERM; a checkpoint of the last finished step was written.
+        TrainingError: out of GPU or host memory, naming the settings that lower the peak (`out_of_memory`).
     """
     recipe = load_recipe(recipe_or_path, list(overrides))
+    with explain_out_of_memory(recipe):
+        return _train(recipe, resume=resume, log=log, progress=progress, on_step=on_step)
+
+
+def _train(
+    recipe: Recipe, *, resume: bool, log: Say, progress: bool | None, on_step: StepCallback | None
+) -> TrainResult:
     started = time.perf_counter()
     run = start_run(recipe, resume=resume, say=log)
     if resume and run.step == run.length.total_steps and recipe.output.adapter_dir.exists():
