@@ -51,7 +51,7 @@ from finetune.training.finish import finish_run
 from finetune.training.interrupt import TrainingInterrupted, graceful_stop, stop_agreed
 from finetune.training.objectives.base import Models, Objective, summarise
 from finetune.training.objectives.sft import BATCH_SFT
-from finetune.training.out_of_memory import explain_out_of_memory
+from finetune.training.out_of_memory import is_out_of_memory, out_of_memory_line
 from finetune.training.progress import Say, StepCallback, TrainingLog, fan_out
 from finetune.training.run import TrainingRun, start_run
 from finetune.training.sharding import DdpSharding, Sharding
@@ -94,8 +94,13 @@ def train(
         TrainingError: out of GPU or host memory, naming the settings that lower the peak (`out_of_memory`).
     """
     recipe = load_recipe(recipe_or_path, list(overrides))
-    with explain_out_of_memory(recipe):
+    try:
         return _train(recipe, resume=resume, log=log, progress=progress, on_step=on_step)
+    except (MemoryError, RuntimeError) as error:  # torch.OutOfMemoryError is a RuntimeError
+        if not is_out_of_memory(error):
+            raise
+        line = out_of_memory_line(recipe, error)
+    raise TrainingError(line)  # outside the handler: nothing keeps the failed step's frames and tensors
 
 
 def _train(

@@ -5,23 +5,28 @@ torch reports it three ways: `torch.OutOfMemoryError` on a GPU, a `RuntimeError`
 Python's own fails first. What sets the peak is the recipe: the tokens of a micro-batch, how many decoder
 layers are checkpointed, the dtype of the base. `finetune plan` estimates it before a run.
 
-The line is raised after the `except` block has ended: the exception's traceback holds the frames of the
-step, and so its tensors, until then. A caller of the Python API that catches the error gets the memory back.
+The caller raises the line after its `except` block has ended: until then the exception's traceback holds
+the frames of the failed step, and so its tensors (raised inside the handler, or from a context manager's
+`__exit__`, the new error would keep the old one as its `__context__`). A caller of the Python API that catches
+the error then gets the memory back.
 
 Example:
-    with explain_out_of_memory(recipe):
-        run_the_training()
+    line = None
+    try:
+        return run_the_training()
+    except (MemoryError, RuntimeError) as error:
+        if not is_out_of_memory(error):
+            raise
+        line = out_of_memory_line(recipe, error)
+    raise TrainingError(line)
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import torch
 
-from finetune.errors import TrainingError
 from finetune.recipe import Recipe
 
 CPU_ALLOCATOR_FAILURE = "DefaultCPUAllocator: can't allocate memory"
@@ -41,13 +46,8 @@ def out_of_memory_line(recipe: Recipe, error: BaseException) -> str:
     requested = _REQUESTED.search(str(error))
     asked = ""
     if requested:
-        amount, unit = float(requested.group(1)), requested.group(2)
-        mib = (
-            amount / 2**20
-            if unit.lower() == "bytes"
-            else amount * {"kib": 2**-10, "mib": 1, "gib": 2**10}[unit.lower()]
-        )
-        asked = f" while allocating {mib:,.0f} MiB"
+        unit_bytes = {"bytes": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30}[requested.group(2).lower()]
+        asked = f" while allocating {float(requested.group(1)) * unit_bytes / 2**20:,.0f} MiB"
     train = recipe.train
     setting = train.gradient_checkpointing
     checkpointing = str(setting).lower() if isinstance(setting, bool) else str(setting)  # as a recipe writes it
@@ -58,17 +58,3 @@ def out_of_memory_line(recipe: Recipe, error: BaseException) -> str:
         "train.grad_accum_steps keeps the batch), checkpoint more layers (train.gradient_checkpointing=true) or "
         "shorten data.max_seq_len; `finetune plan` estimates the peak"
     )
-
-
-@contextmanager
-def explain_out_of_memory(recipe: Recipe) -> Iterator[None]:
-    """Turn an out-of-memory error inside the block into a `TrainingError` with `out_of_memory_line`."""
-    line = None
-    try:
-        yield
-    except (torch.OutOfMemoryError, MemoryError, RuntimeError) as error:
-        if not is_out_of_memory(error):
-            raise
-        line = out_of_memory_line(recipe, error)
-    if line is not None:  # raised here, outside the handler: the failed step's frames and tensors are released
-        raise TrainingError(line)
