@@ -426,10 +426,14 @@ def test_a_full_disk_during_a_merge_is_one_line_and_leaves_nothing(bad_input_wor
     assert_nothing_half_written(work, before)
 
 
-def _limit_memory() -> None:
-    """In the child: at most 1.5 GiB of data (heap and anonymous mappings): loading fits, a step of 1,200
-    quickstart documents does not, and torch's CPU allocator fails for real."""
-    resource.setrlimit(resource.RLIMIT_DATA, (1536 << 20, 1536 << 20))
+LIMIT_MEMORY = """
+import resource, sys
+import torch, transformers, peft, finetune.cli  # imported first: the limit is on what the run itself takes
+data = next(int(line.split()[1]) << 10 for line in open("/proc/self/status") if line.startswith("VmData:"))
+resource.setrlimit(resource.RLIMIT_DATA, (data + (512 << 20), data + (512 << 20)))
+"""
+"""A process's prologue: at most 512 MiB of data (heap and anonymous mappings) beyond what its imports took. A step
+of 8 quickstart documents fits, one of 1,200 does not, and torch's CPU allocator then fails for real."""
 
 
 def test_running_out_of_memory_is_one_line_naming_the_settings_and_writes_no_adapter(tmp_path):
@@ -437,7 +441,9 @@ def test_running_out_of_memory_is_one_line_naming_the_settings_and_writes_no_ada
     OutOfMemoryError, handled alike) ends with one line saying so and naming what lowers the peak, exit 2."""
     args = ["train", str(REPO / "recipes" / "quickstart.yaml"), "train.micro_batch_size=1200", "train.max_steps=2",
             f"output.dir={tmp_path / 'adapter'}", f"output.run_dir={tmp_path / 'run'}", "output.report=false"]  # fmt: skip
-    result = run_cli(args, REPO, preexec_fn=_limit_memory)
+    cli = LIMIT_MEMORY + f"sys.exit(finetune.cli.main({args!r}))"  # what `python -m finetune` runs, after the limit
+    result = subprocess.run([sys.executable, "-c", cli], cwd=REPO, capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "PYTHONPATH": str(REPO)})  # fmt: skip
     line = assert_one_line_error(result.returncode, result.stderr, ("out of host memory while allocating",))
     assert "train.micro_batch_size=1200 x data.max_seq_len=256" in line and "finetune plan" in line, line
     assert not (tmp_path / "adapter").exists()
@@ -460,12 +466,9 @@ def test_a_gpu_out_of_memory_error_reads_as_the_gpu_s_with_the_size_torch_asked_
 
 
 API_AFTER_OUT_OF_MEMORY = """
-import gc, resource, sys
+import gc
 from finetune import train
 from finetune.errors import TrainingError
-import torch, transformers, peft  # imported before the limit is set: it counts the runs' memory only
-data = next(int(line.split()[1]) << 10 for line in open("/proc/self/status") if line.startswith("VmData:"))
-resource.setrlimit(resource.RLIMIT_DATA, (data + (512 << 20), data + (512 << 20)))
 out = sys.argv[1]
 common = ["train.max_steps=1", "output.report=false", "output.overwrite=true"]
 try:
@@ -485,7 +488,7 @@ def test_after_running_out_of_memory_the_api_caller_has_its_memory_back(tmp_path
     """`finetune.train` raises the one line with nothing attached (no `__context__` holding the failed step's
     frames): in the same process, under the same limit (512 MiB of data beyond what the imports took), a run with
     a smaller micro-batch then trains."""
-    done = subprocess.run([sys.executable, "-c", API_AFTER_OUT_OF_MEMORY, str(tmp_path)], cwd=REPO,
+    done = subprocess.run([sys.executable, "-c", LIMIT_MEMORY + API_AFTER_OUT_OF_MEMORY, str(tmp_path)], cwd=REPO,
                           capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(REPO)})  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     assert "caught: out of host memory" in done.stdout and f"trained: {tmp_path}/small" in done.stdout, done.stdout
