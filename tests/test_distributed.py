@@ -28,6 +28,8 @@ def test_two_gloo_ranks_match_one_process(workdir):
     result = subprocess.run(
         [
             sys.executable,
+            "-X",
+            "importtime",  # of the launching process only: the launcher and ranks it starts run without it
             "-m",
             "finetune",
             "train",
@@ -46,6 +48,9 @@ def test_two_gloo_ranks_match_one_process(workdir):
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "2 process(es)" in result.stderr
+    # The process that hands a CPU run to accelerate's launcher loads no torch (1.3 s of every such launch)
+    launcher_imports = {line.rsplit("|", 1)[1].strip() for line in result.stderr.splitlines() if "import time:" in line}
+    assert "finetune.recipe" in launcher_imports and "torch" not in launcher_imports
     distributed = json.loads(Path("adapters/ranks/manifest.json").read_text())["distributed"]
     assert distributed == {"strategy": "ddp", "world_size": 2, "max_rank_param_share": 1.0}
 

@@ -46,10 +46,10 @@ def run_train(args: argparse.Namespace) -> int:
     # A bad recipe fails here, once (not on every rank), before the training stack is imported.
     recipe = load_recipe(args.recipe, args.overrides)
     if (args.nproc > 1 or args.nnodes > 1) and not already_launched():
-        import torch
-
-        use_cpu = args.cpu or not torch.cuda.is_available()
+        use_cpu = args.cpu or not _cuda_available()  # torch is imported only to ask: 1.3 s of a CPU launch
         if not use_cpu:
+            import torch
+
             check_gpu_count(args.nproc, torch.cuda.device_count())
         train_args = [args.recipe, *args.overrides, *(["--resume"] if args.resume else [])]
         command = launch_command(
@@ -73,6 +73,12 @@ def run_train(args: argparse.Namespace) -> int:
         print(f"adapter: {adapter_dir}")
     _leave_process_group()
     return 0
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def _leave_process_group() -> None:
