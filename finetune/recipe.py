@@ -432,8 +432,8 @@ class TrainConfig(_Section):
     gradient_checkpointing: bool | int | Literal["auto"] = False
     """Recompute decoder layers' activations in the backward instead of keeping them: `true` every layer (each
     keeps only its input, and runs again in the backward: about a third more matmul work a step), `false` none,
-    N the first N layers, `auto` the fewest layers with which `finetune plan`'s peak fits 90% of the device's
-    memory (every layer where that memory is unknown). Where the memory allows, fewer checkpointed layers are
+    N the first N layers, `auto` the fewest layers with which `finetune plan`'s peak fits 90% of the memory the run
+    can have: the device's free memory plus what the run holds (every layer where that memory is unknown). Where the memory allows, fewer checkpointed layers are
     less work for the same result."""
     varlen_attention: bool | Literal["auto"] = "auto"
     """Attention over packed rows from the documents' boundaries, no mask (`finetune.training.varlen_attention`):

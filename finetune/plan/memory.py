@@ -443,7 +443,8 @@ def describe_checkpointing(setting: bool | int | str, checkpointed: int, num_lay
 
 
 AUTO_CHECKPOINTING_SHARE = 0.9
-"""`gradient_checkpointing: auto` keeps the planned peak under this share of the device's memory: the plan came
+"""`gradient_checkpointing: auto` keeps the planned peak under this share of the memory it plans against
+(`device_bytes`: `finetune plan --device-memory`, or what a run can have of its device): the plan came
 within 1% of the measured peak on an H100 and an H200 (README, "On a GPU"), and the allocator's cache and
 fragmentation need some room above what is allocated."""
 

@@ -89,9 +89,9 @@ def train(
         on_step: called after every optimizer step with its metrics (see `finetune.training.progress`).
 
     Raises:
-        TrainingError: a NaN/Inf loss or gradient (beyond `train.nonfinite_skips`); no adapter is written.
+        TrainingError: a NaN/Inf loss or gradient (beyond `train.nonfinite_skips`), or out of GPU or host memory
+            (one line naming the settings that lower the peak: `out_of_memory`); no adapter is written.
         TrainingInterrupted: SIGINT/SIGTERM; a checkpoint of the last finished step was written.
-        TrainingError: out of GPU or host memory, naming the settings that lower the peak (`out_of_memory`).
     """
     recipe = load_recipe(recipe_or_path, list(overrides))
     try:
