@@ -77,9 +77,22 @@ def test_a_bf16_layer_saves_six_d_plus_two_i_bytes_per_token_less():
     assert kept[0] - kept[1] == (6 * d + 2 * i) * tokens, kept
 
 
-def test_a_norm_that_computes_otherwise_keeps_its_own_forward():
-    norm = GemmaRMSNorm(64)  # weight starts at 0: x·rsqrt(...)·(1 + 0), where the lean norm would give 0
-    assert use_lean_activations(norm) == 0 and "forward" not in norm.__dict__
+def test_gemmas_norm_takes_its_own_lean_forward_and_another_norm_keeps_its_own():
+    """Gemma's norm multiplies by `1 + weight` in float32 before rounding (its weight starts at 0, where Llama's lean
+    norm would give 0); a `*RMSNorm` of neither form keeps transformers' forward."""
+    gemma = GemmaRMSNorm(64)
+    assert use_lean_activations(gemma) == 1 and "forward" in gemma.__dict__
+
+    class ScaledRMSNorm(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight, self.eps = torch.nn.Parameter(torch.ones(64)), 1e-6
+
+        def forward(self, x):
+            return 2 * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+    other = ScaledRMSNorm()
+    assert use_lean_activations(other) == 0 and "forward" not in other.__dict__
 
 
 def test_an_mlp_with_a_dropout_of_its_own_keeps_its_own_forward():
@@ -87,3 +100,62 @@ def test_an_mlp_with_a_dropout_of_its_own_keeps_its_own_forward():
     layer, _ = _layer(128, 256, torch.float32)
     layer.mlp.dropout = torch.nn.Dropout(0.1)
     assert use_lean_activations(layer.mlp) == 0 and "forward" not in layer.mlp.__dict__
+
+
+def _family_layer(config_name: str, dtype: torch.dtype):
+    """Decoder layer 0 of a shipped catalog config shrunk to d 256, i 512, its linear layers passing gradients on."""
+    from transformers import AutoModelForCausalLM
+
+    from finetune.plan.model_config import SHIPPED_CONFIGS, config_from_json
+
+    config = config_from_json(SHIPPED_CONFIGS / config_name)
+    for key, value in dict(hidden_size=256, intermediate_size=512, num_hidden_layers=1, num_attention_heads=4,
+                           num_key_value_heads=2, head_dim=64, vocab_size=64).items():  # fmt: skip
+        setattr(config, key, value)
+    config.layer_types = (getattr(config, "layer_types", None) or ["full_attention"])[:1]
+    config.pad_token_id = config.bos_token_id = config.eos_token_id = 0
+    config._attn_implementation = "eager" if "gemma-2" in config_name else "sdpa"
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).to(dtype)
+    for name, parameter in model.named_parameters():
+        parameter.requires_grad_(name.endswith("proj.weight"))  # as LoRA's base layers: gradients pass through them
+        if "norm" in name:
+            parameter.data.normal_(0, 0.5)  # trained-looking norm weights (Gemma's start at 0)
+    return model
+
+
+@pytest.mark.parametrize(
+    ("config_name", "lean_modules"),
+    [("google/gemma-3-1b-it.json", 7), ("google/gemma-2-2b-it.json", 5), ("microsoft/Phi-4-mini-instruct.json", 3),
+     ("Qwen/Qwen3-0.6B.json", 5)],
+    ids=["gemma3-4-norms-qk-norms-gelu", "gemma2-4-norms-gelu", "phi-fused-gate-up", "qwen3-qk-norms"],
+)  # fmt: skip
+def test_other_families_norms_and_mlps_give_the_same_outputs_and_gradients(config_name, lean_modules):
+    """Gemma's `(1 + w)` norm and tanh-GeLU MLP, Phi-3's fused gate/up MLP, Qwen 3's per-head norms: outputs bit for
+    bit, input gradients to float32 rounding, in bf16 under autocast; and they keep less for backward."""
+    plain = _family_layer(config_name, torch.bfloat16)
+    lean = copy.deepcopy(plain)
+    assert use_lean_activations(lean.model.layers[0]) == lean_modules
+    results, kept = [], []
+    for model in (plain, lean):
+        embeds = torch.randn(1, 64, 256, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+        embeds.requires_grad_(True)
+        saved: dict = {}
+        skip = {p.untyped_storage().data_ptr() for p in model.parameters()} | {embeds.untyped_storage().data_ptr()}
+
+        def pack(tensor, saved=saved, skip=skip):
+            if tensor.untyped_storage().data_ptr() not in skip:
+                saved[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+            return tensor
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                out = model.model(inputs_embeds=embeds).last_hidden_state
+        out.float().pow(2).sum().backward()
+        results.append((out, embeds.grad))
+        kept.append(sum(saved.values()))
+    (out, grad), (lean_out, lean_grad) = results
+    assert torch.equal(lean_out, out)
+    scale = grad.abs().max().item()
+    torch.testing.assert_close(lean_grad, grad, rtol=0, atol=8 * torch.finfo(torch.bfloat16).eps * scale)
+    assert kept[1] < kept[0], kept
