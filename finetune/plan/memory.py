@@ -224,17 +224,24 @@ def layer_activation_bytes_per_token(
     - float32: 33·d + 16·i bytes;
     - a 16-bit base under bf16/fp16 autocast: 25.7·d + 8.2·i (RMSNorm keeps its float32 input and output);
     - a 16-bit base without autocast: 37·d + 10·i (peft casts each LoRA input to the float32 LoRA weights).
+    Under autocast training turns that cast off (`finetune.model._UnlessAutocast`): traced since, an eager layer
+    without LoRA dropout keeps 19.7·d + 8.2·i (three (d, i), within 2%), and with dropout what it kept before.
     Training's lean RMSNorm and gated MLP (`finetune.training.lean_activations`, eager layers only) keep less:
     traced the same way, 4·i less in float32 (the SiLU's output), 6·d + 2·i less in 16 bits (the norms' float32
     copies of their inputs, and the SiLU's output); a quantized MLP keeps its own forward, so there only the
     norms' share applies.
     LoRA dropout adds a dropped copy and a mask per targeted layer's input where torch's dropout runs (CUDA,
-    uncompiled): 36·d + 4·i in float32, 24·d + 4·i in 16 bits; on the CPU `UniformDropout` adds its masks
-    only, 6·d + i; compiled layers (inductor recomputes the mask from the random seed) added nothing on an
+    uncompiled): 36·d + 4·i in float32, 24·d + 4·i in 16 bits; on the CPU `UniformDropout` adds 22·d + i in
+    float32 and its masks only, 6·d + i, in 16 bits (both traced exactly at three (d, i)); compiled layers (inductor recomputes the mask from the random seed) added nothing on an
     H100 (a 1B Llama LoRA with dropout 0.05 measured 120.5 kB per token and layer, the traced 16-bit figure
     without dropout 120.1 kB). Eager attention also keeps the (heads, T, T) scores; sdpa's fused kernels and
-    varlen attention keep only a log-sum-exp per row. On a mixture of experts the MLP's share (the i terms)
+    varlen attention keep only a log-sum-exp per row, but on the CPU SDPA keeps the document mask, made additive in
+    the compute dtype, once per layer (T elements per token, traced); Gemma 2's soft-capped scores keep one more
+    (heads, T, T) in eager attention. On a mixture of experts the MLP's share (the i terms)
     is that of its experts (`expert_activation_bytes_per_token`), averaged with any dense layers.
+    Norms beyond Llama's two (`ModelShape.extra_norm_elements`, `extra_norm_rows`) keep their input in the
+    compute dtype and a float32 rsqrt per row: traced on Qwen 3 and Gemma 3 layers to the byte, 16-bit (lean) and
+    float32.
     """
     d, i = shape.hidden_size, shape.intermediate_size
     quantized = recipe.model.quantization != "none"
@@ -245,20 +252,29 @@ def layer_activation_bytes_per_token(
     per_token: float
     mlp: float
     if _compute_bytes(recipe) == 4:
-        per_token, mlp = 33 * d + (36 * d if dropout else 0), (16 - 4 * lean_mlp) * i + (4 * i if dropout else 0)
+        dropped = ((36 * d, 4 * i) if device == "cuda" else (22 * d, i)) if dropout else (0, 0)
+        per_token, mlp = 33 * d + dropped[0], (16 - 4 * lean_mlp) * i + dropped[1]
     else:
         autocast = recipe.train.precision != "fp32"
         per_token, mlp = (25.7 * d, 8.2 * i) if autocast else (37 * d, 10 * i)
+        if autocast and not compiled:  # no float32 round trip of each LoRA input (`finetune.model._UnlessAutocast`)
+            per_token -= 6 * d
         per_token, mlp = per_token - 6 * d * lean_norms, mlp - 2 * i * lean_mlp
         if dropout:
-            per_token, mlp = (per_token + 24 * d, mlp + 4 * i) if device == "cuda" else (per_token + 6 * d, mlp + i)
+            extra = 8 * d if autocast else 0  # each LoRA layer's dropped copy, which the round trip made before
+            per_token, mlp = (
+                (per_token + 24 * d + extra, mlp + 4 * i) if device == "cuda" else (per_token + 6 * d + extra, mlp + i)
+            )
     if shape.moe_layers:
         dense_layers = shape.num_layers - shape.moe_layers
         experts = expert_activation_bytes_per_token(recipe, shape)
         mlp = (shape.moe_layers * experts + dense_layers * mlp) / shape.num_layers
-    per_token += mlp
+    per_token += mlp + shape.extra_norm_elements * _compute_bytes(recipe) + 4 * shape.extra_norm_rows
     if recipe.model.attn_implementation == "eager":
-        per_token += shape.num_heads * tokens_per_row * (4 + _compute_bytes(recipe))
+        score_bytes = 4 + _compute_bytes(recipe) * (2 if shape.softcapped_attention else 1)
+        per_token += shape.num_heads * tokens_per_row * score_bytes
+    elif device == "cpu":  # the CPU's SDPA kernel keeps the document mask, made additive, in each layer
+        per_token += tokens_per_row * _compute_bytes(recipe)
     return per_token
 
 

@@ -68,6 +68,13 @@ class ModelShape:
     """The experts gate with their own function (gpt-oss's clamped SwiGLU), which keeps more for backward."""
     model_type: str = ""
     """The config's `model_type` (e.g. llama): which architectures GRPO's lean decode step takes."""
+    extra_norm_elements: int = 0
+    """Per token, the elements a decoder layer's RMSNorms normalise beyond Llama's two of the hidden width: Gemma 2
+    and 3's norms after attention and the MLP, the per-head query and key norms of Qwen 3 and Gemma 3."""
+    extra_norm_rows: int = 0
+    """Per token, how many rows those norms normalise (each keeps one float32 rsqrt per row)."""
+    softcapped_attention: bool = False
+    """Attention scores pass through `cap·tanh(s / cap)` (Gemma 2): eager attention keeps one more (heads, T, T)."""
 
     @property
     def base_params(self) -> int:
@@ -116,6 +123,8 @@ def model_shape(config: Any, lora: LoraConfig) -> ModelShape:
         router_params=router_params,
         input_embedding_params=model.get_input_embeddings().weight.numel(),
         model_type=getattr(text, "model_type", ""),
+        **_extra_norms(layers[0], text),
+        softcapped_attention=bool(getattr(text, "attn_logit_softcapping", None)),
         expert_lora_params=expert_lora,
         folded_expert_params=folded,
     )
@@ -139,6 +148,23 @@ def _moe_widths(text: Any, model: torch.nn.Module, experts: list[ExpertTensor]) 
         shared_intermediate_size=shared,
         own_expert_gate=gate is not None and gate.__name__ != "_default_apply_gate",
     )
+
+
+def _extra_norms(layer: torch.nn.Module, text: Any) -> dict[str, Any]:
+    """`extra_norm_elements` and `extra_norm_rows` of one decoder layer: a `q_norm` or `k_norm` as wide as a head
+    normalises every query or key head of a token, any other norm its own width once."""
+    heads = text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    heads_of = {"q_norm": heads, "k_norm": getattr(text, "num_key_value_heads", None) or heads}
+    elements = rows = 0
+    for name, module in layer.named_modules():
+        weight = getattr(module, "weight", None)
+        if not type(module).__name__.endswith("RMSNorm") or not isinstance(weight, torch.Tensor) or weight.dim() != 1:
+            continue
+        width = weight.shape[0]
+        count = heads_of.get(name.rsplit(".", 1)[-1], 1) if width == head_dim else 1
+        elements, rows = elements + count * width, rows + count
+    return dict(extra_norm_elements=max(0, elements - 2 * text.hidden_size), extra_norm_rows=max(0, rows - 2))
 
 
 def _experts_per_token(text: Any) -> int:
