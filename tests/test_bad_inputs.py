@@ -274,6 +274,18 @@ CASES = [
     Case(
         "output-exists", ("train", "recipe.yaml"), ("already exists", "output.overwrite"), make_dir("adapters/crates")
     ),
+    Case(
+        "overwrite-a-project-directory",
+        ("train", "recipe.yaml", "output.dir=project", "output.overwrite=true"),
+        ("project", "no adapter_config.json", "output.dir"),
+        lambda work: (work / "project" / "src").mkdir(parents=True) or (work / "project/src/main.py").write_text("1"),
+    ),  # fmt: skip
+    Case(
+        "overwrite-a-file",
+        ("train", "recipe.yaml", "output.dir=notes.md", "output.overwrite=true"),
+        ("notes.md", "not a directory"),
+        lambda work: (work / "notes.md").write_text("notes"),
+    ),  # fmt: skip
     Case("resume-without-checkpoint", ("train", "recipe.yaml", "--resume"), ("no checkpoint",)),
     Case(
         "resume-truncated-checkpoint",
@@ -369,7 +381,9 @@ def assert_one_line_error(exit_code: int, stderr: str, fragments: tuple[str, ...
 
 
 def assert_nothing_half_written(work: Path, before: set[str]) -> None:
-    new = _listing(work) - before
+    after = _listing(work)
+    assert not before - after, f"bad input deleted: {sorted(before - after)}"
+    new = after - before
     half = [p for p in new if ".partial-" in p or ".tmp" in p or p.startswith(("adapters/", "merged", "m/"))]
     assert not half, f"left behind: {sorted(half)}"
 

@@ -137,6 +137,32 @@ def test_resume_ends_with_the_same_adapter_bit_for_bit(workdir):
         assert torch.equal(expected[name], actual[name]), name
 
 
+def test_a_fresh_run_never_mixes_with_an_earlier_runs_checkpoints_and_metrics(workdir):
+    """Killed after step 3 and started again without --resume: refused, since a later --resume would continue the
+    older run; with output.overwrite the old checkpoints and metrics go, and the new run's --resume resumes it. A
+    resumed run's metrics.jsonl holds each step once, whatever the killed run wrote after its last checkpoint."""
+    overrides = ["train.save_every_steps=3", "train.keep_checkpoints=5", "train.log_every_steps=1"]
+    train("recipe.yaml", overrides)
+    shutil.rmtree("adapters/crates")  # as if killed before the adapter was written
+    with pytest.raises(FinetuneError, match="earlier run's checkpoints.*--resume.*output.overwrite"):
+        train("recipe.yaml", overrides)
+    Path("runs/crates/checkpoint-000006/marker").write_text("the older run's")
+    train("recipe.yaml", [*overrides, "output.overwrite=true"])
+    assert not Path("runs/crates/checkpoint-000006/marker").exists()
+    lines = [json.loads(line) for line in Path("runs/crates/metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in lines if "loss" in m] == [1, 2, 3, 4, 5, 6]
+    # As if killed after logging step 6 and half a line more, before its checkpoint: resume from step 3.
+    shutil.rmtree("runs/crates/checkpoint-000006")
+    shutil.rmtree("adapters/crates")
+    with open("runs/crates/metrics.jsonl", "a") as log:
+        log.write('{"step": 7, "lo')
+    _, metrics = train("recipe.yaml", overrides, resume=True)
+    assert metrics["step"] == 6
+    lines = [json.loads(line) for line in Path("runs/crates/metrics.jsonl").read_text().splitlines()]
+    trained = [m["step"] for m in lines if "loss" in m]
+    assert trained == [1, 2, 3, 4, 5, 6], trained
+
+
 def test_resume_refuses_a_checkpoint_of_another_recipe_naming_the_setting(workdir):
     train("recipe.yaml", ["train.max_steps=2", "train.save_every_steps=1"])
     with pytest.raises(CheckpointError, match="different recipe") as caught:
@@ -215,7 +241,13 @@ def test_existing_adapter_is_not_overwritten_unless_asked(workdir):
     with pytest.raises(RecipeError, match="already exists"):
         train("recipe.yaml")
     assert (Path("adapters/crates") / "keep.txt").read_text() == "mine"
-    train("recipe.yaml", ["output.overwrite=true", "train.max_steps=1"])
+    with pytest.raises(RecipeError, match="no adapter_config.json; output.overwrite replaces adapters only"):
+        train("recipe.yaml", ["output.overwrite=true", "train.max_steps=1"])  # not an adapter: never deleted
+    assert (Path("adapters/crates") / "keep.txt").read_text() == "mine"
+    (Path("adapters/crates") / "keep.txt").unlink()
+    train("recipe.yaml", ["output.overwrite=true", "train.max_steps=1"])  # an empty directory may be replaced
+    (Path("adapters/crates") / "keep.txt").write_text("beside an adapter")
+    train("recipe.yaml", ["output.overwrite=true", "train.max_steps=1"])  # an adapter is replaced whole
     assert (Path("adapters/crates") / "adapter_model.safetensors").exists()
     assert not (Path("adapters/crates") / "keep.txt").exists()
 

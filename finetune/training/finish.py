@@ -25,7 +25,7 @@ from finetune.manifest import build_manifest, write_manifest
 from finetune.recipe import recipe_to_dict
 from finetune.report.runs import perplexity_change
 from finetune.training.objectives.base import describe_rewards
-from finetune.training.run import TrainingRun
+from finetune.training.run import TrainingRun, check_output_free
 
 
 def summary_metrics(run: TrainingRun, last: dict[str, float], say: Callable[[str], None]) -> dict[str, Any]:
@@ -79,6 +79,7 @@ def write_adapter(run: TrainingRun, metrics: dict[str, Any], weights: dict[str, 
         distributed=dataclasses.asdict(run.distributed),
     )
     adapter_dir = recipe.output.adapter_dir
+    check_output_free(recipe)  # again: on --resume it was not checked at the start, and the place may have changed
     hint = "choose another output.name, or set output.overwrite=true"
     with atomic_directory(adapter_dir, replace=recipe.output.overwrite, error=OutputError, hint=hint) as staging:
         run.peft_model.save_pretrained(

@@ -46,6 +46,25 @@ def format_seconds(seconds: float) -> str:
     return f"{minutes}m{seconds:02d}s" if minutes else f"{seconds}s"
 
 
+def _drop_records_after(path: Path, step: int) -> None:
+    """Keep the records of `path` up to `step`: a run resumed from a checkpoint at `step` writes the later steps
+    again, and a run killed after its last checkpoint had written some of them already."""
+    if not path.exists():
+        return
+    lines = path.read_text().splitlines(keepends=True)
+    kept = [line for line in lines if _step_of(line) is not None and _step_of(line) <= step]  # type: ignore[operator]
+    if len(kept) != len(lines):
+        path.write_text("".join(kept))
+
+
+def _step_of(line: str) -> int | None:
+    """The step of one metrics.jsonl line; None for a line a killed process left half-written."""
+    try:
+        return int(json.loads(line)["step"])
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
 class TrainingLog:
     """metrics.jsonl in the run directory (each record also to `record`: the trackers), and a console line
     or bar, every N steps.
@@ -71,6 +90,7 @@ class TrainingLog:
         self._record = record
         if run_dir is not None:
             run_dir.mkdir(parents=True, exist_ok=True)
+            _drop_records_after(run_dir / "metrics.jsonl", first_step)
         self._start = (time.perf_counter(), first_step)
         self._last = (0.0, 0)  # (elapsed_s, tokens_seen) at the previous write
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import os
+import shutil
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -142,10 +143,22 @@ def make_scheduler(recipe: Recipe, optimizer: torch.optim.Optimizer, length: Run
 
 
 def check_output_free(recipe: Recipe) -> None:
+    """The adapter directory is free, or `output.overwrite` may replace it: only an adapter (or an empty directory)
+    is replaced, never another directory or a file that `output.dir` happens to name."""
     adapter_dir = recipe.output.adapter_dir
-    if adapter_dir.exists() and not recipe.output.overwrite:
+    if not adapter_dir.exists() and not adapter_dir.is_symlink():
+        return
+    if not recipe.output.overwrite:
         raise RecipeError(
             f"output: {adapter_dir} already exists; choose another output.name, or set output.overwrite=true"
+        )
+    if adapter_dir.is_symlink() or not adapter_dir.is_dir():
+        raise RecipeError(f"output: {adapter_dir} is not a directory; output.overwrite replaces adapters only: "
+                          "choose another output.dir")  # fmt: skip
+    if any(adapter_dir.iterdir()) and not (adapter_dir / "adapter_config.json").is_file():
+        raise RecipeError(
+            f"output: {adapter_dir} holds files but no adapter_config.json; output.overwrite replaces adapters only "
+            "(it would delete that directory): choose another output.dir"
         )
 
 
@@ -317,11 +330,35 @@ def _fit_to_device(recipe: Recipe, model: Any, device: torch.device, checkpointe
     return compiled, choose_attention(recipe.train.varlen_attention, model, device, say)
 
 
+RUN_FILES = ("metrics.jsonl", "report.html", "plots", "tensorboard")
+"""What a run writes into its run directory besides its checkpoints."""
+
+
+def start_run_dir_afresh(recipe: Recipe) -> None:
+    """A fresh run (no --resume) must not mix with an earlier run's checkpoints and metrics in its run directory: a
+    later --resume would continue the older run. They are deleted with `output.overwrite`, otherwise refused."""
+    run_dir = recipe.output.run_path
+    earlier = ckpt.list_checkpoints(run_dir) + [run_dir / name for name in RUN_FILES if (run_dir / name).exists()]
+    if not earlier:
+        return
+    if not recipe.output.overwrite:
+        raise RecipeError(
+            f"output: {run_dir} holds an earlier run's checkpoints or metrics; continue it with --resume, or set "
+            "output.overwrite=true to start over (they are deleted)"
+        )
+    for path in earlier:  # every process may get here: another may have deleted it already
+        if path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+
+
 def start_run(recipe: Recipe, *, resume: bool, say: Say) -> TrainingRun:
     """Build everything the loop needs; with `resume`, continue from the newest checkpoint."""
     recipe = recipe.for_device("cuda" if torch.cuda.is_available() else "cpu")
     if not resume:
         check_output_free(recipe)
+        start_run_dir_afresh(recipe)
     resume_from = ckpt.latest_checkpoint(recipe.output.run_path) if resume else None
     if resume and resume_from is None:
         raise CheckpointError(
