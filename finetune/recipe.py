@@ -905,7 +905,10 @@ def load_recipe(path: str | Path | Recipe, overrides: list[str] | tuple[str, ...
         overrides: dotted `key=value` strings, e.g. `["train.lr=1e-4", "lora.target_modules=[q_proj,v_proj]"]`.
     """
     if isinstance(path, Recipe):
-        data, source = path.model_dump(), "recipe"
+        data, source = (
+            path.model_dump(exclude_unset=True),
+            "recipe",
+        )  # unset keys stay unset (their defaults may depend)
     else:
         resolved = resolve_recipe_path(str(path))
         data, source = _read_yaml(resolved), str(path)

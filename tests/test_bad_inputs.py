@@ -266,6 +266,11 @@ CASES = [
     ),  # fmt: skip
     Case("info-neither", ("adapters", "info", "folder"), ("neither an adapter",), make_dir("folder")),
     Case(
+        "combine-nan-weight",
+        ("adapters", "combine", ADAPTER, ADAPTER, "--weights", "1,nan", "--out", "c"),
+        ("--weights", "finite"),
+    ),  # fmt: skip
+    Case(
         "subtract-from-a-plain-base",
         ("adapters", "subtract", "--model", "base", "--adapter", "x", "--out", "m"),
         ("x",),
@@ -398,6 +403,24 @@ def test_bad_input_is_one_line_and_exit_2(case, bad_input_workdir, capsys):
     exit_code = main(list(case.argv))
     assert_one_line_error(exit_code, capsys.readouterr().err, case.fragments)
     assert_nothing_half_written(work, before)
+
+
+@pytest.mark.parametrize(
+    ("argv", "fragment"),
+    [(["adapters", "merge", "--base", "b", "--adapter", "a", "--dtype", "int8", "--out", "m"], "--dtype"),
+     (["adapters", "combine", "a", "b", "--method", "svd", "--rank", "-2", "--out", "c"], "--rank: -2 must be"),
+     (["eval", "--adapter", "a", "--data", "d", "--batch-size", "0"], "--batch-size: 0 must be at least 1"),
+     (["eval", "--adapter", "a", "--data", "d", "--max-seq-len", "0"], "--max-seq-len: 0 must be at least 1"),
+     (["generate", "hi", "--max-new-tokens", "-5"], "--max-new-tokens: -5 must be at least 1"),
+     (["generate", "hi", "--temperature", "nan"], "--temperature: nan must be a finite number")],
+    ids=["merge-dtype", "combine-rank", "eval-batch", "eval-seq-len", "generate-tokens", "generate-temperature"],
+)  # fmt: skip
+def test_a_bad_number_or_choice_is_refused_before_anything_loads(argv, fragment, capsys):
+    """argparse's one-line error, exit 2: not a traceback later, nor a model of int8 zeros or a rank-126 adapter."""
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2
+    assert fragment in capsys.readouterr().err.strip().splitlines()[-1]
 
 
 def run_cli(args: list[str], cwd: Path, **popen) -> subprocess.CompletedProcess:

@@ -167,6 +167,22 @@ def test_recipe_object_with_overrides_is_copied(tmp_path):
     assert changed.lora.r == 32 and recipe.lora.r == 8
 
 
+def test_a_recipe_object_reloaded_keeps_what_it_left_unset(tmp_path):
+    """`train(recipe)` reloads a `Recipe` object: a key the recipe did not set must stay unset, or a default that
+    depends on the base turns into a choice (gpt-oss got sdpa, which transformers refuses, instead of eager)."""
+    from finetune.model import attention_for
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt_oss"}))
+    recipe = load_recipe(
+        write(tmp_path, f"model: {{base: {tmp_path}}}\ndata: {{train: x.jsonl}}\noutput: {{name: a}}\n")
+    )
+    for again in (load_recipe(recipe), load_recipe(recipe, ["train.lr=1e-3"])):
+        assert again == recipe.model_copy(update={"train": again.train}) and again.train.lr in (recipe.train.lr, 1e-3)
+        assert attention_for(again.model, str(tmp_path)) == "eager"
+    chosen = load_recipe(recipe, ["model.attn_implementation=sdpa"])
+    assert attention_for(chosen.model, str(tmp_path)) == "sdpa"  # chosen: kept, and transformers says why it fails
+
+
 def _all_recipe_files() -> list[Path]:
     return sorted((REPO / "recipes").rglob("*.yaml")) + sorted((REPO / "recipes").rglob("*.yml"))
 

@@ -50,6 +50,8 @@ def parse_weights(text: str | None, count: int) -> list[float]:
         raise AdapterError(f"--weights {text!r} is not a comma-separated list of numbers, e.g. 1,-0.5") from None
     if len(weights) != count:
         raise AdapterError(f"--weights has {len(weights)} values for {count} adapters; give one per adapter")
+    if not all(math.isfinite(weight) for weight in weights):
+        raise AdapterError(f"--weights {text!r}: every weight must be a finite number, e.g. 1,-0.5")
     return weights
 
 

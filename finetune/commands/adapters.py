@@ -19,6 +19,7 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
+from finetune.commands.numbers import positive_int
 from finetune.errors import AdapterWarning
 
 
@@ -86,7 +87,12 @@ def _register_merge(sub: argparse._SubParsersAction) -> None:
         help="adapter dir, optional weight (repeat)",
     )
     merge.add_argument("--out", required=True, help="output directory (must not exist)")
-    merge.add_argument("--dtype", default=None, help="write tensors as float32|bfloat16|float16 (default: as stored)")
+    merge.add_argument(
+        "--dtype",
+        default=None,
+        choices=("float32", "bfloat16", "float16"),
+        help="write tensors as (default: as stored)",
+    )
     merge.add_argument(
         "--quantization",
         default=None,
@@ -131,7 +137,7 @@ def _register_combine(sub: argparse._SubParsersAction) -> None:
     combine.add_argument("--weights", default=None, help="comma-separated, e.g. 1,-0.5 (default: all 1)")
     combine.add_argument("--method", default="cat", choices=["cat", "svd", "ties", "dare"])
     combine.add_argument(
-        "--rank", type=int, default=None, help="rank of svd/ties/dare results (default: max input rank)"
+        "--rank", type=positive_int, default=None, help="rank of svd/ties/dare results (default: max input rank)"
     )
     combine.add_argument("--density", type=float, default=0.5, help="fraction kept by ties/dare (default 0.5)")
     combine.add_argument("--seed", type=int, default=0, help="dare's random drop seed")

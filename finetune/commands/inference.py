@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 
+from finetune.commands.numbers import non_negative_float, positive_int
 from finetune.errors import FinetuneError
 
 ADAPTER_NAME = "adapter"
@@ -34,16 +35,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     _add_model_arguments(evaluate)
     evaluate.add_argument("--data", required=True, help="a .jsonl/.json/.csv/.parquet/.txt file or saved dataset")
     evaluate.add_argument("--format", default="text", choices=["text", "instruction", "chat"])
-    evaluate.add_argument("--max-seq-len", type=int, default=1024)
-    evaluate.add_argument("--batch-size", type=int, default=8)
+    evaluate.add_argument("--max-seq-len", type=positive_int, default=1024)
+    evaluate.add_argument("--batch-size", type=positive_int, default=8)
     evaluate.set_defaults(handler=run_eval)
 
     generate = subparsers.add_parser("generate", help="continue a prompt with a base (and adapter)")
     _add_model_arguments(generate)
     generate.add_argument("prompt", help="the prompt text")
     generate.add_argument("--chat", action="store_true", help="wrap the prompt as a user turn of the chat template")
-    generate.add_argument("--max-new-tokens", type=int, default=64)
-    generate.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    generate.add_argument("--max-new-tokens", type=positive_int, default=64)
+    generate.add_argument("--temperature", type=non_negative_float, default=0.0, help="0 = greedy")
     generate.add_argument("--seed", type=int, default=0)
     generate.set_defaults(handler=run_generate)
 

@@ -1,0 +1,30 @@
+"""argparse types for the numbers the commands take: a bad value is argparse's one-line error (exit 2), before any
+model loads, instead of a traceback or a silent nonsense result later (a batch of 0, a rank of -2, a temperature
+of nan)."""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+
+def positive_int(text: str) -> int:
+    """An integer of at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be at least 1")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    """A finite number of at least 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"{text} must be a finite number of at least 0")
+    return value
