@@ -246,6 +246,25 @@ def layer_activation_bytes_per_token(
     d, i = shape.hidden_size, shape.intermediate_size
     quantized = recipe.model.quantization != "none"
     compiled = recipe.train.compiles(device, quantized)
+    per_token, mlp = _dense_bytes_per_token(recipe, d, i, device, compiled=compiled, quantized=quantized)
+    if shape.moe_layers:
+        dense_layers = shape.num_layers - shape.moe_layers
+        experts = expert_activation_bytes_per_token(recipe, shape)
+        mlp = (shape.moe_layers * experts + dense_layers * mlp) / shape.num_layers
+    per_token += mlp + shape.extra_norm_elements * _compute_bytes(recipe) + 4 * shape.extra_norm_rows
+    if recipe.model.attn_implementation == "eager":
+        score_bytes = 4 + _compute_bytes(recipe) * (2 if shape.softcapped_attention else 1)
+        per_token += shape.num_heads * tokens_per_row * score_bytes
+    elif device == "cpu":  # the CPU's SDPA kernel keeps the document mask, made additive, in each layer
+        per_token += tokens_per_row * _compute_bytes(recipe)
+    return per_token
+
+
+def _dense_bytes_per_token(
+    recipe: Recipe, d: int, i: int, device: Literal["cpu", "cuda"], *, compiled: bool, quantized: bool
+) -> tuple[float, float]:
+    """(hidden-width share, MLP share) of a Llama-style dense layer's bytes per token: the coefficients of
+    `layer_activation_bytes_per_token`'s docstring."""
     dropout = recipe.lora.dropout > 0 and not compiled
     lean_norms = 0 if compiled else 1
     lean_mlp = 0 if compiled or quantized else 1  # the lean gated MLP needs plain weights
@@ -265,17 +284,7 @@ def layer_activation_bytes_per_token(
             per_token, mlp = (
                 (per_token + 24 * d + extra, mlp + 4 * i) if device == "cuda" else (per_token + 6 * d + extra, mlp + i)
             )
-    if shape.moe_layers:
-        dense_layers = shape.num_layers - shape.moe_layers
-        experts = expert_activation_bytes_per_token(recipe, shape)
-        mlp = (shape.moe_layers * experts + dense_layers * mlp) / shape.num_layers
-    per_token += mlp + shape.extra_norm_elements * _compute_bytes(recipe) + 4 * shape.extra_norm_rows
-    if recipe.model.attn_implementation == "eager":
-        score_bytes = 4 + _compute_bytes(recipe) * (2 if shape.softcapped_attention else 1)
-        per_token += shape.num_heads * tokens_per_row * score_bytes
-    elif device == "cpu":  # the CPU's SDPA kernel keeps the document mask, made additive, in each layer
-        per_token += tokens_per_row * _compute_bytes(recipe)
-    return per_token
+    return per_token, mlp
 
 
 def expert_activation_bytes_per_token(recipe: Recipe, shape: ModelShape) -> float:

@@ -336,7 +336,9 @@ RUN_FILES = ("metrics.jsonl", "report.html", "plots", "tensorboard")
 
 def start_run_dir_afresh(recipe: Recipe) -> None:
     """A fresh run (no --resume) must not mix with an earlier run's checkpoints and metrics in its run directory: a
-    later --resume would continue the older run. They are deleted with `output.overwrite`, otherwise refused."""
+    later --resume would continue the older run. They are deleted with `output.overwrite`, otherwise refused. The
+    adapter directory is checked first (`check_output_free`)."""
+    check_output_free(recipe)
     run_dir = recipe.output.run_path
     earlier = ckpt.list_checkpoints(run_dir) + [run_dir / name for name in RUN_FILES if (run_dir / name).exists()]
     if not earlier:
@@ -357,7 +359,6 @@ def start_run(recipe: Recipe, *, resume: bool, say: Say) -> TrainingRun:
     """Build everything the loop needs; with `resume`, continue from the newest checkpoint."""
     recipe = recipe.for_device("cuda" if torch.cuda.is_available() else "cpu")
     if not resume:
-        check_output_free(recipe)
         start_run_dir_afresh(recipe)
     resume_from = ckpt.latest_checkpoint(recipe.output.run_path) if resume else None
     if resume and resume_from is None:
