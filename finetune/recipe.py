@@ -905,10 +905,8 @@ def load_recipe(path: str | Path | Recipe, overrides: list[str] | tuple[str, ...
         overrides: dotted `key=value` strings, e.g. `["train.lr=1e-4", "lora.target_modules=[q_proj,v_proj]"]`.
     """
     if isinstance(path, Recipe):
-        data, source = (
-            path.model_dump(exclude_unset=True),
-            "recipe",
-        )  # unset keys stay unset (their defaults may depend)
+        # unset keys stay unset: a default may depend on the base (`finetune.model.attention_for`)
+        data, source = path.model_dump(exclude_unset=True), "recipe"
     else:
         resolved = resolve_recipe_path(str(path))
         data, source = _read_yaml(resolved), str(path)

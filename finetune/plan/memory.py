@@ -225,7 +225,8 @@ def layer_activation_bytes_per_token(
     - a 16-bit base under bf16/fp16 autocast: 25.7·d + 8.2·i (RMSNorm keeps its float32 input and output);
     - a 16-bit base without autocast: 37·d + 10·i (peft casts each LoRA input to the float32 LoRA weights).
     Under autocast training turns that cast off (`finetune.model._UnlessAutocast`): traced since, an eager layer
-    without LoRA dropout keeps 19.7·d + 8.2·i (three (d, i), within 2%), and with dropout what it kept before.
+    without LoRA dropout keeps 19.7·d + 8.2·i (three (d, i), within 2%), and with dropout what it kept before,
+    each layer's dropped copy taking the place of the cast one (counted 2·d higher than before: the trace's figure).
     Training's lean RMSNorm and gated MLP (`finetune.training.lean_activations`, eager layers only) keep less:
     traced the same way, 4·i less in float32 (the SiLU's output), 6·d + 2·i less in 16 bits (the norms' float32
     copies of their inputs, and the SiLU's output); a quantized MLP keeps its own forward, so there only the
