@@ -41,7 +41,7 @@ _BYTES_PER_READ = 64 << 20  # hash big tensors in slices of rows so no tensor is
 _memory_cache: dict[tuple[str, int, int], dict[str, list]] = {}
 
 # peft's wrappers: the base weight of a LoRA layer, and the original of a `modules_to_save` module.
-_PEFT_BASE_NAME = re.compile(r"\.(base_layer|original_module)\.")
+_PEFT_BASE_NAME = re.compile(r"(?:\.(?:base_layer|original_module))+\.")  # nested: one wrapper per expert tensor
 
 
 def _cache_dir() -> Path:

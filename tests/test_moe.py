@@ -150,6 +150,12 @@ def test_on_disk_merge_subtract_and_swap_are_exact(moe_base, tmp_path):
     m.merge("one")
     m.save_merged(tmp_path / "memory_a")
     assert_tensors_equal(read_tensors(tmp_path / "memory_a"), written)
+    used = finetune.load_model(str(base_dir), {"one": str(a)}, dtype="float32")
+    used.use("one")  # peft wraps the experts for the unmerged forward; they stay wrapped after
+    used.use(None)
+    used.merge("one")
+    used.save_merged(tmp_path / "memory_used")
+    assert_tensors_equal(read_tensors(tmp_path / "memory_used"), written)  # not `experts.base_layer.*` names
     experts = [name for name in stored if "experts" in name and not name.endswith("bias")]
     assert experts and all(not torch.equal(stored[n], written[n]) for n in experts)
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "merged_a", dtype=torch.float32)
