@@ -81,14 +81,49 @@ def test_reward_functions_called_as_trl_calls_them(tmp_path, monkeypatch):
         ("rewards.py:missing", "defines no function 'missing'"),
         ("nofile.py:f", "no file nofile.py"),
         ("bogus", "neither `path/to/file.py:function` nor a built-in"),
+        ("rewards.py:huge", "returned 1e\\+300 .* beyond float32's range"),
+        ("regex(pattern='[')", "unterminated character set .*fix the argument"),
+        ("exact_match(colum=answer)", "exact_match takes no argument colum; it takes column"),
+        ("length(target=0)", "length's target must be a whole number"),
     ],
-    ids=["raises", "count", "not-a-number", "no-function", "no-file", "unknown"],
+    ids=[
+        "raises",
+        "count",
+        "not-a-number",
+        "no-function",
+        "no-file",
+        "unknown",
+        "beyond-float32",
+        "bad-pattern",
+        "unknown-argument",
+        "zero-target",
+    ],
 )
 def test_reward_function_errors_name_it(tmp_path, monkeypatch, entry, message):
     monkeypatch.chdir(tmp_path)
     write_rewards(tmp_path)
     with pytest.raises(RewardError, match=message):
         _score([entry])
+
+
+def test_a_numpy_array_of_rewards_is_taken_as_trl_takes_it(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    write_rewards(tmp_path)
+    torch.testing.assert_close(_score(["rewards.py:array"]), torch.tensor([[0.0], [0.5]]))
+
+
+def test_a_bad_reward_function_fails_validate_and_train_before_the_model_loads(
+    tmp_path, tiny_base_dir, capsys, monkeypatch
+):
+    """`finetune validate` loads the recipe's reward functions; `finetune train` does before anything else."""
+    from finetune.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    recipe = write_grpo_run(tmp_path, tiny_base_dir, "nofile.py:f")
+    for command in ("validate", "train"):
+        assert main([command, str(recipe)]) == 2
+        assert "no file nofile.py" in capsys.readouterr().err
+    assert not (tmp_path / "runs").exists()
 
 
 def test_advantages_as_trl_computes_them():

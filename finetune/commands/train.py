@@ -7,6 +7,7 @@ Example:
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 from finetune.errors import FinetuneError
 
@@ -66,6 +67,7 @@ def run_train(args: argparse.Namespace) -> int:
 
     import os
 
+    check_reward_functions(recipe)
     from finetune.training.loop import train
 
     adapter_dir, _ = train(recipe, resume=args.resume)
@@ -73,6 +75,15 @@ def run_train(args: argparse.Namespace) -> int:
         print(f"adapter: {adapter_dir}")
     _leave_process_group()
     return 0
+
+
+def check_reward_functions(recipe: Any) -> None:
+    """A GRPO recipe's reward functions load (files, functions, built-ins' arguments): a bad one fails in one line
+    before the model and data load, not minutes later."""
+    if recipe.train.objective == "grpo":
+        from finetune.training.rewards import load_reward_functions
+
+        load_reward_functions(recipe.train.reward_functions or [])
 
 
 def _cuda_available() -> bool:
@@ -96,5 +107,6 @@ def run_validate(args: argparse.Namespace) -> int:
     from finetune.recipe import load_recipe
 
     recipe = load_recipe(args.recipe, args.overrides)
+    check_reward_functions(recipe)
     print(f"{args.recipe}: ok (adapter {recipe.output.adapter_dir}, {recipe.data.format} data, LoRA r={recipe.lora.r})")
     return 0

@@ -68,7 +68,7 @@ def load_reward_functions(entries: Sequence[str]) -> list[RewardFunction]:
 def _load(entry: str) -> Callable[..., Any]:
     builtin = re.fullmatch(r"(\w+)(?:\((.*)\))?", entry.strip(), flags=re.DOTALL)
     if builtin is not None and builtin.group(1) in BUILTINS:
-        return BUILTINS[builtin.group(1)](**_arguments(entry, builtin.group(2) or ""))
+        return _builtin(entry, builtin.group(1), _arguments(entry, builtin.group(2) or ""))
     path_text, sep, function_name = entry.rpartition(":")
     if not sep or not path_text.endswith(".py"):
         raise RewardError(
@@ -78,15 +78,7 @@ def _load(entry: str) -> Callable[..., Any]:
     path = Path(path_text)
     if not path.is_file():
         raise RewardError(f"train.reward_functions: {entry!r}: no file {path} (paths are relative to {Path.cwd()})")
-    module_name = f"finetune_reward_{abs(hash(str(path.resolve())))}"
-    spec = importlib.util.spec_from_file_location(module_name, path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[module_name] = module  # dataclasses and pickling inside the file find their module
-    try:
-        spec.loader.exec_module(module)
-    except Exception as exc:
-        raise RewardError(f"train.reward_functions: importing {path} raised {type(exc).__name__}: {exc}") from None
+    module = _import_file(path)
     function = getattr(module, function_name, None)
     if not callable(function):
         defined = [name for name, value in vars(module).items() if inspect.isfunction(value)]
@@ -95,6 +87,25 @@ def _load(entry: str) -> Callable[..., Any]:
             f"{', '.join(defined) or 'none'})"
         )
     return function
+
+
+def _import_file(path: Path) -> Any:
+    """The module of a reward file, imported once per version of the file: the CLI checks the recipe's rewards
+    before the model loads, and the objective takes the same functions, without running the file twice."""
+    stat = path.stat()
+    module_name = f"finetune_reward_{abs(hash(str(path.resolve())))}_{stat.st_mtime_ns}_{stat.st_size}"
+    if module_name in sys.modules:
+        return sys.modules[module_name]
+    spec = importlib.util.spec_from_file_location(module_name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module  # dataclasses and pickling inside the file find their module
+    try:
+        spec.loader.exec_module(module)
+    except Exception as exc:
+        del sys.modules[module_name]
+        raise RewardError(f"train.reward_functions: importing {path} raised {type(exc).__name__}: {exc}") from None
+    return module
 
 
 def _arguments(entry: str, text: str) -> dict[str, Any]:
@@ -131,6 +142,22 @@ def _text(completion: Any) -> str:
     if isinstance(completion, list):
         return "".join(str(message.get("content") or "") for message in completion)
     return str(completion)
+
+
+def _builtin(entry: str, name: str, arguments: dict[str, Any]) -> Callable[..., Any]:
+    """A built-in reward with the recipe's arguments: a wrong name or value is the recipe's to fix, in one line."""
+    factory = BUILTINS[name]
+    accepted = list(inspect.signature(factory).parameters)
+    unknown = sorted(set(arguments) - set(accepted))
+    if unknown:
+        raise RewardError(
+            f"train.reward_functions: {entry!r}: {name} takes no argument {', '.join(unknown)}; it takes "
+            f"{', '.join(accepted)}"
+        )
+    try:
+        return factory(**arguments)
+    except (TypeError, ValueError, re.error) as exc:
+        raise RewardError(f"train.reward_functions: {entry!r}: {exc}; fix the argument") from None
 
 
 def exact_match(column: str = "answer") -> Callable[..., list[float]]:
@@ -172,6 +199,9 @@ def regex(pattern: str) -> Callable[..., list[float]]:
 
 
 def length(target: int = 64) -> Callable[..., list[float]]:
+    if not isinstance(target, int) or target < 1:
+        raise ValueError(f"length's target must be a whole number of characters, at least 1 (got {target!r})")
+
     def reward(completions: list[Any], **_: Any) -> list[float]:
         return [-abs(len(_text(c)) - target) / target for c in completions]
 
@@ -219,6 +249,8 @@ def score(
                 f"reward function {reward.name} raised {type(exc).__name__}: {exc} (on a batch of prompts starting "
                 f"at {records[0]}); fix the function"
             ) from None
+        if hasattr(values, "tolist") and getattr(values, "ndim", None) == 1:  # a numpy array, as trl accepts
+            values = values.tolist()
         values = list(values) if isinstance(values, (list, tuple, torch.Tensor)) else values
         if not isinstance(values, list) or len(values) != len(completions):
             got = f"{len(values)} values" if isinstance(values, list) else f"a {type(values).__name__}"
@@ -241,7 +273,15 @@ def _number(name: str, value: Any, record: str) -> float:
             f"reward function {name} returned {value!r} for a completion of {record}; return a finite float "
             "(or None) per completion"
         )
+    if abs(float(value)) > FLOAT32_MAX:  # rewards are float32 tensors: this one would be inf there
+        raise RewardError(
+            f"reward function {name} returned {value!r} for a completion of {record}, beyond float32's range "
+            f"(±{FLOAT32_MAX:.3g}); scale the rewards down"
+        )
     return float(value)
+
+
+FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 
 
 def _ignore(*args: Any, **kwargs: Any) -> None:
