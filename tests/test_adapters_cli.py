@@ -86,6 +86,20 @@ def test_list_and_info_show_the_store(tmp_path, adapter_dirs, capsys):
     assert run("info", "med", "--store", store) == 0
     info = capsys.readouterr().out
     assert "adapter: med" in info and "rank: 8  alpha: 16" in info and "sha256:" in info
+    assert run("list", store, "--json") == 0
+    listed = json.loads(capsys.readouterr().out)
+    assert [(a["name"], a["rank"]) for a in listed] == [("legal", "4"), ("med", "8")] and listed[0]["size_bytes"] > 0
+    # One broken adapter is a row saying what is wrong with it; the rest of the store is still listed.
+    shutil.copytree(adapter_dirs["med"], store / "broken")
+    (store / "broken" / "adapter_model.safetensors").write_bytes(b"x" * 100)
+    assert run("list", store) == 0
+    rows = capsys.readouterr().out.splitlines()
+    assert [row.split()[0] for row in rows[1:]] == ["broken", "legal", "med"] and "unreadable:" in rows[1]
+    config = json.loads((store / "med" / "adapter_config.json").read_text())
+    config["target_parameters"] = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]  # a mixture of experts'
+    (store / "med" / "adapter_config.json").write_text(json.dumps(config))
+    assert run("list", store) == 0
+    assert "down_proj,o_proj,q_proj,experts.down_proj,experts.gate_up_proj" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize(

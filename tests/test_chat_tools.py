@@ -256,6 +256,10 @@ BAD_RECORDS = [
      r"messages\[2\]\.tool_calls\[0\]: the arguments of 'get_weather' are not valid JSON"),
     ("a result for another call", lambda m: m[3].update(tool_call_id="call00002"),
      r"messages\[3\] answers tool_call_id 'call00002'"),
+    ("a null reply with no call", lambda m: m[4].update(content=None),
+     r"messages\[4\]\.content is None on an assistant turn that calls no tools"),
+    ("a missing reply", lambda m: m[4].pop("content"),
+     r"messages\[4\]\.content is missing on an assistant turn that calls no tools"),
 ]  # fmt: skip
 
 

@@ -139,6 +139,17 @@ def test_router_lora_merges_as_peft_does_and_subtracts_exactly(moe_base, tmp_pat
     assert_tensors_equal(base, {n: m.model.get_submodule(n).weight for n in names})
 
 
+def test_adapters_on_other_expert_targets_are_refused_side_by_side_in_one_line(moe_base, tmp_path):
+    """peft holds adapters unmerged side by side only where they target the same expert tensors and routers."""
+    family, base_dir = moe_base
+    plain = moe_adapter(base_dir, tmp_path / "plain", seed=1)
+    routed = moe_adapter(base_dir, tmp_path / "routed", seed=2, train_router=True)
+    m = finetune.load_model(str(base_dir), {"plain": str(plain), "routed": str(routed)}, dtype="float32")
+    m.use("plain")
+    with pytest.raises(AdapterError, match="'routed' puts LoRA on other expert tensors or routers .*merge it"):
+        m.use("routed")
+
+
 def test_on_disk_merge_subtract_and_swap_are_exact(moe_base, tmp_path):
     family, base_dir = moe_base
     a = moe_adapter(base_dir, tmp_path / "one", seed=1)
@@ -215,7 +226,7 @@ def test_combine_cat_equals_the_weighted_sum_and_other_methods_are_refused(moe_b
         )
     with pytest.raises(AdapterError, match="use --method cat"):
         combine_adapters([one, two], tmp_path / "svd", method="svd")
-    with pytest.raises(ExportError, match="not supported"):
+    with pytest.raises(ExportError, match="dense LlamaForCausalLM and MistralForCausalLM bases only.*finetune serve"):
         export_lora_gguf(one, tmp_path / "one.gguf")
     m.subtract("both")
 

@@ -359,7 +359,16 @@ class LoadedModel:
                 _tuner(self._peft).disable_adapter_layers()  # attached, not in use: forwards stay the base's
                 self._per_row = False
             elif name not in self._peft.peft_config:
-                self._peft.load_adapter(str(adapter.path), adapter_name=name, is_trainable=False)
+                try:
+                    self._peft.load_adapter(str(adapter.path), adapter_name=name, is_trainable=False)
+                except ValueError as exc:
+                    if "target_parameters" not in str(exc):
+                        raise
+                    raise AdapterError(
+                        f"adapter {name!r} puts LoRA on other expert tensors or routers than the adapters attached "
+                        f"before it ({', '.join(self._peft.peft_config)}), which peft cannot hold side by side "
+                        "unmerged; merge it (serve --merge, or merge()), or use it in a process of its own"
+                    ) from None
         self._expert_rows.install(self._peft)
 
     def _row_tensor(self, name: str, adapters: tuple[str, ...]) -> torch.Tensor:

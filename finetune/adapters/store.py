@@ -47,14 +47,15 @@ def _rank(config: dict) -> str:
 
 
 def _targets(config: dict, adapter_dir: Path) -> str:
+    """The linear layers' names, then the raw parameters (a mixture of experts' expert tensors, routers) if any."""
     targets = config.get("target_modules")
-    if not targets:
+    parameters = config.get("target_parameters") or []
+    if not targets and not parameters:
         raise AdapterError(
             f"{adapter_dir / CONFIG_NAME} has no target_modules, so it adapts nothing; re-save the adapter with peft"
         )
-    if isinstance(targets, str):
-        return targets
-    return ",".join(sorted({t.rsplit(".", 1)[-1] for t in targets}))
+    modules = [targets] if isinstance(targets, str) else sorted({t.rsplit(".", 1)[-1] for t in targets or []})
+    return ",".join([*modules, *sorted({".".join(p.split(".")[-2:]) for p in parameters})])
 
 
 def _weights_file(adapter_dir: Path) -> Path | None:
@@ -98,7 +99,24 @@ def list_store(store_dir: str | Path) -> list[AdapterSummary]:
     store_dir = Path(store_dir)
     if not store_dir.is_dir():
         raise AdapterError(f"no adapter store at {store_dir}; train an adapter first or pass the store directory")
-    return [summarize(p) for p in sorted(store_dir.iterdir()) if (p / CONFIG_NAME).is_file()]
+    return [_summary_or_problem(p) for p in sorted(store_dir.iterdir()) if (p / CONFIG_NAME).is_file()]
+
+
+def _summary_or_problem(adapter_dir: Path) -> AdapterSummary:
+    """A broken adapter is one row saying what is wrong with it, not an error hiding the rest of the store."""
+    try:
+        return summarize(adapter_dir)
+    except AdapterError as exc:
+        return AdapterSummary(adapter_dir.name, adapter_dir, "?", "?", "?", 0, f"unreadable: {exc}")
+
+
+def as_json(rows: list[AdapterSummary]) -> str:
+    """`finetune adapters list --json`: one object per adapter, the table's columns (size in bytes)."""
+    return json.dumps(
+        [{"name": r.name, "path": str(r.path), "base": r.base, "rank": r.rank, "targets": r.targets,
+          "size_bytes": r.size_bytes, "metrics": r.metrics} for r in rows],
+        indent=2,
+    )  # fmt: skip
 
 
 def _size(size_bytes: float) -> str:

@@ -157,6 +157,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     listing.add_argument(
         "store", nargs="?", default="adapters", help="directory holding adapter dirs (default: adapters)"
     )
+    listing.add_argument("--json", action="store_true", help="a JSON array, one object per adapter")
     listing.set_defaults(handler=_warnings_as_lines(_list))
 
     info = sub.add_parser("info", help="show one adapter or merged model in detail")
@@ -216,9 +217,10 @@ def _combine(args: argparse.Namespace) -> int:
 
 
 def _list(args: argparse.Namespace) -> int:
-    from finetune.adapters.store import format_table, list_store
+    from finetune.adapters.store import as_json, format_table, list_store
 
-    print(format_table(list_store(args.store)))
+    rows = list_store(args.store)
+    print(as_json(rows) if args.json else format_table(rows))
     return 0
 
 

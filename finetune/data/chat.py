@@ -108,7 +108,9 @@ def _message(message: Any, at: str) -> dict[str, Any]:
         raise DataError(f"{at}.role must be one of {', '.join(_ROLES)} (or ipython), got {role!r}; fix the record")
     content = message.get("content")
     if content is None and role != "assistant" and role != "tool":
-        raise DataError(f"{at}.content must be a string, got {'missing' if 'content' not in message else 'None'}")
+        raise DataError(
+            f"{at}.content must be a string, got {'missing' if 'content' not in message else 'None'}; fix the record"
+        )
     if role == "tool" and not isinstance(content, str):
         content = "" if content is None else json.dumps(content, ensure_ascii=False)  # a structured result
     if content is not None and not isinstance(content, str):
@@ -132,6 +134,11 @@ def _message(message: Any, at: str) -> dict[str, Any]:
             calls = [message["function_call"]]  # OpenAI's older single-call field
         if calls:
             out["tool_calls"] = [_tool_call(call, f"{at}.tool_calls[{i}]") for i, call in enumerate(_listed(calls))]
+        elif content is None:  # an empty reply would be trained
+            raise DataError(
+                f"{at}.content is {'missing' if 'content' not in message else 'None'} on an assistant turn that calls "
+                "no tools; give the reply's text (null only with tool_calls), or fix the record"
+            )
     for key in ("name", "tool_call_id"):
         if isinstance(message.get(key), str):
             out[key] = message[key]

@@ -21,7 +21,7 @@ from finetune.adapters.resolved_base import resolve_model_dir
 from finetune.errors import ExportError
 from finetune.export.gguf_file import PlannedTensor, file_type, tensor_dtype, write_gguf
 from finetune.export.gguf_model import ExportReport, check_dtype
-from finetune.export.llama_layout import GGUF_ARCH, LlamaLayout, read_layout
+from finetune.export.llama_layout import GGUF_ARCH, SUPPORTED_ARCHITECTURES, LlamaLayout, read_layout
 
 
 def _lora_tensors(adapter, layout: LlamaLayout, alpha: float, dtype: str) -> list[PlannedTensor]:
@@ -72,8 +72,9 @@ def export_lora_gguf(
     adapter = read_adapter(adapter_dir)
     if any(lora.num_experts > 1 for lora in adapter.modules.values()):
         raise ExportError(
-            f"{adapter_dir}: GGUF export of LoRA on mixture-of-experts expert tensors is not supported; merge the "
-            "adapter (finetune adapters merge) and export the merged model instead"
+            f"{adapter_dir}: the adapter updates a mixture of experts' expert tensors; GGUF export takes dense "
+            f"{' and '.join(SUPPORTED_ARCHITECTURES)} bases only, as an adapter or merged, so serve it with "
+            "`finetune serve` (or merge it with `finetune adapters merge` for transformers) instead"
         )
     base_ref = base or adapter.base_path
     if not base_ref:
