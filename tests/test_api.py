@@ -59,10 +59,11 @@ def test_load_model_from_an_adapter_finds_its_base_and_uses_it(tiny_base_dir, ad
 
 
 def test_fingerprint_mismatch_in_memory_names_both_and_force_overrides(
-    tmp_path, tiny_base_dir, tiny_tokenizer, adapter_dirs
+    tmp_path, tiny_base_dir, tiny_tokenizer, adapter_dirs, capsys
 ):
     from helpers import TEST_SHAPE
 
+    from finetune.cli import main
     from finetune.embedded.tiny import build_tiny_llama
 
     other = tmp_path / "other"
@@ -70,9 +71,14 @@ def test_fingerprint_mismatch_in_memory_names_both_and_force_overrides(
     tiny_tokenizer.save_pretrained(other)
     with pytest.raises(AdapterError, match=f"trained on base {tiny_base_dir} \\(sha256:.*\\) but {other} is sha256:"):
         finetune.load_model(str(other), {"legal": str(adapter_dirs["legal"])})
-    with pytest.warns(AdapterWarning, match="forced"):
+    with pytest.warns(AdapterWarning, match=r"but .* is sha256:.*; applied anyway \(--force\)"):
         m = finetune.load_model(str(other), {"legal": str(adapter_dirs["legal"])}, force=True)
     m.merge("legal")
+    capsys.readouterr()
+    assert main(["generate", "--base", str(other), "--adapter", str(adapter_dirs["legal"]), "--force",
+                 "--max-new-tokens", "2", "hi"]) == 0  # fmt: skip
+    (warning,) = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert warning.startswith("warning: adapter 'legal'") and warning.endswith("applied anyway (--force)")
 
 
 def test_save_merged_after_use_writes_base_names_and_the_ledger(tmp_path, tiny_base_dir, adapter_dirs):

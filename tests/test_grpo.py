@@ -40,8 +40,20 @@ def _recipe_file(tmp_path: Path, base_dir: Path) -> Path:
         (["train.reward_functions=[a.py:f]", "train.num_generations=1"], "num_generations"),
         (["train.objective=sft"], "data.format prompt needs objective grpo"),
         (["train.objective=dpo", "data.format=preference", "train.num_generations=4"], "num_generations applies to"),
+        (["train.reward_functions=[a.py:f]", "train.reward_weights=[.nan]"], "give finite weights"),
+        (["train.reward_functions=[a.py:f]", "train.reward_weights=[1.0e+40]"], "give finite weights"),
+        (["train.reward_functions=[a.py:f]", "train.temperature=.inf"], "finite sampling temperature"),
     ],
-    ids=["no-rewards", "weights", "one-generation", "prompt-with-sft", "setting-of-another-objective"],
+    ids=[
+        "no-rewards",
+        "weights",
+        "one-generation",
+        "prompt-with-sft",
+        "setting-of-another-objective",
+        "nan-weight",
+        "huge-weight",
+        "infinite-temperature",
+    ],
 )
 def test_recipe_refuses(tmp_path, tiny_base_dir, overrides, message):
     with pytest.raises(RecipeError, match=message):

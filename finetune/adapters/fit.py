@@ -59,9 +59,8 @@ def check_fingerprint(adapter: Adapter, base_fingerprint: str | None, base_where
     assert adapter.manifest is not None  # it holds the base fingerprint
     message = (
         f"adapter {adapter.name!r} ({adapter.path}) was trained on base {adapter.manifest.base.path} "
-        f"({adapter.base_fingerprint}) but {base_where} is {base_fingerprint}; use the right base or pass --force "
-        "(force=True)"
+        f"({adapter.base_fingerprint}) but {base_where} is {base_fingerprint}"
     )
     if not force:
-        raise AdapterError(message)
-    warnings.warn("forced: " + message, AdapterWarning, stacklevel=3)
+        raise AdapterError(message + "; use the right base or pass --force (force=True)")
+    warnings.warn(f"{message}; applied anyway (--force)", AdapterWarning, stacklevel=3)

@@ -12,15 +12,11 @@ Example:
 from __future__ import annotations
 
 import argparse
-import functools
 import math
-import sys
-import warnings
-from collections.abc import Callable
 from typing import Any
 
 from finetune.commands.numbers import positive_int
-from finetune.errors import AdapterWarning
+from finetune.commands.warning_lines import warnings_as_lines
 
 
 def parse_adapter_spec(spec: str):
@@ -38,27 +34,6 @@ def parse_adapter_spec(spec: str):
             raise AdapterError(f"adapter {spec!r}: weight {tail!r} is not a finite number; write e.g. {ref}:0.5")
         return AdapterSpec(ref, weight)
     return AdapterSpec(spec)
-
-
-def _warnings_as_lines(handler: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
-    """Print `AdapterWarning`s as one `warning: ...` line each (like errors), other warnings as usual."""
-
-    @functools.wraps(handler)
-    def wrapped(args: argparse.Namespace) -> int:
-        default_show = warnings.showwarning
-
-        def show(message, category, filename, lineno, file=None, line=None):
-            if issubclass(category, AdapterWarning):
-                print(f"warning: {message}", file=sys.stderr)
-            else:
-                default_show(message, category, filename, lineno, file, line)
-
-        with warnings.catch_warnings():
-            warnings.filterwarnings("default", category=AdapterWarning)  # part of the output, like errors
-            warnings.showwarning = show
-            return handler(args)
-
-    return wrapped
 
 
 def _add_arithmetic_flags(parser: argparse.ArgumentParser) -> None:
@@ -106,7 +81,7 @@ def _register_merge(sub: argparse._SubParsersAction) -> None:
         help="write the merged model quantized like the base, printing the error added",
     )
     _add_arithmetic_flags(merge)
-    merge.set_defaults(handler=_warnings_as_lines(_merge))
+    merge.set_defaults(handler=warnings_as_lines(_merge))
 
 
 def _register_subtract_and_swap(sub: argparse._SubParsersAction) -> None:
@@ -119,7 +94,7 @@ def _register_subtract_and_swap(sub: argparse._SubParsersAction) -> None:
         "--negate", action="store_true", help="subtract an adapter that was never merged (task negation)"
     )
     _add_arithmetic_flags(subtract)
-    subtract.set_defaults(handler=_warnings_as_lines(_subtract))
+    subtract.set_defaults(handler=warnings_as_lines(_subtract))
 
     swap = sub.add_parser("swap", help="replace one merged adapter by another")
     swap.add_argument("--model", required=True)
@@ -128,7 +103,7 @@ def _register_subtract_and_swap(sub: argparse._SubParsersAction) -> None:
     swap.add_argument("--out", required=True)
     swap.add_argument("--base", default=None, help="pristine base (default: the one the ledger records)")
     _add_arithmetic_flags(swap)
-    swap.set_defaults(handler=_warnings_as_lines(_swap))
+    swap.set_defaults(handler=warnings_as_lines(_swap))
 
 
 def _register_combine(sub: argparse._SubParsersAction) -> None:
@@ -143,7 +118,7 @@ def _register_combine(sub: argparse._SubParsersAction) -> None:
     combine.add_argument("--seed", type=int, default=0, help="dare's random drop seed")
     combine.add_argument("--out", required=True)
     combine.add_argument("--allow-pickle", action="store_true")
-    combine.set_defaults(handler=_warnings_as_lines(_combine))
+    combine.set_defaults(handler=warnings_as_lines(_combine))
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -158,12 +133,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "store", nargs="?", default="adapters", help="directory holding adapter dirs (default: adapters)"
     )
     listing.add_argument("--json", action="store_true", help="a JSON array, one object per adapter")
-    listing.set_defaults(handler=_warnings_as_lines(_list))
+    listing.set_defaults(handler=warnings_as_lines(_list))
 
     info = sub.add_parser("info", help="show one adapter or merged model in detail")
     info.add_argument("adapter", help="adapter dir, merged model dir, or a name in --store")
     info.add_argument("--store", default="adapters")
-    info.set_defaults(handler=_warnings_as_lines(_info))
+    info.set_defaults(handler=warnings_as_lines(_info))
 
 
 def _merge(args: argparse.Namespace) -> int:

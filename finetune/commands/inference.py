@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 
 from finetune.commands.numbers import non_negative_float, positive_int
+from finetune.commands.warning_lines import warnings_as_lines
 from finetune.errors import FinetuneError
 
 ADAPTER_NAME = "adapter"
@@ -37,7 +38,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     evaluate.add_argument("--format", default="text", choices=["text", "instruction", "chat"])
     evaluate.add_argument("--max-seq-len", type=positive_int, default=1024)
     evaluate.add_argument("--batch-size", type=positive_int, default=8)
-    evaluate.set_defaults(handler=run_eval)
+    evaluate.set_defaults(handler=warnings_as_lines(run_eval))
 
     generate = subparsers.add_parser("generate", help="continue a prompt with a base (and adapter)")
     _add_model_arguments(generate)
@@ -46,7 +47,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     generate.add_argument("--max-new-tokens", type=positive_int, default=64)
     generate.add_argument("--temperature", type=non_negative_float, default=0.0, help="0 = greedy")
     generate.add_argument("--seed", type=int, default=0)
-    generate.set_defaults(handler=run_generate)
+    generate.set_defaults(handler=warnings_as_lines(run_generate))
 
 
 def _load(args: argparse.Namespace):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import os
 
+from finetune.commands.warning_lines import warnings_as_lines
 from finetune.serve.settings import DEFAULT_HOST
 
 API_KEY_VARIABLE = "FINETUNE_API_KEY"
@@ -68,7 +69,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         choices=["debug", "info", "warning", "error"],
         help="uvicorn's log level; info logs every request (default warning)",
     )
-    parser.set_defaults(handler=run_serve)
+    parser.set_defaults(handler=warnings_as_lines(run_serve))
 
 
 def _adapter_specs(specs: list[str]) -> dict[str, str]:
