@@ -138,6 +138,19 @@ def test_a_bad_reward_function_fails_validate_and_train_before_the_model_loads(
     assert not (tmp_path / "runs").exists()
 
 
+def test_a_long_prompt_is_cut_from_its_start_keeping_bos_and_what_the_completion_continues_from(tiny_tokenizer):
+    """As trl cuts GRPO prompts (from the left): an instruction's end, `### Response:`, stays."""
+    from finetune.data.prompts import encode_prompt_records
+    from finetune.recipe import DataConfig
+
+    prompt = "amber violet teal ochre " * 12 + "### Response:"
+    whole = [tiny_tokenizer.bos_token_id, *tiny_tokenizer(prompt, add_special_tokens=False)["input_ids"]]
+    config = DataConfig(train="x.jsonl", format="prompt", max_seq_len=12, overlength="truncate")
+    (row,) = encode_prompt_records([{"prompt": prompt}], config, tiny_tokenizer, lambda i: f"record {i + 1}")
+    assert len(whole) > 12 and row.row["input_ids"] == [whole[0], *whole[-11:]]
+    assert tiny_tokenizer.decode(row.row["input_ids"][1:]).endswith("### Response:")
+
+
 def test_advantages_as_trl_computes_them():
     rewards = torch.tensor([1.0, 0.0, 0.0, 0.0, 2.0, 2.0, float("nan"), 2.0])
     advantages, std = advantages_of(rewards, 4, "group")

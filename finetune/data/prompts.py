@@ -7,8 +7,8 @@ record's `tools`), rendered with the family's chat template and its generation p
 the record is kept, whole, for the reward functions (trl passes each column as a keyword argument), as
 JSON text beside the prompt's token ids: a row is `input_ids` (the prompt) and `columns` (the record).
 
-A prompt longer than `data.max_seq_len` is cut to its first max_seq_len tokens (`truncate`) or refused
-(`error`).
+A prompt longer than `data.max_seq_len` is cut to its last max_seq_len tokens, after its BOS (`truncate`: trl
+cuts GRPO prompts from the left too, keeping what the completion continues from), or refused (`error`).
 
 Example:
     rows = encode_prompt_records([{"prompt": "2+2=", "answer": "4"}], config, tokenizer, lambda i: f"record {i}")
@@ -76,9 +76,19 @@ def encode_prompt_records(
             columns = json.dumps(record, ensure_ascii=False, default=_refuse)
         except TypeError as exc:
             raise DataError(f"{where}: {exc}; prompt records hold JSON values only") from None
-        kept = ids[: config.max_seq_len]
+        kept = _keep_the_end(ids, config.max_seq_len, getattr(tokenizer, "bos_token_id", None))
         encoded.append(EncodedRecord({"input_ids": kept, "columns": columns}, len(ids), len(kept), too_long, False))
     return encoded
+
+
+def _keep_the_end(ids: list[int], limit: int, bos: int | None) -> list[int]:
+    """The prompt cut to `limit` tokens from its start (after a BOS, which stays), as trl cuts GRPO prompts from
+    the left: what the completion continues from (an instruction's end, the chat template's generation prompt)
+    is kept."""
+    if len(ids) <= limit:
+        return ids
+    head = ids[:1] if bos is not None and ids[0] == bos else []
+    return head + ids[len(ids) - (limit - len(head)) :]
 
 
 def _refuse(value: Any) -> Any:
