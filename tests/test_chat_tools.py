@@ -73,6 +73,7 @@ DEEPSEEK = ("<｜User｜>", "<｜Assistant｜>")
 QWEN_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call><|im_end|>'
 LLAMA_CALL = '{"name": "get_weather", "parameters": {"city": "Paris"}}<|eot_id|>'
 WITHOUT_TOOLS = {"messages": [m for m in MESSAGES if m["role"] != "tool" and "tool_calls" not in m]}
+DEEPSEEK_CALL = '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n{"city": "Paris"}\n```<｜tool▁call▁end｜>'
 
 FAMILIES = [
     # Qwen3 reads reasoning_content and renders it for the turns after the last user message.
@@ -100,6 +101,17 @@ FAMILIES = [
     # cannot render a tool call next to text: a reasoning conversation without tools.
     Family("deepseek-r1-distill", TRL_TEMPLATES / "deepseek_r1_distill.jinja", "<｜begin▁of▁sentence｜>",
            "<｜end▁of▁sentence｜>", DEEPSEEK, ("\n\nParis: 18 C and sunny.<｜end▁of▁sentence｜>",), WITHOUT_TOOLS),
+    # With tools, the R1 distills' template renders a turn's calls only when it has no text (`content is none`,
+    # which transformers cannot pass: `chat.null_content_as_empty`), so the call turn's reasoning is left out,
+    # and it closes a single call without `<｜tool▁calls▁end｜>`; the answer after tool results keeps its text whole.
+    Family("deepseek-r1-distill-tools", TRL_TEMPLATES / "deepseek_r1_distill.jinja", "<｜begin▁of▁sentence｜>",
+           "<｜end▁of▁sentence｜>", DEEPSEEK,
+           (DEEPSEEK_CALL, ANSWER_WITH_THINKING + "<｜end▁of▁sentence｜>"), RECORD),
+    # DeepSeek-V3 renders the call turn's text (the reasoning, inline) before its calls.
+    Family("deepseek-v3", TRL_TEMPLATES / "deepseekv3.jinja", "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>",
+           DEEPSEEK, ("<think>\nI should call the tool.\n</think>\n\n" + DEEPSEEK_CALL
+                      + "<｜tool▁calls▁end｜><｜end▁of▁sentence｜>", ANSWER_WITH_THINKING + "<｜end▁of▁sentence｜>"),
+           RECORD),
 ]  # fmt: skip
 
 

@@ -274,12 +274,16 @@ class TemplateReads:
     reasoning_key: str | None
     """`reasoning_content`, `thinking`, or None: reasoning goes inline as `<think>` before the content."""
     null_content: bool
-    """The template tests `content is none` (a tool-call turn without text), so such turns keep None."""
+    """The template tests `content is none` (a tool-call turn without text): rendered through
+    `null_content_as_empty`."""
     arguments_as_text: bool
     """The template concatenates the arguments as text instead of `| tojson`-ing an object."""
     one_analysis: bool = False
     """A tool-call turn takes its text or its reasoning as one analysis message, not both (gpt-oss):
     given both, they are joined into the reasoning."""
+    calls_without_text: bool = False
+    """The template renders a turn's tool calls only when it has no text (the R1 distills'): reasoning, which it
+    would take inline as text, is left out of such a turn."""
 
 
 def template_reads(template: str) -> TemplateReads:
@@ -293,7 +297,9 @@ def template_reads(template: str) -> TemplateReads:
     null_content = bool(re.search(r"content['\"]?\]?\s+is\s+none", template))
     as_text = bool(re.search(r"\+\s*\w+\[['\"]function['\"]\]\[['\"]arguments['\"]\]", template))
     one_analysis = "Cannot pass both content and thinking" in template
-    return TemplateReads(key, null_content, as_text, one_analysis)
+    with_text = re.search(r"content['\"]?\]?\s+is\s+not\s+none", template)
+    calls_without_text = with_text is not None and "tool_calls" not in template[with_text.end() :]
+    return TemplateReads(key, null_content, as_text, one_analysis, calls_without_text)
 
 
 def for_template(messages: list[dict[str, Any]], reads: TemplateReads, reasoning: bool = True) -> list[dict[str, Any]]:
@@ -306,6 +312,8 @@ def for_template(messages: list[dict[str, Any]], reads: TemplateReads, reasoning
             continue
         shown = {key: value for key, value in message.items() if key != "reasoning"}
         thought = message.get("reasoning") if reasoning else None
+        if thought and reads.calls_without_text and not reads.reasoning_key and message.get("tool_calls"):
+            thought = None  # inline, it would be the turn's text, and the template would drop the calls for it
         if thought and reads.one_analysis and message.get("tool_calls") and message["content"]:
             thought, shown["content"] = f"{thought}\n\n{message['content']}", ""
         if thought and reads.reasoning_key:
@@ -315,10 +323,26 @@ def for_template(messages: list[dict[str, Any]], reads: TemplateReads, reasoning
         if "tool_calls" in shown:
             if reads.arguments_as_text:
                 shown["tool_calls"] = [_as_text(call) for call in shown["tool_calls"]]
-            if reads.null_content and not shown["content"]:
-                shown["content"] = None
         out.append(shown)
     return out
+
+
+_NULL_TEST = re.compile(r"""(message\[['"]content['"]\]|message\.content)\s+is\s+(not\s+)?none""")
+
+
+def null_content_as_empty(template: str) -> str:
+    """`template` with its `content is none` tests true of an empty content too.
+
+    A tool-call turn without text is `content: null`, and such templates (DeepSeek's) render the calls only in
+    their `is none` branch; but transformers drops the keys whose value is None before rendering, so the
+    template would read a missing key. The turn is given `""` instead and the test reads it as null; a template
+    gives an empty text nothing else to render."""
+
+    def either(match: re.Match) -> str:
+        value, negated = match.group(1), match.group(2)
+        return f"({value} is not none and {value} != '')" if negated else f"({value} is none or {value} == '')"
+
+    return _NULL_TEST.sub(either, template)
 
 
 def _as_text(call: dict[str, Any]) -> dict[str, Any]:

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, Literal
 
-from finetune.data.chat import ChatRecord, for_template, template_reads
+from finetune.data.chat import ChatRecord, for_template, null_content_as_empty, template_reads
 from finetune.errors import DataError
 
 Reasoning = Literal["template", "every_turn", "none"]
@@ -60,7 +60,9 @@ def apply_template(
     """`tokenizer.apply_chat_template` on the normalised conversation in the form `template` reads, with its
     tools. A template that refuses a leading system message (Gemma 2, Mistral's) gets it folded into the
     first user turn, as Gemma 3's own template does."""
-    messages = for_template(chat.messages, template_reads(template), reasoning != "none")
+    reads = template_reads(template)
+    messages = for_template(chat.messages, reads, reasoning != "none")
+    template = null_content_as_empty(template) if reads.null_content else template
     return _apply(tokenizer, messages, chat.tools, template, where, {**template_kwargs(reasoning), **kwargs})
 
 
@@ -161,6 +163,7 @@ def render_turns(
     """The conversation's rendering and the character span each assistant turn from message `train_from`
     on trains (see the module docstring), in order; a turn the template renders nothing of has no span."""
     reads = template_reads(template)
+    template = null_content_as_empty(template) if reads.null_content else template
     kwargs = template_kwargs(reasoning)
     shown = for_template(chat.messages, reads, reasoning != "none")
 
