@@ -70,6 +70,7 @@ HARMONY = ("<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|call|>", "<|
 MISTRAL = ("[INST]", "[/INST]", "[TOOL_CALLS]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]", "[TOOL_RESULTS]",
            "[/TOOL_RESULTS]")  # fmt: skip
 DEEPSEEK = ("<｜User｜>", "<｜Assistant｜>")
+GLM = ("[gMASK]", "<sop>", "<|system|>", "<|user|>", "<|assistant|>", "<|observation|>")
 QWEN_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call><|im_end|>'
 LLAMA_CALL = '{"name": "get_weather", "parameters": {"city": "Paris"}}<|eot_id|>'
 WITHOUT_TOOLS = {"messages": [m for m in MESSAGES if m["role"] != "tool" and "tool_calls" not in m]}
@@ -107,6 +108,13 @@ FAMILIES = [
     Family("deepseek-r1-distill-tools", TRL_TEMPLATES / "deepseek_r1_distill.jinja", "<｜begin▁of▁sentence｜>",
            "<｜end▁of▁sentence｜>", DEEPSEEK,
            (DEEPSEEK_CALL, ANSWER_WITH_THINKING + "<｜end▁of▁sentence｜>"), RECORD),
+    # GLM-4-MoE closes no turn with a token of its own: a turn ends where the next opens, and its models stop on
+    # those openers, so they are trained (after the last answer the user opener is added), as trl's GLM training
+    # template marks them.
+    Family("glm-4-moe", TRL_TEMPLATES / "glm4moe.jinja", None, "<|endoftext|>", GLM,
+           ("\n<think>I should call the tool.</think>\n<tool_call>get_weather\n<arg_key>city</arg_key>\n"
+            "<arg_value>Paris</arg_value>\n</tool_call><|observation|>",
+            "\n<think>It is mild.</think>\nParis: 18 C and sunny.<|user|>")),
     # DeepSeek-V3 renders the call turn's text (the reasoning, inline) before its calls.
     Family("deepseek-v3", TRL_TEMPLATES / "deepseekv3.jinja", "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>",
            DEEPSEEK, ("<think>\nI should call the tool.\n</think>\n\n" + DEEPSEEK_CALL
@@ -189,6 +197,16 @@ def test_masks_equal_trl_assistant_masks_on_its_training_templates_but_for_the_h
     extra = trained_runs(ids, [t if theirs and not mine else -100 for t, mine, theirs in zip(ids, ours, reference[1])],
                          tokenizer)  # fmt: skip
     assert extra and all(run.strip("\n") in ("", header) for run in extra), extra
+
+
+def test_glm_masks_are_trls_on_its_training_template_token_for_token():
+    """Where trl's training template marks GLM's stop tokens (the next turn's opener), ours trains them too."""
+    family = next(f for f in FAMILIES if f.name == "glm-4-moe")
+    tokenizer = family_tokenizer(family)
+    chat = normalize_record(RECORD, "messages", "record 1")
+    ids, ours = render_chat(chat, tokenizer.chat_template, tokenizer, "record 1")
+    marked = family_tokenizer(family, TRL_TEMPLATES / "glm4moe_training.jinja")
+    assert render_chat(chat, marked.chat_template, marked, "record 1") == (ids, ours)
 
 
 def test_every_turn_trains_each_turns_reasoning_once_and_none_trains_none(tmp_path, capsys):

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, Literal
@@ -193,6 +193,9 @@ def render_turns(
         end = marks.end_after(full, words[1], bound)
         spans.append((start, end))
         floor = end
+    if spans and marks.last_turn_closer and spans[-1][1] == len(full) and shown[-1]["role"] == "assistant":
+        full += marks.last_turn_closer
+        spans[-1] = (spans[-1][0], len(full))
     return full, spans
 
 
@@ -262,6 +265,9 @@ class TurnMarks:
 
     headers: tuple[str, ...]
     closers: tuple[str, ...]
+    last_turn_closer: str = ""
+    """Where the template closes no turn with a token of its own (GLM), the opener of a user turn: a conversation
+    ending with an answer gets it after that answer, trained, so the model learns to stop (its stop token)."""
 
     def start_before(self, full: str, floor: int, words_start: int) -> int:
         """After the longest header that ends in `full[floor:words_start]` (its last occurrence), else the
@@ -326,7 +332,32 @@ def turn_marks(tokenizer: Any, template: str, kwargs_json: str = "{}") -> TurnMa
     closer = next((t for t in specials if after.startswith(t)), None)
     if closer:
         closers.add(closer)
-    return TurnMarks(tuple(sorted((h for h in headers if h.strip()), key=len, reverse=True)), tuple(sorted(closers)))
+    last = ""
+    if not closer and not any(after.startswith(t) for t in closers):
+        openers = _next_turn_openers(render, specials)
+        closers.update(openers.values())
+        last = openers.get("user", "")
+    headers_longest_first = tuple(sorted((h for h in headers if h.strip()), key=len, reverse=True))
+    return TurnMarks(headers_longest_first, tuple(sorted(closers)), last)
+
+
+def _next_turn_openers(render: Callable[..., str], specials: list[str]) -> dict[str, str]:
+    """A template that closes no assistant turn with a token of its own (GLM's) ends it where the next turn opens,
+    and its models stop on those openers (GLM-4 on `<|user|>` and `<|observation|>`): the special token that opens
+    a user turn and a tool result after an answer, trained as the turn's end (as trl's GLM training template
+    marks them)."""
+    openers = {}
+    answer = {"role": "assistant", "content": _SENTINEL}
+    for role in ("user", "tool"):
+        try:
+            text = render([{"role": "user", "content": "ft-probe"}, answer, {"role": role, "content": "ft-next"}])
+        except DataError:  # a template that refuses a tool result without a call
+            continue
+        between = text[text.find(_SENTINEL) + len(_SENTINEL) : text.find("ft-next")]
+        opener = next((t for t in specials if between.lstrip().startswith(t)), None)
+        if opener:
+            openers[role] = opener
+    return openers
 
 
 def _up_to_last_special(text: str, specials: list[str]) -> str:
