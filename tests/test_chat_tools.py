@@ -199,6 +199,17 @@ def test_masks_equal_trl_assistant_masks_on_its_training_templates_but_for_the_h
     assert extra and all(run.strip("\n") in ("", header) for run in extra), extra
 
 
+def test_a_template_that_never_mentions_tools_refuses_a_record_with_tool_turns():
+    """Phi-4's template renders no tool call or result: those turns would vanish, and the rest train alone."""
+    phi = Family("phi-4", TESTS / "phi-4.jinja", None, "<|im_end|>", ("<|im_start|>", "<|im_sep|>", "<|im_end|>"), ())
+    tokenizer = family_tokenizer(phi)
+    with pytest.raises(DataError, match="record 1: the record has tool calls or tool results, .* renders neither"):
+        render_chat(normalize_record(RECORD, "messages", "record 1"), tokenizer.chat_template, tokenizer, "record 1")
+    ids, _ = render_chat(normalize_record(WITHOUT_TOOLS, "messages", "record 1"), tokenizer.chat_template, tokenizer,
+                         "record 1")  # fmt: skip
+    assert ids
+
+
 def test_glm_masks_are_trls_on_its_training_template_token_for_token():
     """Where trl's training template marks GLM's stop tokens (the next turn's opener), ours trains them too."""
     family = next(f for f in FAMILIES if f.name == "glm-4-moe")

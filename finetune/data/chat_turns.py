@@ -60,10 +60,22 @@ def apply_template(
     """`tokenizer.apply_chat_template` on the normalised conversation in the form `template` reads, with its
     tools. A template that refuses a leading system message (Gemma 2, Mistral's) gets it folded into the
     first user turn, as Gemma 3's own template does."""
+    check_renders_tools(chat, template, where)
     reads = template_reads(template)
     messages = for_template(chat.messages, reads, reasoning != "none")
     template = null_content_as_empty(template) if reads.null_content else template
     return _apply(tokenizer, messages, chat.tools, template, where, {**template_kwargs(reasoning), **kwargs})
+
+
+def check_renders_tools(chat: ChatRecord, template: str, where: str) -> None:
+    """A record with tool calls or results needs a template that renders them: one that never mentions tools
+    (Phi-3.5's and Phi-4's, Gemma's) would drop those turns without a word, and train what is left."""
+    uses_tools = any(m["role"] == "tool" or m.get("tool_calls") for m in chat.messages)
+    if uses_tools and "tool" not in template:
+        raise DataError(
+            f"{where}: the record has tool calls or tool results, and the chat template renders neither (it never "
+            "mentions tools); give data.chat_template a template that renders them, or leave the tool turns out"
+        )
 
 
 def _apply(tokenizer, messages, tools, template: str, where: str, kwargs: dict[str, Any]):
@@ -162,6 +174,7 @@ def render_turns(
 ) -> tuple[str, list[tuple[int, int]]]:
     """The conversation's rendering and the character span each assistant turn from message `train_from`
     on trains (see the module docstring), in order; a turn the template renders nothing of has no span."""
+    check_renders_tools(chat, template, where)
     reads = template_reads(template)
     template = null_content_as_empty(template) if reads.null_content else template
     kwargs = template_kwargs(reasoning)
