@@ -412,8 +412,11 @@ def test_bad_input_is_one_line_and_exit_2(case, bad_input_workdir, capsys):
      (["eval", "--adapter", "a", "--data", "d", "--batch-size", "0"], "--batch-size: 0 must be at least 1"),
      (["eval", "--adapter", "a", "--data", "d", "--max-seq-len", "0"], "--max-seq-len: 0 must be at least 1"),
      (["generate", "hi", "--max-new-tokens", "-5"], "--max-new-tokens: -5 must be at least 1"),
-     (["generate", "hi", "--temperature", "nan"], "--temperature: nan must be a finite number")],
-    ids=["merge-dtype", "combine-rank", "eval-batch", "eval-seq-len", "generate-tokens", "generate-temperature"],
+     (["generate", "hi", "--temperature", "nan"], "--temperature: nan must be a finite number"),
+     (["serve", "--port", "99999"], "--port: 99999 is not a port"),
+     (["serve", "--max-batch-size", "0"], "--max-batch-size: 0 must be at least 1")],
+    ids=["merge-dtype", "combine-rank", "eval-batch", "eval-seq-len", "generate-tokens", "generate-temperature",
+         "serve-port", "serve-batch"],
 )  # fmt: skip
 def test_a_bad_number_or_choice_is_refused_before_anything_loads(argv, fragment, capsys):
     """argparse's one-line error, exit 2: not a traceback later, nor a model of int8 zeros or a rank-126 adapter."""

@@ -491,8 +491,6 @@ def test_cli_serve_exits_128_plus_the_signal_whenever_it_comes(serve_base, momen
     [
         (["--adapter", "legal=/nonexistent/adapter"], "is not an adapter directory"),
         (["--adapter", "legal={legal}", "--merge", "med"], "--merge med: no adapter of that name"),
-        (["--adapter", "legal={legal}", "--port", "70000"], "--port must be at most 65535"),
-        (["--adapter", "legal={legal}", "--max-batch-size", "0"], "--max-batch-size must be at least 1"),
         (["--adapter", "legal={foreign}"], "was trained on base"),
         (["--adapter", "legal={legal}", "--adapter", "legal={med}"], "given twice"),
         (["--adapter", "{legal}", "--base-name", "legal"], "the base model's name"),

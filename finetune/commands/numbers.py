@@ -28,3 +28,14 @@ def non_negative_float(text: str) -> float:
     if not math.isfinite(value) or value < 0:
         raise argparse.ArgumentTypeError(f"{text} must be a finite number of at least 0")
     return value
+
+
+def port_number(text: str) -> int:
+    """A TCP port, 0 (any free one) to 65535: checked before the models load, not when the server binds."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"{value} is not a port: give 1-65535, or 0 for any free one")
+    return value

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import os
 
+from finetune.commands.numbers import port_number, positive_int
 from finetune.commands.warning_lines import warnings_as_lines
 from finetune.serve.settings import DEFAULT_HOST
 
@@ -45,21 +46,29 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "POST /v1/load_lora_adapter then swaps another adapter in",
     )
     parser.add_argument("--host", default=DEFAULT_HOST, help=f"address to listen on (default {DEFAULT_HOST})")
-    parser.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
+    parser.add_argument("--port", type=port_number, default=8000, help="port (default 8000; 0 picks a free one)")
     parser.add_argument(
         "--api-key",
         default=os.environ.get(API_KEY_VARIABLE),
         help=f"require 'Authorization: Bearer KEY' (default: ${API_KEY_VARIABLE})",
     )
-    parser.add_argument("--max-batch-size", type=int, default=8, help="most sequences in one forward pass (default 8)")
+    parser.add_argument(
+        "--max-batch-size", type=positive_int, default=8, help="most sequences in one forward pass (default 8)"
+    )
     parser.add_argument(
         "--max-wait-ms", type=float, default=10.0, help="how long an idle server waits to fill a batch (default 10)"
     )
     parser.add_argument(
-        "--max-tokens-limit", type=int, default=1024, help="largest max_tokens a request may ask for (default 1024)"
+        "--max-tokens-limit",
+        type=positive_int,
+        default=1024,
+        help="largest max_tokens a request may ask for (default 1024)",
     )
     parser.add_argument(
-        "--max-pending", type=int, default=64, help="most sequences queued or running; more get 429 (default 64)"
+        "--max-pending",
+        type=positive_int,
+        default=64,
+        help="most sequences queued or running; more get 429 (default 64)",
     )
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--device", default="auto", help="auto (a GPU when there is one, else the CPU), cpu, cuda:N")
