@@ -52,6 +52,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=os.environ.get(API_KEY_VARIABLE),
         help=f"require 'Authorization: Bearer KEY' (default: ${API_KEY_VARIABLE})",
     )
+    _add_limits(parser)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--device", default="auto", help="auto (a GPU when there is one, else the CPU), cpu, cuda:N")
+    parser.add_argument(
+        "--log-level",
+        default="warning",
+        choices=["debug", "info", "warning", "error"],
+        help="uvicorn's log level; info logs every request (default warning)",
+    )
+    parser.set_defaults(handler=warnings_as_lines(run_serve))
+
+
+def _add_limits(parser: argparse.ArgumentParser) -> None:
+    """The batching and admission limits."""
     parser.add_argument(
         "--max-batch-size", type=positive_int, default=8, help="most sequences in one forward pass (default 8)"
     )
@@ -62,7 +76,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--max-tokens-limit",
         type=positive_int,
         default=1024,
-        help="largest max_tokens a request may ask for (default 1024)",
+        help="largest max_tokens a request may ask (default 1024)",
     )
     parser.add_argument(
         "--max-pending",
@@ -70,15 +84,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=64,
         help="most sequences queued or running; more get 429 (default 64)",
     )
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    parser.add_argument("--device", default="auto", help="auto (a GPU when there is one, else the CPU), cpu, cuda:N")
-    parser.add_argument(
-        "--log-level",
-        default="warning",
-        choices=["debug", "info", "warning", "error"],
-        help="uvicorn's log level; info logs every request (default warning)",
-    )
-    parser.set_defaults(handler=warnings_as_lines(run_serve))
 
 
 def _adapter_specs(specs: list[str]) -> dict[str, str]:
