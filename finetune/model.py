@@ -395,15 +395,17 @@ def _experts_kept_in_their_dtype(model: torch.nn.Module) -> Iterator[None]:
 
 
 class _UnlessAutocast:
-    """peft's `cast_input_dtype_enabled` of one LoRA layer, true only while autocast is off on `device_type`.
+    """peft's `cast_input_dtype_enabled` of one LoRA layer, true only while autocast is off on the device of
+    the layer's LoRA weights.
 
     peft casts each LoRA layer's input to the LoRA weights' dtype, float32, before dropout and `lora_A`. Under
     autocast that is two copies for nothing: autocast casts the float32 copy back to bf16 for the matmul, and
     `lora_A` keeps that bf16 copy for its backward (one per targeted layer; q, k and v would share their input
     otherwise). Without them the forward and the gradients are bit for bit the same (bf16 to float32 and back
-    is exact, and dropout rounds once either way), a bf16 layer without LoRA dropout keeps 6·d bytes per token
-    less, and each LoRA layer runs two elementwise kernels fewer forward and backward. Outside autocast (a
-    16-bit base trained in float32, inference) peft casts as before: bf16 inputs cannot meet float32 weights.
+    is exact, and dropout rounds once either way), a bf16 Llama layer without LoRA dropout keeps 8·d bytes per
+    token less (traced), and each LoRA layer runs two elementwise kernels fewer forward and backward. Outside
+    autocast (a 16-bit base trained in float32, inference) peft casts as before: bf16 inputs cannot meet float32
+    weights.
     """
 
     def __init__(self, lora_a: torch.nn.ModuleDict) -> None:

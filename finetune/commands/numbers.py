@@ -8,12 +8,16 @@ import argparse
 import math
 
 
+def _parsed(text: str, convert: type[int] | type[float], what: str) -> int | float:
+    try:
+        return convert(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
+
+
 def positive_int(text: str) -> int:
     """An integer of at least 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    value = int(_parsed(text, int, "a whole number"))
     if value < 1:
         raise argparse.ArgumentTypeError(f"{value} must be at least 1")
     return value
@@ -21,10 +25,7 @@ def positive_int(text: str) -> int:
 
 def non_negative_float(text: str) -> float:
     """A finite number of at least 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    value = float(_parsed(text, float, "a number"))
     if not math.isfinite(value) or value < 0:
         raise argparse.ArgumentTypeError(f"{text} must be a finite number of at least 0")
     return value
@@ -32,10 +33,7 @@ def non_negative_float(text: str) -> float:
 
 def port_number(text: str) -> int:
     """A TCP port, 0 (any free one) to 65535: checked before the models load, not when the server binds."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
+    value = int(_parsed(text, int, "a port number"))
     if not 0 <= value <= 65535:
         raise argparse.ArgumentTypeError(f"{value} is not a port: give 1-65535, or 0 for any free one")
     return value

@@ -52,7 +52,7 @@ def _drop_records_after(path: Path, step: int) -> None:
     if not path.exists():
         return
     lines = path.read_text().splitlines(keepends=True)
-    kept = [line for line in lines if _step_of(line) is not None and _step_of(line) <= step]  # type: ignore[operator]
+    kept = [line for line in lines if (logged := _step_of(line)) is not None and logged <= step]
     if len(kept) != len(lines):
         path.write_text("".join(kept))
 

@@ -29,7 +29,7 @@ from accelerate import Accelerator
 from accelerate.state import AcceleratorState
 from accelerate.utils import DistributedType, InitProcessGroupKwargs, gather_object, set_seed
 
-from finetune.adapters.lora import PEFT_PREFIX
+from finetune.adapters.lora import CONFIG_NAME, PEFT_PREFIX
 from finetune.adapters.resolved_base import ResolvedBase, resolve_base
 from finetune.cpu_features import bf16_cpu_note
 from finetune.data.collate import ROW_BUCKET, describe_layout
@@ -155,7 +155,7 @@ def check_output_free(recipe: Recipe) -> None:
     if adapter_dir.is_symlink() or not adapter_dir.is_dir():
         raise RecipeError(f"output: {adapter_dir} is not a directory; output.overwrite replaces adapters only: "
                           "choose another output.dir")  # fmt: skip
-    if any(adapter_dir.iterdir()) and not (adapter_dir / "adapter_config.json").is_file():
+    if any(adapter_dir.iterdir()) and not (adapter_dir / CONFIG_NAME).is_file():
         raise RecipeError(
             f"output: {adapter_dir} holds files but no adapter_config.json; output.overwrite replaces adapters only "
             "(it would delete that directory): choose another output.dir"
