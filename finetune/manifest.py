@@ -17,6 +17,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from finetune import strict_json
 from finetune.errors import AdapterError
 from finetune.recipe import recipe_to_dict
 from finetune.version import __version__
@@ -118,7 +119,7 @@ def now_iso() -> str:
 
 def write_manifest(adapter_dir: Path, manifest: Manifest) -> None:
     """Write `manifest.json` into `adapter_dir` (callers write the whole directory atomically)."""
-    (adapter_dir / MANIFEST_NAME).write_text(json.dumps(manifest.model_dump(mode="json"), indent=2) + "\n")
+    (adapter_dir / MANIFEST_NAME).write_text(strict_json.dumps(manifest.model_dump(mode="json"), indent=2) + "\n")
 
 
 def read_manifest(adapter_dir: Path) -> Manifest | None:

@@ -44,11 +44,19 @@ def test_a_nonfinite_step_stops_the_run_naming_the_step_and_writing_no_adapter(w
 
 
 def test_allowed_nonfinite_steps_are_skipped_and_counted(workdir):
-    """With skips allowed, a poisoned step changes nothing; the run ends and says how many it skipped."""
-    overrides = ["train.lr=1e30", "train.max_grad_norm=null", "train.nonfinite_skips=100"]
+    """With skips allowed, a poisoned step changes nothing; the run ends and says how many it skipped. Its
+    metrics.jsonl stays strict JSON (jq and JSON.parse refuse NaN and Infinity): a non-finite loss is null."""
+    overrides = ["train.lr=1e30", "train.max_grad_norm=null", "train.nonfinite_skips=100", "train.log_every_steps=1"]
     adapter_dir, metrics = train("recipe.yaml", overrides, log=quiet)
     assert 1 <= metrics["skipped_steps"] < metrics["step"]
     assert all(torch.isfinite(t).all() for t in load_file(adapter_dir / "adapter_model.safetensors").values())
+
+    def refuse(constant: str) -> None:
+        raise AssertionError(f"metrics.jsonl holds {constant}, which is not JSON")
+
+    lines = (workdir / "runs" / "crates" / "metrics.jsonl").read_text().splitlines()
+    records = [json.loads(line, parse_constant=refuse) for line in lines]
+    assert any(r.get("loss", 0.0) is None for r in records)  # the skipped steps' loss, written as null
 
 
 def _equal_state(expected, actual, where: str = "") -> None:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from finetune import strict_json
 from finetune.atomic import atomic_file
 from finetune.errors import ReportError
 from finetune.manifest import Manifest
@@ -43,7 +44,7 @@ class RunHistory:
     def series(self, key: str, x: str = "step", evaluation: bool = False) -> tuple[list[float], list[float]]:
         """(x values, y values) of `key` over the records that have both."""
         rows = self.evals if evaluation else self.train
-        pairs = [(row[x], row[key]) for row in rows if x in row and key in row]
+        pairs = [(row[x], row[key]) for row in rows if row.get(x) is not None and row.get(key) is not None]
         return [p[0] for p in pairs], [p[1] for p in pairs]
 
     def base_metric(self, key: str) -> float | None:
@@ -111,7 +112,7 @@ def write_run_record(run_dir: Path, adapter_dir: Path, manifest: Manifest | None
     path = Path(run_dir) / RUN_RECORD_NAME
     record = {"adapter_dir": str(adapter_dir), "manifest": manifest.model_dump(mode="json") if manifest else None}
     with atomic_file(path) as staging:
-        staging.write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
+        staging.write_text(strict_json.dumps(record, indent=2) + "\n", encoding="utf-8")
     return path
 
 

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
+from finetune import strict_json
 from finetune.training.objectives.base import describe_rewards
 
 StepCallback = Callable[[int, dict[str, float]], None]
@@ -136,7 +137,7 @@ class TrainingLog:
         if self.run_dir is None:
             return
         with open(self.run_dir / "metrics.jsonl", "a") as handle:
-            handle.write(json.dumps({"step": step, **values}) + "\n")
+            handle.write(strict_json.dumps({"step": step, **values}) + "\n")
         if self._record is not None:
             self._record(step, values)
 
