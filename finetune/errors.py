@@ -62,8 +62,16 @@ class ServeError(FinetuneError):
         self.status, self.error_type, self.param, self.code = status, error_type, param, code
 
 
-class AdapterWarning(UserWarning):
+class FinetuneWarning(UserWarning):
+    """Something allowed but worth knowing about; the CLI prints it as one `warning: ...` line."""
+
+
+class AdapterWarning(FinetuneWarning):
     """Adapter arithmetic that is allowed but worth knowing about (no fingerprint, kept copies, forced bases)."""
+
+
+class RewardWarning(FinetuneWarning):
+    """Reward functions that left completions without any reward (they train with advantage 0)."""
 
 
 class ExportError(FinetuneError):

@@ -19,6 +19,7 @@ def write_rewards(tmp_path: Path) -> Path:
         "def short(prompts, completions, **kwargs):\n    return [1.0]\n"
         "def words(prompts, completions, **kwargs):\n    return ['high' for _ in completions]\n"
         "def maybe(prompts, completions, **kwargs):\n    return [None for _ in completions]\n"
+        "def exits(prompts, completions, **kwargs):\n    import sys\n    sys.exit(3)\n"
         "def huge(prompts, completions, **kwargs):\n    return [1e300 for _ in completions]\n"
         "def array(prompts, completions, **kwargs):\n"
         "    import numpy\n    return numpy.arange(len(completions), dtype=numpy.float64) / 2\n"

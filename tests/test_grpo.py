@@ -89,6 +89,7 @@ def test_reward_functions_called_as_trl_calls_them(tmp_path, monkeypatch):
     [
         ("rewards.py:raises", r"reward function rewards.py:raises raised ValueError: no answer column \(on a batch"),
         ("rewards.py:short", "returned 1 values for 2 completions"),
+        ("rewards.py:exits", r"reward function rewards.py:exits raised SystemExit: 3 \(on a batch"),
         ("rewards.py:words", "returned 'high' for a completion of record 1"),
         ("rewards.py:missing", "defines no function 'missing'"),
         ("nofile.py:f", "no file nofile.py"),
@@ -101,6 +102,7 @@ def test_reward_functions_called_as_trl_calls_them(tmp_path, monkeypatch):
     ids=[
         "raises",
         "count",
+        "sys-exit",
         "not-a-number",
         "no-function",
         "no-file",
@@ -246,6 +248,18 @@ def _cli(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
     env.update({k: v for k, v in os.environ.items() if k.startswith(("HF_", "FINETUNE_", "TRANSFORMERS_"))})
     return subprocess.run([sys.executable, "-m", "finetune", *args], cwd=tmp_path, env=env, capture_output=True,
                           text=True, timeout=300)  # fmt: skip
+
+
+def test_completions_no_function_rewards_are_said_once_in_a_warning_line(tmp_path, tiny_base_dir, capsys, monkeypatch):
+    """A reward that returns None for everything trains nothing (advantage 0, as in trl): `finetune train` says
+    so in one `warning:` line, once, and the run still ends as trl's would."""
+    from finetune.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    recipe = write_grpo_run(tmp_path, tiny_base_dir, "rewards.py:maybe")
+    assert main(["train", str(recipe), "train.max_steps=2", "data.validation=null"]) == 0
+    warned = [line for line in capsys.readouterr().err.splitlines() if "got None from every reward function" in line]
+    assert len(warned) == 1 and warned[0].startswith("warning: 8 of 8 completions of a step"), warned
 
 
 @pytest.mark.slow

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from finetune.commands.warning_lines import warnings_as_lines
 from finetune.errors import FinetuneError
 
 
@@ -26,12 +27,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     scale.add_argument("--node-rank", type=int, default=0, help="this node's rank, 0 .. nnodes-1")
     scale.add_argument("--main-address", help="address of the rank-0 node (multi-node)")
     scale.add_argument("--main-port", type=int, help="port of the rank-0 node (default: a free one)")
-    train.set_defaults(handler=run_train)
+    train.set_defaults(handler=warnings_as_lines(run_train))
 
     validate = subparsers.add_parser("validate", help="check a recipe (and overrides) without running it")
     validate.add_argument("recipe")
     validate.add_argument("overrides", nargs="*", metavar="key=value")
-    validate.set_defaults(handler=run_validate)
+    validate.set_defaults(handler=warnings_as_lines(run_validate))
 
 
 def run_train(args: argparse.Namespace) -> int:

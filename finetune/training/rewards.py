@@ -102,7 +102,7 @@ def _import_file(path: Path) -> Any:
     sys.modules[module_name] = module  # dataclasses and pickling inside the file find their module
     try:
         spec.loader.exec_module(module)
-    except Exception as exc:
+    except (Exception, SystemExit) as exc:  # a file that calls sys.exit() would end the run without a word
         del sys.modules[module_name]
         raise RewardError(f"train.reward_functions: importing {path} raised {type(exc).__name__}: {exc}") from None
     return module
@@ -244,7 +244,7 @@ def score(
                 log_metric=_ignore,
                 **columns,
             )
-        except Exception as exc:  # the user's code: any failure is theirs to fix, named as such
+        except (Exception, SystemExit) as exc:  # the user's code, sys.exit() included: theirs to fix, named as such
             raise RewardError(
                 f"reward function {reward.name} raised {type(exc).__name__}: {exc} (on a batch of prompts starting "
                 f"at {records[0]}); fix the function"

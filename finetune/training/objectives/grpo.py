@@ -29,6 +29,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -37,6 +38,7 @@ import torch
 
 from finetune.data.labels import IGNORE_INDEX
 from finetune.device import to_device
+from finetune.errors import RewardWarning
 from finetune.generation.sample import SampleSettings, sample_completions
 from finetune.training.objectives.base import CollateOptions, Models, Terms
 from finetune.training.objectives.grpo_loss import LossScale, LossSettings, loss_sum, per_token_loss
@@ -146,6 +148,7 @@ class GRPO(MeasuredAgainstStart):
         self.steps_prepared = 0
         """Training steps prepared so far: a generation every `num_iterations` of them."""
         self._generated: list[dict] | None = None
+        self._warned_unrewarded = False
 
     # ---- rows ---------------------------------------------------------------------------------------
     def collate(self, rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -194,6 +197,7 @@ class GRPO(MeasuredAgainstStart):
                                          pad_token_id=self.pad_token_id, uniforms=uniforms)  # fmt: skip
         generated = time.perf_counter()
         scores = self._score(rows, completions)  # (n, F) on the host
+        self._warn_unrewarded(scores, rows)
         scored = time.perf_counter()
         device = models.accelerator.device
         weights = torch.tensor(settings.reward_weights, dtype=torch.float32)
@@ -224,6 +228,22 @@ class GRPO(MeasuredAgainstStart):
         for state in states:
             state.update(step_tokens=totals[0], step_completions=totals[1], timing=timing)
         return states
+
+    def _warn_unrewarded(self, scores: torch.Tensor, rows: list[dict[str, Any]]) -> None:
+        """Say once per run that completions got None from every reward function: they train with advantage 0
+        (as in trl), so a function that never applies (a misspelt column, say) would otherwise train nothing."""
+        unrewarded = torch.isnan(scores).all(dim=1)  # on the host: reading it waits for no device
+        if self._warned_unrewarded or not bool(unrewarded.any()):
+            return
+        self._warned_unrewarded = True
+        first = json.loads(rows[int(unrewarded.int().argmax()) // self.settings.num_generations]["columns"])
+        warnings.warn(
+            f"{int(unrewarded.sum())} of {len(scores)} completions of a step got None from every reward function "
+            f"(the first from prompt {_preview(first['prompt'])}); they train with advantage 0. Return a number "
+            "from at least one function for each completion (said once per run)",
+            RewardWarning,
+            stacklevel=2,
+        )
 
     def _score(self, rows: list[dict[str, Any]], completions: list[list[int]]) -> torch.Tensor:
         group = self.settings.num_generations
