@@ -319,6 +319,17 @@ def test_a_bad_tool_record_is_one_line_naming_the_record(name, change, message, 
         normalize_record(_variant(change), "messages", "record 2")
 
 
+def test_a_tool_without_a_field_the_template_reads_is_named_with_the_fix():
+    """gpt-oss's template reads every tool's `description`: the error names the tool and says to add it."""
+    gpt_oss = FAMILIES[4]
+    tokenizer = family_tokenizer(gpt_oss)
+    bare = [{"type": "function", "function": {k: v for k, v in TOOLS[0]["function"].items() if k != "description"}}]
+    record = normalize_record({"tools": bare, "messages": MESSAGES}, "messages", "record 1")
+    expected = "record 1: .*tool 'get_weather' has no 'description', which this template reads: add it to the tool$"
+    with pytest.raises(DataError, match=expected):
+        render_chat(record, tokenizer.chat_template, tokenizer, "record 1")
+
+
 def test_dpo_pairs_and_grpo_prompts_take_the_same_chat_records(tmp_path):
     gpt_oss = FAMILIES[4]
     tokenizer = family_tokenizer(gpt_oss)

@@ -89,9 +89,26 @@ def _apply(tokenizer, messages, tools, template: str, where: str, kwargs: dict[s
             folded = [{**first, "content": f"{system['content']}\n\n{first['content']}"}, *rest]
             return _apply(tokenizer, folded, tools, template, where, kwargs)
         raise DataError(
-            f"{where}: the chat template cannot render this conversation ({exc}); fix the messages or "
-            "data.chat_template"
+            f"{where}: the chat template cannot render this conversation ({exc}); "
+            + (_missing_field(str(exc), messages, tools) or "fix the messages or data.chat_template")
         ) from None
+
+
+def _missing_field(message: str, messages: list[dict], tools: list[dict] | None) -> str | None:
+    """What to add when the template read a field the record lacks (gpt-oss's reads every tool's
+    `description`), or None when the error is another."""
+    found = re.search(r"has no attribute '(\w+)'", message)
+    if found is None:
+        return None
+    field = found.group(1)
+    for tool in tools or []:
+        function = tool.get("function", tool)
+        if isinstance(function, dict) and field not in function:
+            return f"tool {function.get('name', '?')!r} has no {field!r}, which this template reads: add it to the tool"
+    for index, turn in enumerate(messages, start=1):
+        if field not in turn:
+            return f"message {index} ({turn.get('role')}) has no {field!r}, which this template reads: add it"
+    return None
 
 
 def render_chat(
