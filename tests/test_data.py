@@ -347,6 +347,11 @@ def test_truncate_cuts_long_records_and_counts_them(tmp_path, tiny_tokenizer):
     message = f"truncated 2 of 3 records to max_seq_len=16 tokens: kept {kept} of {total} tokens ({kept / total:.1%}"
     assert any(message in line and "overlength=split would keep all" in line for line in lines), lines
 
+    again: list[str] = []  # the rows from the cache: the same truncation is said again, the stats are the same
+    cached = build_datasets(config, tiny_tokenizer, cache_dir=tmp_path, log=again.append)
+    assert cached.cache_hit and cached.stats == bundle.stats and "notes" not in bundle.stats
+    assert [line for line in again if message in line] == [line for line in lines if message in line], again
+
 
 def test_split_is_refused_where_a_piece_is_no_example_of_the_task():
     with pytest.raises(ValueError, match="data.overlength=split applies to format text only"):

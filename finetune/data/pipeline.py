@@ -156,7 +156,10 @@ def build_datasets(
     cache_root = Path(cache_dir) if cache_dir is not None else cache.default_cache_root()
     if use_cache and (entry := cache.load_cached(cache_root, fingerprint)) is not None:
         log(f"data: {entry.stats['num_rows']} training rows loaded from cache {entry.path} (no tokenizing)")
-        return DataBundle(entry.train, entry.validation, fingerprint, entry.stats, True, entry.path)
+        stats, notes = _without_notes(entry.stats)
+        for line in notes:  # what tokenizing said of dropped or truncated records holds for these rows too
+            log(line)
+        return DataBundle(entry.train, entry.validation, fingerprint, stats, True, entry.path)
 
     def build(directory: Path) -> tuple[dict[str, Any], bool]:
         return _build(config, tokenizer, seed, log, directory)
@@ -167,12 +170,21 @@ def build_datasets(
                 stats, has_validation = build(Path(scratch))
                 train = cache.load_rows(Path(scratch), "train", in_memory=True)
                 validation = cache.load_rows(Path(scratch), "validation", in_memory=True) if has_validation else None
-            return DataBundle(train, validation, fingerprint, stats, False, None)
+            return DataBundle(train, validation, fingerprint, _without_notes(stats)[0], False, None)
         path = cache.store(cache_root, fingerprint, build, inputs)
     entry = cache.load_cached(cache_root, fingerprint)
     assert entry is not None, f"cache entry {path} unreadable right after writing it"
     log(f"data: rows cached in {path}")
-    return DataBundle(entry.train, entry.validation, fingerprint, entry.stats, False, entry.path)
+    return DataBundle(entry.train, entry.validation, fingerprint, _without_notes(entry.stats)[0], False, entry.path)
+
+
+NOTES_KEY = "notes"
+"""The stats key (in the cache's meta.json only) of the lines tokenizing logged on dropped, split and truncated
+records: a run that loads the rows from the cache logs them again, and the bundle's stats leave them out."""
+
+
+def _without_notes(stats: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    return {key: value for key, value in stats.items() if key != NOTES_KEY}, list(stats.get(NOTES_KEY, []))
 
 
 @dataclass(frozen=True)
@@ -216,13 +228,16 @@ def _build(
     schema = row_features(config.format).arrow_schema
     split_off = not config.validation and config.validation_split > 0
     train_documents = directory / "documents-train.arrow"
-    num_dropped, kept = _write_documents(config.train, config, tokenizer, num_proc, train_documents, log, split_off)
+    notes: list[str] = []
+    num_dropped, kept = _write_documents(
+        config.train, config, tokenizer, num_proc, train_documents, log, split_off, notes
+    )
     validation_stats: dict[str, int] | None = None
     num_validation_dropped, held_out = 0, None
     if config.validation:
         validation_documents = directory / "documents-validation.arrow"
         num_validation_dropped, _ = _write_documents(
-            config.validation, config, tokenizer, num_proc, validation_documents, log, False
+            config.validation, config, tokenizer, num_proc, validation_documents, log, False, notes
         )
         validation_stats, _ = partition_rows(validation_documents, schema, cache.rows_file(directory, "validation"))
         validation_documents.unlink()
@@ -242,7 +257,7 @@ def _build(
     )
     train_documents.unlink()
     validation_stats = validation_stats or split_stats
-    stats: dict[str, Any] = {**train_stats, "num_dropped": num_dropped}
+    stats: dict[str, Any] = {**train_stats, "num_dropped": num_dropped, NOTES_KEY: notes}
     if validation_stats is not None:
         stats.update({f"validation_{key}": value for key, value in validation_stats.items()})
         stats["validation_num_dropped"] = num_validation_dropped
@@ -325,8 +340,10 @@ def _write_documents(
     path: Path,
     log: Log,
     keep_record_ids: bool,
+    notes: list[str],
 ) -> tuple[int, np.ndarray]:
-    """Encode every record of `sources` into an Arrow stream of documents at `path`, in order.
+    """Encode every record of `sources` into an Arrow stream of documents at `path`, in order; the lines it
+    logs on dropped, split and truncated records are also appended to `notes`.
 
     Returns:
         How many records were dropped (nothing to train on), and with `keep_record_ids` the ids of the
@@ -351,6 +368,7 @@ def _write_documents(
     log_done(len(sources))
     for line in tally.summary(config):
         log(line)
+        notes.append(line)
     if tally.num_no_room:
         raise no_room_error(tally.num_no_room, tally.num_records, tally.first_no_room, config)
     if tally.num_records == tally.num_dropped:
