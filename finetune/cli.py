@@ -17,6 +17,7 @@ from collections.abc import Sequence
 
 from finetune.console import configure_console
 from finetune.errors import FinetuneError
+from finetune.training.launch import broken_collective
 
 COMMAND_MODULES = ("train", "plan", "inference", "adapters", "recipes", "data", "serve", "export", "report")
 """Modules under `finetune.commands`, in the order their commands appear in `--help`."""
@@ -59,6 +60,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:  # `finetune ... | head`: the reader has gone; say nothing more
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
+    except Exception as exc:
+        line = None if args.verbose else broken_collective(exc)
+        if line is None:
+            raise
+        print(line, file=sys.stderr)  # a rank whose peer failed: that rank's own error says why
+        return 1
 
 
 if __name__ == "__main__":

@@ -61,3 +61,19 @@ def test_two_gloo_ranks_match_one_process(workdir):
     for name in expected:  # two AdamW steps from gradients summed in another order: Adam's 1/sqrt(v) amplifies it
         assert_within_ulps(actual[name], expected[name], ADAM_STEPS_ULPS, scale=largest, what=name)
     assert any(t.abs().max() > 0 for t in actual.values())
+
+
+@pytest.mark.slow
+def test_a_bad_record_under_two_ranks_ends_in_its_one_line_error_and_exit_2(workdir):
+    """Rank 0 refuses the record; rank 1, waiting for it at a barrier, says the process group broke; the launcher
+    ends with 2, and neither torch.distributed's traceback nor its failure table is printed."""
+    with open("train.jsonl", "a") as handle:
+        handle.write(json.dumps({"instruction": "no output field"}) + "\n")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    command = [sys.executable, "-m", "finetune", "train", "recipe.yaml", "--nproc", "2", "--cpu"]
+    result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 2, result.stderr[-3000:]
+    lines = result.stderr.strip().splitlines()
+    assert [line for line in lines if line.startswith("error: train.jsonl line 41 (record 41): no field 'output'")]
+    assert all(line.startswith(("error: ", "[W")) for line in lines), result.stderr[-3000:]
+    assert "Traceback" not in result.stderr and "ChildFailedError" not in result.stderr

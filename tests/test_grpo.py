@@ -5,6 +5,7 @@ GRPOTrainer, and a short run through the CLI (a reward function that fails stops
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -134,8 +135,10 @@ def test_a_bad_reward_function_fails_validate_and_train_before_the_model_loads(
 
     monkeypatch.chdir(tmp_path)
     recipe = write_grpo_run(tmp_path, tiny_base_dir, "nofile.py:f")
-    for command in ("validate", "train"):
-        assert main([command, str(recipe)]) == 2
+    for variables in ("CUDA_VISIBLE_DEVICES", "DS_ACCELERATOR"):  # --cpu sets them; put back after the test
+        monkeypatch.setenv(variables, os.environ.get(variables, ""))
+    for command in (["validate"], ["train"], ["train", "--nproc", "2", "--cpu"]):  # the last before any rank starts
+        assert main([*command, str(recipe)]) == 2
         assert "no file nofile.py" in capsys.readouterr().err
     assert not (tmp_path / "runs").exists()
 

@@ -47,6 +47,7 @@ def run_train(args: argparse.Namespace) -> int:
 
     # A bad recipe fails here, once (not on every rank), before the training stack is imported.
     recipe = load_recipe(args.recipe, args.overrides)
+    check_reward_functions(recipe)  # here too, once, before any rank starts
     if (args.nproc > 1 or args.nnodes > 1) and not already_launched():
         use_cpu = args.cpu or not _cuda_available()  # torch is imported only to ask: 1.3 s of a CPU launch
         if not use_cpu:
@@ -68,7 +69,6 @@ def run_train(args: argparse.Namespace) -> int:
 
     import os
 
-    check_reward_functions(recipe)
     from finetune.training.loop import train
 
     adapter_dir, _ = train(recipe, resume=args.resume)

@@ -16,6 +16,7 @@ import os
 import socket
 import subprocess
 import sys
+import traceback
 from collections.abc import Sequence
 
 from finetune.errors import FinetuneError
@@ -45,6 +46,24 @@ def already_launched() -> bool:
     return "LOCAL_RANK" in os.environ or "RANK" in os.environ
 
 
+def broken_collective(error: BaseException) -> str | None:
+    """The line a launched rank ends with when a collective failed under it (most often: another rank ended
+    with its own error, and its socket closed), or None for any other error (a traceback then).
+
+    Told by where the error came from: its innermost frame is in `torch.distributed`."""
+    if not already_launched() or error.__traceback__ is None:
+        return None
+    innermost = traceback.extract_tb(error.__traceback__)[-1].filename.replace("\\", "/")
+    if "/torch/distributed/" not in innermost:
+        return None
+    rank = os.environ.get("RANK", "?")
+    first_line = (str(error).strip().splitlines() or [""])[0][:200]
+    return (
+        f"error: rank {rank} stopped: the process group broke ({type(error).__name__}: {first_line}); another "
+        "rank has most likely failed and printed why above (--verbose shows this rank's traceback)"
+    )
+
+
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -67,8 +86,12 @@ def launch_command(
     command = [
         sys.executable,
         "-m",
-        "accelerate.commands.launch",
+        __name__,  # accelerate's launcher, run by `launch_quietly` below
         "--multi_gpu",
+        "--mixed_precision",  # the recipe sets precision; named here, accelerate warns of no default
+        "no",
+        "--dynamo_backend",
+        "no",
         "--num_processes",
         str(nproc * nnodes),
         "--num_machines",
@@ -95,3 +118,27 @@ def run_launched(command: list[str], *, use_cpu: bool, deepspeed: bool = False) 
     if use_cpu and not deepspeed:
         env["ACCELERATE_USE_CPU"] = "true"
     return subprocess.call(command, env=env)
+
+
+def launch_quietly(argv: Sequence[str]) -> int:
+    """`accelerate launch argv`, ending as a finetune command ends: each rank has printed its own one-line error,
+    so a failed rank gives the launcher's exit code 2 (a bad input on a rank) or the rank's own, and not
+    torch.distributed's traceback and failure table on top."""
+    import logging
+
+    from accelerate.commands.launch import launch_command as accelerate_launch
+    from accelerate.commands.launch import launch_command_parser
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    if "--verbose" not in argv:
+        logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    try:
+        accelerate_launch(launch_command_parser().parse_args(list(argv)))
+    except ChildFailedError as failed:
+        codes = [failure.exitcode for failure in failed.failures.values()]
+        return 2 if 2 in codes else next((code for code in codes if code > 0), 1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(launch_quietly(sys.argv[1:]))
