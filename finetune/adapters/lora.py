@@ -169,10 +169,12 @@ class LoraWeights:
         """weight · scale · B·A in fp32 on `device` (default: where A and B are, the CPU), shaped like the base weight
         (`expert`: that expert's slice of a fused expert tensor's update, bit for bit the slice of the whole).
 
-        The scalar is folded in first (one multiply per B element) so the same call always rounds the
-        same way: the arithmetic in `inmemory` and `ondisk` relies on identical results for identical
-        inputs. The update is computed on the device of the weight it is added to, in full fp32 there
-        (no TF32, whatever the process chose): the same inputs on the same device give the same bits.
+        The product comes first and the scalar after it, as peft's `get_delta_weight` computes it: at weight 1
+        the update is peft's bit for bit, whatever alpha/r is (folding the scalar into B first rounds otherwise
+        unless it is a power of two). The same call always rounds the same way: the arithmetic in `inmemory`
+        and `ondisk` relies on identical results for identical inputs. The update is computed on the device of
+        the weight it is added to, in full fp32 there (no TF32, whatever the process chose): the same inputs on
+        the same device give the same bits.
         """
         A, B = self.A.to(device), self.B.to(device)
         if self.num_experts > 1:
@@ -183,7 +185,7 @@ class LoraWeights:
                 update[e] = self._expert_delta(A, B, weight, e)
             return update
         with ieee_fp32_matmuls():
-            update = (B * (weight * self.scale)) @ A  # (out, r) @ (r, in) -> (out, in)
+            update = (B @ A) * (weight * self.scale)  # (out, r) @ (r, in) -> (out, in)
         return update.T if self.fan_in_fan_out else update
 
     def _expert_delta(self, A: torch.Tensor, B: torch.Tensor, weight: float, expert: int) -> torch.Tensor:
@@ -195,7 +197,7 @@ class LoraWeights:
         A_e = A[expert * rank : (expert + 1) * rank]  # (r, in)
         B_e = B[:, expert :: self.num_experts]  # (out, r): column j·experts + e
         with ieee_fp32_matmuls():
-            update = (B_e * (weight * self.scale)) @ A_e  # (out, r) @ (r, in) -> (out, in)
+            update = (B_e @ A_e) * (weight * self.scale)  # (out, r) @ (r, in) -> (out, in)
         return update.T if self.transposed else update
 
 
