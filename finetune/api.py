@@ -71,6 +71,9 @@ def _adopt_or_own(base: ResolvedBase, adapters: list[Adapter], allow_pickle: boo
             stacklevel=4,  # the caller of `load_model`
         )
         return base.as_own_base()
+    for adapter in adapters:  # given under a name the ledger holds: it must be the adapter merged as that name
+        if adapter.name in ledger.entries:
+            ledger.check_same_adapter(adapter.name, adapter)
     given = {a.name for a in adapters}
     adapters.extend(a for a in found if a.name not in given)
     return base

@@ -78,8 +78,10 @@ def test_list_and_info_show_the_store(tmp_path, adapter_dirs, capsys):
     store.mkdir()
     for name in ("legal", "med"):
         shutil.copytree(adapter_dirs[name], store / name)
+    shutil.copytree(adapter_dirs["med"], store / ".mix.partial-4242")  # a killed writer's staging: no adapter
     assert run("list", store) == 0
     lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 3, lines
     assert lines[0].split() == ["NAME", "BASE", "RANK", "TARGETS", "SIZE", "METRICS"]
     assert lines[1].split()[0] == "legal" and "q_proj,v_proj" in lines[1] and lines[1].split()[2] == "4"
     assert lines[2].split()[0] == "med" and "down_proj,o_proj,q_proj" in lines[2] and lines[2].split()[2] == "8"

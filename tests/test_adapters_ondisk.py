@@ -228,3 +228,29 @@ def test_a_shard_written_tensor_by_tensor_reads_back_in_safetensors(tmp_path):
         write_planned_shard(
             tmp_path, "bad.safetensors", planned, lambda _: torch.zeros(2, 2, dtype=torch.bfloat16), ledger
         )
+
+
+def test_an_adapter_is_merged_once_under_one_name(tmp_path, tiny_base_dir, adapter_dirs, monkeypatch):
+    """Two different adapters of one name, or one adapter under two names, would be taken one for the other or
+    counted twice: both are refused, naming them, before anything is written. The ledger records each adapter's
+    absolute path, so the merged model is read the same from any working directory."""
+    other_legal = make_adapter(tiny_base_dir, tmp_path / "copy" / "legal", seed=9, targets=("q_proj", "v_proj"))
+    with pytest.raises(AdapterError, match=r"adapter 'legal' merged here came from .* another adapter of that name"):
+        merge_checkpoint(str(tiny_base_dir), [AdapterSpec(str(adapter_dirs["legal"])), AdapterSpec(str(other_legal))],
+                         tmp_path / "clash")  # fmt: skip
+    assert not (tmp_path / "clash").exists()
+    twin = tmp_path / "twin"
+    shutil.copytree(adapter_dirs["legal"], twin)
+    (twin / "manifest.json").unlink(missing_ok=True)  # named after its directory, then
+    with pytest.raises(AdapterError, match=r"is the adapter merged here as 'legal'; adding it as 'twin' too would"):
+        merge_checkpoint(str(tiny_base_dir), [AdapterSpec(str(adapter_dirs["legal"])), AdapterSpec(str(twin))],
+                         tmp_path / "twice")  # fmt: skip
+    assert not (tmp_path / "twice").exists()
+
+    monkeypatch.chdir(adapter_dirs["legal"].parent)
+    merge_checkpoint(str(tiny_base_dir), [AdapterSpec("legal"), AdapterSpec("med", 0.5)], tmp_path / "merged")
+    ledger = json.loads((tmp_path / "merged" / "config.json").read_text())[LEDGER_KEY]
+    assert ledger["adapters"]["med"]["path"] == str(adapter_dirs["med"].resolve())
+    monkeypatch.chdir(tmp_path)
+    report = subtract_checkpoint(str(tmp_path / "merged"), AdapterSpec("med"), tmp_path / "legal-only")
+    assert report.exact and report.merged == {"legal": 1.0}

@@ -346,6 +346,7 @@ class LoadedModel:
             raise AdapterError(
                 f"adapter {name!r} is merged; using it unmerged too would count it twice (subtract it first)"
             )
+        self._ledger.check_same_adapter(name, adapter)  # the same weights merged under another name
         if self._ledger.entries and self._quantized_base():
             raise AdapterError("on a quantized base use() needs nothing merged; subtract the merged adapters first")
         peft = import_peft()

@@ -32,6 +32,8 @@ def clean_weight(weight: float) -> float:
 
     The rounded value is the one both the ledger and the arithmetic use, so tensors still follow it exactly.
     """
+    if not math.isfinite(float(weight)):
+        raise AdapterError(f"adapter weight {weight!r} is not a finite number; give a weight such as 1, 0.5 or -1")
     return float(f"{float(weight):.12g}")
 
 
@@ -60,14 +62,35 @@ class Ledger:
         """The ledger after adding `weight` of adapter `name`; an entry whose weight reaches 0 disappears."""
         entries = dict(self.entries)
         old = entries.get(name)
+        if adapter is not None:
+            self.check_same_adapter(name, adapter)
         total = clean_weight((old.weight if old else 0.0) + weight)
         if abs(total) < _ZERO_WEIGHT:
             entries.pop(name, None)
         else:
-            path = str(adapter.path) if adapter is not None else (old.path if old else "")
+            # absolute: the merged model is read again from other working directories
+            path = str(Path(adapter.path).resolve()) if adapter is not None else (old.path if old else "")
             sha = adapter.file_sha256 if adapter is not None else (old.sha256 if old else "")
             entries[name] = LedgerEntry(weight=total, path=path, sha256=sha)
         return replace(self, entries=entries)
+
+    def check_same_adapter(self, name: str, adapter) -> None:
+        """Refuse an adapter whose weights file is not the one merged under `name`, or is one merged under
+        another name: the arithmetic would take one for the other, or count one twice, without a word."""
+        sha = adapter.file_sha256
+        if not sha:
+            return
+        for other, entry in self.entries.items():
+            if other == name and entry.sha256 and entry.sha256 != sha:
+                raise AdapterError(
+                    f"adapter {name!r} merged here came from {entry.path}, and {adapter.path} is another adapter of "
+                    "that name; give one of them another name"
+                )
+            if other != name and entry.sha256 == sha:
+                raise AdapterError(
+                    f"{adapter.path} is the adapter merged here as {other!r}; adding it as {name!r} too would count "
+                    f"it twice (change {other!r}'s weight instead)"
+                )
 
     def minus(self, name: str, weight: float | None, adapter=None, *, negate: bool, where: str = "the model") -> Ledger:
         """The ledger after subtracting `weight` of `name` (default: all that is merged).

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from finetune.adapters.ledger import read_ledger
 from finetune.adapters.lora import CONFIG_NAME, PICKLE_NAME, SAFETENSORS_NAME
+from finetune.atomic import SET_ASIDE_MARK, STAGING_MARK
 from finetune.errors import AdapterError
 from finetune.manifest import read_manifest
 from finetune.tensorfile import check_safetensors
@@ -99,7 +100,17 @@ def list_store(store_dir: str | Path) -> list[AdapterSummary]:
     store_dir = Path(store_dir)
     if not store_dir.is_dir():
         raise AdapterError(f"no adapter store at {store_dir}; train an adapter first or pass the store directory")
-    return [_summary_or_problem(p) for p in sorted(store_dir.iterdir()) if (p / CONFIG_NAME).is_file()]
+    return [
+        _summary_or_problem(p)
+        for p in sorted(store_dir.iterdir())
+        if (p / CONFIG_NAME).is_file() and not _in_writing(p)
+    ]
+
+
+def _in_writing(path: Path) -> bool:
+    """A hidden sibling a writer builds an adapter in, or sets an old one aside in (`finetune.atomic`): not an
+    adapter (a killed writer leaves one behind, the next write of that name deletes it)."""
+    return path.name.startswith(".") and (STAGING_MARK in path.name or SET_ASIDE_MARK in path.name)
 
 
 def _summary_or_problem(adapter_dir: Path) -> AdapterSummary:
