@@ -188,6 +188,20 @@ def test_completions_per_model_equal_generate(client, reference):
             outputs[model, prompt] = tuple(expected)
     for prompt in PROMPTS[:2]:  # the adapters really change the answers
         assert len({outputs[model, prompt] for model in (BASE_NAME, "legal", "med")}) == 3
+    ids = [prompt_ids(reference.tokenizer, prompt) for prompt in PROMPTS[:2]]  # token ids as the prompt, as OpenAI's
+    for prompt, expected in ((ids[0], ids[:1]), (ids, ids)):
+        body = {
+            "model": "legal",
+            "prompt": prompt,
+            "max_tokens": MAX_TOKENS,
+            "temperature": 0,
+            "return_token_ids": True,
+        }
+        response = client.post("/v1/completions", json=body)
+        assert response.status_code == 200, response.text
+        choices = response.json()["choices"]
+        assert [c["prompt_token_ids"] for c in choices] == expected
+        assert [tuple(c["token_ids"]) for c in choices] == [outputs["legal", p] for p in PROMPTS[: len(expected)]]
 
 
 @pytest.mark.gpu
@@ -353,6 +367,10 @@ def test_unload_refusals(client, reference):
         ({"model": "legal", "prompt": "x", "tools": []}, 400, "does not support this parameter", "tools"),
         ({"model": "legal", "prompt": ["x"] * (MAX_PENDING + 1)}, 429, "--max-pending", None),
         ({"prompt": "x"}, 400, "Field required", "model"),
+        ({"model": "legal", "prompt": "x", "max_tokens": True}, 400, "valid integer", "max_tokens"),
+        ({"model": "legal", "prompt": [True]}, 400, "token ids (a list of integers)", "prompt"),
+        ({"model": "legal", "prompt": [[]]}, 400, "none of them empty", "prompt"),
+        ({"model": "legal", "prompt": [1, 10**9]}, 400, "token id 1000000000 is not in the vocabulary", "prompt"),
     ],
 )
 def test_bad_requests_are_refused_and_the_server_goes_on(client, reference, body, status, fragment, param):

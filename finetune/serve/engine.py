@@ -120,9 +120,17 @@ class Engine:
     # ---- prompts -----------------------------------------------------------------------------------
     # A fast tokenizer is one Rust object: two threads encoding, or one encoding while another decodes,
     # can fail with "RuntimeError: Already borrowed" (transformers #47085, vLLM #40949). One lock serialises them.
-    def encode_completion(self, text: str) -> list[int]:
+    def encode_completion(self, prompt: str | list[int]) -> list[int]:
+        """A text prompt's token ids, or token ids given as the prompt, checked against the vocabulary."""
+        if isinstance(prompt, list):
+            vocabulary = len(self.loaded.tokenizer)
+            outside = next((token for token in prompt if not 0 <= token < vocabulary), None)
+            if outside is not None:
+                raise ServeError(f"prompt: token id {outside} is not in the vocabulary (0 to {vocabulary - 1})",
+                                 param="prompt")  # fmt: skip
+            return list(prompt)
         with self._tokenizer_lock:
-            return prompt_ids(self.loaded.tokenizer, text)
+            return prompt_ids(self.loaded.tokenizer, prompt)
 
     def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
         try:

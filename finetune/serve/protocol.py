@@ -1,7 +1,7 @@
 """The OpenAI wire format of `finetune serve`: request bodies (validated strictly) and response JSON.
 
-Requests are pydantic models with `extra="forbid"`: a parameter this server does not implement is a
-400 naming it, rather than silently ignored. Parameters clients commonly send with neutral values
+Requests are pydantic models with `extra="forbid"` and strict types: a parameter this server does not
+implement is a 400 naming it, rather than silently ignored, and `"max_tokens": true` is not taken for 1. Parameters clients commonly send with neutral values
 (`n: 1`, `presence_penalty: 0`, `logprobs: null`, `user`) are accepted. `return_token_ids` (as in vLLM)
 adds `prompt_token_ids` and `token_ids` to each choice. Errors have OpenAI's shape:
 `{"error": {"message", "type", "param", "code"}}`.
@@ -26,7 +26,7 @@ COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class StreamOptions(_Strict):
@@ -63,17 +63,24 @@ class _Generation(_Strict):
 class CompletionRequest(_Generation):
     """POST /v1/completions. A list of prompts gives one choice each (all batched together)."""
 
-    prompt: str | list[str]
+    prompt: str | list[str] | list[int] | list[list[int]]
+    """Text, texts, token ids, or lists of token ids (as OpenAI's API and vLLM take them)."""
     max_tokens: int | None = Field(COMPLETION_DEFAULT_MAX_TOKENS, ge=1)
     echo: Literal[False] = False
     best_of: Literal[1] | None = None
     suffix: None = None
 
-    def prompts(self) -> list[str]:
-        prompts = [self.prompt] if isinstance(self.prompt, str) else self.prompt
-        if not prompts:
-            raise ServeError("prompt: give a string or a non-empty list of strings", param="prompt")
+    def prompts(self) -> list[str | list[int]]:
+        """One entry per choice: a text, or token ids taken as they are (no BOS added)."""
+        prompt = self.prompt
+        one = isinstance(prompt, str) or (bool(prompt) and all(isinstance(token, int) for token in prompt))
+        prompts: list[Any] = [prompt] if one else list(prompt)
+        if not prompts or any(isinstance(p, list) and not p for p in prompts):
+            raise ServeError(f"prompt: {PROMPT_FORMS}, none of them empty", param="prompt")
         return prompts
+
+
+PROMPT_FORMS = "give a string, a list of strings, token ids (a list of integers), or a list of such lists"
 
 
 class TextPart(_Strict):
@@ -128,11 +135,13 @@ def parse_body(model: type[BaseModel], body: bytes) -> Any:
     except ValidationError as exc:
         first = exc.errors()[0]
         param = ".".join(str(part) for part in first["loc"]) or None
+        more = exc.error_count() - 1
         if first["type"] == "extra_forbidden":
             message = f"{param}: this server does not support this parameter"
+        elif first["loc"][0] == "prompt":  # one error per form of the union: say the forms instead
+            param, message, more = "prompt", f"prompt: {PROMPT_FORMS}", 0
         else:
             message = f"{param}: {first['msg']}" if param else first["msg"]
-        more = exc.error_count() - 1
         raise ServeError(message + (f" (and {more} more problems)" if more else ""), param=param) from None
 
 
