@@ -95,6 +95,16 @@ def test_eval_perplexity_equals_a_plain_transformers_and_peft_loop(tmp_path, tin
         assert abs(float(printed[1]) - math.exp(loss)) <= 5e-5 + LIBRARY_ULPS * ulp(math.exp(loss)), line
     assert f"over {count:,} tokens" in lines[0] and lines[1].startswith("base + adapter: perplexity")
 
+    # The data errors' "set data.X" hints can be followed here: eval takes a recipe's data settings as key=value
+    (tmp_path / "renamed.jsonl").write_text("".join(json.dumps({"body": text}) + "\n" for text in texts))
+    renamed = ["eval", "--base", str(tiny_base_dir), "--data", str(tmp_path / "renamed.jsonl")]
+    assert main(renamed) == 2
+    assert "set data.text_field" in capsys.readouterr().err
+    assert main([*renamed, "data.text_field=body", "--batch-size", "3"]) == 0
+    assert capsys.readouterr().out.strip() == lines[0]
+    assert main([*renamed, "train.lr=1"]) == 2
+    assert "finetune eval takes data.KEY=VALUE settings only" in capsys.readouterr().err
+
 
 @pytest.mark.parametrize("chat", [False, True])
 def test_generate_prints_the_greedy_tokens_of_base_and_adapter(tmp_path, tiny_base_dir, capsys, chat):

@@ -38,6 +38,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     evaluate.add_argument("--format", default="text", choices=["text", "instruction", "chat"])
     evaluate.add_argument("--max-seq-len", type=positive_int, default=1024)
     evaluate.add_argument("--batch-size", type=positive_int, default=8)
+    evaluate.add_argument(
+        "overrides", nargs="*", metavar="data.KEY=VALUE",
+        help="any other setting of a recipe's data section, e.g. data.messages_field=conversations",
+    )  # fmt: skip
     evaluate.set_defaults(handler=warnings_as_lines(run_eval))
 
     generate = subparsers.add_parser("generate", help="continue a prompt with a base (and adapter)")
@@ -70,11 +74,10 @@ def _load(args: argparse.Namespace):
 def run_eval(args: argparse.Namespace) -> int:
     from finetune.data.collate import collate_batch
     from finetune.data.pipeline import build_datasets
-    from finetune.recipe import DataConfig
     from finetune.scoring import perplexity as score
 
+    config = _eval_data_config(args)
     loaded, adapter = _load(args)
-    config = DataConfig(train=[args.data], format=args.format, max_seq_len=args.max_seq_len, packing=True)
     rows = build_datasets(config, loaded.tokenizer, seed=0).train
 
     def collate(batch_rows):
@@ -95,6 +98,21 @@ def run_eval(args: argparse.Namespace) -> int:
         change = perplexity_change(base["eval_ppl"], tuned["eval_ppl"])
         print(f"base + adapter: perplexity {tuned['eval_ppl']:.4f} (loss {tuned['eval_loss']:.4f}; {change})")
     return 0
+
+
+def _eval_data_config(args: argparse.Namespace):
+    """The data section `eval` reads with: --data, --format and --max-seq-len, then any `data.KEY=VALUE`, checked
+    as a recipe's data section is (so the data errors' "set data.X" hints can be followed here too)."""
+    from finetune.recipe import apply_overrides, recipe_from_dict
+
+    outside = [text for text in args.overrides if not text.startswith("data.")]
+    if outside:
+        raise FinetuneError(f"{outside[0]!r}: finetune eval takes data.KEY=VALUE settings only")
+    data = {"train": [args.data], "format": args.format, "max_seq_len": args.max_seq_len, "packing": True}
+    settings = apply_overrides(
+        {"model": {"base": "embedded:tiny-llama"}, "output": {"name": "eval"}, "data": data}, args.overrides
+    )
+    return recipe_from_dict(settings, "finetune eval").data
 
 
 def run_generate(args: argparse.Namespace) -> int:

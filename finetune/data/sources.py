@@ -237,7 +237,7 @@ def _load_saved_dataset(path: Path, source: SourceConfig) -> datasets.Dataset:
 
 
 def _no_records(raw_path: str) -> DataError:
-    return DataError(f"data source {raw_path} has no records; add data or remove it from the recipe")
+    return DataError(f"data source {raw_path} has no records; add records to it, or leave it out")
 
 
 def iter_records(raw: RawSource, chunk_records: int, chunk_chars: int | None = None) -> Iterator[RecordChunk]:
