@@ -188,6 +188,15 @@ CASES = [
         write("kto.jsonl", json.dumps({"prompt": "Q", "completion": "A", "label": "yes"}) + "\n"),
     ),  # fmt: skip
     Case(
+        "preview-refuses-a-prompt-that-leaves-no-room-as-training-does",
+        ("data", "preview", "recipe.yaml", *PAIRS, "data.train=long.jsonl", "data.max_seq_len=8"),
+        ("long.jsonl line 1 (record 1): the prompt leaves no room", "data.overlength=truncate_prompt"),
+        write(
+            "long.jsonl",
+            json.dumps({"prompt": "the model reads a document and predicts", "chosen": "y", "rejected": "n"}) + "\n",
+        ),
+    ),  # fmt: skip
+    Case(
         "prompt-leaves-no-room-for-the-completion",
         ("train", "recipe.yaml", *PAIRS, "data.train=long.jsonl", "data.max_seq_len=8"),
         ("2 of 3 records", "data.max_seq_len=8", "data.overlength=truncate_prompt"),

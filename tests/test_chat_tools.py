@@ -301,6 +301,8 @@ BAD_RECORDS = [
      r"messages\[4\]\.content is None on an assistant turn that calls no tools"),
     ("a missing reply", lambda m: m[4].pop("content"),
      r"messages\[4\]\.content is missing on an assistant turn that calls no tools"),
+    ("a blank reply", lambda m: [m[4].pop("reasoning_content"), m[4].update(content=" \n")],
+     r"messages\[4\]\.content is empty on an assistant turn that calls no tools"),
 ]  # fmt: skip
 
 
@@ -392,9 +394,12 @@ def test_the_data_cache_tells_reasoning_and_tools_field_apart(tmp_path):
 
 
 @pytest.mark.parametrize("family", FAMILIES[:5], ids=[f.name for f in FAMILIES[:5]])
-def test_an_empty_assistant_turn_trains_its_closing_token(family):
+def test_an_assistant_turn_of_reasoning_alone_trains_its_closing_token(family):
+    """A turn with reasoning and no answer renders empty where a template drops earlier turns' reasoning: it is
+    located where its content would go, so its closing token is trained. (With no reasoning either, an empty turn
+    is refused: tests above.)"""
     tokenizer = family_tokenizer(family)
-    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": ""},
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "", "reasoning_content": "Hm."},
                 {"role": "user", "content": "Again"}, {"role": "assistant", "content": "Yes."}]  # fmt: skip
     ids, trained = render_chat(normalize_record({"messages": messages}, "messages", "r"), family.template.read_text(),
                                tokenizer, "r")  # fmt: skip

@@ -367,6 +367,23 @@ def test_truncation_that_leaves_no_response_drops_the_record(tmp_path, tiny_toke
     assert decode_labelled(tiny_tokenizer, bundle.train[0]) == "return a + b</s>"
 
 
+def test_an_empty_response_is_dropped_and_counted_and_preview_says_so(tmp_path, tiny_tokenizer):
+    """An empty answer would train the end token alone (stopping at once): training drops such a record like
+    empty text, and `data preview` shows it as dropped rather than leaving it out without a word."""
+    from finetune.data.pipeline import preview_documents
+
+    records = [{**INSTRUCTION, "output": " \n"}, INSTRUCTION]
+    source = write_records(tmp_path / "empty.jsonl", records)
+    bundle = build(tmp_path, tiny_tokenizer, train=[source], format="instruction", max_seq_len=48)
+    assert (bundle.stats["num_records"], bundle.stats["num_dropped"]) == (1, 1)
+    assert decode_labelled(tiny_tokenizer, bundle.train[0]) == "return a + b</s>"
+    config = DataConfig(train=[source], format="instruction", max_seq_len=48)
+    dropped, shown = preview_documents(config, tiny_tokenizer, limit=2)
+    assert (dropped.record, dropped.dropped, dropped.input_ids) == (1, True, [])
+    assert (shown.record, shown.dropped) == (2, False) and shown.input_ids
+    assert len(preview_documents(config, tiny_tokenizer, limit=1)) == 1
+
+
 def test_overlength_error_names_file_and_record(tmp_path, tiny_tokenizer):
     source = write_records(tmp_path / "long.jsonl", LONG)
     with pytest.raises(

@@ -49,10 +49,14 @@ def run_preview(args: argparse.Namespace) -> int:
     if args.json:
         for d in documents:
             print(json.dumps({"record": d.record, "piece": d.piece, "pieces": d.pieces, "input_ids": d.input_ids,
-                              "labels": d.labels}))  # fmt: skip
+                              "labels": d.labels, "dropped": d.dropped}))  # fmt: skip
         return 0
     colour = sys.stdout.isatty()
     for number, document in enumerate(documents, start=1):
+        if document.dropped:
+            print(f"--- document {number}: record {document.record} is dropped by training: nothing to train on "
+                  "(empty text or response, no assistant turn, or a prompt filling all of max_seq_len)")  # fmt: skip
+            continue
         trained = sum(label != -100 for label in document.labels)
         piece = (
             f", piece {document.piece} of {document.pieces} of record {document.record}" if document.pieces > 1 else ""

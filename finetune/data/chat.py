@@ -134,10 +134,11 @@ def _message(message: Any, at: str) -> dict[str, Any]:
             calls = [message["function_call"]]  # OpenAI's older single-call field
         if calls:
             out["tool_calls"] = [_tool_call(call, f"{at}.tool_calls[{i}]") for i, call in enumerate(_listed(calls))]
-        elif content is None:  # an empty reply would be trained
+        elif content is None or not (out["content"].strip() or reasoning):  # its end token alone would be trained
+            state = "missing" if "content" not in message else "None" if content is None else "empty"
             raise DataError(
-                f"{at}.content is {'missing' if 'content' not in message else 'None'} on an assistant turn that calls "
-                "no tools; give the reply's text (null only with tool_calls), or fix the record"
+                f"{at}.content is {state} on an assistant turn that calls no tools; give the reply's text (null or "
+                "empty only with tool_calls), or fix the record"
             )
     for key in ("name", "tool_call_id"):
         if isinstance(message.get(key), str):

@@ -243,8 +243,8 @@ def _masked(message: dict[str, Any]) -> dict[str, Any]:
                 arguments = json.dumps(arguments, ensure_ascii=False)
             calls.append({**call, "function": {**call["function"], "arguments": arguments}})
         out["tool_calls"] = calls
-    if out == message:  # an empty turn: mark where its content would go
-        out["content"] = _SENTINEL
+    if not message.get("content") and not message.get("tool_calls"):  # no answer: mark where it would go (a
+        out["content"] = _SENTINEL  # template may drop the reasoning: the closing token is still found)
     return out
 
 

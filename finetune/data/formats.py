@@ -14,8 +14,8 @@ document. EOS always ends a document as a trained label, so the tuned model lear
   generation prompt through its closing token (`finetune.data.chat_turns`). `data.reasoning: every_turn`
   makes one document per assistant turn (`Document.more`).
 
-A record with nothing to train on (empty text, a chat without assistant turns under completion-only
-loss) encodes to None and is dropped by the caller, who counts it.
+A record with nothing to train on (empty text, an empty response, a chat without assistant turns under
+completion-only loss) encodes to None and is dropped by the caller, who counts it.
 
 Example:
     docs = encode_records([{"text": "hello"}], config, tokenizer, locate=lambda i: f"record {i + 1}")
@@ -159,7 +159,11 @@ def _encode_instruction(records, config, tokenizer, locate) -> list[Document | N
         responses.append(response)
     documents: list[Document | None] = []
     bos, eos = _bos(tokenizer), [tokenizer.eos_token_id]
-    for prompt_ids, response_ids in zip(_tokenize(tokenizer, prompts), _tokenize(tokenizer, responses)):
+    tokenized = zip(_tokenize(tokenizer, prompts), _tokenize(tokenizer, responses), responses)
+    for prompt_ids, response_ids, response in tokenized:
+        if not response.strip():  # an empty answer would teach stopping at once: dropped (and counted) like empty text
+            documents.append(None)
+            continue
         prompt_ids = bos + prompt_ids
         response_ids = response_ids + eos
         input_ids = prompt_ids + response_ids

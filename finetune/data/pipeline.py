@@ -189,18 +189,20 @@ def _without_notes(stats: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
 
 @dataclass(frozen=True)
 class PreviewDocument(Document):
-    """A document as training sees it, with its `record` (1-based) and, for a split record, `piece` of `pieces`."""
+    """A document as training sees it, with its `record` (1-based) and, for a split record, `piece` of `pieces`;
+    `dropped`: the record has nothing to train on, and training drops it (no tokens here)."""
 
     record: int = 1
     piece: int = 1
     pieces: int = 1
+    dropped: bool = False
 
 
 def preview_documents(config: DataConfig, tokenizer: PreTrainedTokenizerBase, limit: int) -> list[PreviewDocument]:
     """The first `limit` training documents of the first source as training sees them (template, mask, pieces).
 
-    Records with nothing to train on are skipped (as training drops them); a record longer than max_seq_len
-    gives the pieces (or the truncation) `data.overlength` makes of it; nothing is cached or packed.
+    A record with nothing to train on is one `dropped` entry (training drops it); a record longer than
+    max_seq_len gives the pieces (or the truncation) `data.overlength` makes of it; nothing is cached or packed.
     """
     raw = load_source(config.train[0], config.text_field)
     documents: list[PreviewDocument] = []
@@ -209,13 +211,14 @@ def preview_documents(config: DataConfig, tokenizer: PreTrainedTokenizerBase, li
         for offset, whole in enumerate(encoded):
             for document in whole.with_more() if whole is not None else [None]:
                 pieces, _ = fit_to_length(document, config, chunk.where(offset))
-                for number, piece in enumerate(pieces, start=1):
-                    record = chunk.first + offset + 1
-                    documents.append(
-                        PreviewDocument(piece.input_ids, piece.labels, record=record, piece=number, pieces=len(pieces))
-                    )
-                    if len(documents) == limit:
-                        return documents
+                record = chunk.first + offset + 1
+                shown = [
+                    PreviewDocument(piece.input_ids, piece.labels, record=record, piece=number, pieces=len(pieces))
+                    for number, piece in enumerate(pieces, start=1)
+                ] or [PreviewDocument([], [], record=record, dropped=True)]
+                documents.extend(shown[: limit - len(documents)])
+                if len(documents) == limit:
+                    return documents
     return documents
 
 
@@ -418,7 +421,7 @@ class _Tally:
         if self.num_dropped:
             lines.append(
                 f"data: dropped {self.num_dropped} of {self.num_records} records with nothing to train on "
-                f"(empty text, no assistant turn, or a prompt filling all of max_seq_len)"
+                f"(empty text or response, no assistant turn, or a prompt filling all of max_seq_len)"
             )
         if self.num_too_long and config.overlength == "split":
             lines.append(

@@ -241,10 +241,11 @@ def _row(sequences: list[Sequence], desirable: bool | None) -> dict[str, Any]:
 
 def no_room_error(count: int, total: int, first: str, config: DataConfig) -> DataError:
     """The one-line error for records whose prompt fills max_seq_len under `truncate`."""
+    which = f"{first}: the prompt leaves" if total == 1 else f"{count} of {total} records have a prompt that leaves"
     return DataError(
-        f"{count} of {total} records have a prompt that leaves no room for the completion within "
-        f"data.max_seq_len={config.max_seq_len} (the first: {first}); set data.overlength=truncate_prompt to cut "
-        "the prompts' start instead, or raise data.max_seq_len"
+        f"{which} no room for the completion within data.max_seq_len={config.max_seq_len}"
+        + ("" if total == 1 else f" (the first: {first})")
+        + "; set data.overlength=truncate_prompt to cut the prompts' start instead, or raise data.max_seq_len"
     )
 
 
@@ -252,12 +253,14 @@ def preview_records(config: DataConfig, tokenizer: Any, limit: int) -> list[tupl
     """The first `limit` rows of the first source as training sees them, with each record's number (1-based).
 
     Records are encoded and fitted to max_seq_len as training does; one whose prompt leaves no room for a
-    completion is skipped (training refuses the data with it).
+    completion is refused as training refuses it (DataError).
     """
     raw = load_source(config.train[0], config.text_field)
     rows: list[tuple[int, dict[str, Any]]] = []
     for chunk in iter_records(raw, max(limit, 1)):
         for offset, encoded in enumerate(encode_preference_records(chunk.records, config, tokenizer, chunk.where)):
+            if encoded.no_room:
+                raise no_room_error(1, 1, chunk.where(offset), config)
             if encoded.row is not None:
                 rows.append((chunk.first + offset + 1, encoded.row))
             if len(rows) == limit:
