@@ -39,9 +39,10 @@ name becomes a peft adapter name (a module key, which `.` would split), dots bec
 
 
 class _Section(BaseModel):
-    """Base of every recipe section: unknown keys are errors, values are checked on assignment too."""
+    """Base of every recipe section: unknown keys are errors, values are checked on assignment too, and no number
+    is infinite or NaN (YAML's `.inf` passed `gt=0` and failed deep in training)."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False, allow_inf_nan=False)
 
 
 class ModelConfig(_Section):
@@ -555,6 +556,11 @@ class TrainConfig(_Section):
                 object.__setattr__(self, name, default)
         if self.objective in ("dpo", "simpo", "kto") and not self.beta:
             raise ValueError(f"beta must be greater than 0 for objective {self.objective}")
+        if self.objective == "kto" and self.micro_batch_size < 2:  # trl's KTOTrainer refuses it too
+            raise ValueError(
+                "micro_batch_size must be at least 2 for objective kto: its KL baseline pairs each prompt with another "
+                "example's completion in the micro-batch, and with 1 it would pair an example with itself"
+            )
         if self.objective == "grpo":
             _check_grpo_settings(self)
         return self

@@ -112,6 +112,16 @@ def test_overrides_apply_through_the_schema(tmp_path, override, check):
         ),
         (MINIMAL, ["distributed.strategy=deepspeed", "train.nonfinite_skips=2"], ["nonfinite_skips cannot be used"]),
         (MINIMAL, ["distributed.strategy=deepspeed", "train.optimizer=adamw_8bit"], ["adamw_8bit cannot be used"]),
+        # no infinite or NaN numbers (.inf passed gt=0, then training failed on it)
+        (MINIMAL, ["train.epochs=.inf", "train.max_steps=null"], ["train.epochs: Input should be a finite number"]),
+        (MINIMAL, ["train.lr=.inf"], ["train.lr: Input should be a finite number"]),
+        (MINIMAL, ["train.max_grad_norm=.nan"], ["train.max_grad_norm: Input should be a finite number"]),
+        # kto's KL baseline pairs each prompt with another example's completion in the micro-batch
+        (
+            MINIMAL,
+            ["train.objective=kto", "data.format=unpaired_preference", "train.micro_batch_size=1"],
+            ["micro_batch_size must be at least 2 for objective kto"],
+        ),
     ],
 )
 def test_bad_recipes_fail_with_one_line_that_says_where(tmp_path, text, overrides, expected):
