@@ -444,3 +444,19 @@ def test_from_an_adapter_the_reference_is_that_adapter_swapped_in_as_precomputed
     (preference_workdir / "kto.yaml").write_text(KTO_RECIPE.format(base=tiny_base_dir, start=start))
     _, kto = train("kto.yaml", [], **quiet)
     assert kto["base_eval_reward_margin"] == 0.0 and kto["base_eval_loss"] == 0.5, kto  # 1 - sigmoid(0)
+
+
+def test_a_step_without_desirable_examples_logs_no_chosen_metrics(workdir, tiny_base_dir):
+    """A metric with no example in a step (kto's chosen side in a step of undesirable examples) is left out of
+    that step's record: it was carried over from the step before, as if measured again."""
+    records = unpaired_records(4)
+    for index, record in enumerate(records):
+        record["label"] = index == 0  # one desirable example of 8: in one step of 4 an epoch
+    (workdir / "examples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    recipe = KTO_RECIPE.replace("init_from: {start}", "init_from: null").replace("validation: examples.jsonl, ", "")
+    (workdir / "kto.yaml").write_text(recipe.format(base=tiny_base_dir))
+    train("kto.yaml", ["train.micro_batch_size=2", "train.max_steps=8", "train.eval_every_steps=null"],
+          log=lambda line: None)  # fmt: skip
+    steps = [json.loads(line) for line in (workdir / "runs" / "kto" / "metrics.jsonl").read_text().splitlines()]
+    assert len(steps) == 8 and all("rewards_rejected" in step for step in steps)
+    assert sum("rewards_chosen" in step for step in steps) == 2, steps  # the two steps holding the desirable one

@@ -279,7 +279,9 @@ class PendingSteps:
             if value["skipped"]:
                 _refuse_nonfinite(run, step.step, loss, value["grad_norm"], self.skipped_steps)
             metrics = {name: v for name, v in reported.items() if name != "ppl"}
-            last = {**self.last, **metrics, "loss": loss, "grad_norm": value["grad_norm"], "lr": value["lr"]}
+            # this step's metrics only: one with no count this step (kto's chosen side in a step of undesirable
+            # examples) is left out, not carried over from an earlier step as if measured again
+            last = {**metrics, "loss": loss, "grad_norm": value["grad_norm"], "lr": value["lr"]}
             last.update(tokens_seen=run.tokens_seen, epoch=epoch)
             last.update(elapsed_s=step.elapsed_s - self.start_time, skipped_steps=self.skipped_steps)
             last.update(step_s=step.elapsed_s - self.previous_end)  # host seconds from the step before to this one
@@ -287,7 +289,7 @@ class PendingSteps:
             if number == len(self.queued) - 1:
                 last.update(evaluation)
             self.on_step(step.step, last)
-            self.last = {k: v for k, v in last.items() if not k.startswith("eval_")}  # an evaluation is reported once
+            self.last = {k: v for k, v in last.items() if not k.startswith("eval_")}  # the run's final one comes after
         self.queued = []
 
 
