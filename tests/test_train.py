@@ -171,6 +171,19 @@ def test_resume_refuses_a_checkpoint_of_another_recipe_naming_the_setting(workdi
     assert "\n" not in str(caught.value)
 
 
+def test_resume_refuses_changed_data_and_a_run_shorter_than_the_checkpoint(workdir):
+    """The checkpoint's place in its data means nothing in other data; a run that ends before the checkpoint's
+    step cannot continue it (it ended in an IndexError)."""
+    train("recipe.yaml", ["train.max_steps=3", "train.save_every_steps=1"])
+    shutil.rmtree("adapters/crates")
+    with pytest.raises(CheckpointError, match=r"checkpoint-000003 is at step 3, past this run's 2 steps; resume"):
+        train("recipe.yaml", ["train.max_steps=2"], resume=True)
+    with open("train.jsonl", "a") as handle:
+        handle.write(json.dumps({"instruction": "one more", "output": "record"}) + "\n")
+    with pytest.raises(CheckpointError, match=r"was written for other data \(sha256:.*the data files changed since"):
+        train("recipe.yaml", ["train.max_steps=4"], resume=True)
+
+
 def test_a_checkpoint_of_an_earlier_version_resumes_unless_a_setting_added_since_differs(workdir):
     """An upgrade that adds recipe settings (with defaults) must not lose a run: a checkpoint without them
     was written by a run that behaved as their defaults do, so it resumes; a recipe that sets one of them

@@ -263,6 +263,7 @@ class TrainingRun:
                     "tokens_seen": self.tokens_seen,
                     "rng": rng_states,
                     "recipe_digest": recipe_digest(self.recipe),
+                    "data_fingerprint": self.data.fingerprint,
                     "base_eval": self.base_eval,
                 },
                 keep=self.recipe.train.keep_checkpoints,
@@ -496,6 +497,7 @@ def _restore(run: TrainingRun, path: Path, say: Say) -> None:
             f"{path} was written by a different recipe: {mismatch}; resume with the original setting, "
             "or start fresh without --resume"
         )
+    _check_resumable_here(run, path, state)
     if not optimizer["param_groups"]:  # a DeepSpeed run's, before finetune saved ZeRO's optimizer state
         raise CheckpointError(
             f"{path} holds no optimizer state (a distributed.strategy deepspeed run of an earlier finetune wrote "
@@ -525,6 +527,23 @@ def _restore(run: TrainingRun, path: Path, say: Say) -> None:
     run.resumed_from = path
     ckpt.restore_rng_state(rng_states[run.accelerator.process_index])
     say(f"resumed from {path} at step {run.step}")
+
+
+def _check_resumable_here(run: TrainingRun, path: Path, state: dict[str, Any]) -> None:
+    """The checkpoint's data are this run's (the same files, bytes and tokenizer: its position in them means the
+    same), and it is not past this run's last step."""
+    recorded = state.get("data_fingerprint")  # absent from checkpoints of finetune before it was recorded
+    if recorded is not None and recorded != run.data.fingerprint:
+        raise CheckpointError(
+            f"{path} was written for other data ({recorded[:19]}..., now {run.data.fingerprint[:19]}...): the data "
+            "files changed since; resume with the original data, or start fresh without --resume (lora.init_from "
+            "continues from an adapter on new data)"
+        )
+    if state["step"] > run.length.total_steps:
+        raise CheckpointError(
+            f"{path} is at step {state['step']}, past this run's {run.length.total_steps} steps; resume with "
+            f"train.max_steps of at least {state['step']} (or more epochs), or start fresh without --resume"
+        )
 
 
 def _silent(message: str) -> None:
