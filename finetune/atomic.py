@@ -96,14 +96,11 @@ def atomic_directory(
     final = Path(final)
     if final.exists() and not replace:
         raise error(f"{final} already exists; {hint}")
-    try:
-        final.parent.mkdir(parents=True, exist_ok=True)
+    with _unwritable_as(error, final):
+        _make_parent(final)
         remove_stale_staging(final)
         staging = staging_path(final)
         staging.mkdir()
-    except OSError as exc:
-        fix = _USER_FIXABLE_ERRNOS.get(exc.errno or 0, "check the path and its permissions")
-        raise error(f"cannot write {final}: {exc.strerror or exc}; {fix}") from None
     try:
         yield staging
         _flush_to_disk(staging)
@@ -114,6 +111,26 @@ def atomic_directory(
         if number not in _USER_FIXABLE_ERRNOS:
             raise
         raise error(f"cannot write {final}: {reason}; {_USER_FIXABLE_ERRNOS[number]}") from None
+
+
+@contextlib.contextmanager
+def _unwritable_as(error: type[FinetuneError], final: Path) -> Iterator[None]:
+    """An OSError preparing to write `final` raised as `error`, one line saying what to do."""
+    try:
+        yield
+    except OSError as exc:
+        fix = _USER_FIXABLE_ERRNOS.get(exc.errno or 0, "check the path and its permissions")
+        raise error(f"cannot write {final}: {exc.strerror or exc}; {fix}") from None
+
+
+def _make_parent(final: Path) -> None:
+    """Create `final`'s directory; a file on the way is named (mkdir says only "File exists")."""
+    for parent in (final.parent, *final.parent.parents):
+        if parent.exists():
+            if not parent.is_dir():
+                raise OSError(errno.ENOTDIR, f"{parent} is a file, not a directory")
+            break
+    final.parent.mkdir(parents=True, exist_ok=True)
 
 
 def _os_error_of(exc: BaseException) -> tuple[int | None, str]:
@@ -155,8 +172,10 @@ def atomic_file(
     if final.exists() and not replace:
         raise error(f"{final} already exists; {hint}")
     staging = staging_path(final)
+    with _unwritable_as(error, final):  # checked before the block runs: one line, not its traceback
+        _make_parent(final)
+        staging.touch()
     try:
-        final.parent.mkdir(parents=True, exist_ok=True)
         yield staging
         with open(staging, "rb") as handle:
             os.fsync(handle.fileno())

@@ -53,6 +53,9 @@ def copy_recipe(name: str, destination: Path) -> Path:
     target = destination / source.name if destination.is_dir() else destination
     if target.exists():
         raise RecipeError(f"{target} already exists; choose another destination or delete it first")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(source, target)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(source, target)
+    except OSError as exc:
+        raise RecipeError(f"cannot write {target}: {exc.strerror or exc}; choose another destination") from None
     return target

@@ -324,6 +324,22 @@ CASES = [
         ("locked/crates", "write"),
         lambda work: _immutable(work / "locked"),
     ),  # fmt: skip
+    # Output paths and run records of the other commands
+    Case(
+        "export-under-a-file",
+        ("export", "gguf", "--model", "base", "--out", "notes.md/model.gguf"),
+        ("cannot write notes.md/model.gguf: notes.md is a file, not a directory",),
+        write("notes.md", "notes"),
+    ),  # fmt: skip
+    Case(
+        "report-a-corrupt-run-record",
+        ("report", "runs/r"),
+        ("runs/r/run.json is not a run record", "delete it"),
+        both(
+            write("runs/r/metrics.jsonl", '{"step": 1, "loss": 2.0, "tokens_seen": 8}\n'), write("runs/r/run.json", "{")
+        ),
+    ),  # fmt: skip
+    Case("recipes-show-no-file", ("recipes", "show", "nothere.yaml"), ("no recipe file nothere.yaml",)),
     # CLI arguments
     Case("generate-without-model", ("generate", "hello"), ("--base", "--adapter")),
     Case("nproc-zero", ("train", "recipe.yaml", "--nproc", "0"), ("--nproc",)),

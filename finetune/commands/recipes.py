@@ -87,8 +87,12 @@ def run_list(args: argparse.Namespace) -> int:
 
 def run_show(args: argparse.Namespace) -> int:
     from finetune.catalog import resolve_recipe_path
+    from finetune.errors import RecipeError
 
-    print(resolve_recipe_path(args.name).read_text(encoding="utf-8"), end="")
+    path = resolve_recipe_path(args.name)
+    if not path.is_file():
+        raise RecipeError(f"no recipe file {path}; give a recipe file or a name from `finetune recipes list`")
+    print(path.read_text(encoding="utf-8"), end="")
     return 0
 
 

@@ -93,9 +93,15 @@ def read_run(run_dir: str | Path) -> RunHistory:
     manifest, adapter_dir = None, None
     record_file = run_dir / RUN_RECORD_NAME
     if record_file.is_file():
-        record = json.loads(record_file.read_text(encoding="utf-8"))
-        manifest = Manifest.model_validate(record["manifest"]) if record.get("manifest") else None
-        adapter_dir = record.get("adapter_dir")
+        try:
+            record = json.loads(record_file.read_text(encoding="utf-8"))
+            manifest = Manifest.model_validate(record["manifest"]) if record.get("manifest") else None
+            adapter_dir = record.get("adapter_dir")
+        except (ValueError, AttributeError, TypeError) as exc:  # pydantic's ValidationError is a ValueError
+            raise ReportError(
+                f"{record_file} is not a run record ({type(exc).__name__}); delete it to report the run from its "
+                f"{METRICS_NAME} alone"
+            ) from None
     name = manifest.name if manifest is not None else run_dir.resolve().name
     return RunHistory(
         name=name,
