@@ -188,6 +188,28 @@ CASES = [
         write("kto.jsonl", json.dumps({"prompt": "Q", "completion": "A", "label": "yes"}) + "\n"),
     ),  # fmt: skip
     Case(
+        "preference-null-prompt",
+        ("data", "preview", "recipe.yaml", *PAIRS, "data.train=null.jsonl"),
+        ("null.jsonl line 1 (record 1): field 'prompt' is null",),
+        write("null.jsonl", json.dumps({"prompt": None, "chosen": "y", "rejected": "n"}) + "\n"),
+    ),  # fmt: skip
+    Case(
+        "preference-empty-rejected-turns",
+        ("data", "preview", "recipe.yaml", *PAIRS, "data.train=empty.jsonl"),
+        ("rejected: field 'completion' must be a non-empty list", "got an empty list; fix the record"),
+        write(
+            "empty.jsonl",
+            json.dumps(
+                {
+                    "prompt": [{"role": "user", "content": "Q"}],
+                    "chosen": [{"role": "assistant", "content": "A"}],
+                    "rejected": [],
+                }
+            )
+            + "\n",
+        ),
+    ),  # fmt: skip
+    Case(
         "preview-refuses-a-prompt-that-leaves-no-room-as-training-does",
         ("data", "preview", "recipe.yaml", *PAIRS, "data.train=long.jsonl", "data.max_seq_len=8"),
         ("long.jsonl line 1 (record 1): the prompt leaves no room", "data.overlength=truncate_prompt"),

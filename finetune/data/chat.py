@@ -68,6 +68,10 @@ def normalize_record(record: dict[str, Any], messages_field: str, where: str, to
     raw = record.get(messages_field)
     if raw is None and _SHAREGPT_FIELD in record:
         return ChatRecord(_from_sharegpt(record[_SHAREGPT_FIELD], where, tools), tools)
+    if raw is None and messages_field in record:
+        raise DataError(
+            f"{where}: field {messages_field!r} is null; give the conversation's messages, or fix the record"
+        )
     if raw is None:
         have = ", ".join(repr(key) for key in record) or "none"
         raise DataError(
@@ -87,9 +91,9 @@ def normalize_messages(
     """
     if not isinstance(messages, list) or not messages:
         kind = "an empty list" if isinstance(messages, list) else f"{type(messages).__name__} {_preview(messages)}"
+        fix = "fix the record" if name in ("prompt", "completion") else "fix the record or set data.messages_field"
         raise DataError(
-            f"{where}: field {name!r} must be a non-empty list of {{role, content}} messages, got {kind}; "
-            "fix the record or set data.messages_field"
+            f"{where}: field {name!r} must be a non-empty list of {{role, content}} messages, got {kind}; {fix}"
         )
     normalized = [_message(message, f"{where}: {name}[{index}]") for index, message in enumerate(messages)]
     check_tool_use(normalized, tools, where, name)

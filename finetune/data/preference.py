@@ -122,6 +122,8 @@ def encode_preference_records(
 
 def _fields(record: dict[str, Any], names: tuple[str, ...], where: str) -> dict[str, Any]:
     missing = [name for name in names if record.get(name) is None]
+    if missing and missing[0] in record:
+        raise DataError(f"{where}: field {missing[0]!r} is null; a preference record needs {', '.join(names)}")
     if missing:
         have = ", ".join(repr(key) for key in record) or "none"
         raise DataError(
