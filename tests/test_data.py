@@ -374,10 +374,13 @@ def test_an_empty_response_is_dropped_and_counted_and_preview_says_so(tmp_path, 
 
     records = [{**INSTRUCTION, "output": " \n"}, INSTRUCTION]
     source = write_records(tmp_path / "empty.jsonl", records)
-    bundle = build(tmp_path, tiny_tokenizer, train=[source], format="instruction", max_seq_len=48)
+    config = DataConfig(train=[source], format="instruction", max_seq_len=48)
+    lines: list[str] = []
+    bundle = build_datasets(config, tiny_tokenizer, cache_dir=tmp_path, log=lines.append)
     assert (bundle.stats["num_records"], bundle.stats["num_dropped"]) == (1, 1)
     assert decode_labelled(tiny_tokenizer, bundle.train[0]) == "return a + b</s>"
-    config = DataConfig(train=[source], format="instruction", max_seq_len=48)
+    assert any("dropped 1 of 2 records" in line and "the first: " in line and "line 1 (record 1)" in line
+               for line in lines), lines  # fmt: skip
     dropped, shown = preview_documents(config, tiny_tokenizer, limit=2)
     assert (dropped.record, dropped.dropped, dropped.input_ids) == (1, True, [])
     assert (shown.record, shown.dropped) == (2, False) and shown.input_ids

@@ -305,7 +305,7 @@ def _encode_chunk(state: tuple[DataConfig, PreTrainedTokenizerBase], job: _Job) 
         for document in whole.with_more() if whole is not None else [None]:  # every_turn: one per turn
             fitted, cut = fit_to_length(document, config, chunk.where(offset))
             pieces, too_long = pieces + fitted, too_long or cut
-        tally.count(whole, pieces, too_long)
+        tally.count(whole, pieces, too_long, chunk.where(offset))
         for piece in pieces:
             columns["input_ids"].append(piece.input_ids)
             columns["labels"].append(piece.labels)
@@ -322,7 +322,8 @@ def _encode_preference_chunk(config: DataConfig, tokenizer: PreTrainedTokenizerB
     columns: dict[str, list] = {name: [] for name in features}
     tally = _Tally()
     for offset, encoded in enumerate(_ENCODERS[config.format](chunk.records, config, tokenizer, chunk.where)):
-        tally.count_record(encoded.tokens_in, encoded.tokens_kept, encoded.too_long, kept=encoded.row is not None)
+        kept = encoded.row is not None
+        tally.count_record(encoded.tokens_in, encoded.tokens_kept, encoded.too_long, kept, chunk.where(offset))
         if encoded.no_room:
             tally.num_no_room += 1
             tally.first_no_room = tally.first_no_room or chunk.where(offset)
@@ -397,15 +398,18 @@ class _Tally:
     """Preference records whose prompt leaves no room for a completion within max_seq_len."""
     first_no_room: str = ""
     """Where the first of those is, for the error that refuses them."""
+    first_dropped: str = ""
+    """Where the first record dropped is, for the log line that counts them."""
 
-    def count(self, document: Document | None, pieces: list[Document], too_long: bool) -> None:
+    def count(self, document: Document | None, pieces: list[Document], too_long: bool, where: str) -> None:
         self.num_pieces += len(pieces) if too_long else 0
         tokens_in = sum(len(d.input_ids) for d in document.with_more()) if document is not None else 0
-        self.count_record(tokens_in, sum(len(piece.input_ids) for piece in pieces), too_long, kept=bool(pieces))
+        self.count_record(tokens_in, sum(len(piece.input_ids) for piece in pieces), too_long, bool(pieces), where)
 
-    def count_record(self, tokens_in: int, tokens_kept: int, too_long: bool, kept: bool) -> None:
+    def count_record(self, tokens_in: int, tokens_kept: int, too_long: bool, kept: bool, where: str) -> None:
         self.num_records += 1
         self.num_dropped += not kept
+        self.first_dropped = self.first_dropped or ("" if kept else where)
         self.num_too_long += too_long
         self.tokens_in += tokens_in
         self.tokens_kept += tokens_kept
@@ -421,7 +425,8 @@ class _Tally:
         if self.num_dropped:
             lines.append(
                 f"data: dropped {self.num_dropped} of {self.num_records} records with nothing to train on "
-                f"(empty text or response, no assistant turn, or a prompt filling all of max_seq_len)"
+                f"(empty text or response, no assistant turn, or a prompt filling all of max_seq_len; the first: "
+                f"{self.first_dropped})"
             )
         if self.num_too_long and config.overlength == "split":
             lines.append(
