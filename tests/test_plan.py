@@ -17,6 +17,7 @@ from helpers import REPO, tokenizer_corpus
 
 from finetune.cli import main
 from finetune.commands.plan import parse_memory_size
+from finetune.errors import FinetuneError
 from finetune.plan.memory import FINETUNE, TORCHTUNE, WHOLE_LOGITS, GiB, estimate
 from finetune.plan.model_config import find_model_config
 from finetune.plan.shape import model_shape
@@ -302,10 +303,22 @@ def test_cli_subprocess_exits_2_without_traceback(tmp_path):
 
 @pytest.mark.parametrize(
     "text, expected",
-    [("24GB", 24 * GiB), ("24GiB", 24 * GiB), ("1.5G", int(1.5 * GiB)), ("512MB", 512 * 2**20), ("1000", 1000)],
+    [
+        ("24GB", 24 * GiB),
+        ("24GiB", 24 * GiB),
+        ("1.5G", int(1.5 * GiB)),
+        ("512MB", 512 * 2**20),
+        ("2000000", 2_000_000),
+    ],  # fmt: skip
 )
 def test_memory_sizes(text, expected):
     assert parse_memory_size(text) == expected
+
+
+@pytest.mark.parametrize("text", ["0", "16", "0GB", "24 apples"])
+def test_a_size_without_its_unit_or_of_nothing_is_refused(text):
+    with pytest.raises(FinetuneError, match=f"--device-memory '{text}'"):
+        parse_memory_size(text)
 
 
 def test_a_recipe_object_takes_overrides_without_tripping_over_unset_strategy_options():

@@ -32,7 +32,10 @@ def parse_memory_size(text: str) -> int:
     if not match:
         raise FinetuneError(f"--device-memory {text!r}: not a size; write e.g. 24GB, 80GiB or 16000MB")
     unit = (match.group(2) or "b").lower()
-    return int(float(match.group(1)) * 1024 ** "bkmgt".index(unit))
+    size = int(float(match.group(1)) * 1024 ** "bkmgt".index(unit))
+    if size < 2**20:  # `16` is 16 bytes: surely a size without its unit
+        raise FinetuneError(f"--device-memory {text!r} is under 1 MiB; write the unit, e.g. 16GB or 80GiB")
+    return size
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -44,7 +47,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     plan.add_argument("--json", action="store_true", help='print {"peak_bytes": N, "parts": {...}} (per rank)')
     plan.add_argument("--nproc", type=int, default=1, help="processes (GPUs) the run is spread over; per-rank figures")
     plan.add_argument(
-        "--device-memory", help="memory of one device, e.g. 24GB: says whether it fits, and if not what to change"
+        "--device-memory",
+        help="memory of one device, e.g. 24GB (GB read as GiB; a bare number is bytes): says whether it fits, and if "
+        "not what to change",
     )
     plan.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
                       help="what the run trains on (auto: a GPU when torch sees one)")  # fmt: skip
