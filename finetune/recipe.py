@@ -20,7 +20,7 @@ import json
 import math
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -43,6 +43,23 @@ class _Section(BaseModel):
     is infinite or NaN (YAML's `.inf` passed `gt=0` and failed deep in training)."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False, allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_truth_values_for_numbers(cls, data: Any) -> Any:
+        """`lora.r=true` is not r 1: pydantic takes a bool for an int, and YAML writes yes/no/on/off as bools."""
+        if isinstance(data, dict):
+            for name, value in data.items():
+                field = cls.model_fields.get(name)
+                if isinstance(value, bool) and field is not None and _numbers_only(field.annotation):
+                    raise ValueError(f"{name} must be a number, not {str(value).lower()}")
+        return data
+
+
+def _numbers_only(annotation: Any) -> bool:
+    """Whether a field takes numbers (and maybe None) and nothing else."""
+    kinds = {kind for kind in (get_args(annotation) or (annotation,)) if kind is not type(None)}
+    return bool(kinds) and kinds <= {int, float}
 
 
 class ModelConfig(_Section):
@@ -171,6 +188,19 @@ class LoraConfig(_Section):
         """Whether the LoRA model starts as the base (B = 0): not from another adapter, nor from a PiSSA/OLoRA
         initialisation that moves part of the base into the adapter."""
         return self.init_from is None and self.init not in ("pissa", "olora")
+
+    @field_validator("target_modules", mode="before")
+    @classmethod
+    def _one_module_as_a_list(cls, value: Any) -> Any:
+        """`lora.target_modules=q_proj` means [q_proj] (peft would read a string as a regex over the whole module
+        path, which `q_proj` never matches)."""
+        if isinstance(value, str) and value.lower().replace("_", "-") == "all-linear":
+            return "all-linear"
+        if isinstance(value, str) and re.fullmatch(r"[\w.]+", value):
+            return [value]
+        if isinstance(value, str) and value != "all-linear":
+            raise ValueError("give 'all-linear' or a list of module names such as [q_proj, v_proj]")
+        return value
 
     @field_validator("target_modules")
     @classmethod

@@ -116,6 +116,10 @@ def test_overrides_apply_through_the_schema(tmp_path, override, check):
         (MINIMAL, ["train.epochs=.inf", "train.max_steps=null"], ["train.epochs: Input should be a finite number"]),
         (MINIMAL, ["train.lr=.inf"], ["train.lr: Input should be a finite number"]),
         (MINIMAL, ["train.max_grad_norm=.nan"], ["train.max_grad_norm: Input should be a finite number"]),
+        # a truth value is not a number (pydantic took true for 1); a module pattern is not a module name
+        (MINIMAL, ["lora.r=true"], ["lora: r must be a number, not true"]),
+        (MINIMAL, ["train.micro_batch_size=yes"], ["train: micro_batch_size must be a number, not true"]),
+        (MINIMAL, ["lora.target_modules=q_proj|v_proj"], ["lora.target_modules: give 'all-linear' or a list"]),
         # kto's KL baseline pairs each prompt with another example's completion in the micro-batch
         (
             MINIMAL,
@@ -162,6 +166,12 @@ def test_missing_and_unreadable_recipes(tmp_path):
     binary.write_bytes(b"\xff\xfe\x00garbage")
     with pytest.raises(RecipeError, match="cannot be read"):
         load_recipe(binary)
+
+
+def test_one_target_module_may_be_written_without_a_list(tmp_path):
+    recipe = load_recipe(write(tmp_path, MINIMAL), ["lora.target_modules=q_proj"])
+    assert recipe.lora.target_modules == ["q_proj"]
+    assert load_recipe(write(tmp_path, MINIMAL), ["lora.target_modules=all_linear"]).lora.target_modules == "all-linear"
 
 
 def test_override_values_parse_as_yaml():
