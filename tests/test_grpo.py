@@ -41,9 +41,9 @@ def _recipe_file(tmp_path: Path, base_dir: Path) -> Path:
         (["train.reward_functions=[a.py:f]", "train.num_generations=1"], "num_generations"),
         (["train.objective=sft"], "data.format prompt needs objective grpo"),
         (["train.objective=dpo", "data.format=preference", "train.num_generations=4"], "num_generations applies to"),
-        (["train.reward_functions=[a.py:f]", "train.reward_weights=[.nan]"], "give finite weights"),
-        (["train.reward_functions=[a.py:f]", "train.reward_weights=[1.0e+40]"], "give finite weights"),
-        (["train.reward_functions=[a.py:f]", "train.temperature=.inf"], "finite sampling temperature"),
+        (["train.reward_functions=[a.py:f]", "train.reward_weights=[.nan]"], "should be a finite number"),
+        (["train.reward_functions=[a.py:f]", "train.reward_weights=[1.0e+40]"], "give weights of at most 1e6"),
+        (["train.reward_functions=[a.py:f]", "train.temperature=.inf"], "should be a finite number"),
     ],
     ids=[
         "no-rewards",

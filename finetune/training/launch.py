@@ -46,15 +46,21 @@ def already_launched() -> bool:
     return "LOCAL_RANK" in os.environ or "RANK" in os.environ
 
 
+_COLLECTIVE_CODE = ("/torch/distributed/", "/torch/nn/parallel/", "/deepspeed/comm/")
+_TRANSPORT_WORDS = ("gloo/transport", "ProcessGroupNCCL", "Connection reset by peer", "Connection closed by peer")
+
+
 def broken_collective(error: BaseException) -> str | None:
     """The line a launched rank ends with when a collective failed under it (most often: another rank ended
     with its own error, and its socket closed), or None for any other error (a traceback then).
 
-    Told by where the error came from: its innermost frame is in `torch.distributed`."""
+    Told by where the error came from (its innermost frame is in the collectives' code: torch.distributed, DDP,
+    DeepSpeed's comm) or by what it says (the transports' own words)."""
     if not already_launched() or error.__traceback__ is None:
         return None
     innermost = traceback.extract_tb(error.__traceback__)[-1].filename.replace("\\", "/")
-    if "/torch/distributed/" not in innermost:
+    in_collective = any(part in innermost for part in _COLLECTIVE_CODE)
+    if not in_collective and not any(words in str(error) for words in _TRANSPORT_WORDS):
         return None
     rank = os.environ.get("RANK", "?")
     first_line = (str(error).strip().splitlines() or [""])[0][:200]
@@ -135,6 +141,9 @@ def launch_quietly(argv: Sequence[str]) -> int:
     try:
         accelerate_launch(launch_command_parser().parse_args(list(argv)))
     except ChildFailedError as failed:
+        for rank, failure in sorted(failed.failures.items()):
+            if failure.exitcode < 0:  # a signal: that rank could print nothing of its own
+                print(f"error: rank {rank} was ended by {failure.signal_name()} (pid {failure.pid})", file=sys.stderr)
         codes = [failure.exitcode for failure in failed.failures.values()]
         return 2 if 2 in codes else next((code for code in codes if code > 0), 1)
     return 0
