@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 from finetune.console import configure_console
 from finetune.errors import FinetuneError
-from finetune.training.launch import broken_collective
+from finetune.launched import broken_collective
 
 COMMAND_MODULES = ("train", "plan", "inference", "adapters", "recipes", "data", "serve", "export", "report")
 """Modules under `finetune.commands`, in the order their commands appear in `--help`."""

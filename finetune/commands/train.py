@@ -37,7 +37,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run_train(args: argparse.Namespace) -> int:
     # Imported here, not at the top: `finetune --help` stays fast.
-    from finetune.training.launch import already_launched, check_gpu_count, hide_gpus, launch_command, run_launched
+    from finetune.launched import already_launched
+    from finetune.training.launch import check_gpu_count, hide_gpus, launch_command, run_launched
 
     if args.nproc < 1 or args.nnodes < 1:
         raise FinetuneError(f"--nproc {args.nproc} --nnodes {args.nnodes}: both must be at least 1")

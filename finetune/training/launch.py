@@ -16,7 +16,6 @@ import os
 import socket
 import subprocess
 import sys
-import traceback
 from collections.abc import Sequence
 
 from finetune.errors import FinetuneError
@@ -39,35 +38,6 @@ def check_gpu_count(nproc: int, visible: int) -> None:
             f"--nproc {nproc} asks for {nproc} processes on this node but {visible} GPU(s) are visible; use "
             f"--nproc {visible}, or add --cpu for CPU ranks over gloo"
         )
-
-
-def already_launched() -> bool:
-    """True inside a process started by a distributed launcher (accelerate, torchrun)."""
-    return "LOCAL_RANK" in os.environ or "RANK" in os.environ
-
-
-_COLLECTIVE_CODE = ("/torch/distributed/", "/torch/nn/parallel/", "/deepspeed/comm/")
-_TRANSPORT_WORDS = ("gloo/transport", "ProcessGroupNCCL", "Connection reset by peer", "Connection closed by peer")
-
-
-def broken_collective(error: BaseException) -> str | None:
-    """The line a launched rank ends with when a collective failed under it (most often: another rank ended
-    with its own error, and its socket closed), or None for any other error (a traceback then).
-
-    Told by where the error came from (its innermost frame is in the collectives' code: torch.distributed, DDP,
-    DeepSpeed's comm) or by what it says (the transports' own words)."""
-    if not already_launched() or error.__traceback__ is None:
-        return None
-    innermost = traceback.extract_tb(error.__traceback__)[-1].filename.replace("\\", "/")
-    in_collective = any(part in innermost for part in _COLLECTIVE_CODE)
-    if not in_collective and not any(words in str(error) for words in _TRANSPORT_WORDS):
-        return None
-    rank = os.environ.get("RANK", "?")
-    first_line = (str(error).strip().splitlines() or [""])[0][:200]
-    return (
-        f"error: rank {rank} stopped: the process group broke ({type(error).__name__}: {first_line}); another "
-        "rank has most likely failed and printed why above (--verbose shows this rank's traceback)"
-    )
 
 
 def _free_port() -> int:

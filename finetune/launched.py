@@ -1,0 +1,44 @@
+"""What a process started by a distributed launcher (accelerate, torchrun) knows of itself: that it is one, and
+the one line it ends with when a collective broke under it.
+
+Kept apart from `finetune.training` so that the CLI, which turns such an error into that line, starts without
+the training stack (`generate`, `eval` and `serve` never import it).
+
+Example:
+    if already_launched(): ...                       # a rank: train here, do not launch again
+    line = broken_collective(error)                 # None, or "error: rank 1 stopped: the process group broke ..."
+"""
+
+from __future__ import annotations
+
+import os
+import traceback
+
+
+def already_launched() -> bool:
+    """True inside a process started by a distributed launcher (accelerate, torchrun)."""
+    return "LOCAL_RANK" in os.environ or "RANK" in os.environ
+
+
+_COLLECTIVE_CODE = ("/torch/distributed/", "/torch/nn/parallel/", "/deepspeed/comm/")
+_TRANSPORT_WORDS = ("gloo/transport", "ProcessGroupNCCL", "Connection reset by peer", "Connection closed by peer")
+
+
+def broken_collective(error: BaseException) -> str | None:
+    """The line a launched rank ends with when a collective failed under it (most often: another rank ended
+    with its own error, and its socket closed), or None for any other error (a traceback then).
+
+    Told by where the error came from (its innermost frame is in the collectives' code: torch.distributed, DDP,
+    DeepSpeed's comm) or by what it says (the transports' own words)."""
+    if not already_launched() or error.__traceback__ is None:
+        return None
+    innermost = traceback.extract_tb(error.__traceback__)[-1].filename.replace("\\", "/")
+    in_collective = any(part in innermost for part in _COLLECTIVE_CODE)
+    if not in_collective and not any(words in str(error) for words in _TRANSPORT_WORDS):
+        return None
+    rank = os.environ.get("RANK", "?")
+    first_line = (str(error).strip().splitlines() or [""])[0][:200]
+    return (
+        f"error: rank {rank} stopped: the process group broke ({type(error).__name__}: {first_line}); another "
+        "rank has most likely failed and printed why above (--verbose shows this rank's traceback)"
+    )
