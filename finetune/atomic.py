@@ -68,9 +68,12 @@ def _set_aside(final: Path) -> Path:
 
 
 def _flush_to_disk(directory: Path) -> None:
-    """fsync every file and the directory itself, so the rename publishes data that is on disk."""
+    """fsync every file and the directory itself, so the rename publishes data that is on disk; each file gets
+    the permissions the user's umask gives new files (`_usual_mode`)."""
+    mode = _usual_mode()
     for path in directory.rglob("*"):
         if path.is_file():
+            os.chmod(path, mode)
             with open(path, "rb") as handle:
                 os.fsync(handle.fileno())
     descriptor = os.open(directory, os.O_RDONLY)
@@ -78,6 +81,15 @@ def _flush_to_disk(directory: Path) -> None:
         os.fsync(descriptor)
     finally:
         os.close(descriptor)
+
+
+def _usual_mode() -> int:
+    """0o666 less the process's umask: what `open()` gives a new file. safetensors writes its files 0600 (through a
+    private temporary file), so an adapter or merged model was unreadable to the other users of a shared machine
+    (a server running as another user, a team's adapter store) while the files beside it were not."""
+    umask = os.umask(0o022)  # read by setting it; put back at once
+    os.umask(umask)
+    return 0o666 & ~umask
 
 
 @contextlib.contextmanager
@@ -177,6 +189,7 @@ def atomic_file(
         staging.touch()
     try:
         yield staging
+        os.chmod(staging, _usual_mode())
         with open(staging, "rb") as handle:
             os.fsync(handle.fileno())
         if not replace and final.exists():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -263,6 +264,19 @@ def test_existing_adapter_is_not_overwritten_unless_asked(workdir):
     train("recipe.yaml", ["output.overwrite=true", "train.max_steps=1"])  # an adapter is replaced whole
     assert (Path("adapters/crates") / "adapter_model.safetensors").exists()
     assert not (Path("adapters/crates") / "keep.txt").exists()
+
+
+def test_written_files_get_the_umask_s_permissions(workdir):
+    """safetensors writes 0600: the adapter and checkpoint weights were unreadable to the other users of a shared
+    machine (a server under another user, a team's adapter store) while the files beside them were not."""
+    previous = os.umask(0o022)
+    try:
+        train("recipe.yaml", ["train.max_steps=1", "train.save_every_steps=1"])
+    finally:
+        os.umask(previous)
+    written = [*Path("adapters/crates").iterdir(), *Path("runs/crates").glob("checkpoint-*/*")]
+    modes = {path.name: oct(path.stat().st_mode & 0o777) for path in written if path.is_file()}
+    assert "adapter_model.safetensors" in modes and set(modes.values()) == {"0o644"}, modes
 
 
 @pytest.mark.parametrize(
