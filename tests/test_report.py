@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import json
+import math
 import re
 import shutil
 import subprocess
@@ -132,3 +133,21 @@ def test_copying_a_run_elsewhere_keeps_its_report_working(trained_runs, tmp_path
     shutil.copytree(trained_runs["a"], moved, ignore=shutil.ignore_patterns("checkpoint-*", "plots", "report.html"))
     files = write_report([moved])
     assert files.html == moved / "report.html" and "adapters/a" in files.html.read_text()
+
+
+def test_perplexity_ticks_are_labelled_at_decades_across_decades_and_at_minor_ticks_within_one(tmp_path):
+    """Across decades (perplexity 2000 to 1.01, as the quickstart goes) every minor tick was labelled too, and the
+    labels piled into one smear; within a decade there are no major ticks, so the minor ones are labelled."""
+    from matplotlib.ticker import FuncFormatter
+
+    def perplexity_axes(values: list[float]):
+        run_dir = tmp_path / f"run{len(values)}-{values[0]:g}"
+        run_dir.mkdir()
+        records = [{"step": i + 1, "eval_loss": math.log(v), "eval_ppl": v} for i, v in enumerate(values)]
+        (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+        return make_figures([read_run(run_dir)])["eval"].axes[1]
+
+    across = perplexity_axes([2000.0, 40.0, 1.01])
+    within = perplexity_axes([3.0, 2.0, 1.5])
+    assert not isinstance(across.yaxis.get_minor_formatter(), FuncFormatter)
+    assert isinstance(within.yaxis.get_minor_formatter(), FuncFormatter)

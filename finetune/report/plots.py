@@ -108,7 +108,9 @@ def _held_out(runs: Sequence[RunHistory]) -> Figure:
         ppl_axes.set_yscale("log")
         plain = FuncFormatter(lambda value, _: f"{value:.4g}")  # 360, not 3.6 × 10²
         ppl_axes.yaxis.set_major_formatter(plain)
-        ppl_axes.yaxis.set_minor_formatter(plain)
+        low, high = ppl_axes.get_ylim()
+        if high / max(low, 1e-12) < 10:  # within a decade there are no major ticks: label the minor ones
+            ppl_axes.yaxis.set_minor_formatter(plain)  # (across decades they would pile into one smear)
     _finish(loss_axes, "held-out loss at each evaluation", "step", "loss", has_data)
     _finish(ppl_axes, "held-out perplexity at each evaluation", "step", "perplexity", has_data)
     return figure
