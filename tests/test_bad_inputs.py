@@ -111,6 +111,11 @@ CASES = [
         ),
     ),
     Case("number-as-words", ("validate", "recipe.yaml", "train.max_steps=ten"), ("train.max_steps",)),
+    Case(
+        "validate-a-missing-data-file",
+        ("validate", "recipe.yaml", "data.train=nosuch.jsonl"),
+        ("data file nosuch.jsonl does not exist",),
+    ),  # fmt: skip
     Case("negative-steps", ("validate", "recipe.yaml", "train.max_steps=-5"), ("train.max_steps", "greater than")),
     Case("lr-zero", ("validate", "recipe.yaml", "train.lr=0"), ("train.lr",)),
     Case(

@@ -106,9 +106,12 @@ def _leave_process_group() -> None:
 
 
 def run_validate(args: argparse.Namespace) -> int:
+    from finetune.data.sources import check_local_source
     from finetune.recipe import load_recipe
 
     recipe = load_recipe(args.recipe, args.overrides)
     check_reward_functions(recipe)
+    for source in [*recipe.data.train, *(recipe.data.validation or [])]:
+        check_local_source(source)
     print(f"{args.recipe}: ok (adapter {recipe.output.adapter_dir}, {recipe.data.format} data, LoRA r={recipe.lora.r})")
     return 0

@@ -378,8 +378,9 @@ def _write_documents(
     if tally.num_records == tally.num_dropped:
         where = ", ".join(source.path for source in sources)
         raise DataError(
-            f"no usable records in {where}: all {tally.num_records} were dropped (empty text, or nothing to "
-            f"train on, e.g. no assistant turn); check data.format and the field names"
+            f"no usable records in {where}: all {tally.num_records} were dropped (empty text or response, no "
+            f"assistant turn, or a prompt filling all of data.max_seq_len={config.max_seq_len}); check data.format, "
+            "the field names and data.max_seq_len"
         )
     return tally.num_dropped, np.concatenate(kept) if kept else np.zeros(0, dtype=np.int64)
 

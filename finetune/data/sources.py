@@ -109,6 +109,13 @@ def _check_exists(path: Path, raw_path: str) -> None:
         )
 
 
+def check_local_source(source: SourceConfig) -> None:
+    """A source named by a local path exists and has a readable kind (DataError otherwise); a hub id is left to
+    loading, which may find it in the local cache. `finetune validate` checks the recipe's sources with it."""
+    if Path(source.path).exists() or not _looks_like_hub_id(source.path):
+        _check_exists(Path(source.path), source.path)
+
+
 def _looks_like_hub_id(raw_path: str) -> bool:
     return raw_path.count("/") == 1 and not raw_path.startswith((".", "/", "~")) and not Path(raw_path).suffix
 
