@@ -90,7 +90,9 @@ def test_list_and_info_show_the_store(tmp_path, adapter_dirs, capsys):
     assert "adapter: med" in info and "rank: 8  alpha: 16" in info and "sha256:" in info
     assert run("list", store, "--json") == 0
     listed = json.loads(capsys.readouterr().out)
-    assert [(a["name"], a["rank"]) for a in listed] == [("legal", "4"), ("med", "8")] and listed[0]["size_bytes"] > 0
+    assert [(a["name"], a["ranks"]) for a in listed] == [("legal", [4]), ("med", [8])] and listed[0]["size_bytes"] > 0
+    assert listed[0]["targets"] == ["q_proj", "v_proj"] and listed[0]["problem"] is None
+    assert all(isinstance(value, (int, float)) for value in listed[0]["metrics"].values())
     # One broken adapter is a row saying what is wrong with it; the rest of the store is still listed.
     shutil.copytree(adapter_dirs["med"], store / "broken")
     (store / "broken" / "adapter_model.safetensors").write_bytes(b"x" * 100)

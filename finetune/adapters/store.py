@@ -11,9 +11,10 @@ Example:
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
+from finetune import strict_json
 from finetune.adapters.ledger import read_ledger
 from finetune.adapters.lora import CONFIG_NAME, PICKLE_NAME, SAFETENSORS_NAME
 from finetune.atomic import SET_ASIDE_MARK, STAGING_MARK
@@ -33,6 +34,10 @@ class AdapterSummary:
     targets: str
     size_bytes: int
     metrics: str
+    ranks: tuple[int, ...] = ()
+    """The ranks as numbers (several with a rank_pattern), for `--json`; `rank` is the table's text."""
+    metric_values: dict = field(default_factory=dict)
+    """The manifest's metrics as numbers, for `--json`; `metrics` is the table's text."""
 
 
 def _config(adapter_dir: Path) -> dict:
@@ -92,6 +97,8 @@ def summarize(adapter_dir: Path) -> AdapterSummary:
         targets=_targets(config, adapter_dir),
         size_bytes=weights.stat().st_size if weights else 0,
         metrics=_format_metrics(manifest.metrics) if manifest is not None else "",
+        ranks=tuple(int(r) for r in _rank(config).split("/") if r.isdigit()),
+        metric_values=dict(manifest.metrics) if manifest is not None else {},
     )
 
 
@@ -122,10 +129,13 @@ def _summary_or_problem(adapter_dir: Path) -> AdapterSummary:
 
 
 def as_json(rows: list[AdapterSummary]) -> str:
-    """`finetune adapters list --json`: one object per adapter, the table's columns (size in bytes)."""
-    return json.dumps(
-        [{"name": r.name, "path": str(r.path), "base": r.base, "rank": r.rank, "targets": r.targets,
-          "size_bytes": r.size_bytes, "metrics": r.metrics} for r in rows],
+    """`finetune adapters list --json`: one object per adapter, the table's columns as numbers and lists (ranks,
+    targets, size in bytes, the manifest's metrics), and `problem` saying what is wrong with an unreadable one."""
+    return strict_json.dumps(
+        [{"name": r.name, "path": str(r.path), "base": r.base, "ranks": list(r.ranks),
+          "targets": r.targets.split(",") if r.targets != "?" else [], "size_bytes": r.size_bytes,
+          "metrics": r.metric_values, "problem": r.metrics if r.metrics.startswith("unreadable:") else None}
+         for r in rows],
         indent=2,
     )  # fmt: skip
 

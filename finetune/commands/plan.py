@@ -44,7 +44,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     plan.add_argument(
         "overrides", nargs="*", metavar="key=value", help="recipe overrides, e.g. train.micro_batch_size=1"
     )
-    plan.add_argument("--json", action="store_true", help='print {"peak_bytes": N, "parts": {...}} (per rank)')
+    plan.add_argument(
+        "--json",
+        action="store_true",
+        help="print the plan as JSON: peak_bytes (per rank), host_bytes, parts, notes, ...",
+    )
     plan.add_argument("--nproc", type=int, default=1, help="processes (GPUs) the run is spread over; per-rank figures")
     plan.add_argument(
         "--device-memory",

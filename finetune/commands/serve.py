@@ -54,7 +54,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     _add_limits(parser)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    parser.add_argument("--device", default="auto", help="auto (a GPU when there is one, else the CPU), cpu, cuda:N")
+    parser.add_argument(
+        "--device", default="auto", help="auto (a GPU when there is one, else the CPU), cpu, cuda or cuda:N"
+    )
     parser.add_argument(
         "--log-level",
         default="warning",
