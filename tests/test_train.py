@@ -301,6 +301,16 @@ def test_training_variants_learn(workdir, overrides):
     assert metrics["eval_loss"] < metrics["base_eval_loss"] - 0.02
 
 
+def test_8_bit_adam_state_is_checkpointed_and_resumed(workdir):
+    """bitsandbytes keeps 8-bit state for tensors of 4,096 elements and more, with one quantization map shared by
+    every parameter's state: safetensors refused the shared tensors, and the run ended without its adapter."""
+    overrides = ["train.optimizer=adamw_8bit", "lora.r=64", "lora.target_modules=[q_proj]", "train.save_every_steps=2"]
+    train("recipe.yaml", [*overrides, "train.max_steps=2"])
+    assert Path("runs/crates/checkpoint-000002/trainable.safetensors").exists()
+    _, metrics = train("recipe.yaml", [*overrides, "train.max_steps=3", "output.overwrite=true"], resume=True)
+    assert metrics["step"] == 3
+
+
 @pytest.mark.parametrize("p", [0.05, 0.1, 0.3])
 def test_lora_dropout_keeps_1_minus_p_and_preserves_the_mean(p):
     from finetune.model import UniformDropout

@@ -70,7 +70,8 @@ def _from_json(value: Any) -> Any:
 def _split_tensors(value: Any, prefix: str, tensors: dict[str, torch.Tensor]) -> Any:
     """Replace every tensor inside `value` by a reference, collecting the tensors under dotted names."""
     if isinstance(value, torch.Tensor):
-        tensors[prefix] = value.detach().cpu().contiguous()
+        tensors[prefix] = value.detach().to("cpu", copy=True).contiguous()  # its own storage: safetensors refuses
+        # tensors that share one (bitsandbytes' 8-bit Adam holds one qmap in the state of every parameter)
         return {"tensor": prefix}
     if isinstance(value, dict):
         return {"dict": [[k, _split_tensors(v, f"{prefix}.{k}", tensors)] for k, v in value.items()]}
