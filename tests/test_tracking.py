@@ -123,3 +123,13 @@ def test_a_tracker_that_is_not_installed_is_a_one_line_error_before_training(wor
     assert error.count("\n") == 1 and error.startswith("error: recipe.yaml: 1 problem: train.report_to")
     assert "wandb is not installed; pip install wandb (or pip install 'finetune[wandb]')" in error
     assert not (workdir / "runs").exists() and not (workdir / "adapters").exists()
+
+
+def test_a_tracker_that_fails_to_start_is_a_one_line_error(workdir, monkeypatch, capsys):
+    """MLflow with a tracking URI of no store it knows: its exception came out as a traceback after the model
+    had loaded; now one line naming train.report_to, exit 2, and no adapter."""
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "nosuchstore://here")
+    assert cli_main(["train", "recipe.yaml", "train.report_to=[mlflow]", "train.max_steps=1"]) == 2
+    (error,) = capsys.readouterr().err.strip().splitlines()[-1:]
+    assert error.startswith("error: train.report_to ['mlflow']: a tracker failed to start"), error
+    assert not (workdir / "adapters").exists()

@@ -27,6 +27,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
+from finetune.errors import TrainingError
 from finetune.recipe import Recipe, recipe_to_dict
 
 
@@ -74,15 +75,22 @@ class Trackers:
         """Start a run in each tracker (main process), with the recipe as its configuration and the base
         model's held-out metrics (`base_eval_loss`, `base_eval_ppl`) logged at `step`."""
         run_name = recipe.output.name
-        accelerator.init_trackers(
-            recipe.train.tracker_project,
-            config=flat_config(recipe_to_dict(recipe)),
-            init_kwargs={
-                "wandb": {"name": run_name, "dir": str(recipe.output.run_path)},
-                "mlflow": {"run_name": run_name},
-                "trackio": {"name": run_name},
-            },
-        )
+        try:
+            accelerator.init_trackers(
+                recipe.train.tracker_project,
+                config=flat_config(recipe_to_dict(recipe)),
+                init_kwargs={
+                    "wandb": {"name": run_name, "dir": str(recipe.output.run_path)},
+                    "mlflow": {"run_name": run_name},
+                    "trackio": {"name": run_name},
+                },
+            )
+        except Exception as exc:  # the tracker's own settings (a URI, a login, a store): the user's to fix
+            first_line = (str(exc).strip().splitlines() or [""])[0][:200]
+            raise TrainingError(
+                f"train.report_to {recipe.train.report_to}: a tracker failed to start ({type(exc).__name__}: "
+                f"{first_line}); fix its settings (environment variables, login) or leave it out of train.report_to"
+            ) from None
         trackers = cls(accelerator)
         if base_eval:
             trackers.log(step, {f"base_{key}": value for key, value in base_eval.items()})
