@@ -75,6 +75,17 @@ def _equal_state(expected, actual, where: str = "") -> None:
         assert expected == actual, where
 
 
+def test_the_skip_budget_and_count_hold_across_a_resume(workdir):
+    """train.nonfinite_skips is a budget for the whole run: a resumed run counted its skips from 0 again (and
+    could skip more than allowed), and its manifest said fewer than it had skipped."""
+    overrides = ["train.lr=1e30", "train.max_grad_norm=null", "train.nonfinite_skips=100", "train.save_every_steps=2"]
+    _, whole = train("recipe.yaml", [*overrides, "train.max_steps=6", "output.name=whole"], log=quiet)
+    train("recipe.yaml", [*overrides, "train.max_steps=4", "output.name=parts"], log=quiet)
+    _, resumed = train("recipe.yaml", [*overrides, "train.max_steps=6", "output.name=parts", "output.overwrite=true"],
+                       resume=True, log=quiet)  # fmt: skip
+    assert resumed["skipped_steps"] == whole["skipped_steps"] >= 3, (resumed, whole)
+
+
 def test_a_skipped_step_leaves_weights_adam_state_and_schedule_unchanged_bit_for_bit(workdir, monkeypatch):
     """Step 3's forward is poisoned (NaN from the embeddings on): with a skip allowed, the LoRA weights,
     AdamW's moments and step counts, the scheduler's state and the learning rate after step 3 are those

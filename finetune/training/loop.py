@@ -254,7 +254,6 @@ class PendingSteps:
         self.run, self.on_step, self.schedule = run, on_step, schedule
         self.queued: list[tuple[QueuedStep, float]] = []
         self.last: dict[str, float] = {}
-        self.skipped_steps = 0
         self.start_time = self.previous_end = time.perf_counter()
 
     def add(self, step: QueuedStep, epoch: float) -> None:
@@ -275,15 +274,15 @@ class PendingSteps:
             reported = summarise(objective, value, counts)
             loss = reported.pop("loss")
             run.tokens_seen += int(value["tokens"])
-            self.skipped_steps += int(value["skipped"])
+            run.skipped_steps += int(value["skipped"])
             if value["skipped"]:
-                _refuse_nonfinite(run, step.step, loss, value["grad_norm"], self.skipped_steps)
+                _refuse_nonfinite(run, step.step, loss, value["grad_norm"], run.skipped_steps)
             metrics = {name: v for name, v in reported.items() if name != "ppl"}
             # this step's metrics only: one with no count this step (kto's chosen side in a step of undesirable
             # examples) is left out, not carried over from an earlier step as if measured again
             last = {**metrics, "loss": loss, "grad_norm": value["grad_norm"], "lr": value["lr"]}
             last.update(tokens_seen=run.tokens_seen, epoch=epoch)
-            last.update(elapsed_s=step.elapsed_s - self.start_time, skipped_steps=self.skipped_steps)
+            last.update(elapsed_s=step.elapsed_s - self.start_time, skipped_steps=run.skipped_steps)
             last.update(step_s=step.elapsed_s - self.previous_end)  # host seconds from the step before to this one
             self.previous_end = step.elapsed_s
             if number == len(self.queued) - 1:
@@ -308,8 +307,10 @@ def _refuse_nonfinite(run: TrainingRun, step: int, loss: float, grad_norm: float
 
     last_good = ckpt.latest_checkpoint(run.run_dir)
     where = f"the last good checkpoint is {last_good}" if last_good else "no checkpoint was written yet"
+    values = (("loss", loss), ("gradient norm", grad_norm))
+    bad = [f"{name} {value}" for name, value in values if not math.isfinite(value)] or [f"{n} {v}" for n, v in values]
     raise TrainingError(
-        f"step {step}: loss {loss} and gradient norm {grad_norm} are not finite (after {skipped_steps - 1} "
+        f"step {step}: {' and '.join(bad)} {'is' if len(bad) == 1 else 'are'} not finite (after {skipped_steps - 1} "
         f"allowed skips); no adapter was written; {where}; lower train.lr, use train.precision=fp32, or allow "
         "skips with train.nonfinite_skips"
     )

@@ -189,6 +189,8 @@ class TrainingRun:
     """Tokens of each training row (both sequences of a pair), for `tokens_seen`."""
     step: int = 0
     tokens_seen: int = 0
+    skipped_steps: int = 0
+    """Non-finite steps skipped so far (`train.nonfinite_skips` is a budget for the whole run, resumes included)."""
     position: int = 0
     """Micro-batches consumed so far (across epochs): all a checkpoint needs to resume the data."""
     base_eval: dict[str, float] = field(default_factory=dict)
@@ -261,6 +263,7 @@ class TrainingRun:
                 state={
                     "position": self.position,
                     "tokens_seen": self.tokens_seen,
+                    "skipped_steps": self.skipped_steps,
                     "rng": rng_states,
                     "recipe_digest": recipe_digest(self.recipe),
                     "data_fingerprint": self.data.fingerprint,
@@ -519,6 +522,7 @@ def _restore(run: TrainingRun, path: Path, say: Say) -> None:
     run.sharding.state.load_trainable_state(run.peft_model, trainable)
     run.sharding.state.load_optimizer_state(run.optimizer, optimizer)
     run.step, run.tokens_seen, run.position = state["step"], state["tokens_seen"], state["position"]
+    run.skipped_steps = state.get("skipped_steps", 0)  # absent from checkpoints of finetune before it was recorded
     if hasattr(run.objective, "steps_prepared"):  # an online objective generates again on its own schedule
         run.objective.steps_prepared = run.step
     if state.get("carried") is not None and isinstance(run.objective, CarriesState):
