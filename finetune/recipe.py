@@ -188,6 +188,15 @@ class LoraConfig(_Section):
         initialisation that moves part of the base into the adapter."""
         return self.init_from is None and self.init not in ("pissa", "olora")
 
+    @model_validator(mode="after")
+    def _one_start(self) -> LoraConfig:
+        if self.init_from is not None and self.init in ("pissa", "olora"):
+            raise ValueError(
+                f"init {self.init} starts a new adapter from the base's own components, and init_from starts from "
+                "that adapter: leave init at default with init_from"
+            )
+        return self
+
     @field_validator("target_modules", mode="before")
     @classmethod
     def _one_module_as_a_list(cls, value: Any) -> Any:

@@ -403,3 +403,26 @@ def test_an_adapter_to_start_from_gives_the_run_its_shape_unless_the_recipe_says
 
     with pytest.raises(ModelError, match=r"lora.init_from start: its LoRA \(.*r=2.*\) is not this recipe's"):
         train("silent.yaml", ["lora.init_from=start", "lora.r=4", "output.name=r4"], log=lambda line: None)
+
+
+@pytest.mark.parametrize("init", ["pissa", "olora"])
+def test_a_pissa_or_olora_adapter_is_written_as_an_update_of_the_base_on_disk(workdir, capsys, init):
+    """PiSSA/OLoRA take the adapter's start out of the base the run trains on: written as the trained factors
+    alone, the adapter was another model for finetune's merge and generate (only peft's loader redid the SVD), and
+    the "base" perplexity was the residual's. Now it is a plain LoRA of rank 2r on the base on disk: `eval` of it
+    gives the run's own held-out loss, from the base's."""
+    import re
+
+    from finetune.cli import main
+
+    _, metrics = train("recipe.yaml", [f"lora.init={init}", "lora.dropout=0", "train.max_steps=3"])
+    config = json.loads(Path("adapters/crates/adapter_config.json").read_text())
+    assert (config["r"], config["lora_alpha"], config["init_lora_weights"]) == (8, 16, True)
+    assert main(["eval", "--adapter", "adapters/crates", "--data", "valid.jsonl", "--format", "instruction",
+                 "--max-seq-len", "128"]) == 0  # fmt: skip
+    base_line, tuned_line = capsys.readouterr().out.strip().splitlines()[-2:]
+    base_loss = float(re.search(r"loss ([\d.]+)", base_line)[1])
+    tuned_loss = float(re.search(r"loss ([\d.]+)", tuned_line)[1])
+    assert abs(base_loss - metrics["base_eval_loss"]) < 2e-3, (base_line, metrics["base_eval_loss"])
+    assert abs(tuned_loss - metrics["eval_loss"]) < 2e-3, (tuned_line, metrics["eval_loss"])
+    assert tuned_loss < base_loss - 0.02

@@ -24,6 +24,7 @@ from finetune.errors import OutputError
 from finetune.manifest import build_manifest, write_manifest
 from finetune.recipe import recipe_to_dict
 from finetune.report.runs import perplexity_change
+from finetune.training.mutated_start import as_plain_lora, plain_lora_config
 from finetune.training.objectives.base import describe_rewards
 from finetune.training.run import TrainingRun, check_output_free
 
@@ -83,8 +84,9 @@ def write_adapter(run: TrainingRun, metrics: dict[str, Any], weights: dict[str, 
     hint = "choose another output.name, or set output.overwrite=true"
     with atomic_directory(adapter_dir, replace=recipe.output.overwrite, error=OutputError, hint=hint) as staging:
         run.peft_model.save_pretrained(
-            staging, safe_serialization=True, save_embedding_layers=False, state_dict=weights
+            staging, safe_serialization=True, save_embedding_layers=False, state_dict=as_plain_lora(recipe, weights)
         )
+        plain_lora_config(recipe, staging / "adapter_config.json")
         (staging / "recipe.yaml").write_text(yaml.safe_dump(recipe_to_dict(recipe), sort_keys=False))
         write_manifest(staging, manifest)
     return adapter_dir

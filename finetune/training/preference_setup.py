@@ -30,6 +30,7 @@ from finetune.adapters.lora import read_adapter
 from finetune.adapters.resolved_base import ResolvedBase
 from finetune.errors import AdapterError, ModelError
 from finetune.recipe import Recipe, recipe_to_dict
+from finetune.training.mutated_start import keep_start
 from finetune.training.objectives.base import Models, Objective
 from finetune.training.objectives.reference import load_or_compute, score_rows, with_reference_columns
 from finetune.training.sharding import trainable_names
@@ -38,7 +39,8 @@ Say = Callable[[str], None]
 
 
 def initial_adapter(recipe: Recipe, peft_model: Any, base: ResolvedBase, say: Say) -> None:
-    """Copy `lora.init_from`'s weights into `peft_model` (nothing without it).
+    """Copy `lora.init_from`'s weights into `peft_model`; without it, keep a PiSSA/OLoRA start in the run directory
+    (`finetune.training.mutated_start`: the adapter is written as an update of the base on disk).
 
     Raises:
         AdapterError: the adapter is unreadable or was trained on another base.
@@ -46,6 +48,7 @@ def initial_adapter(recipe: Recipe, peft_model: Any, base: ResolvedBase, say: Sa
     """
     source = recipe.lora.init_from
     if source is None:
+        keep_start(recipe, peft_model)
         return
     try:
         adapter = read_adapter(source)

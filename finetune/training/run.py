@@ -20,6 +20,7 @@ import math
 import os
 import shutil
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -58,6 +59,7 @@ from finetune.training.evaluate import evaluate
 from finetune.training.fsdp import FsdpSharding
 from finetune.training.lean_activations import use_lean_activations
 from finetune.training.liger_kernels import use_liger_kernels
+from finetune.training.mutated_start import START_FILE, mutates_base
 from finetune.training.objectives import Objective, objective_for
 from finetune.training.objectives.base import CarriesState, Models, describe_rewards
 from finetune.training.objectives.reference import MeasuredAgainstStart, StartingWeights
@@ -334,7 +336,7 @@ def _fit_to_device(recipe: Recipe, model: Any, device: torch.device, checkpointe
     return compiled, choose_attention(recipe.train.varlen_attention, model, device, say)
 
 
-RUN_FILES = ("metrics.jsonl", "report.html", "plots", "tensorboard")
+RUN_FILES = ("metrics.jsonl", "report.html", "plots", "tensorboard", START_FILE)
 """What a run writes into its run directory besides its checkpoints."""
 
 
@@ -437,7 +439,8 @@ def _evaluate_start(run: TrainingRun, say: Say) -> None:
     """The held-out metrics before training: the base's (adapter disabled) for SFT; for a preference objective
     the model's as it starts (the base, or `lora.init_from`'s adapter), against the reference."""
     if run.recipe.train.objective == "sft":
-        with run.peft_model.disable_adapter():
+        # PiSSA/OLoRA moved part of the base into the adapter: the base is the model with it, as it starts
+        with nullcontext() if mutates_base(run.recipe) else run.peft_model.disable_adapter():
             run.base_eval = run.evaluate()
         say(f"base model: eval loss {run.base_eval['eval_loss']:.4f}, perplexity {run.base_eval['eval_ppl']:.3f}")
         return
