@@ -162,7 +162,9 @@ class LoraConfig(_Section):
     use_dora: bool = False
     """Weight-decomposed LoRA: learns a magnitude vector beside A and B."""
     init: Literal["default", "gaussian", "pissa", "olora"] = "default"
-    """How A and B start: peft's `init_lora_weights` (B = 0 in `default`, so training starts at the base)."""
+    """How A and B start: peft's `init_lora_weights` (B = 0 in `default`, so training starts at the base). `pissa`
+    and `olora` move the base's principal (QR) components into the adapter; the adapter is written as a plain
+    LoRA of rank 2r on the base on disk (`finetune.training.mutated_start`)."""
     bias: Literal["none", "all", "lora_only"] = "none"
     init_from: str | None = None
     """An adapter directory the LoRA weights start from instead of `init` (e.g. the SFT adapter a preference
