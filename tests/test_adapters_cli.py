@@ -258,13 +258,35 @@ def test_nan_in_an_adapter_is_refused_naming_adapter_and_module(tmp_path, adapte
 
 
 def test_unsupported_lora_variants_are_refused_with_the_reason(tmp_path, adapter_dirs):
-    for key, value, reason in [("use_dora", True, "DoRA"), ("modules_to_save", ["lm_head"], "replaces whole modules")]:
-        variant = tmp_path / key
-        shutil.copytree(adapter_dirs["legal"], variant)
-        config = json.loads((variant / "adapter_config.json").read_text())
-        (variant / "adapter_config.json").write_text(json.dumps({**config, key: value}))
-        with pytest.raises(AdapterError, match=reason):
-            read_adapter(variant)
+    variant = tmp_path / "modules_to_save"
+    shutil.copytree(adapter_dirs["legal"], variant)
+    config = json.loads((variant / "adapter_config.json").read_text())
+    (variant / "adapter_config.json").write_text(json.dumps({**config, "modules_to_save": ["lm_head"]}))
+    with pytest.raises(AdapterError, match="replaces whole modules"):
+        read_adapter(variant)
+
+
+def test_a_dora_adapter_is_used_unmerged_and_refused_by_adapter_arithmetic(workdir, capsys):
+    """DoRA trains, and peft applies it unmerged: eval gives the run's own held-out loss. Its update depends on the
+    norm of the weight it is added to, so merge, combine and GGUF export refuse it in one line (every command
+    refused it, generate and eval included)."""
+    import re
+
+    from finetune.training.loop import train
+
+    _, metrics = train("recipe.yaml", ["lora.use_dora=true", "lora.dropout=0", "train.max_steps=4"])
+    assert main(["eval", "--adapter", "adapters/crates", "--data", "valid.jsonl", "--format", "instruction",
+                 "--max-seq-len", "128"]) == 0  # fmt: skip
+    tuned = float(re.search(r"loss ([\d.]+)", capsys.readouterr().out.strip().splitlines()[-1])[1])
+    assert abs(tuned - metrics["eval_loss"]) < 2e-3, (tuned, metrics["eval_loss"])
+    assert main(["generate", "--adapter", "adapters/crates", "--max-new-tokens", "4", "the model"]) == 0
+    for command in (["adapters", "merge", "--base", str(read_adapter("adapters/crates").base_path), "--adapter",
+                     "adapters/crates", "--out", "merged"],
+                    ["adapters", "combine", "adapters/crates", "adapters/crates", "--out", "mix"],
+                    ["export", "gguf", "--adapter", "adapters/crates", "--out", "lora.gguf"]):  # fmt: skip
+        assert main(command) == 2
+        assert "use_dora is set" in capsys.readouterr().err
+    assert not any(Path(name).exists() for name in ("merged", "mix", "lora.gguf"))
 
 
 def test_warnings_are_printed_as_one_line(tmp_path, tiny_base_dir, capsys):

@@ -190,6 +190,8 @@ def combine_adapters(
             read_adapter(path, f"a{i}-{a.name}"[:64], allow_pickle=allow_pickle)
             for i, (path, a) in enumerate(zip(paths, adapters))
         ]
+    for adapter in adapters:
+        adapter.check_mergeable()
     _check_compatible(adapters)
     _check_experts(adapters, method)
     target_rank = rank or max(max(a.ranks) for a in adapters)

@@ -63,6 +63,7 @@ class Ledger:
         entries = dict(self.entries)
         old = entries.get(name)
         if adapter is not None:
+            adapter.check_mergeable()
             self.check_same_adapter(name, adapter)
         total = clean_weight((old.weight if old else 0.0) + weight)
         if abs(total) < _ZERO_WEIGHT:

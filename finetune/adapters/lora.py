@@ -54,7 +54,6 @@ _EMBEDDING_LORA_KEY = re.compile(r"^(?P<module>.+)\.lora_embedding_(?P<which>A|B
 _BASE_COPY_KEY = re.compile(r"^(?P<module>.+)\.base_layer\.weight$")
 # Config switches whose adapters are not a plain sum of B·A updates; value = why we refuse.
 _UNSUPPORTED_CONFIG = {
-    "use_dora": "DoRA's update depends on the norm of the weight it is merged into, so it has no exact weighted sum",
     "lora_bias": "LoRA biases are not supported by adapter arithmetic",
     "modules_to_save": "modules_to_save replaces whole modules instead of adding an update",
     "trainable_token_indices": "trainable tokens replace embedding rows instead of adding an update",
@@ -63,6 +62,13 @@ _UNSUPPORTED_CONFIG = {
     "use_bdlora": "block-diagonal LoRA is not supported",
     "alora_invocation_tokens": "activated LoRA only applies after invocation tokens, it cannot be merged",
 }
+
+
+_DORA_KEY = re.compile(r"^(?P<module>.+)\.lora_magnitude_vector$")
+UNMERGEABLE_DORA = (
+    "use_dora is set: DoRA's update depends on the norm of the weight it is merged into, so it has no exact "
+    "weighted sum; use it unmerged (generate, eval, serve without --merge, use())"
+)
 
 
 def validate_adapter_name(name: str) -> str:
@@ -213,6 +219,13 @@ class Adapter:
     file_sha256: str = field(default="")
     base_copies: dict[str, torch.Tensor] = field(default_factory=dict)
     """module -> the base weight peft saved beside that module's LoRA (embeddings and head only)."""
+    unmergeable: str | None = None
+    """Why the adapter has no exact arithmetic (DoRA), or None: peft still applies it unmerged."""
+
+    def check_mergeable(self) -> None:
+        """AdapterError for an adapter adapter arithmetic (merge, subtract, swap, combine, export) cannot take."""
+        if self.unmergeable is not None:
+            raise AdapterError(f"adapter {self.name!r} ({self.path}): {self.unmergeable}")
 
     @property
     def base_path(self) -> str | None:
@@ -364,7 +377,7 @@ def read_adapter(path: str | Path, name: str | None = None, *, allow_pickle: boo
         raise AdapterError(f"{path}: tensor {stray[0]}.base_layer.weight belongs to no LoRA module of the adapter")
     return Adapter(
         name=name, path=path, config=config, modules=modules, manifest=manifest, file_sha256=file_sha256,
-        base_copies=base_copies,
+        base_copies=base_copies, unmergeable=UNMERGEABLE_DORA if config.get("use_dora") else None,
     )  # fmt: skip
 
 
@@ -382,6 +395,8 @@ def _split_tensors(
             pairs.setdefault(match["module"], {})["embedding_" + match["which"]] = tensor
         elif match := _BASE_COPY_KEY.match(module_key):
             base_copies[match["module"]] = tensor
+        elif _DORA_KEY.match(module_key):
+            continue  # DoRA's magnitudes: peft applies them unmerged; the adapter is marked unmergeable
         else:
             raise AdapterError(
                 f"{path}: tensor {key} is not a LoRA A/B weight of a linear or embedding layer (conv LoRA and saved "

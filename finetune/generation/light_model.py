@@ -185,6 +185,8 @@ def light_generate(
     if dtype != "float32":
         return None
     lead = read_adapter(adapter) if adapter is not None else None
+    if lead is not None and lead.unmergeable is not None:
+        return None  # DoRA: peft's layers compute it (the transformers path)
     if base is None:
         if lead is None or lead.base_path is None:
             return None  # the transformers path says what is missing
