@@ -265,8 +265,11 @@ def test_validation_split_is_seeded_and_disjoint(tmp_path, tiny_tokenizer):
 def test_validation_sources_and_no_validation(tmp_path, tiny_tokenizer):
     train = write_records(tmp_path / "train.jsonl", MANY)
     held_out = write_records(tmp_path / "valid.jsonl", RECORDS)
-    bundle = build(tmp_path, tiny_tokenizer, train=[train], validation=[held_out], validation_split=0.5)
+    lines: list[str] = []
+    config = DataConfig(train=[train], validation=[held_out], validation_split=0.5, packing=False)
+    bundle = build_datasets(config, tiny_tokenizer, cache_dir=tmp_path / "cache", log=lines.append)
     assert (bundle.stats["num_records"], bundle.stats["validation_num_records"]) == (20, 3)
+    assert "data: data.validation is given, so data.validation_split=0.5 is not used" in lines
     assert bundle.validation.column_names == bundle.train.column_names == ["input_ids", "labels"]
     assert build(tmp_path, tiny_tokenizer, train=[train]).validation is None
 

@@ -238,6 +238,8 @@ def _build(
     validation_stats: dict[str, int] | None = None
     num_validation_dropped, held_out = 0, None
     if config.validation:
+        if config.validation_split:  # a catalog recipe's split, with the user's own held-out data: say which counts
+            log(f"data: data.validation is given, so data.validation_split={config.validation_split} is not used")
         validation_documents = directory / "documents-validation.arrow"
         num_validation_dropped, _ = _write_documents(
             config.validation, config, tokenizer, num_proc, validation_documents, log, False, notes

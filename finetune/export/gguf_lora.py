@@ -71,7 +71,9 @@ def export_lora_gguf(
     check_dtype(dtype)
     adapter = read_adapter(adapter_dir)
     if adapter.unmergeable is not None:
-        raise ExportError(f"{adapter_dir}: {adapter.unmergeable.split(';')[0]}; llama.cpp's LoRA takes B·A updates only")
+        raise ExportError(
+            f"{adapter_dir}: {adapter.unmergeable.split(';')[0]}; llama.cpp's LoRA takes B·A updates only"
+        )
     if any(lora.num_experts > 1 for lora in adapter.modules.values()):
         raise ExportError(
             f"{adapter_dir}: the adapter updates a mixture of experts' expert tensors; GGUF export takes dense "

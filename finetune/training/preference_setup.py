@@ -56,7 +56,7 @@ def initial_adapter(recipe: Recipe, peft_model: Any, base: ResolvedBase, say: Sa
         raise AdapterError(f"lora.init_from: {exc}") from None
     check_fingerprint(adapter, base.weights_fingerprint, recipe.model.base, force=False)
     config, lora = adapter.config, recipe.lora
-    settings = {"r": lora.r, "lora_alpha": lora.alpha, "use_rslora": lora.use_rslora}
+    settings = {"r": lora.r, "lora_alpha": lora.alpha, "use_rslora": lora.use_rslora, "use_dora": lora.use_dora}
     differs = {key: config.get(key) for key, value in settings.items() if (config.get(key) or False) != value}
     tensors = {name: t for module, w in adapter.modules.items() for name, t in w.peft_tensors(module).items()}
     try:
