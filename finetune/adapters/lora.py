@@ -223,7 +223,7 @@ class Adapter:
     """Why the adapter has no exact arithmetic (DoRA), or None: peft still applies it unmerged."""
 
     def check_mergeable(self) -> None:
-        """AdapterError for an adapter adapter arithmetic (merge, subtract, swap, combine, export) cannot take."""
+        """AdapterError for an adapter that adapter arithmetic (merge, subtract, swap, combine, export) cannot take."""
         if self.unmergeable is not None:
             raise AdapterError(f"adapter {self.name!r} ({self.path}): {self.unmergeable}")
 
