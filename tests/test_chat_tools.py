@@ -25,6 +25,7 @@ from finetune.cli import main
 from finetune.data.chat import ChatRecord, normalize_record
 from finetune.data.chat_turns import render_chat
 from finetune.data.formats import encode_chat_prompt
+from finetune.data.pipeline import build_datasets
 from finetune.data.preference import preview_records
 from finetune.errors import DataError
 from finetune.recipe import DataConfig
@@ -238,6 +239,14 @@ def test_every_turn_trains_each_turns_reasoning_once_and_none_trains_none(tmp_pa
         ["<think>\nI should call the tool.\n</think>\n\n" + QWEN_CALL], [ANSWER_WITH_THINKING + "<|im_end|>"],
         ["<think>\nCall again.\n</think>\n\nRome: 25 C.<|im_end|>"]]  # fmt: skip
     assert {d["record"] for d in documents} == {1}
+
+    # Short of room for the later turns, their documents are dropped: training says how many, as preview shows
+    first_length = len(documents[0]["input_ids"])
+    lines: list[str] = []
+    config = DataConfig(train=[str(tmp_path / "chat.jsonl")], format="chat", reasoning="every_turn",
+                        max_seq_len=first_length + 2)  # fmt: skip
+    build_datasets(config, tokenizer, cache_dir=tmp_path / "cache", log=lines.append)
+    assert any("data: 2 documents of kept records had nothing left to train on" in line for line in lines), lines
     (plain,) = preview_json(tmp_path, tokenizer, record, capsys, "data.reasoning=none")
     runs = trained_runs(plain["input_ids"], plain["labels"], tokenizer)
     assert runs == [QWEN_CALL, "Paris: 18 C and sunny.<|im_end|>", "Rome: 25 C.<|im_end|>"]

@@ -304,9 +304,11 @@ def _encode_chunk(state: tuple[DataConfig, PreTrainedTokenizerBase], job: _Job) 
     for offset, whole in enumerate(encoded):
         pieces: list[Document] = []
         too_long = False
+        lost = 0
         for document in whole.with_more() if whole is not None else [None]:  # every_turn: one per turn
             fitted, cut = fit_to_length(document, config, chunk.where(offset))
-            pieces, too_long = pieces + fitted, too_long or cut
+            pieces, too_long, lost = pieces + fitted, too_long or cut, lost + (not fitted)
+        tally.num_parts_dropped += lost if pieces else 0  # of a kept record (a dropped one is counted whole)
         tally.count(whole, pieces, too_long, chunk.where(offset))
         for piece in pieces:
             columns["input_ids"].append(piece.input_ids)
@@ -403,6 +405,8 @@ class _Tally:
     """Where the first of those is, for the error that refuses them."""
     first_dropped: str = ""
     """Where the first record dropped is, for the log line that counts them."""
+    num_parts_dropped: int = 0
+    """Documents of kept records (`data.reasoning: every_turn` makes one per turn) left with nothing to train on."""
 
     def count(self, document: Document | None, pieces: list[Document], too_long: bool, where: str) -> None:
         self.num_pieces += len(pieces) if too_long else 0
@@ -430,6 +434,11 @@ class _Tally:
                 f"data: dropped {self.num_dropped} of {self.num_records} records with nothing to train on "
                 f"(empty text or response, no assistant turn, or a prompt filling all of max_seq_len; the first: "
                 f"{self.first_dropped})"
+            )
+        if self.num_parts_dropped:
+            lines.append(
+                f"data: {self.num_parts_dropped} documents of kept records had nothing left to train on within max_seq_len="
+                f"{config.max_seq_len} and were dropped (data.reasoning=every_turn makes one per assistant turn)"
             )
         if self.num_too_long and config.overlength == "split":
             lines.append(
