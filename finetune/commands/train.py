@@ -7,6 +7,8 @@ Example:
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 from typing import Any
 
 from finetune.commands.warning_lines import warnings_as_lines
@@ -68,8 +70,6 @@ def run_train(args: argparse.Namespace) -> int:
         )
         return run_launched(command, use_cpu=use_cpu, deepspeed=recipe.distributed.strategy == "deepspeed")
 
-    import os
-
     from finetune.training.loop import train
 
     adapter_dir, _ = train(recipe, resume=args.resume)
@@ -95,14 +95,24 @@ def _cuda_available() -> bool:
 
 
 def _leave_process_group() -> None:
-    """A launched rank ends its process group before it exits. Left to interpreter exit, gloo's threads
-    were torn down mid-flight once: a rank that had finished and written the adapter died with "terminate
-    called without an active exception" (SIGABRT), and the launch failed (a CI run of the DDP test)."""
+    """A launched rank ends its process group, then its process without the interpreter's teardown.
+
+    Left to interpreter exit, the communication backends' C++ threads (gloo's; DeepSpeed's shared-memory op on
+    CPU ranks) were torn down mid-flight now and then: a rank that had finished and written the adapter died with
+    "terminate called without an active exception" (SIGABRT), and the launch failed (CI runs of the DDP test, and
+    on 2026-11-27 of the ZeRO-3 GRPO test, after the process group was destroyed). By now everything the run
+    leaves is written, synced and closed, so the rank flushes its output and exits at once."""
     import torch.distributed as dist
+
+    from finetune.launched import already_launched
 
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+    if already_launched():
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 def run_validate(args: argparse.Namespace) -> int:
