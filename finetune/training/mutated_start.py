@@ -20,13 +20,13 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
 
+from finetune.atomic import atomic_file
 from finetune.recipe import Recipe
 
 START_FILE = "initial-adapter.safetensors"
@@ -45,10 +45,8 @@ def keep_start(recipe: Recipe, peft_model: Any) -> None:
         return
     start = {name: p.detach().to("cpu", copy=True).contiguous() for name, p in peft_model.named_parameters()
              if p.requires_grad}  # fmt: skip
-    path.parent.mkdir(parents=True, exist_ok=True)
-    staging = path.with_name(f".{path.name}.{os.getpid()}")
-    save_file(start, str(staging))
-    os.replace(staging, path)
+    with atomic_file(path) as staging:
+        save_file(start, str(staging))
 
 
 def as_plain_lora(recipe: Recipe, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
