@@ -80,3 +80,9 @@ class ExportError(FinetuneError):
 
 class ReportError(FinetuneError):
     """A run directory cannot be reported on (no metrics.jsonl, unreadable records)."""
+
+
+def first_line(error: BaseException, limit: int = 200) -> str:
+    """The first line of another library's error message, cut to `limit` characters: enough to say what went
+    wrong inside one line of our own."""
+    return (str(error).strip().splitlines() or [""])[0][:limit]

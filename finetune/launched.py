@@ -14,6 +14,8 @@ from __future__ import annotations
 import os
 import traceback
 
+from finetune.errors import first_line
+
 
 def already_launched() -> bool:
     """True inside a process started by a distributed launcher (accelerate, torchrun)."""
@@ -37,8 +39,7 @@ def broken_collective(error: BaseException) -> str | None:
     if not in_collective and not any(words in str(error) for words in _TRANSPORT_WORDS):
         return None
     rank = os.environ.get("RANK", "?")
-    first_line = (str(error).strip().splitlines() or [""])[0][:200]
     return (
-        f"error: rank {rank} stopped: the process group broke ({type(error).__name__}: {first_line}); another "
+        f"error: rank {rank} stopped: the process group broke ({type(error).__name__}: {first_line(error)}); another "
         "rank has most likely failed and printed why above (--verbose shows this rank's traceback)"
     )

@@ -15,9 +15,10 @@ PACKAGE_DIR = Path(__file__).resolve().parents[1] / "finetune"
 # Bottom to top. A module may import its own part (e.g. within `adapters/`) or any part of a lower layer;
 # nothing below imports anything above, and two parts of one layer do not import each other.
 LAYERS: list[set[str]] = [
-    {"errors", "version", "paths", "console", "signals", "strict_json", "launched"},
+    {"errors", "version", "paths", "console", "signals", "strict_json"},
     {
         "atomic",
+        "launched",
         "tensorfile",
         "catalog",
         "quantization",

@@ -27,7 +27,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from finetune.errors import TrainingError
+from finetune.errors import TrainingError, first_line
 from finetune.recipe import Recipe, recipe_to_dict
 
 
@@ -86,10 +86,9 @@ class Trackers:
                 },
             )
         except Exception as exc:  # the tracker's own settings (a URI, a login, a store): the user's to fix
-            first_line = (str(exc).strip().splitlines() or [""])[0][:200]
             raise TrainingError(
                 f"train.report_to {recipe.train.report_to}: a tracker failed to start ({type(exc).__name__}: "
-                f"{first_line}); fix its settings (environment variables, login) or leave it out of train.report_to"
+                f"{first_line(exc)}); fix its settings (environment variables, login) or leave it out of train.report_to"
             ) from None
         trackers = cls(accelerator)
         if base_eval:
