@@ -38,6 +38,8 @@ class AdapterSummary:
     """The ranks as numbers (several with a rank_pattern), for `--json`; `rank` is the table's text."""
     metric_values: dict = field(default_factory=dict)
     """The manifest's metrics as numbers, for `--json`; `metrics` is the table's text."""
+    problem: str | None = None
+    """What is wrong with an adapter that cannot be read (its row shows it in place of the metrics)."""
 
 
 def _config(adapter_dir: Path) -> dict:
@@ -86,6 +88,7 @@ def _format_metrics(metrics: dict) -> str:
 
 def summarize(adapter_dir: Path) -> AdapterSummary:
     config = _config(adapter_dir)
+    rank = _rank(config)
     manifest = read_manifest(adapter_dir)
     weights = _weights_file(adapter_dir)
     base = manifest.base.id if manifest is not None else (config.get("base_model_name_or_path") or "?")
@@ -93,11 +96,11 @@ def summarize(adapter_dir: Path) -> AdapterSummary:
         name=manifest.name if manifest is not None else adapter_dir.name,
         path=adapter_dir,
         base=base,
-        rank=_rank(config),
+        rank=rank,
         targets=_targets(config, adapter_dir),
         size_bytes=weights.stat().st_size if weights else 0,
         metrics=_format_metrics(manifest.metrics) if manifest is not None else "",
-        ranks=tuple(int(r) for r in _rank(config).split("/") if r.isdigit()),
+        ranks=tuple(int(r) for r in rank.split("/") if r.isdigit()),
         metric_values=dict(manifest.metrics) if manifest is not None else {},
     )
 
@@ -125,7 +128,8 @@ def _summary_or_problem(adapter_dir: Path) -> AdapterSummary:
     try:
         return summarize(adapter_dir)
     except AdapterError as exc:
-        return AdapterSummary(adapter_dir.name, adapter_dir, "?", "?", "?", 0, f"unreadable: {exc}")
+        problem = f"unreadable: {exc}"
+        return AdapterSummary(adapter_dir.name, adapter_dir, "?", "?", "?", 0, problem, problem=problem)
 
 
 def as_json(rows: list[AdapterSummary]) -> str:
@@ -134,7 +138,7 @@ def as_json(rows: list[AdapterSummary]) -> str:
     return strict_json.dumps(
         [{"name": r.name, "path": str(r.path), "base": r.base, "ranks": list(r.ranks),
           "targets": r.targets.split(",") if r.targets != "?" else [], "size_bytes": r.size_bytes,
-          "metrics": r.metric_values, "problem": r.metrics if r.metrics.startswith("unreadable:") else None}
+          "metrics": r.metric_values, "problem": r.problem}
          for r in rows],
         indent=2,
     )  # fmt: skip
