@@ -23,6 +23,7 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from finetune import strict_json
+from finetune.atomic import atomic_file
 from finetune.training.objectives.base import describe_rewards
 
 StepCallback = Callable[[int, dict[str, float]], None]
@@ -55,7 +56,8 @@ def _drop_records_after(path: Path, step: int) -> None:
     lines = path.read_text().splitlines(keepends=True)
     kept = [line for line in lines if (logged := _step_of(line)) is not None and logged <= step]
     if len(kept) != len(lines):
-        path.write_text("".join(kept))
+        with atomic_file(path) as staging:  # a kill while rewriting leaves the whole old history, not half of it
+            staging.write_text("".join(kept))
 
 
 def _step_of(line: str) -> int | None:
