@@ -60,7 +60,7 @@ def _adopt_or_own(base: ResolvedBase, adapters: list[Adapter], allow_pickle: boo
         except AdapterError as exc:
             problem = f"its adapter {name!r} cannot be read ({exc})"
             break
-        if entry.sha256 and adapter.file_sha256 != entry.sha256:
+        if not entry.is_merged_form_of(adapter):
             problem = f"its adapter {name!r} at {entry.path} changed since it was merged"
         found.append(adapter)
     if problem is not None:

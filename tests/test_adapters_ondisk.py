@@ -254,3 +254,26 @@ def test_an_adapter_is_merged_once_under_one_name(tmp_path, tiny_base_dir, adapt
     monkeypatch.chdir(tmp_path)
     report = subtract_checkpoint(str(tmp_path / "merged"), AdapterSpec("med"), tmp_path / "legal-only")
     assert report.exact and report.merged == {"legal": 1.0}
+
+
+def test_an_adapter_whose_config_was_edited_after_merging_is_not_taken_for_the_merged_one(
+    tmp_path, tiny_base_dir, adapter_dirs
+):
+    """Doubling `lora_alpha` in adapter_config.json doubles every update while the weights file stays the same:
+    subtracting the edited adapter from fp32 arithmetic (the base gone) would take out twice what went in. The
+    ledger records the adapter's scaling beside the file's sha256, so that subtract is refused."""
+    base_copy, legal = tmp_path / "base", tmp_path / "legal"
+    shutil.copytree(tiny_base_dir, base_copy)
+    shutil.copytree(adapter_dirs["legal"], legal)
+    merge_checkpoint(
+        str(base_copy), [AdapterSpec(str(legal)), AdapterSpec(str(adapter_dirs["med"]))], tmp_path / "both"
+    )
+    shutil.rmtree(base_copy)
+    config = json.loads((legal / "adapter_config.json").read_text())
+    config["lora_alpha"] *= 2
+    (legal / "adapter_config.json").write_text(json.dumps(config))
+    with pytest.raises(
+        AdapterError, match=r"adapter .legal. at .* changed since it was merged \(its weights, or the alpha"
+    ):
+        subtract_checkpoint(str(tmp_path / "both"), AdapterSpec("legal"), tmp_path / "wrong")
+    assert not (tmp_path / "wrong").exists()

@@ -133,7 +133,7 @@ def _read_ledger_adapters(operation: DiskOperation, allow_pickle: bool) -> None:
             operation.notes.append(f"adapter {name!r} is not readable at {entry.path}, so the base cannot be used")
             operation.pristine_dir = None
             continue
-        if entry.sha256 and adapter.file_sha256 != entry.sha256:
+        if not entry.is_merged_form_of(adapter):
             if name in changed and operation.pristine_dir is None:
                 raise AdapterError(
                     f"adapter {name!r} at {entry.path} changed since it was merged; give --base to rebuild"

@@ -43,6 +43,15 @@ class LedgerEntry:
     path: str = ""
     sha256: str = ""
     """sha256 of the adapter file, so a ledger can tell a retrained adapter from the one it merged."""
+    scaling: str = ""
+    """`Adapter.scaling_sha256` when merged: an edited alpha or rank pattern is another update from the same file.
+    Empty in ledgers written before it was kept (their adapters are then told apart by the file alone)."""
+
+    def is_merged_form_of(self, adapter) -> bool:
+        """Whether `adapter` gives the updates this entry merged: the same weights file and the same scaling."""
+        if self.sha256 and adapter.file_sha256 != self.sha256:
+            return False
+        return not self.scaling or adapter.scaling_sha256 == self.scaling
 
 
 @dataclass(frozen=True)
@@ -71,8 +80,10 @@ class Ledger:
         else:
             # absolute: the merged model is read again from other working directories
             path = str(Path(adapter.path).resolve()) if adapter is not None else (old.path if old else "")
-            sha = adapter.file_sha256 if adapter is not None else (old.sha256 if old else "")
-            entries[name] = LedgerEntry(weight=total, path=path, sha256=sha)
+            if adapter is not None:
+                entries[name] = LedgerEntry(total, path, adapter.file_sha256, adapter.scaling_sha256)
+            else:
+                entries[name] = replace(old, weight=total) if old else LedgerEntry(weight=total)
         return replace(self, entries=entries)
 
     def check_same_adapter(self, name: str, adapter) -> None:
@@ -82,10 +93,16 @@ class Ledger:
         if not sha:
             return
         for other, entry in self.entries.items():
-            if other == name and entry.sha256 and entry.sha256 != sha:
+            if other == name and entry.sha256 and not entry.is_merged_form_of(adapter):
+                if entry.path == str(Path(adapter.path).resolve()):
+                    raise AdapterError(
+                        f"adapter {name!r} at {entry.path} changed since it was merged (its weights, or the alpha or "
+                        "rank in its adapter_config.json); restore it, or give --base to rebuild from the base"
+                    )
                 raise AdapterError(
                     f"adapter {name!r} merged here came from {entry.path}, and {adapter.path} is another adapter of "
-                    "that name; give one of them another name"
+                    "that name (other weights, or another alpha or rank in its adapter_config.json); give one of them "
+                    "another name, or restore the config it was merged with"
                 )
             if other != name and entry.sha256 == sha:
                 raise AdapterError(
@@ -121,7 +138,7 @@ class Ledger:
                     "quantization": self.base_quantization,
                 },
                 "adapters": {
-                    name: {"weight": e.weight, "path": e.path, "sha256": e.sha256}
+                    name: {"weight": e.weight, "path": e.path, "sha256": e.sha256, "scaling": e.scaling}
                     for name, e in sorted(self.entries.items())
                 },
             },
@@ -133,7 +150,7 @@ class Ledger:
         try:
             data = json.loads(text) if isinstance(text, str) else text
             entries = {
-                name: LedgerEntry(weight=float(e["weight"]), path=e.get("path", ""), sha256=e.get("sha256", ""))
+                name: LedgerEntry(float(e["weight"]), e.get("path", ""), e.get("sha256", ""), e.get("scaling", ""))
                 for name, e in data["adapters"].items()
             }
             base = data["base"]

@@ -254,6 +254,17 @@ class Adapter:
         return Quantization.from_record({**fields, "quantization": self.manifest.base.quantization})
 
     @property
+    def scaling_sha256(self) -> str:
+        """sha256 of what turns the weights file into updates: each module's scale (alpha over rank, rsLoRA,
+        alpha and rank patterns) and layout. An edit of `adapter_config.json` alone changes every ΔW while the
+        weights file's sha256 stays; a ledger keeps both, so subtracting after such an edit is refused."""
+        layout = {
+            module: [float(w.scale).hex(), w.fan_in_fan_out, w.embedding, w.num_experts]
+            for module, w in self.modules.items()
+        }
+        return hashlib.sha256(json.dumps(layout, sort_keys=True).encode()).hexdigest()
+
+    @property
     def ranks(self) -> set[int]:
         return {w.rank for w in self.modules.values()}
 
