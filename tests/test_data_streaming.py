@@ -119,3 +119,20 @@ def test_row_counter_counts_a_record_whose_pieces_span_batches():
     stats = counter.stats()
     assert (stats["num_records"], stats["num_split"], stats["num_rows"]) == (4, 2, 9)
     assert (stats["num_tokens"], stats["num_label_tokens"]) == (18, 9)
+
+
+@pytest.mark.parametrize("separator", ["\u2028", "\u2029", "\x85", "\x0c", "\x1d"])
+def test_unicode_line_separators_inside_records_are_text_not_line_breaks(tmp_path, separator):
+    """JSON strings may hold U+2028/U+2029/U+0085 unescaped (json.dumps(ensure_ascii=False) writes them), and a
+    .txt document may hold them or a form feed: str.splitlines would break the record (or the document) there."""
+    texts = [f"one{separator}two", "three"]
+    (tmp_path / "a.jsonl").write_text(
+        "".join(json.dumps({"text": t}, ensure_ascii=False) + "\r\n" for t in texts), encoding="utf-8"
+    )
+    (tmp_path / "a.json").write_text(json.dumps({"text": texts[0]}, ensure_ascii=False), encoding="utf-8")
+    (tmp_path / "a.txt").write_text("\n\n".join(texts) + "\n", encoding="utf-8")
+    for name, expected in (("a.jsonl", texts), ("a.json", texts[:1]), ("a.txt", texts)):
+        raw = sources.load_source(DataConfig(train=str(tmp_path / name)).train[0], "text")
+        chunks = list(sources.iter_records(raw, 10))
+        assert [r["text"] for chunk in chunks for r in chunk.records] == expected, name
+    assert chunks[0].where(1).endswith("line 3 (record 2)")

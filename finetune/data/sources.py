@@ -32,6 +32,7 @@ import hashlib
 import io
 import json
 import os
+import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from itertools import chain, islice
@@ -303,13 +304,25 @@ def _file_records(path: Path, raw_path: str, text_field: str) -> Parsed:
         return _parse_json("".join(_utf8_blocks(path, raw_path)), raw_path)
     if suffix == ".csv":
         return _parse_csv(_utf8_blocks(path, raw_path), raw_path)
-    lines = (line for block in _utf8_blocks(path, raw_path) for line in block.splitlines())
+    lines = (line for block in _utf8_blocks(path, raw_path) for line in _lines(block))
     if suffix == ".jsonl":
         return _parse_json_lines(lines, raw_path)
     return _split_paragraphs(lines, text_field)
 
 
 _READ_BLOCK_BYTES = 1 << 20
+
+_LINE_BREAK = re.compile(r"\r\n|\r|\n")
+
+
+def _lines(text: str) -> list[str]:
+    """The lines of `text`, split at CR LF, LF and CR only. `str.splitlines` also splits at U+2028, U+2029,
+    U+0085 and form feeds, which JSON strings may hold unescaped (`json.dumps(..., ensure_ascii=False)` writes
+    them so) and which are part of a document's text, not line breaks."""
+    lines = _LINE_BREAK.split(text)
+    if lines and lines[-1] == "":  # the text ends with a line break: no line after it
+        lines.pop()
+    return lines
 
 
 def _utf8_blocks(path: Path, raw_path: str) -> Iterator[str]:
@@ -377,13 +390,13 @@ def _parse_json(text: str, raw_path: str) -> Parsed:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
         if exc.msg == "Extra data" and text.lstrip().startswith("{"):
-            return _parse_json_lines(text.splitlines(), raw_path)
+            return _parse_json_lines(_lines(text), raw_path)
         raise DataError(
             f"{raw_path} line {exc.lineno}: invalid JSON ({exc.msg} at column {exc.colno}); "
             f"fix the syntax, or use .jsonl with one object per line"
         ) from None
-    if isinstance(data, dict) and len(text.strip().splitlines()) == 1:
-        return _parse_json_lines(text.splitlines(), raw_path)  # JSON Lines with a single record
+    if isinstance(data, dict) and len(_lines(text.strip())) == 1:
+        return _parse_json_lines(_lines(text), raw_path)  # JSON Lines with a single record
     if not isinstance(data, list):
         got = "an object" if isinstance(data, dict) else type(data).__name__
         raise DataError(
