@@ -460,3 +460,40 @@ def test_a_step_without_desirable_examples_logs_no_chosen_metrics(workdir, tiny_
     steps = [json.loads(line) for line in (workdir / "runs" / "kto" / "metrics.jsonl").read_text().splitlines()]
     assert len(steps) == 8 and all("rewards_rejected" in step for step in steps)
     assert sum("rewards_chosen" in step for step in steps) == 2, steps  # the two steps holding the desirable one
+
+
+@pytest.mark.parametrize("data_format", ["preference", "unpaired_preference"])
+def test_an_empty_prompt_without_bos_leaves_each_sequence_first_label_untrained(tiny_tokenizer, data_format):
+    """Packed, a sequence's first label is predicted from the sequence before it (chosen's EOS would score
+    rejected's first token, counted as chosen's): with no BOS and an empty prompt it must still be -100."""
+    import copy
+
+    from finetune.data.labels import IGNORE_INDEX
+    from finetune.data.preference import encode_preference_records
+    from finetune.training.objectives.logprobs import collate_sequences
+
+    tokenizer = copy.deepcopy(tiny_tokenizer)
+    tokenizer.bos_token = None
+    assert tokenizer.bos_token_id is None
+    paired = data_format == "preference"
+    record = {"prompt": "", "chosen": "Sunny.", "rejected": "Rain all day."} if paired else {
+        "prompt": "", "completion": "Sunny.", "label": True}  # fmt: skip
+    config = recipe_from_dict({"data": {"train": "x.jsonl", "format": data_format}, "output": {"name": "x"},
+                               "train": {"objective": "dpo" if paired else "kto", "micro_batch_size": 2}}).data  # fmt: skip
+    (encoded,) = encode_preference_records([record], config, tokenizer, lambda i: "record 1")
+    sides = ("chosen_", "rejected_") if paired else ("",)
+    sequences = [{"input_ids": encoded.row[f"{s}input_ids"], "labels": encoded.row[f"{s}labels"]} for s in sides]
+    assert all(sequence["labels"][0] == IGNORE_INDEX for sequence in sequences)
+    if paired:  # each side scores its own tokens only: all but its first
+        batch = collate_sequences(sequences, tokenizer.pad_token_id, packing=True)
+        assert batch["sequence_tokens"].tolist() == [len(s["input_ids"]) - 1 for s in sequences]
+
+
+def test_kto_labels_read_from_a_csv_file_are_booleans(tmp_path, tiny_tokenizer):
+    """A .csv file holds strings only: its `true`/`false` labels are the booleans KTO reads."""
+    from finetune.data.preference import preview_records
+
+    (tmp_path / "kto.csv").write_text("prompt,completion,label\nHi,Hello there,true\nHi,Go away,False\n")
+    config = recipe_from_dict({"data": {"train": str(tmp_path / "kto.csv"), "format": "unpaired_preference"},
+                               "train": {"objective": "kto", "micro_batch_size": 2}, "output": {"name": "x"}}).data  # fmt: skip
+    assert [row["desirable"] for _, row in preview_records(config, tiny_tokenizer, 2)] == [True, False]

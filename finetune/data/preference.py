@@ -135,6 +135,8 @@ def _fields(record: dict[str, Any], names: tuple[str, ...], where: str) -> dict[
 
 def _label(record: dict[str, Any], where: str) -> bool:
     label = record.get("label")
+    if isinstance(label, str) and label.strip().lower() in ("true", "false"):  # a .csv file holds strings only
+        label = label.strip().lower() == "true"
     if not isinstance(label, bool):
         got = "missing" if "label" not in record else f"{type(label).__name__} {_preview(label)}"
         raise DataError(
@@ -156,6 +158,7 @@ def _sequence(prompt: Any, completion: Any, config: DataConfig, tokenizer: Any, 
         if not completion_ids:
             raise DataError(f"{where}: the completion is empty; give it text to train on, or remove the record")
         labels = [IGNORE_INDEX] * len(prompt_ids) + completion_ids
+        labels[0] = IGNORE_INDEX  # nothing precedes it: packed, it would be predicted from the sequence before
         return Sequence(prompt_ids + completion_ids, labels, len(prompt_ids))
     if not isinstance(prompt, list):
         raise DataError(
