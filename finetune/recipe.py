@@ -492,7 +492,8 @@ class TrainConfig(_Section):
     """On CUDA, Liger Kernel's Triton RMSNorm, RoPE and SwiGLU in the base's layers (`pip install
     'finetune[liger]'`; `finetune.training.liger_kernels`): fewer, fused elementwise kernels per step. Not used
     on the CPU (said in one line)."""
-    seed: int = 0
+    seed: int = Field(0, ge=0, le=2**32 - 1)
+    """Seeds LoRA initialisation, dropout, the data order and the validation split (numpy and accelerate take 0 to 2**32 - 1)."""
     log_every_steps: int = Field(10, ge=1)
     eval_every_steps: int | None = Field(None, ge=1)
     """Evaluate every N optimizer steps (and always at the end when there is validation data)."""

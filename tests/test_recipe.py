@@ -120,6 +120,9 @@ def test_overrides_apply_through_the_schema(tmp_path, override, check):
         (MINIMAL, ["lora.r=true"], ["lora: r must be a number, not true"]),
         (MINIMAL, ["train.micro_batch_size=yes"], ["train: micro_batch_size must be a number, not true"]),
         (MINIMAL, ["lora.target_modules=q_proj|v_proj"], ["lora.target_modules: give 'all-linear' or a list"]),
+        # numpy's and accelerate's seeds are 0..2**32-1: a negative seed failed after the data was tokenized
+        (MINIMAL, ["train.seed=-1"], ["train.seed: Input should be greater than or equal to 0"]),
+        (MINIMAL, ["train.seed=4294967296"], ["train.seed: Input should be less than or equal to 4294967295"]),
         # kto's KL baseline pairs each prompt with another example's completion in the micro-batch
         (
             MINIMAL,
