@@ -116,6 +116,15 @@ CASES = [
         ("validate", "recipe.yaml", "data.train=nosuch.jsonl"),
         ("data file nosuch.jsonl does not exist",),
     ),  # fmt: skip
+    # a directory that save_to_disk did not write (or an empty path, which is the current directory) failed only
+    # when training loaded the data, after the base
+    Case(
+        "validate-a-plain-directory",
+        ("validate", "recipe.yaml", "data.train=somedir"),
+        ("not one written by",),
+        make_dir("somedir"),
+    ),  # fmt: skip
+    Case("validate-an-empty-data-path", ("validate", "recipe.yaml", "data.train="), ("not one written by",)),
     Case("negative-steps", ("validate", "recipe.yaml", "train.max_steps=-5"), ("train.max_steps", "greater than")),
     Case("lr-zero", ("validate", "recipe.yaml", "train.lr=0"), ("train.lr",)),
     Case(

@@ -49,6 +49,8 @@ FILE_SUFFIXES = (".jsonl", ".json", ".csv", ".parquet", ".txt")
 """File extensions a source may have; anything else must be a `save_to_disk` directory."""
 
 _HASH_CHUNK_BYTES = 1 << 20
+_SAVED_DATASET_MARKERS = ("dataset_info.json", "dataset_dict.json")
+"""What `datasets.save_to_disk` writes at the top of a `Dataset` and of a `DatasetDict` directory."""
 
 
 @dataclass(frozen=True)
@@ -113,8 +115,14 @@ def _check_exists(path: Path, raw_path: str) -> None:
 def check_local_source(source: SourceConfig) -> None:
     """A source named by a local path exists and has a readable kind (DataError otherwise); a hub id is left to
     loading, which may find it in the local cache. `finetune validate` checks the recipe's sources with it."""
-    if Path(source.path).exists() or not _looks_like_hub_id(source.path):
-        _check_exists(Path(source.path), source.path)
+    path = Path(source.path)
+    if path.exists() or not _looks_like_hub_id(source.path):
+        _check_exists(path, source.path)
+    if path.is_dir() and not any((path / marker).is_file() for marker in _SAVED_DATASET_MARKERS):
+        raise DataError(
+            f"data source {source.path or repr(source.path)} is a directory but not one written by "
+            f"datasets.save_to_disk (no {' or '.join(_SAVED_DATASET_MARKERS)}); point at a data file or a saved dataset"
+        )
 
 
 def _looks_like_hub_id(raw_path: str) -> bool:
