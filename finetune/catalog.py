@@ -15,6 +15,7 @@ Example:
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
@@ -45,12 +46,15 @@ def resolve_recipe_path(text: str) -> Path:
     )
 
 
-def copy_recipe(name: str, destination: Path) -> Path:
-    """Copy catalog recipe `name` to `destination` (a file, or a directory to put `<name>.yaml` in)."""
+def copy_recipe(name: str, destination: Path | str) -> Path:
+    """Copy catalog recipe `name` to `destination` (a file, or a directory to put `<name>.yaml` in; a path written
+    with a trailing `/` is a directory, made if missing)."""
     source = resolve_recipe_path(name)
     if not source.is_file() or source.parent != CATALOG_DIR:
         raise RecipeError(f"{name!r} is not a catalog recipe; see `finetune recipes list`")
-    target = destination / source.name if destination.is_dir() else destination
+    as_directory = str(destination).endswith(("/", os.sep))  # Path() drops the slash that says so
+    destination = Path(destination)
+    target = destination / source.name if as_directory or destination.is_dir() else destination
     if target.exists():
         raise RecipeError(f"{target} already exists; choose another destination or delete it first")
     try:

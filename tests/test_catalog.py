@@ -125,3 +125,12 @@ def test_recipe(entry):
     assert shape.lora_params == lora_params
     plan = estimate(recipe, shape, device="cuda", nproc=1)
     assert plan.peak_bytes > shape.base_params * (0.5 if recipe.model.quantization == "4bit" else 2)
+
+
+def test_recipes_copy_to_a_new_directory_written_with_a_slash_puts_the_recipe_inside_it(tmp_path, monkeypatch, capsys):
+    from finetune.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["recipes", "copy", "quickstart", "mine/"]) == 0
+    assert (tmp_path / "mine" / "quickstart.yaml").is_file()  # not a file named `mine`
+    assert main(["recipes", "copy", "quickstart", "mine.yaml"]) == 0 and (tmp_path / "mine.yaml").is_file()

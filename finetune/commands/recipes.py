@@ -97,10 +97,8 @@ def run_show(args: argparse.Namespace) -> int:
 
 
 def run_copy(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     from finetune.catalog import copy_recipe
 
-    target = copy_recipe(args.name, Path(args.destination))
+    target = copy_recipe(args.name, args.destination)
     print(f"copied {args.name} to {target}; edit it, then: finetune train {target}")
     return 0
