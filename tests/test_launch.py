@@ -163,3 +163,50 @@ def test_more_processes_than_gpus_is_refused_saying_what_fits():
     with pytest.raises(FinetuneError, match=r"--nproc 2 .* but 1 GPU\(s\) are visible; use --nproc 1, or add --cpu"):
         launch.check_gpu_count(2, 1)
     launch.check_gpu_count(2, 2)  # one rank per GPU: fine
+
+
+@pytest.mark.parametrize("signal_name", ["SIGTERM", "SIGINT"])
+def test_a_signal_to_finetune_reaches_the_launcher_once_and_finetune_waits_for_it(tmp_path, signal_name):
+    """`kill PID` (a supervisor, Kubernetes) or Ctrl-C on `finetune train --nproc N` must reach the ranks, once, and
+    `finetune` must wait for them to checkpoint: it used to die alone on SIGTERM (the ranks trained on, orphaned)
+    and to SIGKILL the launcher on SIGINT, returning while the ranks were still writing."""
+    import signal
+    import subprocess
+    import time
+
+    marker = tmp_path / "child"
+    child = (
+        "import os, signal, sys, time, pathlib\n"
+        f"p = pathlib.Path({str(marker)!r})\n"
+        "got = []\n"
+        "def h(n, f): got.append(n)\n"
+        "signal.signal(signal.SIGINT, h); signal.signal(signal.SIGTERM, h)\n"
+        "p.write_text(f'ready {os.getpid()}')\n"
+        "while not got: time.sleep(0.01)\n"
+        "time.sleep(0.5)\n"  # 'writing a checkpoint'
+        "p.write_text(f'stopped {got}')\n"
+        "sys.exit(128 + got[0])\n"
+    )
+    parent = (
+        "import sys\n"
+        "from finetune.training.launch import run_launched\n"
+        f"sys.exit(run_launched([sys.executable, '-c', {child!r}], use_cpu=False))\n"
+    )
+    number = getattr(signal, signal_name)
+    process = subprocess.Popen([sys.executable, "-c", parent], start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not (marker.exists() and marker.read_text()):
+            assert time.monotonic() < deadline and process.poll() is None
+            time.sleep(0.02)
+        if signal_name == "SIGINT":
+            os.killpg(process.pid, number)  # Ctrl-C: the terminal signals the whole foreground group
+        else:
+            process.send_signal(number)  # a supervisor: this process alone
+        assert process.wait(timeout=30) == 128 + number
+        assert marker.read_text() == f"stopped [{int(number)}]"  # handed on once, and waited for
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+        if marker.read_text().startswith("ready"):  # not stopped: an orphan (as before the fix) must not outlive it
+            os.kill(int(marker.read_text().split()[1]), signal.SIGKILL)

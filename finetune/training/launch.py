@@ -12,7 +12,9 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -93,7 +95,23 @@ def run_launched(command: list[str], *, use_cpu: bool, deepspeed: bool = False) 
     env = dict(os.environ)
     if use_cpu and not deepspeed:
         env["ACCELERATE_USE_CPU"] = "true"
-    return subprocess.call(command, env=env)
+    # The launcher runs in a session of its own and hears SIGINT/SIGTERM only through this process, once each:
+    # a Ctrl-C (sent to the whole foreground group) or a SIGTERM to this process alone (a supervisor, `kill`) both
+    # reach the ranks, which checkpoint and stop; this process waits for them and returns their status. Left to
+    # `subprocess.call`, a SIGTERM killed this process alone (the ranks trained on, orphaned) and a Ctrl-C
+    # SIGKILLed the launcher and returned at once while the ranks were still writing their checkpoint.
+    process = subprocess.Popen(command, env=env, start_new_session=True)
+
+    def forward(signal_number: int, frame: object) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            process.send_signal(signal_number)
+
+    previous = {number: signal.signal(number, forward) for number in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        return process.wait()
+    finally:
+        for number, handler in previous.items():
+            signal.signal(number, handler)
 
 
 def launch_quietly(argv: Sequence[str]) -> int:
@@ -104,6 +122,7 @@ def launch_quietly(argv: Sequence[str]) -> int:
 
     from accelerate.commands.launch import launch_command as accelerate_launch
     from accelerate.commands.launch import launch_command_parser
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     if "--verbose" not in argv:
@@ -116,6 +135,8 @@ def launch_quietly(argv: Sequence[str]) -> int:
                 print(f"error: rank {rank} was ended by {failure.signal_name()} (pid {failure.pid})", file=sys.stderr)
         codes = [failure.exitcode for failure in failed.failures.values()]
         return 2 if 2 in codes else next((code for code in codes if code > 0), 1)
+    except SignalException as stopped:  # SIGINT/SIGTERM: handed on to the ranks, which said what they did
+        return 128 + int(stopped.sigval)
     return 0
 
 
