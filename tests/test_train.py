@@ -426,3 +426,49 @@ def test_a_pissa_or_olora_adapter_is_written_as_an_update_of_the_base_on_disk(wo
     assert abs(base_loss - metrics["base_eval_loss"]) < 2e-3, (base_line, metrics["base_eval_loss"])
     assert abs(tuned_loss - metrics["eval_loss"]) < 2e-3, (tuned_line, metrics["eval_loss"])
     assert tuned_loss < base_loss - 0.02
+
+
+def test_resume_at_the_last_step_never_takes_an_earlier_runs_adapter_for_its_own(workdir, monkeypatch):
+    """Killed between its last checkpoint and its adapter (in the final evaluation, say), an `output.overwrite` run
+    whose adapter directory still holds an earlier run's adapter: --resume must write this run's adapter (it used
+    to say "the run had finished" and hand back the earlier one), with the last step's metrics in its manifest."""
+    from finetune.manifest import read_manifest
+    from finetune.training import loop
+
+    overrides = ["train.max_steps=3", "train.save_every_steps=3", "output.overwrite=true"]
+    train("recipe.yaml", overrides)  # the earlier run, at lr 0.005
+    earlier = load_file("adapters/crates/adapter_model.safetensors")
+    expected_run, expected_metrics = train("recipe.yaml", [*overrides, "train.lr=0.001", "output.name=whole"])
+
+    def killed(*args, **kwargs):
+        raise KeyboardInterrupt  # as if killed after the step-3 checkpoint, before the adapter was renamed in
+
+    with monkeypatch.context() as patched:
+        patched.setattr(loop, "finish_run", killed)
+        with pytest.raises(KeyboardInterrupt):
+            train("recipe.yaml", [*overrides, "train.lr=0.001"])
+    _, metrics = train("recipe.yaml", [*overrides, "train.lr=0.001"], resume=True)
+    actual = load_file("adapters/crates/adapter_model.safetensors")
+    assert any(not torch.equal(earlier[name], actual[name]) for name in earlier)
+    expected = load_file(expected_run / "adapter_model.safetensors")
+    for name in expected:
+        assert torch.equal(expected[name], actual[name]), name
+    assert read_manifest(Path("adapters/crates")).recipe["train"]["lr"] == 0.001
+    for key in ("loss", "lr", "grad_norm", "epoch", "tokens_seen"):
+        assert metrics[key] == expected_metrics[key], key
+    # and once it is written, --resume again says so and hands back that very adapter
+    again, _ = train("recipe.yaml", [*overrides, "train.lr=0.001"], resume=True)
+    assert torch.equal(load_file(again / "adapter_model.safetensors")[name], actual[name])
+
+
+def test_a_resumed_runs_first_throughput_counts_only_the_tokens_it_trained(tmp_path):
+    """metrics.jsonl's tokens_per_s after --resume: the first write used to divide every token seen since step 0
+    (the checkpoint's tokens_seen) by the seconds since the resume."""
+    from finetune.training.progress import TrainingLog
+
+    log = TrainingLog(tmp_path, total_steps=6, first_step=4, first_tokens_seen=4000, log_every_steps=1,
+                      say=lambda line: None, show_bar=False)  # fmt: skip
+    log(5, {"loss": 1.0, "lr": 0.1, "epoch": 0.1, "tokens_seen": 5000, "grad_norm": 1.0, "elapsed_s": 2.0})
+    log.close()
+    record = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])
+    assert record["tokens_per_s"] == pytest.approx(500.0)

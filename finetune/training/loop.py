@@ -108,7 +108,7 @@ def _train(
 ) -> TrainResult:
     started = time.perf_counter()
     run = start_run(recipe, resume=resume, say=log)
-    if resume and run.step == run.length.total_steps and recipe.output.adapter_dir.exists():
+    if resume and run.step == run.length.total_steps and _adapter_of_this_run(run):
         log(f"the run had finished: its adapter is {recipe.output.adapter_dir}")  # killed after writing it
         return TrainResult(recipe.output.adapter_dir, _recorded_metrics(recipe.output.adapter_dir))
     say = log if run.is_main else (lambda message: None)
@@ -118,6 +118,7 @@ def _train(
         run.run_dir if run.is_main else None,
         total_steps=run.length.total_steps,
         first_step=run.step,
+        first_tokens_seen=run.tokens_seen,
         log_every_steps=recipe.train.log_every_steps,
         say=say,
         show_bar=show_bar,
@@ -140,6 +141,24 @@ def _train(
     if run.is_main:
         report_finished_run(run.run_dir, result.adapter_dir, html=recipe.output.report, say=say)
     return result
+
+
+def _adapter_of_this_run(run: TrainingRun) -> bool:
+    """Whether `adapters/<name>/` is what this run wrote at its last step: its recipe (less length and intervals),
+    data and step are the checkpoint's. An adapter an earlier run left there (`output.overwrite` replaces it only
+    once the new one is whole) is not: a run killed between its last checkpoint and its adapter finishes again."""
+    from finetune.training.recipe_digest import SECTIONS, resume_mismatch
+
+    adapter_dir = run.recipe.output.adapter_dir
+    manifest = read_manifest(adapter_dir) if adapter_dir.is_dir() else None
+    if manifest is None or manifest.recipe is None or manifest.data is None:
+        return False
+    recorded = {section: manifest.recipe.get(section, {}) for section in SECTIONS}
+    return (
+        manifest.metrics.get("step") == run.step
+        and manifest.data.fingerprint == run.data.fingerprint
+        and resume_mismatch(recorded, run.recipe) is None
+    )
 
 
 def _recorded_metrics(adapter_dir: Path) -> dict[str, Any]:
@@ -180,7 +199,7 @@ def run_steps(run: TrainingRun, stop: StopRequest, on_step: StepCallback) -> dic
     finally:
         if steps.schedule is not None:
             steps.schedule.close()
-    return steps.last
+    return steps.last or run.last_metrics  # resumed from the last step's checkpoint: that step's, as recorded
 
 
 class StepInputs(NamedTuple):
@@ -289,6 +308,7 @@ class PendingSteps:
                 last.update(evaluation)
             self.on_step(step.step, last)
             self.last = {k: v for k, v in last.items() if not k.startswith("eval_")}  # the run's final one comes after
+            run.last_metrics = self.last
         self.queued = []
 
 

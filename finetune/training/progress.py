@@ -83,6 +83,7 @@ class TrainingLog:
         total_steps: int,
         first_step: int,
         log_every_steps: int,
+        first_tokens_seen: int = 0,
         say: Say,
         show_bar: bool,
         record: StepCallback | None = None,
@@ -95,7 +96,8 @@ class TrainingLog:
             run_dir.mkdir(parents=True, exist_ok=True)
             _drop_records_after(run_dir / "metrics.jsonl", first_step)
         self._start = (time.perf_counter(), first_step)
-        self._last = (0.0, 0)  # (elapsed_s, tokens_seen) at the previous write
+        self._last = (0.0, first_tokens_seen)  # (elapsed_s, tokens_seen) at the previous write: a resumed run's
+        # first rate counts only the tokens it trained itself, not those of the steps before its checkpoint
 
     def __call__(self, step: int, metrics: dict[str, float]) -> None:
         self._bar.update(1)

@@ -196,6 +196,8 @@ class TrainingRun:
     position: int = 0
     """Micro-batches consumed so far (across epochs): all a checkpoint needs to resume the data."""
     base_eval: dict[str, float] = field(default_factory=dict)
+    last_metrics: dict[str, float] = field(default_factory=dict)
+    """The metrics of the last step read (checkpointed: a run resumed at its last step reports them)."""
     resumed_from: Path | None = None
 
     @property
@@ -270,6 +272,7 @@ class TrainingRun:
                     "recipe_digest": recipe_digest(self.recipe),
                     "data_fingerprint": self.data.fingerprint,
                     "base_eval": self.base_eval,
+                    "last_metrics": self.last_metrics,
                 },
                 keep=self.recipe.train.keep_checkpoints,
                 carried=None if carried is None else carried_states,
@@ -531,6 +534,7 @@ def _restore(run: TrainingRun, path: Path, say: Say) -> None:
     if state.get("carried") is not None and isinstance(run.objective, CarriesState):
         run.objective.restore_carried_state(state["carried"][run.accelerator.process_index], run.accelerator.device)
     run.base_eval = state.get("base_eval", {})
+    run.last_metrics = state.get("last_metrics", {})
     run.resumed_from = path
     ckpt.restore_rng_state(rng_states[run.accelerator.process_index])
     say(f"resumed from {path} at step {run.step}")
