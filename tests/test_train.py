@@ -472,3 +472,18 @@ def test_a_resumed_runs_first_throughput_counts_only_the_tokens_it_trained(tmp_p
     log.close()
     record = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])
     assert record["tokens_per_s"] == pytest.approx(500.0)
+
+
+def test_a_run_resumed_at_its_last_step_logs_its_final_evaluation_once(tmp_path):
+    """The final evaluation comes after the last checkpoint: a run killed after it (before its adapter was written)
+    evaluates again on --resume, and metrics.jsonl kept both records of it."""
+    from finetune.training.progress import TrainingLog
+
+    path = tmp_path / "metrics.jsonl"
+    records = [{"step": 3, "loss": 1.0}, {"step": 3, "eval_loss": 2.0, "eval_ppl": 7.4}]
+    path.write_text("".join(json.dumps(record) + "\n" for record in records))
+    log = TrainingLog(tmp_path, total_steps=3, first_step=3, log_every_steps=1, say=lambda line: None, show_bar=False)
+    log.log_eval(3, {"eval_loss": 2.0, "eval_ppl": 7.4})
+    log.close()
+    written = [json.loads(line) for line in path.read_text().splitlines()]
+    assert written == records

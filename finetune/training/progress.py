@@ -48,13 +48,18 @@ def format_seconds(seconds: float) -> str:
     return f"{minutes}m{seconds:02d}s" if minutes else f"{seconds}s"
 
 
-def _drop_records_after(path: Path, step: int) -> None:
+def _drop_records_after(path: Path, step: int, *, last_step: bool) -> None:
     """Keep the records of `path` up to `step`: a run resumed from a checkpoint at `step` writes the later steps
-    again, and a run killed after its last checkpoint had written some of them already."""
+    again, and a run killed after its last checkpoint had written some of them already. At the run's `last_step`
+    the evaluation at `step` goes too: it is the final one, which comes after the last checkpoint and runs again."""
     if not path.exists():
         return
     lines = path.read_text().splitlines(keepends=True)
     kept = [line for line in lines if (logged := _step_of(line)) is not None and logged <= step]
+    if last_step:
+        kept = [
+            line for line in kept if _step_of(line) != step or not any(k.startswith("eval_") for k in json.loads(line))
+        ]
     if len(kept) != len(lines):
         with atomic_file(path) as staging:  # a kill while rewriting leaves the whole old history, not half of it
             staging.write_text("".join(kept))
@@ -94,7 +99,7 @@ class TrainingLog:
         self._record = record
         if run_dir is not None:
             run_dir.mkdir(parents=True, exist_ok=True)
-            _drop_records_after(run_dir / "metrics.jsonl", first_step)
+            _drop_records_after(run_dir / "metrics.jsonl", first_step, last_step=first_step == total_steps)
         self._start = (time.perf_counter(), first_step)
         self._last = (0.0, first_tokens_seen)  # (elapsed_s, tokens_seen) at the previous write: a resumed run's
         # first rate counts only the tokens it trained itself, not those of the steps before its checkpoint
