@@ -388,6 +388,59 @@ def test_bad_json_unknown_routes_and_chat_errors(client, reference):
     assert_still_serves(client, reference)
 
 
+def test_a_lone_surrogate_escape_is_a_400_not_a_500(client, reference):
+    """ "\\ud800" is valid JSON but no text: the tokenizer raised TypeError on it, a 500 "internal error"."""
+    chat = b'{"model": "med", "messages": [{"role": "user", "content": "hi \\ud800"}], "max_tokens": 2}'
+    assert_error(client.post("/v1/chat/completions", content=chat), 400, "lone surrogate")
+    completion = b'{"model": "legal", "prompt": "\\udc80 x", "max_tokens": 2}'
+    assert_error(client.post("/v1/completions", content=completion), 400, "lone surrogate")
+    assert_still_serves(client, reference)
+
+
+def test_a_dora_adapter_is_refused_rather_than_failing_every_forward_it_joins(
+    client, reference, serve_base, tmp_path, capsys
+):
+    """peft's mixed batches refuse DoRA ("Cannot pass `adapter_names` when DoRA is enabled"): served anyway,
+    each request for it was a 500, and so was every request of another model that shared its prefill."""
+    dora = make_adapter(serve_base, tmp_path / "dora", seed=15, use_dora=True)
+    body = {"lora_name": "dora", "lora_path": str(dora)}
+    assert_error(client.post("/v1/load_lora_adapter", json=body), 400, "uses DoRA", param="lora_path")
+    assert "dora" not in [card["id"] for card in client.get("/v1/models").json()["data"]]
+    assert_still_serves(client, reference)
+    assert main(["serve", str(serve_base), "--port", "0", "--adapter", f"dora={dora}"]) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "uses DoRA" in errors[0], errors
+
+
+def test_a_gone_client_stops_its_generation_and_shutdown_ends_open_streams(serve_base):
+    """A non-streamed request whose client timed out ran on to max_tokens for nobody; and a shutdown waited
+    for open requests without limit (the CLI gave up after 30 s and died of SIGABRT, 134)."""
+    settings = ServeSettings(base=str(serve_base), base_name=BASE_NAME, port=0, max_tokens_limit=1000)
+    server = ServerThread(settings).start()
+    try:
+        server.engine.stop_token_ids = frozenset()  # no EOS: only max_tokens or a disconnect ends a row
+        step = server.engine.step
+        server.engine.step = lambda batch, tokens: (time.sleep(0.02), step(batch, tokens))[1]  # 500 steps: 10 s+
+        body = {"model": BASE_NAME, "prompt": "loss", "max_tokens": 500, "temperature": 0}
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(server.url + "/v1/completions", json=body, timeout=0.5)
+        deadline = time.monotonic() + 10
+        while (stats := httpx.get(server.url + "/stats").json())["running"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert stats["running"] == 0 and stats["sequences_finished"] == 0 and stats["decode_steps"] < 400, stats
+
+        with httpx.stream("POST", server.url + "/v1/completions", json={**body, "stream": True}, timeout=60) as reply:
+            lines = reply.iter_lines()
+            assert next(line for line in lines if line).startswith("data: {")
+            started = time.monotonic()
+            server.stop(grace_s=0.2)
+            rest = [line for line in lines if line]
+        assert not server.running and time.monotonic() - started < 20
+        assert rest[-1] == "data: [DONE]" and '"shutting_down"' in rest[-2], rest[-3:]
+    finally:
+        server.stop(grace_s=0.2)
+
+
 def test_merged_mode_swaps_exactly_and_needs_the_key(serve_base, serve_adapters, reference):
     settings = ServeSettings(
         base=str(serve_base),
@@ -540,3 +593,9 @@ def test_serve_help_lists_the_options():
     assert result.returncode == 0
     for option in ("--adapter NAME=PATH", "--merge NAME", "--api-key", "--max-batch-size", "--max-wait-ms"):
         assert option in result.stdout
+
+
+def test_generate_refuses_a_prompt_that_is_not_utf8(serve_base, capsys):
+    """Bytes that are not UTF-8 reach argv as lone surrogates; the tokenizer's TypeError was a traceback (exit 1)."""
+    assert main(["generate", "--base", str(serve_base), "--max-new-tokens", "2", "hi \udcff"]) == 2
+    assert "not valid UTF-8" in capsys.readouterr().err

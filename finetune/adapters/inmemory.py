@@ -407,7 +407,7 @@ class LoadedModel:
 
         Returns peft's model: call it with `adapter_names=[...]`, one attached adapter per row and
         "__base__" for base rows (peft's mixed-batch inference; DoRA, which peft refuses there, is
-        refused by `read_adapter` already). Each row then gets what `use(name)` gives it alone; LoRA on
+        refused by `finetune serve`'s engine; `read_adapter` only marks it unmergeable). Each row then gets what `use(name)` gives it alone; LoRA on
         fused expert tensors, which peft cannot apply per row, goes through `expert_rows`: each row's
         experts compute with the tensors merging its adapter writes. What is merged stays underneath
         every row, so name no merged adapter. Until `use(...)` ends this mode, a

@@ -67,7 +67,7 @@ _UNSUPPORTED_CONFIG = {
 _DORA_KEY = re.compile(r"^(?P<module>.+)\.lora_magnitude_vector$")
 UNMERGEABLE_DORA = (
     "use_dora is set: DoRA's update depends on the norm of the weight it is merged into, so it has no exact "
-    "weighted sum; use it unmerged (generate, eval, serve without --merge, use())"
+    "weighted sum; use it unmerged (generate, eval, use())"
 )
 
 

@@ -116,6 +116,10 @@ def _eval_data_config(args: argparse.Namespace):
 
 
 def run_generate(args: argparse.Namespace) -> int:
+    try:  # bytes that are not UTF-8 reach argv as lone surrogates, which tokenizers refuse with a TypeError
+        args.prompt.encode("utf-8")
+    except UnicodeEncodeError:
+        raise FinetuneError("the prompt is not valid UTF-8 text; check the terminal's or the file's encoding") from None
     if not args.chat and args.temperature == 0:  # greedy on plain text: first without transformers' model code
         from finetune.generation.light_model import light_generate
 

@@ -30,7 +30,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from fastapi import Depends, FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 
@@ -112,7 +112,7 @@ async def completions(request: Request):
     body = protocol.parse_body(protocol.CompletionRequest, await _read_body(request))
     engine.check_model(body.model)
     prompts = await run_in_threadpool(lambda: [engine.encode_completion(p) for p in body.prompts()])
-    return await _generate(_state(request), body, prompts, chat=False)
+    return await _generate(request, body, prompts, chat=False)
 
 
 async def chat_completions(request: Request):
@@ -121,11 +121,12 @@ async def chat_completions(request: Request):
     engine.check_model(body.model)
     messages = [message.as_template_input() for message in body.messages]
     prompt = await run_in_threadpool(engine.encode_chat, messages)
-    return await _generate(_state(request), body, [prompt], chat=True)
+    return await _generate(request, body, [prompt], chat=True)
 
 
-async def _generate(state: _State, body, prompts: list[list[int]], *, chat: bool):
+async def _generate(request: Request, body, prompts: list[list[int]], *, chat: bool):
     """Queue one sequence per prompt, then answer with JSON or, for `stream`, server-sent events."""
+    state = _state(request)
     budget = body.token_budget() if chat else body.max_tokens
     default = None if chat else protocol.COMPLETION_DEFAULT_MAX_TOKENS
     lengths = [state.engine.check_length(len(p), budget, default, state.max_tokens_limit) for p in prompts]
@@ -144,7 +145,9 @@ async def _generate(state: _State, body, prompts: list[list[int]], *, chat: bool
         chunks = reply.chat_chunks if chat else reply.completion_chunks
         return _event_stream(chunks(events, sequences, usage), sequences)
     try:
-        results = await _collect(events, len(sequences))
+        results = await _collect_unless_gone(request, _collect(events, len(sequences)))
+        if results is None:  # nobody to answer: the finally below takes the rows out of the batch
+            return Response(status_code=499)
     finally:
         for sequence in sequences:  # the client may have gone: stop generating for it
             sequence.cancelled = True
@@ -219,6 +222,26 @@ async def _events(events: asyncio.Queue, count: int) -> AsyncIterator[Piece | Fi
 async def _collect(events: asyncio.Queue, count: int) -> list[Finished]:
     results = [event async for event in _events(events, count) if isinstance(event, Finished)]
     return sorted(results, key=lambda r: r.index)
+
+
+async def _collect_unless_gone(request: Request, collect):
+    """`await collect`, or None as soon as the client disconnects (a non-streamed request's handler is not
+    cancelled when its client goes: without this its rows ran on to max_tokens for nobody)."""
+    collecting = asyncio.ensure_future(collect)
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({collecting, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not collecting.done():
+            collecting.cancel()
+    return collecting.result() if collecting.done() and not collecting.cancelled() else None
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns once the client has disconnected (the body has been read: the next message is the disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def _event_stream(chunks: AsyncIterator[dict], sequences: list[Sequence]) -> StreamingResponse:

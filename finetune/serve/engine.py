@@ -63,8 +63,10 @@ class Engine:
         self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         self.stop_token_ids = _stop_token_ids(loaded.model, tokenizer)
         self.max_model_len = int(getattr(config, "max_position_embeddings", None) or tokenizer.model_max_length)
-        for name in loaded.adapters:
+        for name, adapter in loaded.adapters.items():
             self._check_name(name)
+            if merged is None:
+                _check_per_row(adapter)
         if merged is not None:
             loaded.merge(merged)
         else:
@@ -219,6 +221,8 @@ class Engine:
             )
         adapter = read_adapter(path, name)
         check_fingerprint(adapter, self.loaded.ledger.base_fingerprint, self.base_name, force=False)
+        if self.merged is None:
+            _check_per_row(adapter)
         return adapter
 
     def install(self, name: str, adapter: Adapter | None) -> str:
@@ -266,6 +270,20 @@ class Engine:
                 param="lora_name",
                 code="name_clash",
             )
+
+
+def _check_per_row(adapter: Adapter) -> None:
+    """ServeError for an adapter that peft's mixed batches (`adapter_names`) refuse: DoRA. Served anyway,
+    every forward with a row of it raised ("Cannot pass `adapter_names` when DoRA is enabled"): a 500 for
+    its requests and for every request that shared their prefill."""
+    if adapter.config.get("use_dora"):
+        raise ServeError(
+            f"adapter {adapter.name!r} ({adapter.path}) uses DoRA, which finetune serve cannot apply per row "
+            "(peft's mixed-adapter batches refuse it) nor merge exactly; use finetune generate, or retrain "
+            "without lora.use_dora",
+            param="lora_path",
+            code="adapter_unsupported",
+        )
 
 
 def _stop_token_ids(model, tokenizer) -> frozenset[int]:

@@ -130,6 +130,13 @@ def parse_body(model: type[BaseModel], body: bytes) -> Any:
         raise ServeError(f"the request body is not valid JSON ({exc})", code="invalid_json") from None
     if not isinstance(data, dict):
         raise ServeError("the request body must be a JSON object", code="invalid_json")
+    try:  # "\ud800" is valid JSON but no text: the tokenizer raised TypeError on it (a 500)
+        json.dumps(data, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        raise ServeError(
+            "the request body has a string with a lone surrogate escape (such as \\ud800), which is not text",
+            code="invalid_json",
+        ) from None
     try:
         return model.model_validate(data)
     except ValidationError as exc:

@@ -101,11 +101,19 @@ class ServerThread:
     def running(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
-    def stop(self) -> None:
-        """Shut uvicorn down gracefully (it lets open requests finish) and wait for it, 30 s at most."""
+    def stop(self, grace_s: float = 10.0) -> None:
+        """Shut uvicorn down gracefully: open requests get `grace_s` to finish, then whatever still generates
+        fails with 503 "shutting down" (streams get an error event and [DONE]), and the thread ends.
+
+        uvicorn waits for open requests without limit, and they wait for the batcher, which `run` stopped only
+        after uvicorn returned: a long generation held the shutdown until a 30 s join gave up, and the process
+        then exited with the HTTP and worker threads still running (SIGABRT, 134, not 130)."""
         self.server.should_exit = True
         if self._thread is not None:
-            self._thread.join(30)
+            self._thread.join(grace_s)
+            if self._thread.is_alive():
+                self.batcher.stop()
+                self._thread.join(30)
 
     def __enter__(self) -> ServerThread:
         return self.start()
