@@ -363,9 +363,13 @@ def test_unload_refusals(client, reference):
         ),
         ({"model": "legal", "prompt": "loss " * 2000}, 400, "context is", "prompt"),
         ({"model": "legal", "prompt": "x", "temperature": -0.5}, 400, "temperature", "temperature"),
-        ({"model": "legal", "prompt": "x", "n": 2}, 400, "Input should be 1", "n"),
+        ({"model": "legal", "prompt": "x", "n": 2}, 400, "supports only 1", "n"),
         ({"model": "legal", "prompt": "x", "tools": []}, 400, "does not support this parameter", "tools"),
-        ({"model": "legal", "prompt": ["x"] * (MAX_PENDING + 1)}, 429, "--max-pending", None),
+        # more prompts than may ever be in flight: a 429 would have the client retry what can never fit
+        ({"model": "legal", "prompt": ["x"] * (MAX_PENDING + 1)}, 400, "more than --max-pending", "prompt"),
+        ({"model": "legal", "prompt": "x", "logprobs": 0}, 400, "supports only false or null", "logprobs"),
+        ({"model": "legal", "prompt": "x", "n": True}, 400, "supports only 1", "n"),
+        ({"model": "legal", "prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream: true", None),
         ({"prompt": "x"}, 400, "Field required", "model"),
         ({"model": "legal", "prompt": "x", "max_tokens": True}, 400, "valid integer", "max_tokens"),
         ({"model": "legal", "prompt": [True]}, 400, "token ids (a list of integers)", "prompt"),
@@ -385,7 +389,21 @@ def test_bad_json_unknown_routes_and_chat_errors(client, reference):
     chat = {"model": "med", "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}
     assert_error(client.post("/v1/chat/completions", json=chat), 400)
     assert_error(client.post("/v1/chat/completions", json={"model": "med", "messages": []}), 400, param="messages")
+    no_content = {"model": "med", "messages": [{"role": "user"}]}  # was rendered as an empty turn
+    assert_error(
+        client.post("/v1/chat/completions", json=no_content), 400, "Field required", param="messages.0.content"
+    )
     assert_still_serves(client, reference)
+
+
+def test_one_model_is_retrieved_by_its_id(server, client):
+    """GET /v1/models/{id}, what `client.models.retrieve` asks for (it was a 404 for every id)."""
+    api = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    assert api.models.retrieve("legal").id == "legal"
+    assert client.get("/v1/models/legal").json() == next(
+        card for card in client.get("/v1/models").json()["data"] if card["id"] == "legal"
+    )
+    assert_error(client.get("/v1/models/ghost"), 404, "'ghost' does not exist")
 
 
 def test_a_lone_surrogate_escape_is_a_400_not_a_500(client, reference):
@@ -415,7 +433,7 @@ def test_a_dora_adapter_is_refused_rather_than_failing_every_forward_it_joins(
 def test_a_gone_client_stops_its_generation_and_shutdown_ends_open_streams(serve_base):
     """A non-streamed request whose client timed out ran on to max_tokens for nobody; and a shutdown waited
     for open requests without limit (the CLI gave up after 30 s and died of SIGABRT, 134)."""
-    settings = ServeSettings(base=str(serve_base), base_name=BASE_NAME, port=0, max_tokens_limit=1000)
+    settings = ServeSettings(base=str(serve_base), base_name=BASE_NAME, port=0, max_tokens_limit=1000, max_pending=2)
     server = ServerThread(settings).start()
     try:
         server.engine.stop_token_ids = frozenset()  # no EOS: only max_tokens or a disconnect ends a row
@@ -432,6 +450,8 @@ def test_a_gone_client_stops_its_generation_and_shutdown_ends_open_streams(serve
         with httpx.stream("POST", server.url + "/v1/completions", json={**body, "stream": True}, timeout=60) as reply:
             lines = reply.iter_lines()
             assert next(line for line in lines if line).startswith("data: {")
+            crowded = {**body, "prompt": ["a", "b"], "max_tokens": 1}  # fits --max-pending 2, not beside the stream
+            assert_error(httpx.post(server.url + "/v1/completions", json=crowded, timeout=30), 429, "retry later")
             started = time.monotonic()
             server.stop(grace_s=0.2)
             rest = [line for line in lines if line]

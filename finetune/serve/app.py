@@ -2,6 +2,7 @@
 
 Routes (all but /health need `Authorization: Bearer KEY` when the server has an API key):
     GET  /v1/models                 the base and every adapter (merged mode: the merged adapter)
+    GET  /v1/models/{id}            one of them
     POST /v1/completions            text prompt(s); `stream: true` sends server-sent events
     POST /v1/chat/completions       messages through the tokenizer's chat template; streams too
     POST /v1/load_lora_adapter      {"lora_name", "lora_path"}; in merged mode: swap it in (exact)
@@ -69,6 +70,7 @@ def create_app(batcher: Batcher, *, max_tokens_limit: int, api_key: str | None) 
     app.add_api_route("/health", health, methods=["GET"])
     app.add_api_route("/stats", stats, methods=["GET"])
     app.add_api_route("/v1/models", models, methods=["GET"])
+    app.add_api_route("/v1/models/{model:path}", model, methods=["GET"])
     app.add_api_route("/v1/completions", completions, methods=["POST"])
     app.add_api_route("/v1/chat/completions", chat_completions, methods=["POST"])
     app.add_api_route("/v1/load_lora_adapter", load_lora_adapter, methods=["POST"])
@@ -105,6 +107,14 @@ async def stats(request: Request) -> JSONResponse:
 async def models(request: Request) -> JSONResponse:
     engine = _state(request).engine
     return JSONResponse(protocol.models_body(engine.models(), engine.created, engine.max_model_len))
+
+
+async def model(request: Request, model: str) -> JSONResponse:
+    """One model's card (`client.models.retrieve`); a 404 naming what is served for any other id."""
+    engine = _state(request).engine
+    engine.check_model(model)
+    body = protocol.models_body(engine.models(), engine.created, engine.max_model_len)
+    return JSONResponse(next(card for card in body["data"] if card["id"] == model))
 
 
 async def completions(request: Request):

@@ -192,6 +192,12 @@ class Batcher:
         with self._cond:
             if self._stopping:
                 raise ServeError("the server is shutting down", status=503, error_type="server_error")
+            if len(sequences) > self.max_pending:  # a 429 would have the client retry what can never fit
+                raise ServeError(
+                    f"prompt: {len(sequences)} prompts in one request, more than --max-pending {self.max_pending} "
+                    "sequences in flight; send them in smaller requests",
+                    param="prompt",
+                )
             pending = len(self._queue) + len(self._running)
             if pending + len(sequences) > self.max_pending:
                 raise ServeError(

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from finetune.errors import ServeError
 from finetune.serve.batcher import Finished
@@ -52,6 +52,28 @@ class _Generation(_Strict):
     logprobs: Literal[False] | None = None
     logit_bias: dict[str, float] | None = Field(None, max_length=0)
     user: str | None = None
+
+    @field_validator("n", "logprobs", "presence_penalty", "frequency_penalty", mode="before")
+    @classmethod
+    def _neutral_only(cls, value: Any, info: Any) -> Any:
+        """These are accepted only with the neutral value a client sends by default. A Literal also matches an
+        equal value of another type: `logprobs: 0` (on /v1/completions: the chosen tokens' log-probabilities)
+        passed as False and was answered without them, `n: true` passed as 1."""
+        name = info.field_name
+        if name == "logprobs":
+            neutral, shown = value is None or value is False, "false or null"
+        else:
+            number = type(value) in (int, float) if name.endswith("penalty") else type(value) is int
+            neutral, shown = number and value == (1 if name == "n" else 0), "1" if name == "n" else "0"
+        if not neutral:
+            raise ValueError(f"this server supports only {shown}")
+        return value
+
+    @model_validator(mode="after")
+    def _stream_options_only_when_streaming(self) -> _Generation:
+        if self.stream_options is not None and not self.stream:  # OpenAI refuses it too
+            raise ServeError("stream_options: only allowed with stream: true", param="stream_options")
+        return self
 
     def stop_sequences(self) -> tuple[str, ...]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -90,7 +112,8 @@ class TextPart(_Strict):
 
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | list[TextPart]
+    """Required: without tool calls (which this server does not take) a message without content says nothing."""
     name: str | None = None
 
     def as_template_input(self) -> dict[str, str]:
@@ -148,7 +171,8 @@ def parse_body(model: type[BaseModel], body: bytes) -> Any:
         elif first["loc"][0] == "prompt":  # one error per form of the union: say the forms instead
             param, message, more = "prompt", f"prompt: {PROMPT_FORMS}", 0
         else:
-            message = f"{param}: {first['msg']}" if param else first["msg"]
+            said = first["msg"].removeprefix("Value error, ")  # a validator's own message, as it wrote it
+            message = f"{param}: {said}" if param else said
         raise ServeError(message + (f" (and {more} more problems)" if more else ""), param=param) from None
 
 
