@@ -610,6 +610,15 @@ class TrainConfig(_Section):
         """trl also takes `true` (group) and `false` (none)."""
         return {True: "group", False: "none"}.get(value, value) if isinstance(value, bool) else value
 
+    @field_validator("report_to", "reward_functions", mode="before")
+    @classmethod
+    def _one_as_a_list(cls, value: Any, info: Any) -> Any:
+        """`train.report_to=wandb` means [wandb] (and `none`, the Trainer's word, means []); one reward function
+        may be given alone too, as `lora.target_modules` may."""
+        if isinstance(value, str) and info.field_name == "report_to" and value.lower() == "none":
+            return []
+        return [value] if isinstance(value, str) else value
+
     @field_validator("report_to")
     @classmethod
     def _trackers_installed(cls, value: list[str]) -> list[str]:

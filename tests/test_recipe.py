@@ -42,6 +42,9 @@ def test_minimal_recipe_fills_defaults(tmp_path):
         ("output.name=other", lambda r: r.output.adapter_dir == Path("adapters/other")),
         ("data.train=[a.jsonl,b.csv]", lambda r: [s.path for s in r.data.train] == ["a.jsonl", "b.csv"]),
         ("data.validation=null", lambda r: r.data.validation == []),  # drops a recipe's held-out data
+        # one item of a list alone, as lora.target_modules=q_proj is taken (these were "Input should be a valid list")
+        ("train.report_to=tensorboard", lambda r: r.train.report_to == ["tensorboard"]),
+        ("train.report_to=none", lambda r: r.train.report_to == []),  # the HF Trainer's word for none
     ],
 )
 def test_overrides_apply_through_the_schema(tmp_path, override, check):
@@ -298,3 +301,11 @@ def test_the_shipped_refining_recipes_take_the_shape_of_any_adapter_they_start_f
     recipe = load_recipe(REPO / "recipes" / f"{name}.yaml", [f"lora.init_from={adapter}"])
     assert (recipe.lora.r, recipe.lora.alpha, recipe.lora.dropout) == (8, 16, 0.05)
     assert recipe.lora.target_modules == ["q_proj", "v_proj"]
+
+
+def test_one_reward_function_may_be_given_alone(tmp_path):
+    recipe = load_recipe(
+        write(tmp_path, MINIMAL),
+        ["train.objective=grpo", "data.format=prompt", "train.reward_functions=length(target=8)"],
+    )
+    assert recipe.train.reward_functions == ["length(target=8)"]
