@@ -127,6 +127,40 @@ def test_a_numpy_array_of_rewards_is_taken_as_trl_takes_it(tmp_path, monkeypatch
     torch.testing.assert_close(_score(["rewards.py:array"]), torch.tensor([[0.0], [0.5]]))
 
 
+def test_an_async_reward_function_is_awaited_as_trl_awaits_it(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "rewards.py").write_text(
+        "async def good(prompts, completions, answer, **kwargs):\n"
+        "    return [float(c == a) for c, a in zip(completions, answer)]\n"
+    )
+    torch.testing.assert_close(_score(["rewards.py:good"]), torch.tensor([[1.0], [0.0]]))
+
+
+def test_a_quoted_regex_is_taken_as_written_escapes_included():
+    """`\\b` is a word boundary (a Python literal would make it a backspace), and the GSM8K recipe's pattern
+    loads without leaning on Python's deprecated invalid escapes (`\\s`, `\\S`)."""
+    import warnings
+
+    import yaml
+
+    (boundary,) = load_reward_functions([r'regex(pattern="\bfoo\b")'])
+    assert boundary.function(completions=["a foo b", "afoob"]) == [1.0, 0.0]
+    recipe = yaml.safe_load((REPO / "recipes" / "qwen3-4b-base-grpo-gsm8k.yaml").read_text())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        form, _ = load_reward_functions(recipe["train"]["reward_functions"])
+    assert form.function(completions=["<think>4 + 4</think> 8", "8"]) == [1.0, 0.0]
+
+
+def test_every_column_of_the_steps_records_reaches_the_reward_functions():
+    """A record without `answer` first in the batch does not hide the others' (trl's `datasets` table has every
+    column, None where a record lacks it)."""
+    from finetune.training.objectives.grpo import reward_columns
+
+    records = [{"prompt": "a", "note": 1}, {"prompt": "b", "answer": "3"}]
+    assert reward_columns(records, 2) == {"note": [1, 1, None, None], "answer": [None, None, "3", "3"]}
+
+
 def test_a_bad_reward_function_fails_validate_and_train_before_the_model_loads(
     tmp_path, tiny_base_dir, capsys, monkeypatch
 ):

@@ -8,7 +8,8 @@ A reward function written for trl's GRPOTrainer works unchanged: it is called wi
 reward from this function) per completion. The code is imported from the file the recipe names (relative
 to the working directory), never fetched.
 
-Built-ins, for what everyone writes (arguments in parentheses, as Python literals or bare words):
+Built-ins, for what everyone writes (arguments in parentheses, as Python literals or bare words; a quoted
+string is taken as written, as a raw string, so `regex(pattern="\\bfoo\\b")` means word boundaries):
 - `exact_match(column=answer)`: 1.0 when the completion, stripped, equals the column's value, else 0.0;
 - `number_match(column=answer)`: 1.0 when the completion's last number equals the last number of the column's
   value (GSM8K's `#### 72`), else 0.0;
@@ -23,6 +24,8 @@ Example:
 from __future__ import annotations
 
 import ast
+import asyncio
+import concurrent.futures
 import importlib.util
 import inspect
 import math
@@ -114,10 +117,16 @@ def _arguments(entry: str, text: str) -> dict[str, Any]:
         key, sep, value = part.partition("=")
         if not sep:
             raise RewardError(f"train.reward_functions: {entry!r}: write arguments as key=value, got {part!r}")
+        value = value.strip()
+        if len(value) >= 2 and value[0] == value[-1] and value[0] in "\"'":
+            # a quoted string is taken as written, as a raw string: a regex's \b, \d and \s stay what they are
+            # (a Python literal would make \b a backspace, and its invalid escapes are deprecated)
+            arguments[key.strip()] = value[1:-1]
+            continue
         try:
-            arguments[key.strip()] = ast.literal_eval(value.strip())
+            arguments[key.strip()] = ast.literal_eval(value)
         except (ValueError, SyntaxError):
-            arguments[key.strip()] = value.strip()  # a bare word: exact_match(column=answer)
+            arguments[key.strip()] = value  # a bare word: exact_match(column=answer)
     return arguments
 
 
@@ -244,6 +253,8 @@ def score(
                 log_metric=_ignore,
                 **columns,
             )
+            if inspect.isawaitable(values):  # an `async def` function, as trl awaits them
+                values = _await(values)
         except (Exception, SystemExit) as exc:  # the user's code, sys.exit() included: theirs to fix, named as such
             raise RewardError(
                 f"reward function {reward.name} raised {type(exc).__name__}: {exc} (on a batch of prompts starting "
@@ -261,6 +272,21 @@ def score(
         for row, value in enumerate(values):
             scores[row, index] = _number(reward.name, value, records[row])
     return scores
+
+
+def _await(awaitable: Any) -> Any:
+    """The result of an async reward function's coroutine, run to its end on an event loop of its own (in a
+    thread of its own where this thread already runs a loop, as a notebook does)."""
+
+    async def result() -> Any:
+        return await awaitable
+
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(result())
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+        return pool.submit(asyncio.run, result()).result()
 
 
 def _number(name: str, value: Any, record: str) -> float:

@@ -121,6 +121,15 @@ def advantages_of(rewards: torch.Tensor, group_size: int, scale: str) -> tuple[t
     return torch.nan_to_num(advantages, nan=0.0), std
 
 
+def reward_columns(records: list[dict[str, Any]], group: int) -> dict[str, list[Any]]:
+    """The dataset columns reward functions get as keyword arguments, one value per completion (`group` per record):
+    every column any record of the step has, None where a record lacks it, as trl's `datasets` table of JSON lines
+    gives them (a first record without `answer` must not hide the others' answers)."""
+    named = dict.fromkeys(key for record in records for key in record)
+    keys = [key for key in named if key not in ("prompt", "completion", "completion_ids")]
+    return {key: [record.get(key) for record in records for _ in range(group)] for key in keys}
+
+
 class GRPO(MeasuredAgainstStart):
     name: str = "grpo"
     loss_units: tuple[str, ...] = ("completions",)
@@ -252,8 +261,7 @@ class GRPO(MeasuredAgainstStart):
         prompts = [record["prompt"] for record in records for _ in range(group)]
         chat = isinstance(prompts[0], list)
         shown = [[{"role": "assistant", "content": text}] for text in texts] if chat else texts
-        keys = [key for key in records[0] if key not in ("prompt", "completion", "completion_ids")]
-        columns = {key: [record.get(key) for record in records for _ in range(group)] for key in keys}
+        columns = reward_columns(records, group)
         where = [f"prompt {_preview(record['prompt'])}" for record in records for _ in range(group)]
         state = TrainerState(self.steps_prepared, self.max_steps, 0.0)
         return score(self.reward_functions, prompts, shown, completions, columns, state, where)
