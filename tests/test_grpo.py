@@ -5,6 +5,7 @@ GRPOTrainer, and a short run through the CLI (a reward function that fails stops
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -553,3 +554,35 @@ def test_lean_lora_layers_give_pefts_outputs_bit_for_bit(tiny_base_dir):
     model.train()  # dropout on: training-mode layers keep peft's forward
     with lean_lora(model) as replaced:
         assert replaced == 0
+
+
+def test_reward_statistics_are_trls_over_the_whole_step(tmp_path, tiny_base_dir, monkeypatch):
+    """trl logs `reward_std` as the standard deviation of all the step's rewards and `rewards/<f>` as the mean over
+    the completions f scored (nanmean). They were a mean of per-micro-batch deviations (two micro-batches here) and
+    a mean that counted each None as 0. The reward functions write down what they returned, to compare with."""
+    from finetune.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    recipe = write_grpo_run(tmp_path, tiny_base_dir, "noted.py:lengths, noted.py:some")
+    (tmp_path / "noted.py").write_text(
+        "import json\n"
+        "def _note(name, values):\n"
+        "    with open('noted.jsonl', 'a') as f:\n        f.write(json.dumps([name, values]) + '\\n')\n"
+        "    return values\n"
+        "def lengths(prompts, completions, **kwargs):\n    return _note('lengths', [len(c) / 10 for c in completions])\n"
+        "def some(prompts, completions, **kwargs):\n"
+        "    return _note('some', [None if i % 3 else 1.0 + len(c) / 7 for i, c in enumerate(completions)])\n"
+    )
+    overrides = ["train.max_steps=1", "train.micro_batch_size=1", "train.grad_accum_steps=2", "data.validation=null"]
+    assert main(["train", str(recipe), *overrides]) == 0
+    noted = [json.loads(line) for line in (tmp_path / "noted.jsonl").read_text().splitlines()]
+    lengths = torch.tensor([v for name, values in noted if name == "lengths" for v in values], dtype=torch.float64)
+    some = torch.tensor([math.nan if v is None else v for name, values in noted if name == "some" for v in values],
+                        dtype=torch.float64)  # fmt: skip
+    assert len(lengths) == 8 and 0 < int(torch.isnan(some).sum()) < 8
+    rewards = lengths + torch.nan_to_num(some)  # trl: the weighted nansum over the functions
+    (step,) = [json.loads(line) for line in (tmp_path / "runs" / "grpo-run" / "metrics.jsonl").read_text().splitlines()]
+    assert step["reward"] == pytest.approx(rewards.mean().item(), rel=1e-6)
+    assert step["reward_std"] == pytest.approx(rewards.std().item(), rel=1e-6)
+    assert step["rewards/noted.py:some"] == pytest.approx(some.nanmean().item(), rel=1e-6)
+    assert step["rewards/noted.py:lengths"] == pytest.approx(lengths.mean().item(), rel=1e-6)

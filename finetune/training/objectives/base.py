@@ -117,6 +117,9 @@ def summarise(objective: Objective, sums: Mapping[str, float], counts: Mapping[s
         result["ppl"] = math.exp(min(result.pop("nll"), 50.0))
     if "reward_margin" not in objective.metric_units and {"rewards_chosen", "rewards_rejected"} <= result.keys():
         result["reward_margin"] = result["rewards_chosen"] - result["rewards_rejected"]  # unpaired: of the means
+    finish = getattr(objective, "finish_summary", None)
+    if finish is not None:  # statistics that are not means (a standard deviation), from means of sums
+        finish(result, counts)
     return result
 
 

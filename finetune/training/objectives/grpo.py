@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import time
 import warnings
 from collections.abc import Mapping
@@ -151,6 +152,7 @@ class GRPO(MeasuredAgainstStart):
         names = ["reward", "reward_std", "frac_reward_zero_std", "completion_length", "truncated_share",
                  "clip_ratio", "entropy", "nll", "generate_s", "reward_s"]  # fmt: skip
         names += [f"rewards/{function.name}" for function in reward_functions]
+        names += ["reward_sq", *(f"scored/{function.name}" for function in reward_functions)]  # see finish_summary
         if settings.loss.beta:
             names.append("kl")
         self.metric_units: Mapping[str, str] = dict.fromkeys(names, "completions")
@@ -325,9 +327,11 @@ class GRPO(MeasuredAgainstStart):
         tokens = torch.zeros(scale.completions, device=logps.device).index_add(0, owner, torch.ones_like(logps))
         nll = torch.zeros(scale.completions, device=logps.device).index_add(0, owner, -logps) / tokens.clamp(min=1)
         count = scale.completions * scale.step_completions.new_ones(())
+        rewards = torch.nan_to_num(state["rewards"], nan=0.0)  # unrewarded: 0, as trl's nansum over functions gives
         metrics = {
-            "reward": torch.nansum(state["rewards"]),
-            "reward_std": nanstd(state["rewards"]) * count if scale.completions > 1 else count * 0,
+            "reward": rewards.sum(),
+            "reward_sq": (rewards**2).sum(),
+            "reward_std": count * 0,  # finish_summary: from the sums of the whole step (or evaluation)
             "frac_reward_zero_std": torch.isclose(state["std"], torch.zeros_like(state["std"])).sum(),
             "completion_length": state["lengths"].sum(),
             "truncated_share": state["truncated"].sum(),
@@ -338,10 +342,29 @@ class GRPO(MeasuredAgainstStart):
             "reward_s": state["timing"][1] * count,
         }
         for index, function in enumerate(self.reward_functions):
-            metrics[f"rewards/{function.name}"] = torch.nansum(state["scores"][:, index])
+            scores = state["scores"][:, index]
+            metrics[f"rewards/{function.name}"] = torch.nansum(scores)
+            metrics[f"scored/{function.name}"] = (~torch.isnan(scores)).sum()
         if "kl" in parts:
             metrics["kl"] = (parts["kl"] * mask).sum() * per_token
         return metrics
+
+    def finish_summary(self, result: dict[str, float], counts: Mapping[str, float]) -> None:
+        """trl's statistics over all the completions of a step (every micro-batch, every process) or of an
+        evaluation, from the means of sums `summarise` took: `reward_std` the sample standard deviation of the
+        rewards (trl's `nanstd` over the gathered batch; it was a mean of per-micro-batch deviations), and
+        `rewards/<function>` the mean over the completions the function scored (trl's `nanmean`: a None
+        counted as 0 before), NaN where it scored none."""
+        n = counts["completions"]
+        mean_square = result.pop("reward_sq", None)
+        if mean_square is not None and "reward" in result:
+            variance = max(mean_square - result["reward"] ** 2, 0.0) * n / (n - 1) if n > 1 else 0.0
+            result["reward_std"] = math.sqrt(variance)
+        for function in self.reward_functions:
+            share = result.pop(f"scored/{function.name}", None)
+            if share is not None and f"rewards/{function.name}" in result:
+                total = result[f"rewards/{function.name}"]
+                result[f"rewards/{function.name}"] = total / share if share > 0 else math.nan
 
 
 def _stop_ids(tokenizer: Any) -> set[int]:
