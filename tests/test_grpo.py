@@ -137,6 +137,20 @@ def test_an_async_reward_function_is_awaited_as_trl_awaits_it(tmp_path, monkeypa
     torch.testing.assert_close(_score(["rewards.py:good"]), torch.tensor([[1.0], [0.0]]))
 
 
+def test_a_reward_file_imports_the_modules_beside_it(tmp_path, monkeypatch):
+    """As when it runs as a script: reward code split into a helper module next to it was ModuleNotFoundError."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    (tmp_path / "code").mkdir()
+    (tmp_path / "code" / "scoring_helpers_x.py").write_text("def half(text):\n    return len(text) / 2\n")
+    (tmp_path / "code" / "rw.py").write_text(
+        "from scoring_helpers_x import half\n"
+        "def score(prompts, completions, **kwargs):\n    return [half(c) for c in completions]\n"
+    )
+    (function,) = load_reward_functions(["code/rw.py:score"])
+    assert function.function(prompts=["p"], completions=["abcd"]) == [2.0]
+
+
 def test_a_quoted_regex_is_taken_as_written_escapes_included():
     """`\\b` is a word boundary (a Python literal would make it a backspace), and the GSM8K recipe's pattern
     loads without leaning on Python's deprecated invalid escapes (`\\s`, `\\S`)."""

@@ -82,9 +82,9 @@ def encode_prompt_records(
 
 
 def _keep_the_end(ids: list[int], limit: int, bos: int | None) -> list[int]:
-    """The prompt cut to `limit` tokens from its start (after a BOS, which stays), as trl cuts GRPO prompts from
-    the left: what the completion continues from (an instruction's end, the chat template's generation prompt)
-    is kept."""
+    """The prompt cut to `limit` tokens from its start (after a BOS, which stays), from the left as trl's
+    `max_prompt_length` cut them (trl 1.16 dropped that setting and cuts nothing): what the completion continues
+    from (an instruction's end, the chat template's generation prompt) is kept."""
     if len(ids) <= limit:
         return ids
     head = ids[:1] if bos is not None and ids[0] == bos else []

@@ -99,6 +99,9 @@ def _import_file(path: Path) -> Any:
     module_name = f"finetune_reward_{abs(hash(str(path.resolve())))}_{stat.st_mtime_ns}_{stat.st_size}"
     if module_name in sys.modules:
         return sys.modules[module_name]
+    folder = str(path.resolve().parent)  # `import helpers` beside the file works, as when it runs as a script
+    if folder not in sys.path:
+        sys.path.append(folder)  # after everything installed: a file there named like a package shadows nothing
     spec = importlib.util.spec_from_file_location(module_name, path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
