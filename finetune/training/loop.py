@@ -53,6 +53,7 @@ from finetune.training.objectives.base import Models, Objective, summarise
 from finetune.training.objectives.sft import BATCH_SFT
 from finetune.training.out_of_memory import is_out_of_memory, out_of_memory_line
 from finetune.training.progress import Say, StepCallback, TrainingLog, fan_out
+from finetune.training.recipe_digest import SECTIONS, resume_mismatch
 from finetune.training.run import TrainingRun, start_run
 from finetune.training.sharding import DdpSharding, Sharding
 from finetune.training.tracking import Trackers
@@ -147,8 +148,6 @@ def _adapter_of_this_run(run: TrainingRun) -> bool:
     """Whether `adapters/<name>/` is what this run wrote at its last step: its recipe (less length and intervals),
     data and step are the checkpoint's. An adapter an earlier run left there (`output.overwrite` replaces it only
     once the new one is whole) is not: a run killed between its last checkpoint and its adapter finishes again."""
-    from finetune.training.recipe_digest import SECTIONS, resume_mismatch
-
     adapter_dir = run.recipe.output.adapter_dir
     manifest = read_manifest(adapter_dir) if adapter_dir.is_dir() else None
     if manifest is None or manifest.recipe is None or manifest.data is None:
