@@ -173,6 +173,9 @@ def test_on_disk_merge_subtract_and_swap_are_exact(moe_base, tmp_path):
     assert_tensors_equal(expert_state(m.model), expert_state(reloaded))
     subtract_checkpoint(str(tmp_path / "merged_a"), AdapterSpec("one"), tmp_path / "back")
     assert_tensors_equal(stored, read_tensors(tmp_path / "back"))
+    # merged in memory (the experts bound to the model), the ledger names the same adapter as on disk
+    subtract_checkpoint(str(tmp_path / "memory_a"), AdapterSpec("one"), tmp_path / "back_from_memory")
+    assert_tensors_equal(stored, read_tensors(tmp_path / "back_from_memory"))
     swap_checkpoint(str(tmp_path / "merged_a"), AdapterSpec("one"), AdapterSpec(str(b)), tmp_path / "swapped")
     merge_checkpoint(str(base_dir), [AdapterSpec(str(b))], tmp_path / "merged_b")
     assert_tensors_equal(read_tensors(tmp_path / "merged_b"), read_tensors(tmp_path / "swapped"))
@@ -446,3 +449,78 @@ def test_shared_experts_keep_their_linear_lora_beside_the_routed_experts():
     for part in ("shared_expert.gate_proj", "shared_expert.up_proj", "shared_expert.down_proj"):
         assert f"base_model.model.model.layers.0.mlp.{part}.lora_A.default.weight" in trainable
     assert not any(".mlp.gate." in n for n in trainable)  # the router
+
+
+def _patterned_adapter(base_dir: Path, out: Path, rank_pattern: dict, alpha_pattern: dict) -> Path:
+    """A seeded random LoRA with per-tensor rank/alpha patterns on the expert tensors, saved by plain peft."""
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import get_peft_model
+
+    from finetune.adapters.experts import peft_target_rewrite_off
+
+    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    config = PeftLoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj"], target_parameters=["experts.down_proj", "experts.gate_up_proj"],
+        rank_pattern=rank_pattern, alpha_pattern=alpha_pattern,
+    )  # fmt: skip
+    with peft_target_rewrite_off():
+        peft_model = get_peft_model(model, config)
+    generator = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for name, parameter in peft_model.named_parameters():
+            if "lora_" in name:
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.2)
+    peft_model.save_pretrained(out)
+    return out
+
+
+@pytest.mark.parametrize(
+    "rank_pattern, alpha_pattern",
+    [
+        ({}, {"down_proj": 32}),
+        ({"down_proj": 8}, {}),
+        ({"gate_up_proj": 2}, {"gate_up_proj": 3}),
+        ({}, {"experts": 32}),
+    ],
+)
+def test_rank_and_alpha_patterns_on_expert_tensors_are_peft_s(moe_base, tmp_path, rank_pattern, alpha_pattern):
+    """peft keys a parameter target's pattern by the tensor's name (`...experts.down_proj`), not by the wrapper
+    key its LoRA is saved under (`...experts`, `...experts.base_layer`): merged in memory and on disk, such an
+    adapter equals plain peft's merge (an alpha pattern on down_proj merged 4x too small, a rank pattern was
+    refused as another base's adapter)."""
+    from finetune.adapters.experts import peft_target_rewrite_off
+
+    family, base_dir = moe_base
+    adapter_dir = _patterned_adapter(base_dir, tmp_path / "patterned", rank_pattern, alpha_pattern)
+    with peft_target_rewrite_off():
+        reference = peft_merged(base_dir, adapter_dir)
+    m = finetune.load_model(str(base_dir), {"patterned": str(adapter_dir)}, dtype="float32")
+    m.merge("patterned")
+    for name, merged in expert_state(m.model).items():
+        expected = reference.get_parameter(name)
+        torch.testing.assert_close(merged, expected, rtol=0, atol=float(expected.abs().max()) * 1e-6)
+    m.save_merged(tmp_path / "memory")
+    merge_checkpoint(str(base_dir), [AdapterSpec(str(adapter_dir))], tmp_path / "disk")
+    assert_tensors_equal(read_tensors(tmp_path / "memory"), read_tensors(tmp_path / "disk"))
+
+
+def test_combined_router_lora_stays_a_parameter_target_and_patterns_on_experts_are_refused(moe_base, tmp_path):
+    """combine cat of router LoRA writes the router under target_parameters (as a target module peft refuses
+    it: not an nn.Linear, and the combined adapter could not be used unmerged or served); an adapter whose
+    rank/alpha pattern may reach an expert tensor is refused (combine cannot tell which one it sets)."""
+    from peft import PeftModel
+
+    family, base_dir = moe_base
+    routed = moe_adapter(base_dir, tmp_path / "routed", seed=1, train_router=True)
+    combine_adapters([routed, routed], tmp_path / "both", weights=[1.0, 0.5])
+    config = json.loads((tmp_path / "both" / "adapter_config.json").read_text())
+    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    names = routers(model, expert_tensors(model))
+    assert not set(names) & set(config["target_modules"])
+    PeftModel.from_pretrained(model, str(tmp_path / "both"))  # loads
+    m = finetune.load_model(str(base_dir), {"both": str(tmp_path / "both")}, dtype="float32")
+    m.use("both")
+    patterned = _patterned_adapter(base_dir, tmp_path / "patterned", {}, {"down_proj": 32})
+    with pytest.raises(AdapterError, match="rank_pattern/alpha_pattern that may set the rank or alpha of an expert"):
+        combine_adapters([patterned, patterned], tmp_path / "refused")
+    assert not (tmp_path / "refused").exists()

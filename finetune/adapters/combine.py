@@ -32,7 +32,8 @@ from pathlib import Path
 
 import torch
 
-from finetune.adapters.lora import CONFIG_NAME, SAFETENSORS_NAME, Adapter, LoraWeights, read_adapter
+from finetune.adapters.experts import clean_name, matches_target
+from finetune.adapters.lora import CONFIG_NAME, SAFETENSORS_NAME, Adapter, LoraWeights, pattern_key, read_adapter
 from finetune.adapters.model_dir import staging_dir
 from finetune.errors import AdapterError
 from finetune.manifest import Manifest, library_versions, now_iso, write_manifest
@@ -160,6 +161,19 @@ def _check_experts(adapters: list[Adapter], method: str) -> None:
         raise AdapterError(
             f"combine {method} is not supported for adapters with LoRA on expert tensors; use --method cat"
         )
+    for adapter in adapters:
+        patterns = [*(adapter.config.get("rank_pattern") or {}), *(adapter.config.get("alpha_pattern") or {})]
+        parameters = {target.rpartition(".")[2] for target in adapter.config.get("target_parameters") or []}
+        for key, lora in adapter.modules.items():
+            if lora.num_experts == 1:
+                continue
+            names = [key, *(f"{clean_name(key)}.{parameter}" for parameter in sorted(parameters))]
+            if any(pattern_key(patterns, name) != name for name in names):
+                raise AdapterError(
+                    f"adapter {adapter.name!r} ({adapter.path}) has a rank_pattern/alpha_pattern that may set the rank or "
+                    "alpha of an expert tensor, which combine cannot tell apart without the base; merge the adapters "
+                    "instead (finetune adapters merge)"
+                )
     modules = [{m: w.rank for m, w in a.modules.items()} for a in adapters]
     if any(len(set(ranks.values())) != 1 for ranks in modules) or len({frozenset(r) for r in modules}) != 1:
         raise AdapterError(
@@ -214,7 +228,11 @@ def combine_adapters(
         combined_lora = LoraWeights(A, B, 1.0, first.fan_in_fan_out, first.embedding, num_experts=first.num_experts)
         tensors.update(combined_lora.peft_tensors(module))
         rank_by_module[module] = combined_lora.rank
-        expert_modules.update({module} if first.num_experts > 1 else set())
+        targets = [t for a in adapters if module in a.modules for t in a.config.get("target_parameters") or []]
+        # expert tensors, and routers peft reaches as a raw parameter (`mlp.gate.weight`), stay target_parameters:
+        # as a target module peft would refuse the router (not an nn.Linear)
+        if first.num_experts > 1 or matches_target(module + ".weight", targets):
+            expert_modules.add(module)
 
     config = _combined_config(adapters[0].config, rank_by_module, expert_modules)
     _write(out, config, tensors, adapters, weights, method)

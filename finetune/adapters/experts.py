@@ -24,7 +24,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from finetune.adapters.lora import Adapter, LoraWeights
+from finetune.adapters.lora import Adapter, LoraWeights, lora_scale, pattern_rank
 from finetune.errors import AdapterError
 
 BASE_LAYER = ".base_layer"
@@ -120,24 +120,31 @@ def bind_experts(adapter: Adapter, model: torch.nn.Module) -> Adapter:
     Modules of other kinds are kept as they are. Raises `AdapterError` when a saved wrapper key names no
     targeted expert tensor of `model` (another architecture) or its expert count differs.
     """
-    if not any(lora.num_experts > 1 for lora in adapter.modules.values()):
-        return adapter
     targets = list(adapter.config.get("target_parameters") or [])
+    if not targets and not any(lora.num_experts > 1 for lora in adapter.modules.values()):
+        return adapter
     by_owner: dict[str, list[ExpertTensor]] = {}
     for tensor in expert_tensors(model):
         by_owner.setdefault(tensor.owner, []).append(tensor)
     modules: dict[str, LoraWeights] = {}
     for key, lora in adapter.modules.items():
-        if lora.num_experts == 1:
+        if lora.num_experts == 1 and clean_name(key) not in by_owner:
             modules[key] = lora
             continue
         tensor = _wrapped_tensor(adapter, key, by_owner, targets)
-        if tensor.num_experts != lora.num_experts:
+        # peft keys rank_pattern/alpha_pattern of a parameter target by the tensor's own name
+        # (`...mlp.experts.down_proj`), not by the wrapper key the file stores it under: only now is it known.
+        rank = pattern_rank(adapter.config, tensor.name)
+        if lora.A.shape[0] != rank * tensor.num_experts or lora.B.shape[1] != lora.A.shape[0]:
+            held = lora.A.shape[0] // rank if rank > 0 and lora.A.shape[0] % rank == 0 else lora.num_experts
             raise AdapterError(
                 f"adapter {adapter.name!r} ({adapter.path}): {tensor.name} has {tensor.num_experts} experts in the base "
-                f"but the adapter's LoRA has {lora.num_experts}: it was trained on another base"
+                f"but the adapter's LoRA has {held} (rank {rank}): it was trained on another base"
             )
-        modules[tensor.name] = replace(lora, transposed=tensor.transposed, parameter=tensor.parameter)
+        scale = lora_scale(adapter.config, tensor.name, rank)
+        modules[tensor.name] = replace(
+            lora, num_experts=tensor.num_experts, scale=scale, transposed=tensor.transposed, parameter=tensor.parameter
+        )
     return replace(adapter, modules=modules)
 
 

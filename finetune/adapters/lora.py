@@ -64,6 +64,8 @@ _UNSUPPORTED_CONFIG = {
 }
 
 
+SCALING_CONFIG_KEYS = ("r", "lora_alpha", "use_rslora", "rank_pattern", "alpha_pattern", "fan_in_fan_out", "use_dora")
+"""The keys of `adapter_config.json` on which an adapter's updates depend besides its weights."""
 _DORA_KEY = re.compile(r"^(?P<module>.+)\.lora_magnitude_vector$")
 UNMERGEABLE_DORA = (
     "use_dora is set: DoRA's update depends on the norm of the weight it is merged into, so it has no exact "
@@ -255,14 +257,12 @@ class Adapter:
 
     @property
     def scaling_sha256(self) -> str:
-        """sha256 of what turns the weights file into updates: each module's scale (alpha over rank, rsLoRA,
-        alpha and rank patterns) and layout. An edit of `adapter_config.json` alone changes every ΔW while the
-        weights file's sha256 stays; a ledger keeps both, so subtracting after such an edit is refused."""
-        layout = {
-            module: [float(w.scale).hex(), w.fan_in_fan_out, w.embedding, w.num_experts]
-            for module, w in self.modules.items()
-        }
-        return hashlib.sha256(json.dumps(layout, sort_keys=True).encode()).hexdigest()
+        """sha256 of the settings in `adapter_config.json` that turn the weights file into updates (alpha, rank
+        and their patterns, rsLoRA, layout). An edit of the config alone changes every ΔW while the weights file's
+        sha256 stays; a ledger keeps both, so subtracting after such an edit is refused. Taken from the config,
+        not from the modules: binding expert tensors to a model renames and rescales those (`bind_experts`)."""
+        settings = {key: self.config.get(key) for key in SCALING_CONFIG_KEYS}
+        return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()
 
     @property
     def ranks(self) -> set[int]:
@@ -281,7 +281,7 @@ class Adapter:
             )
 
 
-def _pattern_key(pattern_keys, module: str) -> str:
+def pattern_key(pattern_keys, module: str) -> str:
     """The first `rank_pattern`/`alpha_pattern` key matching `module`, as peft's `get_pattern_key` does.
 
     Copied (three lines) rather than imported: importing peft costs seconds and the CLI's on-disk
@@ -293,11 +293,18 @@ def _pattern_key(pattern_keys, module: str) -> str:
     return module
 
 
-def _scale(config: dict, module: str, rank: int) -> float:
+def pattern_rank(config: dict, module: str) -> int:
+    """The rank `adapter_config.json` gives `module`: its `rank_pattern` entry, else `r`."""
     rank_pattern = config.get("rank_pattern") or {}
+    return rank_pattern.get(pattern_key(rank_pattern.keys(), module), config.get("r", 8))
+
+
+def lora_scale(config: dict, module: str, rank: int) -> float:
+    """The scale of `module`'s update, alpha / rank (alpha / √rank with rsLoRA), patterns looked up under `module`:
+    peft's name for it (for an expert tensor the tensor's own, `...mlp.experts.down_proj`)."""
     alpha_pattern = config.get("alpha_pattern") or {}
-    expected_rank = rank_pattern.get(_pattern_key(rank_pattern.keys(), module), config.get("r", 8))
-    alpha = alpha_pattern.get(_pattern_key(alpha_pattern.keys(), module), config.get("lora_alpha", 8))
+    expected_rank = pattern_rank(config, module)
+    alpha = alpha_pattern.get(pattern_key(alpha_pattern.keys(), module), config.get("lora_alpha", 8))
     if expected_rank != rank:
         raise AdapterError(
             f"adapter module {module}: lora_A has rank {rank} but adapter_config.json says r={expected_rank}"
@@ -307,8 +314,7 @@ def _scale(config: dict, module: str, rank: int) -> float:
 
 def _num_experts(path: Path, config: dict, module: str, rows: int) -> int:
     """How many experts a LoRA pair spans: its A's rows over the rank (1 unless peft's `target_parameters` made it)."""
-    rank_pattern = config.get("rank_pattern") or {}
-    rank = rank_pattern.get(_pattern_key(rank_pattern.keys(), module), config.get("r", 8))
+    rank = pattern_rank(config, module)
     if not config.get("target_parameters") or rows == rank or rank <= 0 or rows % rank:
         return 1
     return rows // rank
@@ -381,7 +387,7 @@ def read_adapter(path: str | Path, name: str | None = None, *, allow_pickle: boo
                 raise AdapterError(f"adapter {name!r} ({path}): module {module} {which} holds NaN or Inf; refusing it")
         fan_in_fan_out = bool(config.get("fan_in_fan_out")) and not embedding
         experts = _num_experts(path, config, module, A.shape[0])
-        scale = _scale(config, module, A.shape[0] // experts)
+        scale = lora_scale(config, module, A.shape[0] // experts)
         modules[module] = LoraWeights(A, B, scale, fan_in_fan_out, embedding, num_experts=experts)
     stray = sorted(set(base_copies) - set(modules))
     if stray:
