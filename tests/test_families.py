@@ -52,6 +52,9 @@ class Family:
     end_of_turn: str
     extra_specials: tuple[str, ...] = ()
     config: dict = field(default_factory=dict)
+    closing_after_last_turn: str = ""
+    """What the template renders right after the last turn's end-of-turn token (Phi-4 mini: EOS): closing
+    tokens that follow one another are trained together, as the turn's end."""
 
 
 FAMILIES = [
@@ -71,8 +74,11 @@ FAMILIES = [
            ("<start_of_turn>",), {"head_dim": 16}),
     Family("phi-3.5", "Phi3Config", "phi-3.5-mini-instruct-chat", "phi-3.5.jinja", "<s>", "<|endoftext|>", "<|end|>",
            ("<|system|>", "<|user|>", "<|assistant|>"), {"pad_token_id": None}),
-    Family("phi-4", "Phi3Config", "phi-4-mini-instruct-chat", "phi-4.jinja", None, "<|endoftext|>", "<|im_end|>",
+    Family("phi-4", "Phi3Config", "phi-4-chat-qlora", "phi-4.jinja", None, "<|endoftext|>", "<|im_end|>",
            ("<|im_start|>", "<|im_sep|>"), {"pad_token_id": None}),
+    Family("phi-4-mini", "Phi3Config", "phi-4-mini-instruct-chat", "phi-4-mini.jinja", None, "<|endoftext|>",
+           "<|end|>", ("<|system|>", "<|user|>", "<|assistant|>", "<|tool|>", "<|/tool|>"), {"pad_token_id": None},
+           closing_after_last_turn="<|endoftext|>"),
 ]  # fmt: skip
 
 
@@ -131,13 +137,15 @@ def test_family_recipe_trains_and_masks_exactly_the_assistant_turns(family, tmp_
     (tmp_path / "messages.jsonl").write_text(json.dumps({"messages": CHAT}) + "\n")
     (tmp_path / "sharegpt.jsonl").write_text(json.dumps(SHAREGPT) + "\n")
     overrides = [f"model.base={base}", "model.dtype=float32", "train.precision=fp32", "data.max_seq_len=256",
-                 "data.validation_split=0", "train.gradient_checkpointing=false"]  # fmt: skip
+                 "data.validation_split=0", "train.gradient_checkpointing=false",
+                 "model.quantization=none"]  # a QLoRA recipe's masks and LoRA on a float32 tiny base  # fmt: skip
     recipe_path = resolve_recipe_path(family.recipe)
 
     from finetune.model import load_tokenizer_for
 
     tokenizer = load_tokenizer_for(load_recipe(recipe_path, overrides).model)
     expected = [f"{m['content']}{family.end_of_turn}" for m in CHAT if m["role"] == "assistant"]
+    expected[-1] += family.closing_after_last_turn
     for shape in ("messages", "sharegpt"):
         recipe = load_recipe(recipe_path, [*overrides, f"data.train={shape}.jsonl"])
         (document,) = preview_documents(recipe.data, tokenizer, limit=1)
@@ -153,7 +161,8 @@ def test_family_recipe_trains_and_masks_exactly_the_assistant_turns(family, tmp_
     ((_, row),) = preview_records(pair_recipe.data, tokenizer, limit=1)
     for side, content in (("chosen", CHAT[4]["content"]), ("rejected", "Crate 4 is red.")):
         runs = [run.strip() for run in trained_runs(row[f"{side}_input_ids"], row[f"{side}_labels"], tokenizer)]
-        assert runs == [f"{content}{family.end_of_turn}"], (side, tokenizer.decode(row[f"{side}_input_ids"]))
+        assert runs == [f"{content}{family.end_of_turn}{family.closing_after_last_turn}"], (
+            side, tokenizer.decode(row[f"{side}_input_ids"]))  # fmt: skip
     assert row["chosen_input_ids"] == document.input_ids  # the conversation as SFT chat renders it, token for token
 
     (tmp_path / "chats.jsonl").write_text((json.dumps({"messages": CHAT}) + "\n") * 8)
