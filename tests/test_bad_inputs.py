@@ -118,6 +118,12 @@ CASES = [
     ),  # fmt: skip
     # a directory that save_to_disk did not write (or an empty path, which is the current directory) failed only
     # when training loaded the data, after the base
+    # a missing starting adapter was found by the run only, after the base and the data had loaded
+    Case(
+        "validate-init-from-missing",
+        ("validate", "recipe.yaml", "lora.init_from=adapters/none"),
+        ("lora.init_from: adapters/none is not an adapter directory",),
+    ),  # fmt: skip
     Case(
         "validate-a-plain-directory",
         ("validate", "recipe.yaml", "data.train=somedir"),

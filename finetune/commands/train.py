@@ -123,5 +123,13 @@ def run_validate(args: argparse.Namespace) -> int:
     check_reward_functions(recipe)
     for source in [*recipe.data.train, *(recipe.data.validation or [])]:
         check_local_source(source)
+    if recipe.lora.init_from is not None:  # else only found by the run, once the base and the data are loaded
+        from finetune.adapters.lora import read_adapter
+        from finetune.errors import AdapterError
+
+        try:
+            read_adapter(recipe.lora.init_from)
+        except AdapterError as exc:
+            raise AdapterError(f"lora.init_from: {exc}") from None
     print(f"{args.recipe}: ok (adapter {recipe.output.adapter_dir}, {recipe.data.format} data, LoRA r={recipe.lora.r})")
     return 0
