@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 from finetune.console import configure_console
 from finetune.errors import FinetuneError
-from finetune.launched import broken_collective
+from finetune.launched import broken_collective, is_first_rank
 
 COMMAND_MODULES = ("train", "plan", "inference", "adapters", "recipes", "data", "serve", "export", "report")
 """Modules under `finetune.commands`, in the order their commands appear in `--help`."""
@@ -52,8 +52,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(args.handler(args) or 0)
     except FinetuneError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return getattr(exc, "exit_code", EXIT_USER_ERROR)  # an interrupted run: 128 + the signal
+        exit_code = getattr(exc, "exit_code", None)  # an interrupted run: 128 + the signal, the same on every rank
+        if exit_code is None or is_first_rank():
+            print(f"error: {exc}", file=sys.stderr)
+        return exit_code if exit_code is not None else EXIT_USER_ERROR
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

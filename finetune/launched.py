@@ -22,6 +22,12 @@ def already_launched() -> bool:
     return "LOCAL_RANK" in os.environ or "RANK" in os.environ
 
 
+def is_first_rank() -> bool:
+    """True in a process that is not a launched rank, or is rank 0: the one that speaks for a run all ranks
+    end alike (an interrupted run's checkpoint line, once, not once per rank)."""
+    return os.environ.get("RANK", "0") == "0"
+
+
 _COLLECTIVE_CODE = ("/torch/distributed/", "/torch/nn/parallel/", "/deepspeed/comm/")
 _TRANSPORT_WORDS = ("gloo/transport", "ProcessGroupNCCL", "Connection reset by peer", "Connection closed by peer")
 

@@ -80,6 +80,23 @@ def test_sigterm_checkpoints_says_how_to_resume_and_resume_is_exact(workdir):
     assert_same_tensors(adapter_tensors(reference), adapter_tensors(workdir / "adapters" / "long"))
 
 
+@pytest.mark.slow
+def test_sigterm_to_a_run_of_two_ranks_checkpoints_once_and_says_so_once(workdir):
+    """`kill PID` on `finetune train --nproc 2`: both ranks stop at the same step and checkpoint, and the run's
+    checkpoint line is printed once (every rank printed it), with 128 + SIGTERM."""
+    process = start([*LONG_RUN, "--nproc", "2"], workdir, **{SLOW_STEP_ENV: "0.5"})
+    lines: list[str] = []
+    wait_for_step(process, 2, lines)
+    process.send_signal(signal.SIGTERM)
+    _, rest = process.communicate(timeout=120)
+    assert process.returncode == 128 + signal.SIGTERM, "".join(lines) + rest
+    errors = [line for line in rest.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "interrupted at step" in errors[0] and "--resume" in errors[0], rest
+    assert "death signal" not in rest  # torch elastic's own log line
+    interrupted_at = int(errors[0].split("interrupted at step ")[1].split()[0])
+    assert list_checkpoints(workdir / "runs" / "long")[-1].name == f"checkpoint-{interrupted_at:06d}"
+
+
 def test_a_second_signal_stops_at_once(workdir):
     process = start(LONG_RUN, workdir, **{SLOW_STEP_ENV: "2"})  # 2 s after each step: time for two signals
     lines: list[str] = []

@@ -126,7 +126,13 @@ def launch_quietly(argv: Sequence[str]) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     if "--verbose" not in argv:
-        logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+        import torch.distributed.run  # noqa: F401  (creates the elastic agent's loggers)
+
+        # torch's elastic loggers each set their own level (WARNING), so the parent's is not enough: a SIGTERM
+        # printed "W... Received 15 death signal, shutting down workers" above the ranks' own line
+        for name in ["torch.distributed.elastic", *logging.root.manager.loggerDict]:
+            if name.startswith("torch.distributed.elastic"):
+                logging.getLogger(name).setLevel(logging.CRITICAL)
     try:
         accelerate_launch(launch_command_parser().parse_args(list(argv)))
     except ChildFailedError as failed:
