@@ -151,3 +151,18 @@ def test_perplexity_ticks_are_labelled_at_decades_across_decades_and_at_minor_ti
     within = perplexity_axes([3.0, 2.0, 1.5])
     assert not isinstance(across.yaxis.get_minor_formatter(), FuncFormatter)
     assert isinstance(within.yaxis.get_minor_formatter(), FuncFormatter)
+
+
+def test_a_grpo_runs_loss_and_perplexity_of_its_own_samples_are_not_shown_as_held_out(trained_runs, tmp_path):
+    """GRPO evaluates by sampling: the loss and perplexity it records are of completions the model wrote itself,
+    not held-out text. Beside an SFT run in one report, its reward is shown; they are not plotted or tabled."""
+    run_dir = tmp_path / "grpo"
+    run_dir.mkdir()
+    records = [{"step": 2, "loss": 0.01, "lr": 1e-3, "tokens_seen": 100, "tokens_per_s": 50.0, "reward": 0.2},
+               {"step": 2, "eval_loss": 0.0, "eval_ppl": 1.7, "eval_reward": 0.25}]  # fmt: skip
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    runs = [read_run(trained_runs["a"]), read_run(run_dir)]
+    loss_axes, ppl_axes = make_figures(runs)["eval"].axes
+    assert {line.get_label() for line in ppl_axes.get_lines()} == {"a", "a" + BASE_SUFFIX}
+    page = write_report([trained_runs["a"], run_dir]).html.read_text()
+    assert "not held-out (GRPO scores its own samples" in page

@@ -58,6 +58,8 @@ def format_seconds(seconds: float) -> str:
 
 
 def _held_out(run: RunHistory, key: str, digits: int) -> str:
+    if key in ("eval_loss", "eval_ppl") and run.scores_own_samples:
+        return "not held-out (GRPO scores its own samples: see the sampled reward)"
     base, after = run.base_metric(key), run.metrics.get(key)
     if after is None:
         return _MISSING

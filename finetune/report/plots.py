@@ -91,10 +91,13 @@ def _steps_and_tokens(runs: Sequence[RunHistory], key: str, ylabel: str) -> Figu
 
 
 def _held_out(runs: Sequence[RunHistory]) -> Figure:
-    """Held-out loss (left) and perplexity (right, log scale) per evaluation; the base model dashed."""
+    """Held-out loss (left) and perplexity (right, log scale) per evaluation; the base model dashed. A GRPO run's
+    evaluations score its own samples: they are left out (its sampled reward has a plot of its own)."""
     figure, (loss_axes, ppl_axes) = _new_figure(2)
     has_data = False
     for index, run in enumerate(runs):
+        if run.scores_own_samples:
+            continue
         for axes, key in ((loss_axes, "eval_loss"), (ppl_axes, "eval_ppl")):
             steps, values = run.series(key, evaluation=True)
             _plot(axes, steps, values, run.name, _colour(index))

@@ -52,6 +52,12 @@ class RunHistory:
         return self.metrics.get(f"base_{key}")
 
     @property
+    def scores_own_samples(self) -> bool:
+        """An online objective's run (GRPO): its evaluations sample their own completions, so their loss and
+        perplexity are not held-out figures (perplexity of what the model itself wrote); the reward is."""
+        return "eval_reward" in self.metrics or any("eval_reward" in row for row in self.evals)
+
+    @property
     def metrics(self) -> dict[str, Any]:
         """The final metrics of a finished run ({} if it has not finished)."""
         return self.manifest.metrics if self.manifest is not None else {}
