@@ -706,6 +706,13 @@ class DeepSpeedConfig(_Section):
         return self
 
 
+ZERO3_STARTING_REFERENCE = (
+    "the reference policy is the adapter the run starts from (lora.init_from, or a pissa/olora init), whose weights "
+    "are swapped in for reference passes, and DeepSpeed ZeRO-3 partitions them away; use distributed.deepspeed.stage "
+    "2, strategy fsdp or ddp, or a reference without passes (dpo: train.precompute_reference=true; grpo: train.beta=0)"
+)
+
+
 class DistributedConfig(_Section):
     """How several processes share the work (`finetune train --nproc N`); no effect in one process."""
 
@@ -776,6 +783,10 @@ class Recipe(_Section):
                 "train.nonfinite_skips cannot be used with distributed.strategy deepspeed: DeepSpeed takes its step "
                 "before the loop sees the gradient norm; set it to 0 or use fsdp"
             )
+        train, zero3 = self.train, self.distributed.strategy == "deepspeed" and self.distributed.deepspeed.stage == 3
+        passes = {"dpo": not train.precompute_reference, "kto": True, "grpo": bool(train.beta)}.get(train.objective)
+        if zero3 and passes and not self.lora.starts_as_base:  # else found on every rank, after the model loaded
+            raise ValueError(ZERO3_STARTING_REFERENCE)
         if self.distributed.strategy == "deepspeed" and self.train.optimizer != "adamw":
             raise ValueError(
                 f"train.optimizer {self.train.optimizer} cannot be used with distributed.strategy deepspeed: ZeRO "

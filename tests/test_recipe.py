@@ -132,6 +132,18 @@ def test_overrides_apply_through_the_schema(tmp_path, override, check):
             ["train.objective=kto", "data.format=unpaired_preference", "train.micro_batch_size=1"],
             ["micro_batch_size must be at least 2 for objective kto"],
         ),
+        # found on every rank after the model had loaded (each printing it; one ended in SIGABRT)
+        (
+            MINIMAL,
+            [
+                "train.objective=kto",
+                "data.format=unpaired_preference",
+                "train.micro_batch_size=2",
+                "lora.init_from=adapters/sft",
+                "distributed.strategy=deepspeed",
+            ],  # fmt: skip
+            ["DeepSpeed ZeRO-3 partitions them away"],
+        ),
     ],
 )
 def test_bad_recipes_fail_with_one_line_that_says_where(tmp_path, text, overrides, expected):

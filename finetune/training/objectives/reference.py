@@ -41,6 +41,7 @@ from safetensors.torch import load_file, save_file
 from finetune.atomic import atomic_file
 from finetune.device import to_device
 from finetune.errors import ModelError
+from finetune.recipe import ZERO3_STARTING_REFERENCE
 from finetune.training.objectives.base import Models
 from finetune.training.objectives.logprobs import sequence_logps
 from finetune.training.sharding import lockstep_batches
@@ -62,12 +63,7 @@ class StartingWeights:
         """
         self.parameters = [parameter for parameter in peft_model.parameters() if parameter.requires_grad]
         if any(hasattr(parameter, "ds_numel") for parameter in self.parameters):
-            raise ModelError(
-                "the reference policy is the adapter the run starts from (lora.init_from, or a pissa/olora init), "
-                "whose weights are swapped in for reference passes, and DeepSpeed ZeRO-3 partitions them away; use "
-                "distributed.strategy fsdp or ddp, or a reference without passes (dpo: "
-                "train.precompute_reference=true; grpo: train.beta=0)"
-            )
+            raise ModelError(ZERO3_STARTING_REFERENCE)  # the recipe refuses it first; kept for the Python API's models
         with torch.no_grad():
             self.values = [parameter.detach().clone() for parameter in self.parameters]
 
