@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 from finetune.console import configure_console
 from finetune.errors import FinetuneError
-from finetune.launched import broken_collective, is_first_rank
+from finetune.launched import already_launched, broken_collective, is_first_rank
 
 COMMAND_MODULES = ("train", "plan", "inference", "adapters", "recipes", "data", "serve", "export", "report")
 """Modules under `finetune.commands`, in the order their commands appear in `--help`."""
@@ -55,7 +55,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         exit_code = getattr(exc, "exit_code", None)  # an interrupted run: 128 + the signal, the same on every rank
         if exit_code is None or is_first_rank():
             print(f"error: {exc}", file=sys.stderr)
-        return exit_code if exit_code is not None else EXIT_USER_ERROR
+        return _ended(exit_code if exit_code is not None else EXIT_USER_ERROR)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
@@ -67,7 +67,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         if line is None:
             raise
         print(line, file=sys.stderr)  # a rank whose peer failed: that rank's own error says why
-        return 1
+        return _ended(1)
+
+
+def _ended(code: int) -> int:
+    """`code`, or, in a launched rank, the process ended with it at once: left to interpreter exit, the collectives'
+    C++ threads (gloo's, DeepSpeed's shared-memory op) were torn down mid-flight now and then, and a rank that had
+    printed its one-line error died of SIGABRT (exit 1 from the launcher instead of 2); as the train command's
+    successful end does (`finetune.commands.train`)."""
+    if already_launched():
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
 
 
 if __name__ == "__main__":
