@@ -385,6 +385,17 @@ CASES = [
     # CLI arguments
     Case("generate-without-model", ("generate", "hello"), ("--base", "--adapter")),
     Case("nproc-zero", ("train", "recipe.yaml", "--nproc", "0"), ("--nproc",)),
+    # a node rank past --nnodes waited forever for the rendezvous
+    Case(
+        "node-rank-past-nnodes",
+        ("train", "recipe.yaml", "--nproc", "2", "--nnodes", "2", "--node-rank", "5"),
+        ("--node-rank 5: give 0 .. 1",),
+    ),  # fmt: skip
+    Case(
+        "node-rank-without-main-address",
+        ("train", "recipe.yaml", "--nnodes", "2", "--node-rank", "1"),
+        ("give --main-address",),
+    ),  # fmt: skip
 ]
 
 

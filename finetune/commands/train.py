@@ -44,6 +44,10 @@ def run_train(args: argparse.Namespace) -> int:
 
     if args.nproc < 1 or args.nnodes < 1:
         raise FinetuneError(f"--nproc {args.nproc} --nnodes {args.nnodes}: both must be at least 1")
+    if not 0 <= args.node_rank < args.nnodes:  # else the rendezvous waits for nodes that never come
+        raise FinetuneError(f"--node-rank {args.node_rank}: give 0 .. {args.nnodes - 1} (--nnodes {args.nnodes})")
+    if args.node_rank > 0 and not args.main_address:
+        raise FinetuneError(f"--node-rank {args.node_rank}: give --main-address, the address of the node of rank 0")
     if args.cpu:
         hide_gpus()  # before CUDA starts: this process and the ranks it launches see none
     from finetune.recipe import load_recipe
