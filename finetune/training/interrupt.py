@@ -50,9 +50,17 @@ def stop_agreed(stop: StopRequest, accelerator: Any) -> bool:
 
 
 @contextlib.contextmanager
-def graceful_stop(say: Callable[[str], None]) -> Iterator[StopRequest]:
-    """Handle SIGINT/SIGTERM as described in the module docstring while the block runs."""
-    with first_signal_stops(
-        lambda name: say(f"{name}: finishing this step and writing a checkpoint (send it again to stop at once)")
-    ) as stop:
+def graceful_stop(say: Callable[[str], None], finishing: Callable[[], bool] = lambda: False) -> Iterator[StopRequest]:
+    """Handle SIGINT/SIGTERM as described in the module docstring while the block runs. Once `finishing()` is
+    true (the steps are done: the final evaluation and the adapter are what is left), a first signal lets that
+    finish (the run then ends as a whole one) rather than end the process without a word or a hint."""
+
+    def announce(name: str) -> None:
+        if finishing():
+            say(f"{name}: the steps are done; finishing the final evaluation and writing the adapter (send it again "
+                "to stop at once, then --resume finishes the run)")  # fmt: skip
+        else:
+            say(f"{name}: finishing this step and writing a checkpoint (send it again to stop at once)")
+
+    with first_signal_stops(announce) as stop:
         yield stop

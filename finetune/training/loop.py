@@ -129,18 +129,20 @@ def _train(
         f"training {run.length.total_steps} steps ({run.length.micro_batches_per_epoch} micro-batches per epoch, "
         f"{recipe.train.grad_accum_steps} per step, {run.accelerator.num_processes} process(es))"
     )
-    try:
-        with graceful_stop(say) as stop:
+    finishing = False
+    with graceful_stop(say, lambda: finishing) as stop:
+        try:
             last = run_steps(run, stop, fan_out(training_log, on_step))
-        final_eval = run.evaluate()
-        training_log.log_eval(run.step, final_eval)
-    finally:
-        training_log.close()
-        trackers.close()
-    wall = {"wall_seconds": time.perf_counter() - started}
-    result = TrainResult(*finish_run(run, {**last, **final_eval, **wall}, say))
-    if run.is_main:
-        report_finished_run(run.run_dir, result.adapter_dir, html=recipe.output.report, say=say)
+            finishing = True
+            final_eval = run.evaluate()
+            training_log.log_eval(run.step, final_eval)
+        finally:
+            training_log.close()
+            trackers.close()
+        wall = {"wall_seconds": time.perf_counter() - started}
+        result = TrainResult(*finish_run(run, {**last, **final_eval, **wall}, say))
+        if run.is_main:
+            report_finished_run(run.run_dir, result.adapter_dir, html=recipe.output.report, say=say)
     return result
 
 
