@@ -600,3 +600,23 @@ def test_reward_statistics_are_trls_over_the_whole_step(tmp_path, tiny_base_dir,
     assert step["reward_std"] == pytest.approx(rewards.std().item(), rel=1e-6)
     assert step["rewards/noted.py:some"] == pytest.approx(some.nanmean().item(), rel=1e-6)
     assert step["rewards/noted.py:lengths"] == pytest.approx(lengths.mean().item(), rel=1e-6)
+
+
+@pytest.mark.slow
+def test_reward_functions_see_the_runs_length_and_epoch_as_trl_passes_them(tmp_path, tiny_base_dir, monkeypatch):
+    """`trainer_state.max_steps` and `.epoch`, which reward functions read to shape rewards by progress: a run set
+    by `train.epochs` passed max_steps 0 (a division by zero in a curriculum reward) and epoch 0 throughout."""
+    from finetune.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    recipe = write_grpo_run(tmp_path, tiny_base_dir, "progress.py:noted")
+    (tmp_path / "progress.py").write_text(
+        "import json\n"
+        "def noted(prompts, completions, trainer_state, **kwargs):\n"
+        "    with open('progress.jsonl', 'a') as f:\n"
+        "        f.write(json.dumps([trainer_state.global_step, trainer_state.max_steps, trainer_state.epoch]) + '\\n')\n"
+        "    return [0.0 for _ in completions]\n"
+    )
+    assert main(["train", str(recipe), "train.max_steps=null", "train.epochs=1", "data.validation=null"]) == 0
+    seen = [json.loads(line) for line in (tmp_path / "progress.jsonl").read_text().splitlines()]
+    assert seen == [[step, 4, step / 4] for step in range(4)]  # 8 prompts, 2 per step

@@ -62,6 +62,7 @@ from finetune.training.liger_kernels import use_liger_kernels
 from finetune.training.mutated_start import START_FILE, mutates_base
 from finetune.training.objectives import Objective, objective_for
 from finetune.training.objectives.base import CarriesState, Models, describe_rewards
+from finetune.training.objectives.grpo import GRPO
 from finetune.training.objectives.reference import MeasuredAgainstStart, StartingWeights
 from finetune.training.preference_setup import initial_adapter, precomputed_reference
 from finetune.training.recipe_digest import recipe_digest, resume_mismatch
@@ -410,6 +411,9 @@ def start_run(recipe: Recipe, *, resume: bool, say: Say) -> TrainingRun:
     if compiled:
         compile_layers(peft_model, quantized=recipe.model.quantization != "none", say=say)
     objective = _objective(recipe, tokenizer, varlen, peft_model, say)
+    if isinstance(objective, GRPO):  # steps per epoch as `run_length` counts them (num_iterations per generation)
+        per_epoch = length.micro_batches_per_epoch / recipe.train.grad_accum_steps * (recipe.train.num_iterations or 1)
+        objective.set_run_length(length.total_steps, per_epoch)
     models = Models(model_for_step, peft_model, accelerator)
     trained_rows = stream.rows_trained_on(length.total_steps * recipe.train.grad_accum_steps)
     data = precomputed_reference(

@@ -64,8 +64,7 @@ def objective_for(recipe: Recipe, tokenizer: Any, varlen: bool = False) -> Objec
         return KTO(options, beta=train.beta, desirable_weight=train.desirable_weight,
                    undesirable_weight=train.undesirable_weight)  # fmt: skip
     if train.objective == "grpo":
-        return GRPO(options, grpo_settings(recipe), tokenizer, load_reward_functions(train.reward_functions or []),
-                    max_steps=train.max_steps or 0)  # fmt: skip
+        return GRPO(options, grpo_settings(recipe), tokenizer, load_reward_functions(train.reward_functions or []))
     return SFT(options)
 
 

@@ -142,11 +142,11 @@ class GRPO(MeasuredAgainstStart):
         settings: GRPOSettings,
         tokenizer: Any,
         reward_functions: list[RewardFunction],
-        max_steps: int = 0,
     ):
         self.options, self.settings, self.tokenizer = options, settings, tokenizer
         self.reward_functions = reward_functions
-        self.max_steps = max_steps
+        self.max_steps, self.steps_per_epoch = 0, 0.0
+        """The run's length, for the `trainer_state` reward functions read (`set_run_length`)."""
         self.stop_ids = frozenset(_stop_ids(tokenizer))
         self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         names = ["reward", "reward_std", "frac_reward_zero_std", "completion_length", "truncated_share",
@@ -160,6 +160,11 @@ class GRPO(MeasuredAgainstStart):
         """Training steps prepared so far: a generation every `num_iterations` of them."""
         self._generated: list[dict] | None = None
         self._warned_unrewarded = False
+
+    def set_run_length(self, total_steps: int, steps_per_epoch: float) -> None:
+        """The run's optimizer steps and steps per pass over the prompts, as trl's `TrainerState` gives reward
+        functions `max_steps` and a fractional `epoch` (a run set by `train.epochs` had passed them 0)."""
+        self.max_steps, self.steps_per_epoch = total_steps, steps_per_epoch
 
     # ---- rows ---------------------------------------------------------------------------------------
     def collate(self, rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -265,7 +270,8 @@ class GRPO(MeasuredAgainstStart):
         shown = [[{"role": "assistant", "content": text}] for text in texts] if chat else texts
         columns = reward_columns(records, group)
         where = [f"prompt {_preview(record['prompt'])}" for record in records for _ in range(group)]
-        state = TrainerState(self.steps_prepared, self.max_steps, 0.0)
+        epoch = self.steps_prepared / self.steps_per_epoch if self.steps_per_epoch else 0.0
+        state = TrainerState(self.steps_prepared, self.max_steps, epoch)
         return score(self.reward_functions, prompts, shown, completions, columns, state, where)
 
     def _sequences(self, prompts, completions, truncated, device) -> dict[str, Any]:
