@@ -48,6 +48,19 @@ def wait_for_step(process: subprocess.Popen, step: int, lines: list[str]) -> Non
     raise AssertionError("the run did not reach step {step}: " + "".join(lines))
 
 
+def stop_with_sigterm(process: subprocess.Popen, lines: list[str], workdir: Path) -> str:
+    """SIGTERM the run `long`; check it ends with 128 + SIGTERM and one line naming the checkpoint of the step it
+    stopped at and `--resume`; return the rest of its stderr."""
+    process.send_signal(signal.SIGTERM)
+    _, rest = process.communicate(timeout=120)
+    assert process.returncode == 128 + signal.SIGTERM, "".join(lines) + rest
+    errors = [line for line in rest.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "interrupted at step" in errors[0] and "--resume" in errors[0], rest
+    interrupted_at = int(errors[0].split("interrupted at step ")[1].split()[0])
+    assert list_checkpoints(workdir / "runs" / "long")[-1].name == f"checkpoint-{interrupted_at:06d}"
+    return rest
+
+
 def adapter_tensors(path: Path) -> dict[str, torch.Tensor]:
     return load_file(path / "adapter_model.safetensors")
 
@@ -63,15 +76,9 @@ def test_sigterm_checkpoints_says_how_to_resume_and_resume_is_exact(workdir):
     process = start(LONG_RUN, workdir)
     lines: list[str] = []
     wait_for_step(process, 5, lines)
-    process.send_signal(signal.SIGTERM)
-    _, rest = process.communicate(timeout=120)
-    assert process.returncode == 128 + signal.SIGTERM, "".join(lines) + rest
-    errors = [line for line in rest.splitlines() if line.startswith("error: ")]
-    assert len(errors) == 1 and "--resume" in errors[0] and "checkpoint" in errors[0], rest
+    rest = stop_with_sigterm(process, lines, workdir)
     assert "Traceback" not in rest
     assert not (workdir / "adapters" / "long").exists()
-    interrupted_at = int(errors[0].split("interrupted at step ")[1].split()[0])
-    assert list_checkpoints(workdir / "runs" / "long")[-1].name == f"checkpoint-{interrupted_at:06d}"
 
     resumed = start([*LONG_RUN[:1], "train.log_every_steps=50", "output.name=long", "--resume"], workdir)
     _, log = resumed.communicate(timeout=300)
@@ -87,14 +94,8 @@ def test_sigterm_to_a_run_of_two_ranks_checkpoints_once_and_says_so_once(workdir
     process = start([*LONG_RUN, "--nproc", "2"], workdir, **{SLOW_STEP_ENV: "0.5"})
     lines: list[str] = []
     wait_for_step(process, 2, lines)
-    process.send_signal(signal.SIGTERM)
-    _, rest = process.communicate(timeout=120)
-    assert process.returncode == 128 + signal.SIGTERM, "".join(lines) + rest
-    errors = [line for line in rest.splitlines() if line.startswith("error: ")]
-    assert len(errors) == 1 and "interrupted at step" in errors[0] and "--resume" in errors[0], rest
+    rest = stop_with_sigterm(process, lines, workdir)
     assert "death signal" not in rest  # torch elastic's own log line
-    interrupted_at = int(errors[0].split("interrupted at step ")[1].split()[0])
-    assert list_checkpoints(workdir / "runs" / "long")[-1].name == f"checkpoint-{interrupted_at:06d}"
 
 
 @pytest.mark.slow
