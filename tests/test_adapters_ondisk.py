@@ -5,8 +5,10 @@ subtract/swap from the pristine base equal a fresh merge, the fallback reports a
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -277,3 +279,31 @@ def test_an_adapter_whose_config_was_edited_after_merging_is_not_taken_for_the_m
     ):
         subtract_checkpoint(str(tmp_path / "both"), AdapterSpec("legal"), tmp_path / "wrong")
     assert not (tmp_path / "wrong").exists()
+
+
+@pytest.mark.parametrize("bits", ["4bit", "8bit"])
+def test_merging_a_quantized_adapter_in_a_fresh_interpreter(tmp_path, tiny_base_dir, bits):
+    """`finetune adapters merge` of an adapter trained on a quantized base, as the first thing a process does:
+    nothing has imported bitsandbytes yet (no quantized model is loaded on disk), so the round trip must."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("bitsandbytes")
+    adapter = make_adapter(tiny_base_dir, tmp_path / "q", seed=6, targets=("q_proj", "up_proj"), quantization=bits)
+    command = [
+        "adapters",
+        "merge",
+        "--base",
+        str(tiny_base_dir),
+        "--adapter",
+        str(adapter),
+        "--out",
+        str(tmp_path / "o"),
+    ]
+    completed = subprocess.run(
+        [sys.executable, "-m", "finetune", *command],
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])},
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert completed.returncode == 0, completed.stderr[-2000:]
+    assert "dequantized the " + bits in completed.stdout + completed.stderr

@@ -96,7 +96,8 @@ def quantized_linear(
     4-bit: `Params4bit` quantizes the weight as given (its dtype is what dequantization returns);
     8-bit: `Int8Params` rounds to fp16 first (on the host), then row-wise absmax int8 on the device.
     """
-    bnb = _bnb()
+    import bitsandbytes as bnb  # loaded here when nothing has yet: the on-disk round trip loads no quantized model
+
     out_features, in_features = weight.shape
     if quantization.bits == 4:
         layer = bnb.nn.Linear4bit(
@@ -130,7 +131,8 @@ def quantized_linear(
 
 def requantize(module: torch.nn.Module, weight: torch.Tensor) -> tuple[torch.nn.Module, float]:
     """`weight` quantized the way `module` is, and the relative Frobenius error ‖deq(q(W)) − W‖ / ‖W‖ it adds."""
-    bnb = _bnb()
+    import bitsandbytes as bnb
+
     if isinstance(module, bnb.nn.Linear4bit):
         state = module.weight.quant_state
         layer = quantized_linear(
