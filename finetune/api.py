@@ -37,6 +37,7 @@ from finetune.quantization import Quantization
 __all__ = ["load_model"]
 
 DTYPES = ("float32", "bfloat16", "float16")
+QUANTIZATIONS = ("none", "4bit", "8bit")
 ADAPTER_CONFIG_NAME = "adapter_config.json"
 
 
@@ -109,9 +110,9 @@ def _read_adapters(
 
 def _quantization(given: str | None, adapters: list[Adapter]) -> Quantization:
     """The base's quantization: as given, with the options the adapters recorded when they agree on it."""
-    recorded = recorded_quantization(adapters)
     if given is None:
-        return recorded or Quantization()
+        return recorded_quantization(adapters) or Quantization()
+    recorded = recorded_quantization(adapters, strict=False)  # the base is chosen: its options if they agree
     return recorded if recorded is not None and recorded.method == given else Quantization(given)  # type: ignore[arg-type]
 
 
@@ -170,6 +171,8 @@ def load_model(
     dtype = str(dtype).removeprefix("torch.")  # torch.bfloat16 -> "bfloat16"
     if dtype not in DTYPES:
         raise AdapterError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)} (names or torch dtypes)")
+    if quantization not in (None, *QUANTIZATIONS):
+        raise AdapterError(f"quantization {quantization!r} is not one of {', '.join(QUANTIZATIONS)}")
     base, read, use_first = _read_adapters(base, adapters, allow_pickle)
     quantization_settings = _quantization(quantization, read)
     resolved = resolve_base(

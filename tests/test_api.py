@@ -141,3 +141,26 @@ def test_load_model_takes_torch_dtypes_as_transformers_does(tiny_base_dir, adapt
 def test_load_model_names_the_dtypes_it_takes():
     with pytest.raises(AdapterError, match="not one of float32, bfloat16, float16"):
         finetune.load_model("unused", dtype=torch.int8)
+
+
+def test_adapters_trained_on_differently_quantized_bases_are_refused_unless_the_base_is_chosen(tmp_path, tiny_base_dir):
+    """No one base reproduces what a 4-bit and an 8-bit (or a dense) adapter each trained against: loading them
+    together used to load the base dense without a word, so the quantized adapters merged onto other weights."""
+    pytest.importorskip("bitsandbytes")
+    from finetune.adapters.ondisk import AdapterSpec, merge_checkpoint
+
+    q4 = make_adapter(tiny_base_dir, tmp_path / "q4", seed=6, targets=("q_proj",), quantization="4bit")
+    q8 = make_adapter(tiny_base_dir, tmp_path / "q8", seed=7, targets=("q_proj",), quantization="8bit")
+    dense = make_adapter(tiny_base_dir, tmp_path / "dense", seed=8, targets=("q_proj",))
+    for other in (q8, dense):
+        with pytest.raises(AdapterError, match=r"differently quantized bases \(q4: 4-bit nf4"):
+            finetune.load_model(str(tiny_base_dir), {"q4": str(q4), "other": str(other)}, device="cpu")
+        with pytest.raises(AdapterError, match="differently quantized bases"):
+            merge_checkpoint(str(tiny_base_dir), [AdapterSpec(str(q4)), AdapterSpec(str(other))], tmp_path / "out")
+    chosen = finetune.load_model(str(tiny_base_dir), {"q4": str(q4), "q8": str(q8)}, quantization="4bit", device="cpu")
+    assert chosen.base.quantization.method == "4bit"
+
+
+def test_load_model_names_the_quantizations_it_takes():
+    with pytest.raises(AdapterError, match="quantization '3bit' is not one of none, 4bit, 8bit"):
+        finetune.load_model("embedded:tiny-llama", quantization="3bit", device="cpu")

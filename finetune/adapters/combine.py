@@ -33,7 +33,15 @@ from pathlib import Path
 import torch
 
 from finetune.adapters.experts import clean_name, matches_target
-from finetune.adapters.lora import CONFIG_NAME, SAFETENSORS_NAME, Adapter, LoraWeights, pattern_key, read_adapter
+from finetune.adapters.lora import (
+    CONFIG_NAME,
+    SAFETENSORS_NAME,
+    Adapter,
+    LoraWeights,
+    pattern_key,
+    read_adapter,
+    recorded_quantization,
+)
 from finetune.adapters.model_dir import staging_dir
 from finetune.errors import AdapterError
 from finetune.manifest import Manifest, library_versions, now_iso, write_manifest
@@ -104,6 +112,7 @@ def _dare(tasks: list[torch.Tensor], density: float, generator: torch.Generator)
 
 
 def _check_compatible(adapters: list[Adapter]) -> None:
+    recorded_quantization(adapters)  # adapters of differently quantized bases: refused, naming them
     fingerprints = {a.base_fingerprint for a in adapters if a.base_fingerprint}
     if len(fingerprints) > 1:
         listing = ", ".join(f"{a.name}: {a.base_fingerprint}" for a in adapters)

@@ -109,7 +109,7 @@ def prepare_operation(
 
 def _target_quantization(target: Ledger, adapters: dict[str, Adapter]) -> Quantization:
     """The target ledger's base quantization, with the options its adapters recorded (nf4/fp4, double quant)."""
-    recorded = recorded_quantization(adapters.values())
+    recorded = recorded_quantization(adapters.values(), strict=False)  # the ledger's base decides
     if recorded is not None and recorded.method == target.base_quantization:
         return recorded
     return Quantization(target.base_quantization)  # type: ignore[arg-type]  # a ledger holds a valid method

@@ -33,7 +33,7 @@ import math
 import re
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -444,7 +444,25 @@ def _pair(path: Path, module: str, pair: dict[str, torch.Tensor]) -> tuple[torch
     return A, B, False
 
 
-def recorded_quantization(adapters: Iterable[Adapter]) -> Quantization | None:
-    """The quantization the adapters' manifests agree their base had; None when none records one or they differ."""
-    recorded = {q for q in (a.trained_quantization for a in adapters) if q is not None}
-    return recorded.pop() if len(recorded) == 1 else None
+def recorded_quantization(adapters: Iterable[Adapter], *, strict: bool = True) -> Quantization | None:
+    """The quantization the adapters' manifests record for their base; None when none records one.
+
+    A compute dtype they disagree on is dropped (it changes no dequantized weight). Adapters trained on
+    differently quantized bases (none/4bit/8bit, nf4/fp4, double quantization or not) have no one base that
+    reproduces what each learned against: `AdapterError` when `strict`, else None (the caller chooses).
+    """
+    named = [(a.name, a.trained_quantization) for a in adapters]
+    recorded = [(name, q) for name, q in named if q is not None]
+    if not recorded:
+        return None
+    kinds = {(q.method, q.quant_type, q.double_quant) if q.method == "4bit" else (q.method,) for _, q in recorded}
+    if len(kinds) > 1:
+        if not strict:
+            return None
+        listed = ", ".join(f"{name}: {q.describe()}" for name, q in recorded)
+        raise AdapterError(
+            f"the adapters were trained on differently quantized bases ({listed}); load them separately, or "
+            "choose the base's quantization (quantization= / --quantization)"
+        )
+    first = recorded[0][1]
+    return first if len({q.compute_dtype for _, q in recorded}) == 1 else replace(first, compute_dtype=None)

@@ -61,7 +61,7 @@ def dequantize(module: torch.nn.Module) -> torch.Tensor:
 
     bnb = _bnb()
     if isinstance(module, bnb.nn.Linear4bit):
-        state = module.weight.quant_state
+        state = cast(Any, module.weight).quant_state
         assert not getattr(state, "packing_format_for_cpu", False), "repacked for bf16: see keep_float_kernels"
         return F.dequantize_4bit(module.weight.data, module.weight.quant_state).to(torch.float32)
     weight = cast(torch.Tensor, module.weight)  # torch types a module's attributes as Tensor | Module
@@ -99,6 +99,7 @@ def quantized_linear(
     import bitsandbytes as bnb  # loaded here when nothing has yet: the on-disk round trip loads no quantized model
 
     out_features, in_features = weight.shape
+    layer: Any
     if quantization.bits == 4:
         layer = bnb.nn.Linear4bit(
             in_features,
@@ -134,7 +135,7 @@ def requantize(module: torch.nn.Module, weight: torch.Tensor) -> tuple[torch.nn.
     import bitsandbytes as bnb
 
     if isinstance(module, bnb.nn.Linear4bit):
-        state = module.weight.quant_state
+        state = cast(Any, module.weight).quant_state
         layer = quantized_linear(
             weight.to(state.dtype),
             Quantization("4bit", quant_type=state.quant_type, double_quant=state.nested),
