@@ -202,7 +202,13 @@ def test_per_row_adapters_give_each_row_what_use_gives_it_alone(tiny_base_dir, a
     for row, name in enumerate(rows):
         assert_within_ulps(logits[row : row + 1], alone[None if name == "__base__" else name], REORDERED_ULPS)
 
+    # merged and attached, a row naming it would get it twice: refused in either order
+    with pytest.raises(AdapterError, match="'med' is attached for per-row use"):
+        m.merge("med")
+    m.use(None)
     m.merge("med")
+    with pytest.raises(AdapterError, match="'med' is merged and attached: a row naming it would get it twice"):
+        m.use_per_row()
     with pytest.raises(AdapterError, match="merged; subtract it"):
         m.remove_adapter("med")
     m.use("legal")

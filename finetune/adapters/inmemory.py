@@ -229,6 +229,11 @@ class LoadedModel:
         started = time.perf_counter()
         if self._active is not None and self._active in ledger.entries:
             raise AdapterError(f"adapter {self._active!r} is in use unmerged; call use(None) before merging it")
+        both = sorted(set(ledger.entries) & set(self.attached)) if self._per_row else []
+        if both:  # a row naming it would get it twice: merged underneath and applied unmerged
+            raise AdapterError(
+                f"adapter {both[0]!r} is attached for per-row use; merge it after use(None) and remove_adapter"
+            )
         if self._peft is not None and self._active is not None and self._quantized_base():
             raise AdapterError(
                 "on a quantized base an adapter in use() and merges exclude each other; call use(None) first"
@@ -410,7 +415,7 @@ class LoadedModel:
         refused by `finetune serve`'s engine; `read_adapter` only marks it unmergeable). Each row then gets what `use(name)` gives it alone; LoRA on
         fused expert tensors, which peft cannot apply per row, goes through `expert_rows`: each row's
         experts compute with the tensors merging its adapter writes. What is merged stays underneath
-        every row, so name no merged adapter. Until `use(...)` ends this mode, a
+        every row; an adapter both merged and attached is refused (a row naming it would get it twice). Until `use(...)` ends this mode, a
         call without `adapter_names` applies peft's active adapter: always pass them. Adapters attached
         later take part too.
 
@@ -420,6 +425,12 @@ class LoadedModel:
         """
         if self._peft is None:
             raise AdapterError("no adapter is attached; call attach(name) first")
+        merged = sorted(set(self._ledger.entries) & set(self.attached))
+        if merged:  # a row naming it would get it twice: merged underneath and applied unmerged
+            raise AdapterError(
+                f"adapter {merged[0]!r} is merged and attached: a row naming it would get it twice; subtract it, or "
+                "remove_adapter it, before use_per_row"
+            )
         if not self._per_row:  # switching costs a walk over every module: once, not per call
             _tuner(self._peft).enable_adapter_layers()
             self._active, self._per_row = None, True
