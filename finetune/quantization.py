@@ -62,6 +62,15 @@ class Quantization:
             compute_dtype=fields.get("bnb_4bit_compute_dtype") or default.compute_dtype,
         )
 
+    def as_record(self) -> dict[str, Any]:
+        """The recipe-style keys `from_record` reads back (a combined adapter's manifest keeps them)."""
+        return {
+            "quantization": self.method,
+            "bnb_4bit_quant_type": self.quant_type,
+            "bnb_4bit_use_double_quant": self.double_quant,
+            "bnb_4bit_compute_dtype": self.compute_dtype,
+        }
+
     def bnb_config(self, compute_dtype: torch.dtype):
         """transformers' `BitsAndBytesConfig` for loading a base this way (None when not quantized).
 

@@ -219,3 +219,21 @@ def test_dare_drops_and_rescales_each_task_reproducibly_by_seed(tmp_path, adapte
 def _subsets(count: int) -> list[tuple[int, ...]]:
     """Every 0/1 choice over `count` tasks: (0, 0), (0, 1), (1, 0), (1, 1) for two."""
     return [tuple((index >> bit) & 1 for bit in range(count)) for index in range(2**count)]
+
+
+def test_a_combined_adapter_keeps_the_4bit_settings_its_adapters_were_trained_with(tmp_path, tiny_base_dir):
+    """fp4 and double quantization live in the manifest's recipe, not in its base record: the combined adapter
+    kept only the base record and read back as trained on nf4, so its merge dequantized the base another way."""
+    from helpers import make_adapter
+
+    from finetune.manifest import read_manifest, write_manifest
+
+    adapters = [make_adapter(tiny_base_dir, tmp_path / name, seed=seed, targets=("q_proj",), quantization="4bit")
+                for name, seed in (("one", 1), ("two", 2))]  # fmt: skip
+    for path in adapters:  # as a run on an fp4 base without double quantization records it
+        manifest = read_manifest(path)
+        recipe = {"model": {"quantization": "4bit", "bnb_4bit_quant_type": "fp4", "bnb_4bit_use_double_quant": False}}
+        write_manifest(path, manifest.model_copy(update={"recipe": recipe}))
+    combine_adapters(adapters, tmp_path / "both", weights=[1.0, 0.5])
+    recorded = read_adapter(tmp_path / "both").trained_quantization
+    assert (recorded.method, recorded.quant_type, recorded.double_quant) == ("4bit", "fp4", False)

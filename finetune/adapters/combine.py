@@ -269,6 +269,13 @@ def _combined_config(template: dict, rank_by_module: dict[str, int], expert_modu
     return config
 
 
+def _quantization_recipe(adapters: list[Adapter]) -> dict | None:
+    """The recipe part that says how the adapters' base was quantized (nf4/fp4, double quantization), which a
+    manifest's base record alone does not: without it the combined adapter read as trained on nf4."""
+    recorded = recorded_quantization(adapters)
+    return {"model": recorded.as_record()} if recorded is not None and recorded.method != "none" else None
+
+
 def _write(out, config: dict, tensors: dict, adapters: list[Adapter], weights: list[float], method: str) -> None:
     from safetensors.torch import save_file
 
@@ -284,5 +291,6 @@ def _write(out, config: dict, tensors: dict, adapters: list[Adapter], weights: l
                 created=now_iso(),
                 combined_from=[{"name": a.name, "path": str(a.path), "weight": w} for a, w in zip(adapters, weights)],
                 combine_method=method,
+                recipe=_quantization_recipe(adapters),
             )
             write_manifest(tmp, combined)
