@@ -299,3 +299,18 @@ def test_warnings_are_printed_as_one_line(tmp_path, tiny_base_dir, capsys):
         f"warning: adapter 'plain' ({plain}) has no manifest.json, so whether it was trained on {tiny_base_dir} cannot be checked"
         in err
     )
+
+
+def test_a_grpo_adapter_is_listed_by_its_sampled_reward(tmp_path, tiny_base_dir):
+    """A GRPO run's evaluation loss and perplexity are of completions it sampled itself: `adapters list` shows
+    its held-out reward first, and not those (it showed eval_ppl=12.93 base_eval_ppl=10.65 eval_loss=-0.0015)."""
+    from helpers import make_adapter
+
+    from finetune.adapters.store import summarize
+    from finetune.manifest import read_manifest, write_manifest
+
+    path = make_adapter(tiny_base_dir, tmp_path / "grpo", seed=3, targets=("q_proj",))
+    metrics = {"eval_ppl": 12.93, "base_eval_ppl": 10.65, "eval_loss": -0.0015, "eval_reward": -0.5,
+               "base_eval_reward": -0.875, "step": 30, "reward": -0.4}  # fmt: skip
+    write_manifest(path, read_manifest(path).model_copy(update={"metrics": metrics}))
+    assert summarize(path).metrics == "eval_reward=-0.5 base_eval_reward=-0.875 step=30"

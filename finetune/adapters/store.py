@@ -74,13 +74,18 @@ def _weights_file(adapter_dir: Path) -> Path | None:
     return adapter_dir / PICKLE_NAME if (adapter_dir / PICKLE_NAME).is_file() else None
 
 
-# What a reader of the store wants first: held-out quality, then how much training it took.
+# What a reader of the store wants first: held-out quality, then how much training it took. A GRPO adapter's
+# quality is its sampled reward: its evaluation loss and perplexity are of completions it wrote itself.
 _PREFERRED_METRICS = ("eval_ppl", "base_eval_ppl", "eval_loss", "step")
+_PREFERRED_REWARD_METRICS = ("eval_reward", "base_eval_reward", "step")
+_NOT_HELD_OUT = ("eval_ppl", "base_eval_ppl", "eval_loss", "base_eval_loss")
 
 
 def _format_metrics(metrics: dict) -> str:
     shown = []
-    ordered = [k for k in _PREFERRED_METRICS if k in metrics] + [k for k in metrics if k not in _PREFERRED_METRICS]
+    preferred = _PREFERRED_REWARD_METRICS if "eval_reward" in metrics else _PREFERRED_METRICS
+    rest = [k for k in metrics if k not in preferred and not ("eval_reward" in metrics and k in _NOT_HELD_OUT)]
+    ordered = [k for k in preferred if k in metrics] + rest
     for key, value in [(k, metrics[k]) for k in ordered][:_SHOWN_METRICS]:
         shown.append(f"{key}={value:.4g}" if isinstance(value, float) else f"{key}={value}")
     return " ".join(shown)
