@@ -410,10 +410,7 @@ def start_run(recipe: Recipe, *, resume: bool, say: Say) -> TrainingRun:
     distributed = _measure_distribution(sharding, peft_model, accelerator, say)  # ZeRO-3 partitions in prepare
     if compiled:
         compile_layers(peft_model, quantized=recipe.model.quantization != "none", say=say)
-    objective = _objective(recipe, tokenizer, varlen, peft_model, say)
-    if isinstance(objective, GRPO):  # steps per epoch as `run_length` counts them (num_iterations per generation)
-        per_epoch = length.micro_batches_per_epoch / recipe.train.grad_accum_steps * (recipe.train.num_iterations or 1)
-        objective.set_run_length(length.total_steps, per_epoch)
+    objective = _objective(recipe, tokenizer, varlen, peft_model, length, say)
     models = Models(model_for_step, peft_model, accelerator)
     trained_rows = stream.rows_trained_on(length.total_steps * recipe.train.grad_accum_steps)
     data = precomputed_reference(
@@ -430,14 +427,16 @@ def start_run(recipe: Recipe, *, resume: bool, say: Say) -> TrainingRun:
     return run
 
 
-def _objective(recipe: Recipe, tokenizer: Any, varlen: bool, peft_model: Any, say: Say) -> Objective:
+def _objective(recipe: Recipe, tokenizer: Any, varlen: bool, peft_model: Any, length: RunLength, say: Say) -> Objective:
     """The recipe's objective. One measured against the model as the run starts (DPO, KTO, GRPO's KL) gets the
     starting LoRA weights when LoRA does not start as the base: copied here, before a resumed run loads its
-    checkpoint's. GRPO's log says how it will decode."""
+    checkpoint's. GRPO learns the run's length (for its reward functions) and its log says how it will decode."""
     objective = objective_for(recipe, tokenizer, varlen)
     if isinstance(objective, MeasuredAgainstStart) and objective.scores_reference and not recipe.lora.starts_as_base:
         objective.starting_weights = StartingWeights(peft_model)
-    if recipe.train.objective == "grpo":
+    if isinstance(objective, GRPO):  # steps per epoch as `run_length` counts them (num_iterations per generation)
+        per_epoch = length.micro_batches_per_epoch / recipe.train.grad_accum_steps * (recipe.train.num_iterations or 1)
+        objective.set_run_length(length.total_steps, per_epoch)
         say(describe_generation(peft_model))
     return objective
 
