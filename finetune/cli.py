@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 from finetune.console import configure_console
 from finetune.errors import FinetuneError
-from finetune.launched import already_launched, broken_collective, is_first_rank
+from finetune.launched import broken_collective, end_if_launched, is_first_rank
 
 COMMAND_MODULES = ("train", "plan", "inference", "adapters", "recipes", "data", "serve", "export", "report")
 """Modules under `finetune.commands`, in the order their commands appear in `--help`."""
@@ -71,14 +71,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _ended(code: int) -> int:
-    """`code`, or, in a launched rank, the process ended with it at once: left to interpreter exit, the collectives'
-    C++ threads (gloo's, DeepSpeed's shared-memory op) were torn down mid-flight now and then, and a rank that had
-    printed its one-line error died of SIGABRT (exit 1 from the launcher instead of 2); as the train command's
-    successful end does (`finetune.commands.train`)."""
-    if already_launched():
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+    """`code`; a launched rank ends with it at once (`end_if_launched`: a rank that had printed its one-line error
+    died of SIGABRT now and then, exit 1 from the launcher instead of 2)."""
+    end_if_launched(code)
     return code
 
 

@@ -12,6 +12,7 @@ Example:
 from __future__ import annotations
 
 import os
+import sys
 import traceback
 
 from finetune.errors import first_line
@@ -20,6 +21,17 @@ from finetune.errors import first_line
 def already_launched() -> bool:
     """True inside a process started by a distributed launcher (accelerate, torchrun)."""
     return "LOCAL_RANK" in os.environ or "RANK" in os.environ
+
+
+def end_if_launched(code: int) -> None:
+    """In a launched rank, end the process now with `code`, output flushed, without the interpreter's teardown;
+    elsewhere, nothing. Left to interpreter exit, the communication backends' C++ threads (gloo's; DeepSpeed's
+    shared-memory op on CPU ranks) were torn down mid-flight now and then, and a rank died of SIGABRT ("terminate
+    called without an active exception") after it had finished, or after printing its one-line error."""
+    if already_launched():
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
 
 
 def is_first_rank() -> bool:

@@ -7,8 +7,6 @@ Example:
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 from typing import Any
 
 from finetune.commands.warning_lines import warnings_as_lines
@@ -74,10 +72,11 @@ def run_train(args: argparse.Namespace) -> int:
         )
         return run_launched(command, use_cpu=use_cpu, deepspeed=recipe.distributed.strategy == "deepspeed")
 
+    from finetune.launched import is_first_rank
     from finetune.training.loop import train
 
     adapter_dir, _ = train(recipe, resume=args.resume)
-    if os.environ.get("RANK", "0") == "0":  # one line per run, not per process
+    if is_first_rank():  # one line per run, not per process
         print(f"adapter: {adapter_dir}")
     _leave_process_group()
     return 0
@@ -99,24 +98,18 @@ def _cuda_available() -> bool:
 
 
 def _leave_process_group() -> None:
-    """A launched rank ends its process group, then its process without the interpreter's teardown.
-
-    Left to interpreter exit, the communication backends' C++ threads (gloo's; DeepSpeed's shared-memory op on
-    CPU ranks) were torn down mid-flight now and then: a rank that had finished and written the adapter died with
-    "terminate called without an active exception" (SIGABRT), and the launch failed (CI runs of the DDP test, and
-    on 2026-11-27 of the ZeRO-3 GRPO test, after the process group was destroyed). By now everything the run
-    leaves is written, synced and closed, so the rank flushes its output and exits at once."""
+    """A launched rank ends its process group, then its process without the interpreter's teardown
+    (`end_if_launched`: a rank that had finished and written the adapter died of SIGABRT now and then, in CI
+    runs of the DDP test and on 2026-11-27 of the ZeRO-3 GRPO test). By now everything the run leaves is written,
+    synced and closed."""
     import torch.distributed as dist
 
-    from finetune.launched import already_launched
+    from finetune.launched import end_if_launched
 
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
-    if already_launched():
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
+    end_if_launched(0)
 
 
 def run_validate(args: argparse.Namespace) -> int:
