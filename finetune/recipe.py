@@ -399,6 +399,12 @@ def _check_grpo_settings(train: TrainConfig) -> None:
 class TrainConfig(_Section):
     """The optimisation: how long, how fast, how often to evaluate and save."""
 
+    @property
+    def reference_passes(self) -> bool:
+        """Whether training runs passes of the reference policy: dpo (unless they are precomputed), kto, and grpo
+        with a KL term (beta > 0). Where LoRA does not start as the base, those passes swap the starting weights in."""
+        return {"dpo": not self.precompute_reference, "kto": True, "grpo": bool(self.beta)}.get(self.objective, False)
+
     def compiles(self, device_type: str, quantized: bool, checkpointing: bool | None = None) -> bool:
         """`compile` resolved: `auto` compiles where it was measured to pay, CUDA with an unquantized base (a 1B
         Llama LoRA on an H100: 52k tokens/s compiled, 29k eager, 40 s of compiling); not on the CPU, where the
@@ -783,9 +789,8 @@ class Recipe(_Section):
                 "train.nonfinite_skips cannot be used with distributed.strategy deepspeed: DeepSpeed takes its step "
                 "before the loop sees the gradient norm; set it to 0 or use fsdp"
             )
-        train, zero3 = self.train, self.distributed.strategy == "deepspeed" and self.distributed.deepspeed.stage == 3
-        passes = {"dpo": not train.precompute_reference, "kto": True, "grpo": bool(train.beta)}.get(train.objective)
-        if zero3 and passes and not self.lora.starts_as_base:  # else found on every rank, after the model loaded
+        zero3 = self.distributed.strategy == "deepspeed" and self.distributed.deepspeed.stage == 3
+        if zero3 and self.train.reference_passes and not self.lora.starts_as_base:  # else found on every rank later
             raise ValueError(ZERO3_STARTING_REFERENCE)
         if self.distributed.strategy == "deepspeed" and self.train.optimizer != "adamw":
             raise ValueError(

@@ -432,7 +432,7 @@ def _objective(recipe: Recipe, tokenizer: Any, varlen: bool, peft_model: Any, le
     starting LoRA weights when LoRA does not start as the base: copied here, before a resumed run loads its
     checkpoint's. GRPO learns the run's length (for its reward functions) and its log says how it will decode."""
     objective = objective_for(recipe, tokenizer, varlen)
-    if isinstance(objective, MeasuredAgainstStart) and objective.scores_reference and not recipe.lora.starts_as_base:
+    if isinstance(objective, MeasuredAgainstStart) and recipe.train.reference_passes and not recipe.lora.starts_as_base:
         objective.starting_weights = StartingWeights(peft_model)
     if isinstance(objective, GRPO):  # steps per epoch as `run_length` counts them (num_iterations per generation)
         per_epoch = length.micro_batches_per_epoch / recipe.train.grad_accum_steps * (recipe.train.num_iterations or 1)

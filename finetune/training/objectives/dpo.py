@@ -69,10 +69,6 @@ class DPO(PairObjective, MeasuredAgainstStart):
             return [{"reference": batch["reference_logps"]} for batch in batches]
         return [{"reference": self.reference_logps(models, batch)} for batch in batches]
 
-    @property
-    def scores_reference(self) -> bool:
-        return not self.precomputed
-
     def terms(self, models: Models, batch: dict[str, torch.Tensor], prepared: dict) -> Terms:
         logps = sequence_logps(models.step, batch)  # (2P,)
         chosen_ratios, rejected_ratios = by_side(logps - prepared["reference"].to(logps.dtype))

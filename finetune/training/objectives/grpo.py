@@ -298,10 +298,6 @@ class GRPO(MeasuredAgainstStart):
                     with self.reference_policy(models):
                         state["ref_logps"] = self.token_logps(models.peft, state)[0]
 
-    @property
-    def scores_reference(self) -> bool:
-        return bool(self.settings.loss.beta)
-
     # ---- the loss -----------------------------------------------------------------------------------
     def token_logps(self, model: Any, state: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """(N,) log π of each completion token at the sampling temperature, and (N,) the entropy there."""

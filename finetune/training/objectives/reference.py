@@ -88,11 +88,6 @@ class MeasuredAgainstStart:
     """The starting LoRA weights, set by the run when LoRA does not start as the base; None: the reference is
     the base, the adapter disabled."""
 
-    @property
-    def scores_reference(self) -> bool:
-        """Whether training runs reference passes (not when they are precomputed, or GRPO's β is 0)."""
-        return True
-
     def reference_policy(self, models: Models) -> AbstractContextManager:
         """π_ref for the block: the starting weights swapped in, or the base (the adapter disabled)."""
         if self.starting_weights is not None:
