@@ -32,12 +32,11 @@ from finetune.adapters.resolved_base import ResolvedBase, resolve_base
 from finetune.errors import AdapterError, AdapterWarning
 from finetune.fingerprint import fingerprint_model
 from finetune.model import load_base
-from finetune.quantization import Quantization
+from finetune.quantization import METHODS, Quantization
 
 __all__ = ["load_model"]
 
 DTYPES = ("float32", "bfloat16", "float16")
-QUANTIZATIONS = ("none", "4bit", "8bit")
 ADAPTER_CONFIG_NAME = "adapter_config.json"
 
 
@@ -171,8 +170,8 @@ def load_model(
     dtype = str(dtype).removeprefix("torch.")  # torch.bfloat16 -> "bfloat16"
     if dtype not in DTYPES:
         raise AdapterError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)} (names or torch dtypes)")
-    if quantization not in (None, *QUANTIZATIONS):
-        raise AdapterError(f"quantization {quantization!r} is not one of {', '.join(QUANTIZATIONS)}")
+    if quantization not in (None, *METHODS):
+        raise AdapterError(f"quantization {quantization!r} is not one of {', '.join(METHODS)}")
     base, read, use_first = _read_adapters(base, adapters, allow_pickle)
     quantization_settings = _quantization(quantization, read)
     resolved = resolve_base(

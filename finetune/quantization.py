@@ -16,12 +16,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
 if TYPE_CHECKING:
     import torch
 
 Method = Literal["none", "4bit", "8bit"]
+METHODS: tuple[str, ...] = get_args(Method)
 QuantType = Literal["nf4", "fp4"]
 
 
