@@ -65,13 +65,12 @@ def as_plain_lora(recipe: Recipe, weights: dict[str, torch.Tensor]) -> dict[str,
 
 
 def plain_lora_config(recipe: Recipe, config_file: Path) -> None:
-    """The written adapter_config.json for the plain LoRA of rank 2r that `as_plain_lora` made, as peft writes it."""
+    """The written adapter_config.json for the plain LoRA of rank 2r that `as_plain_lora` made, as peft writes it.
+    (A recipe sets no rank or alpha patterns, so r and alpha are all there is to double.)"""
     if not mutates_base(recipe):
         return
     config = json.loads(config_file.read_text(encoding="utf-8"))
     config["r"] *= 2
     config["lora_alpha"] *= math.sqrt(2) if config.get("use_rslora") else 2
-    config["rank_pattern"] = {key: 2 * value for key, value in (config.get("rank_pattern") or {}).items()}
-    config["alpha_pattern"] = {key: 2 * value for key, value in (config.get("alpha_pattern") or {}).items()}
     config["init_lora_weights"] = True
     config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
