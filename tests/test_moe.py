@@ -453,25 +453,14 @@ def test_shared_experts_keep_their_linear_lora_beside_the_routed_experts():
 
 def _patterned_adapter(base_dir: Path, out: Path, rank_pattern: dict, alpha_pattern: dict) -> Path:
     """A seeded random LoRA with per-tensor rank/alpha patterns on the expert tensors, saved by plain peft."""
-    from peft import LoraConfig as PeftLoraConfig
-    from peft import get_peft_model
+    from helpers import make_adapter
 
     from finetune.adapters.experts import peft_target_rewrite_off
 
-    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
-    config = PeftLoraConfig(
-        r=4, lora_alpha=8, target_modules=["q_proj"], target_parameters=["experts.down_proj", "experts.gate_up_proj"],
-        rank_pattern=rank_pattern, alpha_pattern=alpha_pattern,
-    )  # fmt: skip
     with peft_target_rewrite_off():
-        peft_model = get_peft_model(model, config)
-    generator = torch.Generator().manual_seed(5)
-    with torch.no_grad():
-        for name, parameter in peft_model.named_parameters():
-            if "lora_" in name:
-                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.2)
-    peft_model.save_pretrained(out)
-    return out
+        return make_adapter(base_dir, out, seed=5, targets=("q_proj",), manifest=False,
+                            target_parameters=["experts.down_proj", "experts.gate_up_proj"],
+                            rank_pattern=rank_pattern, alpha_pattern=alpha_pattern)  # fmt: skip
 
 
 @pytest.mark.parametrize(
