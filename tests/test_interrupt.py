@@ -101,17 +101,14 @@ def test_sigterm_to_a_run_of_two_ranks_checkpoints_once_and_says_so_once(workdir
 @pytest.mark.slow
 def test_a_signal_during_the_final_evaluation_lets_the_run_end_whole(workdir):
     """After the last step only the final evaluation and the adapter are left: a SIGTERM then killed the process
-    without a word (and SIGINT ended it with a bare "interrupted"); the run now finishes them and ends whole."""
-    import json
-
-    from helpers import instruction_records
-
-    (workdir / "big-valid.jsonl").write_text("".join(json.dumps(r) + "\n" for r in instruction_records(600)))
-    process = start(["train.max_steps=2", "train.log_every_steps=1", "data.validation=big-valid.jsonl",
-                     "output.name=whole"], workdir)  # fmt: skip
+    without a word (and SIGINT ended it with a bare "interrupted"); the run now finishes them and ends whole. The
+    run sleeps 5 s after each step and before its final evaluation (the test hook): the signal comes 2 s into
+    that last sleep."""
+    process = start(["train.max_steps=2", "train.log_every_steps=1", "output.name=whole"], workdir,
+                    **{SLOW_STEP_ENV: "5"})  # fmt: skip
     lines: list[str] = []
-    wait_for_step(process, 2, lines)  # the last step: the final evaluation (600 records) begins
-    time.sleep(2)  # into it (it takes 10 s or more here)
+    wait_for_step(process, 2, lines)  # the last step is read: its checkpoint, then the sleep before the evaluation
+    time.sleep(2)
     assert process.poll() is None
     process.send_signal(signal.SIGTERM)
     _, rest = process.communicate(timeout=300)

@@ -134,6 +134,7 @@ def _train(
         try:
             last = run_steps(run, stop, fan_out(training_log, on_step))
             finishing = True
+            _test_hook_slow_step()  # tests signal a run here, between its last step and its final evaluation
             final_eval = run.evaluate()
             training_log.log_eval(run.step, final_eval)
         finally:
@@ -314,7 +315,8 @@ class PendingSteps:
 
 
 def _test_hook_slow_step() -> None:
-    """Tests sleep here (`FINETUNE_TEST_SECONDS_PER_STEP`) to signal a run at a known point; 0 by default."""
+    """Tests sleep here (`FINETUNE_TEST_SECONDS_PER_STEP`), after each step and once more before the final
+    evaluation, to signal a run at a known point; 0 by default."""
     seconds = float(os.environ.get(SLOW_STEP_ENV, "0") or 0)
     if seconds > 0:
         time.sleep(seconds)
