@@ -17,6 +17,7 @@ from typing import Any
 
 from finetune.commands.numbers import positive_int
 from finetune.commands.warning_lines import warnings_as_lines
+from finetune.quantization import METHODS
 
 
 def parse_adapter_spec(spec: str):
@@ -71,7 +72,7 @@ def _register_merge(sub: argparse._SubParsersAction) -> None:
     merge.add_argument(
         "--quantization",
         default=None,
-        choices=["none", "4bit", "8bit"],
+        choices=METHODS,
         help="bitsandbytes quantization the adapters were trained on (default: their manifest's); the merge "
         "dequantizes it and writes 16/32-bit weights",
     )
