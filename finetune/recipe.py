@@ -767,6 +767,14 @@ class Recipe(_Section):
     distributed: DistributedConfig = DistributedConfig()
     output: OutputConfig
 
+    @property
+    def start_metrics_prefix(self) -> str:
+        """The prefix of the held-out metrics taken before training: `base_` where they are the base's (SFT
+        evaluates with the adapter disabled; other objectives where LoRA starts as the base), `start_` where a
+        preference or GRPO run starts from another adapter (`lora.init_from`) or a PiSSA/OLoRA initialisation:
+        then they are that starting model's, and naming them the base's would mislead a reader of the manifest."""
+        return "base_" if self.train.objective == "sft" or self.lora.starts_as_base else "start_"
+
     def for_device(self, device_type: str, bf16_units: bool | None = None) -> Recipe:
         """This recipe with `model.dtype: auto` and `train.precision: auto` resolved for `device_type`: 16-bit
         where it is fast (a GPU, a CPU with bf16 units), 32-bit on a CPU that emulates bf16 (86x slower than

@@ -25,6 +25,7 @@ from accelerate import Accelerator
 from helpers import LIBRARY_ULPS, REORDERED_ULPS, REPO, SUM_ULPS, assert_within_ulps, preference_records
 from safetensors.torch import load_file
 
+from finetune.adapters.store import summarize
 from finetune.recipe import recipe_from_dict
 from finetune.training.loop import SLOW_STEP_ENV, accumulate_gradients, train
 from finetune.training.objectives.base import CollateOptions
@@ -423,13 +424,16 @@ def test_from_an_adapter_the_reference_is_that_adapter_swapped_in_as_precomputed
     with either, and with KTO (whose reference cannot be precomputed), the policy at the start is its
     reference: every held-out implicit reward is 0 before the first step."""
     quiet = {"log": lambda line: None}
-    start, _ = train("pref.yaml", ["lora.dropout=0.0", "train.max_steps=2", "output.name=start"], **quiet)
+    start, from_base = train("pref.yaml", ["lora.dropout=0.0", "train.max_steps=2", "output.name=start"], **quiet)
+    assert "base_eval_ppl" in from_base and "start_eval_ppl" not in from_base, from_base
     refine = [f"lora.init_from={start}", "lora.dropout=0.0", "train.max_steps=3", "train.report_to=[]"]
     precomputed, before = train("pref.yaml", [*refine, "output.name=precomputed"], **quiet)
     swapped, after = train("pref.yaml", [*refine, "train.precompute_reference=false", "output.name=swapped"], **quiet)
     for metrics in (before, after):  # every reward 0: no margin, and DPO's loss -log sigmoid(0)
-        assert metrics["base_eval_reward_margin"] == 0.0, metrics
-        assert_within_ulps(metrics["base_eval_loss"], math.log(2), SUM_ULPS, what="DPO loss at margin 0")
+        assert metrics["start_eval_reward_margin"] == 0.0, metrics
+        assert_within_ulps(metrics["start_eval_loss"], math.log(2), SUM_ULPS, what="DPO loss at margin 0")
+        assert not any(key.startswith("base_") for key in metrics), metrics  # the starting adapter's, not the base's
+    assert "start_eval_ppl=" in summarize(precomputed).metrics
     expected, actual = (
         load_file(precomputed / "adapter_model.safetensors"),
         load_file(swapped / "adapter_model.safetensors"),
@@ -443,7 +447,7 @@ def test_from_an_adapter_the_reference_is_that_adapter_swapped_in_as_precomputed
     (preference_workdir / "examples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in unpaired_records(12)))
     (preference_workdir / "kto.yaml").write_text(KTO_RECIPE.format(base=tiny_base_dir, start=start))
     _, kto = train("kto.yaml", [], **quiet)
-    assert kto["base_eval_reward_margin"] == 0.0 and kto["base_eval_loss"] == 0.5, kto  # 1 - sigmoid(0)
+    assert kto["start_eval_reward_margin"] == 0.0 and kto["start_eval_loss"] == 0.5, kto  # 1 - sigmoid(0)
 
 
 def test_a_step_without_desirable_examples_logs_no_chosen_metrics(workdir, tiny_base_dir):

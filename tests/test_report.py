@@ -20,7 +20,7 @@ from PIL import Image
 
 from finetune.cli import main as cli_main
 from finetune.report import read_run, write_report
-from finetune.report.plots import BASE_SUFFIX, FIGURE_NAMES, make_figures
+from finetune.report.plots import BASE_SUFFIX, FIGURE_NAMES, START_SUFFIX, make_figures
 
 
 def _jsonl(run_dir: Path) -> tuple[list[dict], list[dict]]:
@@ -166,3 +166,19 @@ def test_a_grpo_runs_loss_and_perplexity_of_its_own_samples_are_not_shown_as_hel
     assert {line.get_label() for line in ppl_axes.get_lines()} == {"a", "a" + BASE_SUFFIX}
     page = write_report([trained_runs["a"], run_dir]).html.read_text()
     assert "not held-out (GRPO scores its own samples" in page
+
+
+def test_a_run_from_a_starting_adapter_shows_its_figures_before_training_as_that_adapters(trained_runs, tmp_path):
+    """A preference or GRPO run from `lora.init_from` records its figures before training as `start_...`: the
+    report plots and tables them as the starting adapter's, not as the base model's."""
+    run_dir = tmp_path / "from-adapter"
+    shutil.copytree(trained_runs["a"], run_dir)
+    record = json.loads((run_dir / "run.json").read_text())
+    metrics = record["manifest"]["metrics"]
+    for key in [key for key in metrics if key.startswith("base_")]:
+        metrics["start_" + key.removeprefix("base_")] = metrics.pop(key)
+    (run_dir / "run.json").write_text(json.dumps(record))
+    loss_axes, ppl_axes = make_figures([read_run(run_dir)])["eval"].axes
+    assert _line(ppl_axes, "a" + START_SUFFIX)[1] == [metrics["start_eval_ppl"]] * 2
+    page = write_report([run_dir]).html.read_text()
+    assert f"starting adapter {metrics['start_eval_ppl']:.3f} → {metrics['eval_ppl']:.3f}" in page

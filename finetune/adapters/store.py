@@ -76,9 +76,10 @@ def _weights_file(adapter_dir: Path) -> Path | None:
 
 # What a reader of the store wants first: held-out quality, then how much training it took. A GRPO adapter's
 # quality is its sampled reward: its evaluation loss and perplexity are of completions it wrote itself.
-_PREFERRED_METRICS = ("eval_ppl", "base_eval_ppl", "eval_loss", "step")
-_PREFERRED_REWARD_METRICS = ("eval_reward", "base_eval_reward", "step")
-_NOT_HELD_OUT = ("eval_ppl", "base_eval_ppl", "eval_loss", "base_eval_loss")
+# A run that starts from another adapter names its figures before training `start_...`, not `base_...`.
+_PREFERRED_METRICS = ("eval_ppl", "base_eval_ppl", "start_eval_ppl", "eval_loss", "step")
+_PREFERRED_REWARD_METRICS = ("eval_reward", "base_eval_reward", "start_eval_reward", "step")
+_NOT_HELD_OUT = ("eval_ppl", "base_eval_ppl", "start_eval_ppl", "eval_loss", "base_eval_loss", "start_eval_loss")
 
 
 def _format_metrics(metrics: dict) -> str:

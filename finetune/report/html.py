@@ -64,6 +64,8 @@ def _held_out(run: RunHistory, key: str, digits: int) -> str:
     if after is None:
         return _MISSING
     text = f"{base:.{digits}f} → {after:.{digits}f}" if base is not None else f"{after:.{digits}f}"
+    if base is not None and run.starts_from_adapter:
+        text = f"starting adapter {text}"
     if key == "eval_ppl" and base is not None:
         text += f" ({perplexity_change(base, after)})"
     return text

@@ -34,6 +34,7 @@ PREFERENCE_FIGURE = "rewards"
 ONLINE_FIGURE = "sampled_rewards"
 """Added when a run logged an online objective's rewards (`reward`: GRPO)."""
 BASE_SUFFIX = ": base model"
+START_SUFFIX = ": starting adapter"
 RUN_COLOURS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#17becf")
 _FEW_POINTS = 30  # below this many points a line also gets markers, so single evaluations stay visible
 
@@ -103,7 +104,13 @@ def _held_out(runs: Sequence[RunHistory]) -> Figure:
             _plot(axes, steps, values, run.name, _colour(index))
             base = run.base_metric(key)
             if base is not None:
-                axes.axhline(base, color=_colour(index), linestyle="--", linewidth=1, label=run.name + BASE_SUFFIX)
+                axes.axhline(
+                    base,
+                    color=_colour(index),
+                    linestyle="--",
+                    linewidth=1,
+                    label=run.name + (START_SUFFIX if run.starts_from_adapter else BASE_SUFFIX),
+                )
             has_data = has_data or bool(steps) or base is not None
     if has_data:
         from matplotlib.ticker import FuncFormatter

@@ -48,8 +48,16 @@ class RunHistory:
         return [p[0] for p in pairs], [p[1] for p in pairs]
 
     def base_metric(self, key: str) -> float | None:
-        """The base model's held-out `eval_loss`/`eval_ppl` before training, when the run recorded it."""
-        return self.metrics.get(f"base_{key}")
+        """The held-out `eval_loss`/`eval_ppl`/... before training, when the run recorded it: the base model's, or
+        the starting adapter's of a preference or GRPO run that started from one (`starts_from_adapter`)."""
+        value = self.metrics.get(f"base_{key}")
+        return self.metrics.get(f"start_{key}") if value is None else value
+
+    @property
+    def starts_from_adapter(self) -> bool:
+        """Whether the figures before training are a starting adapter's (`lora.init_from`, PiSSA/OLoRA), not the
+        base's (`Recipe.start_metrics_prefix`)."""
+        return any(key.startswith("start_eval_") for key in self.metrics)
 
     @property
     def scores_own_samples(self) -> bool:

@@ -30,14 +30,14 @@ from finetune.training.run import TrainingRun, check_output_free
 
 
 def summary_metrics(run: TrainingRun, last: dict[str, float], say: Callable[[str], None]) -> dict[str, Any]:
-    """The metrics recorded in the manifest: the last step's, the final evaluation and the base's."""
+    """The metrics recorded in the manifest: the last step's, the final evaluation and the start's (the base's,
+    or a starting adapter's: `Recipe.start_metrics_prefix`)."""
     metrics: dict[str, Any] = {"step": run.step, **last, "tokens_seen": run.tokens_seen}
-    base_eval = run.base_eval
+    base_eval, prefix = run.base_eval, run.recipe.start_metrics_prefix
     if base_eval:
-        metrics["base_eval_loss"], metrics["base_eval_ppl"] = base_eval["eval_loss"], base_eval["eval_ppl"]
-        for key in ("eval_reward_accuracy", "eval_reward_margin", "eval_reward"):  # preference or grpo, at its start
-            if key in base_eval:
-                metrics[f"base_{key}"] = base_eval[key]
+        for key in ("eval_loss", "eval_ppl", "eval_reward_accuracy", "eval_reward_margin", "eval_reward"):
+            if key in base_eval:  # the rewards: preference or grpo, at its start
+                metrics[f"{prefix}{key}"] = base_eval[key]
     if base_eval and "eval_ppl" in last:
         cut = 1 - last["eval_ppl"] / base_eval["eval_ppl"]
         metrics["ppl_cut"] = cut

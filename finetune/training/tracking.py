@@ -73,7 +73,8 @@ class Trackers:
     @classmethod
     def start(cls, accelerator: Any, recipe: Recipe, base_eval: Mapping[str, float], step: int) -> Trackers:
         """Start a run in each tracker (main process), with the recipe as its configuration and the base
-        model's held-out metrics (`base_eval_loss`, `base_eval_ppl`) logged at `step`."""
+        model's held-out metrics (`base_eval_loss`, `base_eval_ppl`; `start_...` where the run starts from another
+        adapter: `Recipe.start_metrics_prefix`) logged at `step`."""
         run_name = recipe.output.name
         try:
             accelerator.init_trackers(
@@ -92,7 +93,7 @@ class Trackers:
             ) from None
         trackers = cls(accelerator)
         if base_eval:
-            trackers.log(step, {f"base_{key}": value for key, value in base_eval.items()})
+            trackers.log(step, {f"{recipe.start_metrics_prefix}{key}": value for key, value in base_eval.items()})
         return trackers
 
     def log(self, step: int, values: Mapping[str, float]) -> None:
