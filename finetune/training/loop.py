@@ -87,7 +87,8 @@ def train(
         resume: continue from the newest checkpoint in the run directory (error if there is none).
         log: where progress lines go (stderr by default).
         progress: show a progress bar; default: when stderr is a terminal.
-        on_step: called after every optimizer step with its metrics (see `finetune.training.progress`).
+        on_step: called after every optimizer step with its metrics (see `finetune.training.progress`); the final
+            evaluation, after the last step, is in the returned `TrainResult.metrics`.
 
     Raises:
         TrainingError: a NaN/Inf loss or gradient (beyond `train.nonfinite_skips`), or out of GPU or host memory

@@ -4,7 +4,8 @@ The loop in `finetune.training.loop` calls `on_step` once per optimizer step, in
 metrics (at the logging interval, before an evaluation or checkpoint, and at the end), with that step's metrics (`loss`,
 `lr`, `grad_norm`, `tokens_seen`, `epoch`, `elapsed_s`, the objective's own (a preference objective's
 `rewards_chosen`, `reward_accuracy`, ...), and `eval_loss`/`eval_ppl` (and `eval_reward_accuracy`, ...)
-after an evaluation). Everything that reports progress consumes that one stream: `TrainingLog` (metrics.jsonl,
+after an evaluation during the run). The final evaluation, after the last step, is not a step's: it is in the
+`TrainResult.metrics` that `train` returns and in metrics.jsonl. Everything that reports progress consumes that one stream: `TrainingLog` (metrics.jsonl,
 the console line or progress bar, and the experiment trackers of `finetune.training.tracking`, TensorBoard among
 them, which receive exactly the records metrics.jsonl gets), a benchmark timing the run, a user's own callback.
 
