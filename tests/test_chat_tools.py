@@ -415,3 +415,35 @@ def test_an_assistant_turn_of_reasoning_alone_trains_its_closing_token(family):
     runs = trained_runs(ids, [token if keep else -100 for token, keep in zip(ids, trained)], tokenizer)
     closing = {"<|im_end|>": "<|im_end|>", "<|eot_id|>": "<|eot_id|>", "<|return|>": "<|end|>"}[family.eos]
     assert runs[0].endswith(closing) and "Hi" not in runs[0] and len(runs) == 2
+
+
+SECOND_CALL = {
+    "id": "call00002",
+    "type": "function",
+    "function": {"name": "get_weather", "arguments": {"city": "Rome"}},
+}
+DROPPED_CALLS = [
+    # gpt-oss's template renders a turn's first call only: the second would vanish, its result answering nothing
+    ("gpt-oss", lambda m: [m[2].update(tool_calls=[CALL, SECOND_CALL]), m.insert(4, {**m[3], "tool_call_id": "call00002"})],
+     r"messages\[2\]: the chat template does not render tool_calls\[1\] \(get_weather\) of this turn's 2"),
+    # the R1 distills' renders calls only on a turn without text: the turn would train as text and a stop
+    ("deepseek-r1-distill-tools", lambda m: m[2].update(content="Let me look that up."),
+     r"messages\[2\]: the chat template does not render tool_calls\[0\] \(get_weather\) of this turn's 1"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("name", "change", "message"), DROPPED_CALLS, ids=[d[0] for d in DROPPED_CALLS])
+def test_a_tool_call_the_template_drops_is_one_line_naming_the_turn(name, change, message, tmp_path, capsys):
+    family = next(f for f in FAMILIES if f.name == name)
+    tokenizer = family_tokenizer(family)
+    record = _variant(change)
+    with pytest.raises(DataError, match="record 1: " + message):
+        render_chat(normalize_record(record, "messages", "record 1"), tokenizer.chat_template, tokenizer, "record 1")
+    tokenizer.save_pretrained(tmp_path / "tokenizer")
+    (tmp_path / "chat.jsonl").write_text(json.dumps(record) + "\n")
+    recipe = {"model": {"base": "embedded:tiny-llama", "tokenizer": str(tmp_path / "tokenizer")},
+              "data": {"train": str(tmp_path / "chat.jsonl"), "format": "chat"}, "output": {"name": "x"}}  # fmt: skip
+    (tmp_path / "recipe.yaml").write_text(json.dumps(recipe))
+    assert main(["data", "preview", str(tmp_path / "recipe.yaml")]) == 2
+    (error,) = capsys.readouterr().err.strip().splitlines()
+    assert "line 1 (record 1): messages[2]: the chat template does not render tool_calls" in error

@@ -208,6 +208,7 @@ def render_turns(
         if message["role"] != "assistant" or index < train_from:
             continue
         marked = render([*shown[:index], _masked(message), *shown[index + 1 :]])
+        _check_calls_rendered(marked, message, f"{where}: messages[{index}]")
         words = _differing(full, marked)
         if words is None:  # the template renders none of this turn's words (DeepSeek's tool calls with text)
             continue
@@ -237,8 +238,8 @@ def _masked(message: dict[str, Any]) -> dict[str, Any]:
             out[key] = _SENTINEL
     if out.get("tool_calls"):
         calls = []
-        for call in out["tool_calls"]:
-            arguments: Any = {"ft": _SENTINEL}
+        for number, call in enumerate(out["tool_calls"]):
+            arguments: Any = {_call_key(number): _SENTINEL}
             if isinstance(call["function"]["arguments"], str):
                 arguments = json.dumps(arguments, ensure_ascii=False)
             calls.append({**call, "function": {**call["function"], "arguments": arguments}})
@@ -246,6 +247,28 @@ def _masked(message: dict[str, Any]) -> dict[str, Any]:
     if not message.get("content") and not message.get("tool_calls"):  # no answer: mark where it would go (a
         out["content"] = _SENTINEL  # template may drop the reasoning: the closing token is still found)
     return out
+
+
+def _call_key(number: int) -> str:
+    """The argument name a masked turn gives its call `number`: found in the rendering when the call is rendered."""
+    return f"ft-call-{number}"
+
+
+def _check_calls_rendered(marked: str, message: dict[str, Any], at: str) -> None:
+    """Every tool call of the turn shows in its masked rendering. Templates drop calls without a word: gpt-oss's
+    renders only a turn's first call, the DeepSeek-R1 distills' none on a turn with text; the turn would train
+    as if the model stopped without calling, and its results would answer nothing."""
+    calls = message.get("tool_calls") or []
+    dropped = [number for number in range(len(calls)) if _call_key(number) not in marked]
+    if not dropped:
+        return
+    names = ", ".join(f"tool_calls[{n}] ({calls[n]['function']['name']})" for n in dropped)
+    raise DataError(
+        f"{at}: the chat template does not render {names} of this turn's {len(calls)} tool call(s) (gpt-oss's "
+        "renders one call per turn, the R1 distills' none on a turn with text, LFM2's none from tool_calls); give "
+        "each call an assistant turn of its own followed by its result, leave the turn's text out, or write the "
+        "calls into the text as the template's model writes them"
+    )
 
 
 def _differing(full: str, marked: str) -> tuple[int, int] | None:
