@@ -447,3 +447,15 @@ def test_a_tool_call_the_template_drops_is_one_line_naming_the_turn(name, change
     assert main(["data", "preview", str(tmp_path / "recipe.yaml")]) == 2
     (error,) = capsys.readouterr().err.strip().splitlines()
     assert "line 1 (record 1): messages[2]: the chat template does not render tool_calls" in error
+
+
+@pytest.mark.parametrize("family", [f for f in FAMILIES if f.record is None], ids=lambda f: f.name)
+def test_a_short_tool_result_that_shows_inside_the_call_leaves_the_call_trained_through_its_end(family):
+    """A result such as `1` shows in Mistral's call id (`call00001`) and `}` in every call's JSON, between the
+    call's arguments and its closing token: it is not where the result starts, and the call stays trained whole."""
+    tokenizer = family_tokenizer(family)
+    for result in ("1", "}"):
+        chat = normalize_record(_variant(lambda m, r=result: m[3].update(content=r)), "messages", "record 1")
+        ids, trained = render_chat(chat, tokenizer.chat_template, tokenizer, "record 1")
+        runs = trained_runs(ids, [token if keep else -100 for token, keep in zip(ids, trained)], tokenizer)
+        assert runs == list(family.trained), result

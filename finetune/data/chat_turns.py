@@ -220,7 +220,7 @@ def render_turns(
                 "{% endgeneration %} around assistant output in data.chat_template, or set "
                 "data.completion_only_loss=false"
             )
-        bound = _next_message_at(full, shown, index, words[1], marks)
+        bound = _next_message_at(full, shown, index, words[1], marks, render)
         end = marks.end_after(full, words[1], bound)
         spans.append((start, end))
         floor = end
@@ -298,17 +298,29 @@ def _shows(full: str, message: dict[str, Any], start: int, end: int) -> bool:
     return not forms or any(full.find(form, start, end) >= 0 for form in forms)
 
 
-def _next_message_at(full: str, messages: list[dict[str, Any]], index: int, after: int, marks: TurnMarks) -> int:
+def _next_message_at(
+    full: str, messages: list[dict[str, Any]], index: int, after: int, marks: TurnMarks, render: Callable
+) -> int:
     """Where the message after `index` shows in `full` (its content, or the next assistant header): the
-    turn's closing token must come before it."""
+    turn's closing token must come before it.
+
+    Its content is looked for as text; where that text also shows between the words and the closing token
+    (a tool result `1` inside Mistral's call id, `}` in a call's JSON), it says nothing of where the message
+    is, which is then found exactly: the conversation rendered with that message's content replaced by a
+    sentinel (one more rendering, only then)."""
     bound = marks.next_header(full, after)
-    if index + 1 < len(messages):
-        for form in _forms(messages[index + 1]):
-            found = full.find(form, after)
-            if found >= 0:
-                bound = min(bound, found)
-                break
-    return bound
+    if index + 1 >= len(messages):
+        return bound
+    following = messages[index + 1]
+    found = next((at for form in _forms(following) if (at := full.find(form, after)) >= 0), None)
+    if found is None or found >= bound:
+        return bound
+    closer = marks.first_closer(full, after)
+    if closer is None or closer[0] < found:
+        return found
+    marked = render([*messages[: index + 1], {**following, "content": _SENTINEL}, *messages[index + 2 :]])
+    located = _differing(full, marked)
+    return located[0] if located is not None and located[0] >= after else found
 
 
 @dataclass(frozen=True)
@@ -335,16 +347,19 @@ class TurnMarks:
     def end_after(self, full: str, words_end: int, bound: int) -> int:
         """Through the first closing token after the words (and closing tokens right after it), when it
         comes before `bound`; else the words' end."""
-        found = [(at, token) for token in self.closers if (at := full.find(token, words_end)) >= 0]
-        if not found:
+        found = self.first_closer(full, words_end)
+        if found is None or found[0] >= bound:
             return words_end
-        at, token = min(found, key=lambda hit: (hit[0], -len(hit[1])))
-        if at >= bound:
-            return words_end
+        at, token = found
         end = at + len(token)
         while (following := next((t for t in self.closers if full.startswith(t, end)), None)) is not None:
             end += len(following)
         return end
+
+    def first_closer(self, full: str, after: int) -> tuple[int, str] | None:
+        """The first closing token at or after `after` (the longest where several start there), and where."""
+        found = [(at, token) for token in self.closers if (at := full.find(token, after)) >= 0]
+        return min(found, key=lambda hit: (hit[0], -len(hit[1])), default=None)
 
     def next_header(self, full: str, after: int) -> int:
         hits = [at for header in self.headers[:1] if (at := full.find(header, after)) >= 0]
