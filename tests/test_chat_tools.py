@@ -96,9 +96,11 @@ FAMILIES = [
            (' to=functions.get_weather<|channel|>commentary json<|message|>{"city": "Paris"}<|call|>',
             "<|channel|>analysis<|message|>It is mild.<|end|><|start|>assistant<|channel|>final<|message|>"
             "Paris: 18 C and sunny.<|return|>")),
+    # Mistral v0.3: no generation prompt after a tool result; the answer's leading space is the template's
+    # (`" " + content`), written by the model as after `[/INST]`.
     Family("mistral-v0.3", TESTS / "mistral-v0.3-tools.jinja", "<s>", "</s>", MISTRAL,
            ('[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}, "id": "call00001"}]</s>',
-            ANSWER_WITH_THINKING + "</s>")),
+            " " + ANSWER_WITH_THINKING + "</s>")),
     # The R1 distills' template drops the reasoning (everything to `</think>`) from every turn, and
     # cannot render a tool call next to text: a reasoning conversation without tools.
     Family("deepseek-r1-distill", TRL_TEMPLATES / "deepseek_r1_distill.jinja", "<｜begin▁of▁sentence｜>",
@@ -459,3 +461,24 @@ def test_a_short_tool_result_that_shows_inside_the_call_leaves_the_call_trained_
         ids, trained = render_chat(chat, tokenizer.chat_template, tokenizer, "record 1")
         runs = trained_runs(ids, [token if keep else -100 for token, keep in zip(ids, trained)], tokenizer)
         assert runs == list(family.trained), result
+
+
+def test_a_turn_after_a_tool_result_with_no_header_trains_its_wrapping_from_the_results_end():
+    """Mistral's template writes no generation prompt after `[/TOOL_RESULTS]`: a second call is trained from there
+    (`[TOOL_CALLS] [{"name": ...`, what the model writes), not from its arguments. With a later user turn the
+    template moves the tools before that turn, so the conversation before the call is no prefix of the rendering:
+    the call still starts after the token that closes the result."""
+    mistral = next(f for f in FAMILIES if f.name == "mistral-v0.3")
+    tokenizer = family_tokenizer(mistral)
+    rome = {"id": "call00002", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Rome"}}}
+    calls = [{"role": "assistant", "content": None, "tool_calls": [rome]},
+             {"role": "tool", "tool_call_id": "call00002", "content": "25 C"}]  # fmt: skip
+    later = [{"role": "user", "content": "Thanks"}, {"role": "assistant", "content": "You are welcome."}]
+    call = '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Rome"}, "id": "call00002"}]</s>'
+    for after in ([], later):
+        record = {"tools": TOOLS, "messages": [*MESSAGES[:4], *calls, MESSAGES[4], *after]}
+        chat = normalize_record(record, "messages", "record 1")
+        ids, trained = render_chat(chat, tokenizer.chat_template, tokenizer, "record 1")
+        runs = trained_runs(ids, [token if keep else -100 for token, keep in zip(ids, trained)], tokenizer)
+        assert runs[:3] == [mistral.trained[0], call, mistral.trained[1]], after
+        assert runs[3:] == ([" You are welcome.</s>"] if after else [])

@@ -12,7 +12,8 @@ earlier turns' reasoning) are handled and nothing is refused:
    reasoning, call arguments; never the tool names, which other messages refer to) replaced by sentinels.
    The two renderings differ only in that turn, so the first and last differing characters bound it;
 2. its start: back to the end of the generation prompt before those words (the last occurrence of the
-   template's header between the previous turn and the words);
+   template's header between the previous turn and the words); where there is none (Mistral's turns after
+   a tool result), where the conversation before the turn, rendered as a prompt, ends;
 3. its end: forward to the first closing token after the words (and any closing tokens right after it),
    provided no other message comes first.
 
@@ -197,8 +198,8 @@ def render_turns(
     kwargs = template_kwargs(reasoning)
     shown = for_template(chat.messages, reads, reasoning != "none")
 
-    def render(messages: list[dict[str, Any]]) -> str:
-        return _apply(tokenizer, messages, chat.tools, template, where, {**kwargs, "tokenize": False})
+    def render(messages: list[dict[str, Any]], **extra: Any) -> str:
+        return _apply(tokenizer, messages, chat.tools, template, where, {**kwargs, **extra, "tokenize": False})
 
     full = render(shown)
     marks = turn_marks(tokenizer, template, json.dumps(kwargs, sort_keys=True))
@@ -212,7 +213,9 @@ def render_turns(
         words = _differing(full, marked)
         if words is None:  # the template renders none of this turn's words (DeepSeek's tool calls with text)
             continue
-        start = marks.start_before(full, floor, words[0])
+        start = marks.header_end(full, floor, words[0])
+        if start is None:  # no generation prompt before this turn (Mistral's after a tool result)
+            start = _start_without_header(full, shown, index, floor, words[0], marks, render)
         if index and not _shows(full, shown[index - 1], floor, start):
             raise DataError(
                 f"{where}: the chat template renders text that depends on the assistant's words before the "
@@ -298,6 +301,38 @@ def _shows(full: str, message: dict[str, Any], start: int, end: int) -> bool:
     return not forms or any(full.find(form, start, end) >= 0 for form in forms)
 
 
+def _start_without_header(
+    full: str, messages: list[dict[str, Any]], index: int, floor: int, words_start: int, marks: TurnMarks, render
+) -> int:
+    """Where a turn that follows no generation prompt starts (Mistral's calls and answers after tool results,
+    DeepSeek's after tool outputs): its wrapping before the words (`[TOOL_CALLS] [{"name": ...`) is the model's.
+
+    That is where the conversation before it, rendered as a prompt, ends, as at inference. A template that renders
+    earlier turns otherwise once later ones exist (Mistral's tools and system prompt go with the last user turn)
+    gets the end of the first special token after the previous message's content instead; with neither, the words'
+    start."""
+    previous = _content_end(full, messages[index - 1], floor, words_start) if index else None
+    if previous is None:
+        return words_start
+    try:
+        prompt = render(messages[:index], add_generation_prompt=True)
+    except DataError:  # a template that refuses to end on this message
+        prompt = ""
+    if prompt and previous <= len(prompt) <= words_start and full.startswith(prompt):
+        return len(prompt)
+    return marks.after_special(full, previous, words_start)
+
+
+def _content_end(full: str, message: dict[str, Any], floor: int, before: int) -> int | None:
+    """Where `message`'s content ends in `full[floor:before]` (its last showing); None if it has none or it does
+    not show."""
+    for form in _forms(message):
+        found = full.rfind(form, floor, before)
+        if found >= 0:
+            return found + len(form)
+    return None
+
+
 def _next_message_at(
     full: str, messages: list[dict[str, Any]], index: int, after: int, marks: TurnMarks, render: Callable
 ) -> int:
@@ -330,19 +365,29 @@ class TurnMarks:
 
     headers: tuple[str, ...]
     closers: tuple[str, ...]
+    specials: tuple[str, ...] = ()
+    """The tokenizer's special tokens: where a turn follows no header, the one closing the message before it."""
     last_turn_closer: str = ""
     """Where the template closes no turn with a token of its own (GLM), the opener of a user turn: a conversation
     ending with an answer gets it after that answer, trained, so the model learns to stop (its stop token)."""
 
-    def start_before(self, full: str, floor: int, words_start: int) -> int:
-        """After the longest header that ends in `full[floor:words_start]` (its last occurrence), else the
-        words' start."""
+    def header_end(self, full: str, floor: int, words_start: int) -> int | None:
+        """After the longest header that ends in `full[floor:words_start]` (its last occurrence); None if none does."""
         window = full[floor:words_start]
         for header in self.headers:
             found = window.rfind(header)
             if found >= 0:
                 return floor + found + len(header)
-        return words_start
+        return None
+
+    def after_special(self, full: str, after: int, before: int) -> int:
+        """After the first special token in `full[after:before]` (the longest where several start there), else
+        `before`."""
+        hits = [(at, -len(token)) for token in self.specials if (at := full.find(token, after, before)) >= 0]
+        if not hits:
+            return before
+        at, negative_length = min(hits)
+        return at - negative_length
 
     def end_after(self, full: str, words_end: int, bound: int) -> int:
         """Through the first closing token after the words (and closing tokens right after it), when it
@@ -406,7 +451,7 @@ def turn_marks(tokenizer: Any, template: str, kwargs_json: str = "{}") -> TurnMa
         closers.update(openers.values())
         last = openers.get("user", "")
     headers_longest_first = tuple(sorted((h for h in headers if h.strip()), key=len, reverse=True))
-    return TurnMarks(headers_longest_first, tuple(sorted(closers)), last)
+    return TurnMarks(headers_longest_first, tuple(sorted(closers)), tuple(specials), last)
 
 
 def _next_turn_openers(render: Callable[..., str], specials: list[str]) -> dict[str, str]:
