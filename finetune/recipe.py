@@ -464,7 +464,8 @@ class TrainConfig(_Section):
     schedule: Literal["cosine", "linear", "constant"] = "cosine"
     warmup_steps: int = Field(0, ge=0)
     warmup_ratio: float = Field(0.0, ge=0.0, lt=1.0)
-    """Warmup as a fraction of the total steps; used when `warmup_steps` is 0."""
+    """Warmup as a fraction of the total steps, rounded up (as the HF Trainer's `warmup_ratio`); used when
+    `warmup_steps` is 0."""
     weight_decay: float = Field(0.0, ge=0.0)
     adam_beta1: float = Field(0.9, ge=0.0, lt=1.0)
     adam_beta2: float = Field(0.999, ge=0.0, lt=1.0)
@@ -608,6 +609,13 @@ class TrainConfig(_Section):
             )
         if self.objective == "grpo":
             _check_grpo_settings(self)
+        return self
+
+    @model_validator(mode="after")
+    def _a_length(self) -> TrainConfig:
+        """A run needs a length: with both null it stopped on an assertion after the base and the data had loaded."""
+        if self.epochs is None and self.max_steps is None:
+            raise ValueError("epochs and max_steps are both null; give train.epochs or train.max_steps")
         return self
 
     @field_validator("scale_rewards", mode="before")

@@ -117,6 +117,8 @@ def test_overrides_apply_through_the_schema(tmp_path, override, check):
         (MINIMAL, ["distributed.strategy=deepspeed", "train.optimizer=adamw_8bit"], ["adamw_8bit cannot be used"]),
         # no infinite or NaN numbers (.inf passed gt=0, then training failed on it)
         (MINIMAL, ["train.epochs=.inf", "train.max_steps=null"], ["train.epochs: Input should be a finite number"]),
+        # a run without a length passed validation and stopped on an assertion once the base and data had loaded
+        (MINIMAL, ["train.epochs=null", "train.max_steps=null"], ["train: epochs and max_steps are both null"]),
         (MINIMAL, ["train.lr=.inf"], ["train.lr: Input should be a finite number"]),
         (MINIMAL, ["train.max_grad_norm=.nan"], ["train.max_grad_norm: Input should be a finite number"]),
         # a truth value is not a number (pydantic took true for 1); a module pattern is not a module name
