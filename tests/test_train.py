@@ -72,6 +72,24 @@ def test_uneven_micro_batches_accumulate_to_the_one_batch_gradient(tiny_base_dir
     assert any(g.abs().max() > 1e-4 for g in gradients[0].values())  # the comparison is not vacuous
 
 
+@pytest.mark.parametrize(("ratio", "steps"), [(0.03, 50), (0.03, 20), (0.1, 25), (0.1, 30), (0.5, 7)])
+def test_warmup_ratio_gives_the_hf_trainers_warmup_steps(tmp_path, ratio, steps):
+    """`train.warmup_ratio` rounds up as the Trainer does; it was rounded down (0.03 of 20 steps: no warmup at all,
+    where the Trainer warms up for 1; 0.03 of 50: 1 step against the Trainer's 2)."""
+    from transformers import TrainingArguments
+
+    from finetune.data.sampler import MicroBatchStream
+    from finetune.recipe import load_recipe
+    from finetune.training.run import run_length
+
+    recipe = load_recipe(
+        "quickstart", [f"train.max_steps={steps}", f"train.warmup_ratio={ratio}", "train.warmup_steps=0"]
+    )
+    length = run_length(recipe, MicroBatchStream(num_rows=40, micro_batch_size=4, seed=0))
+    expected = TrainingArguments(output_dir=str(tmp_path), warmup_steps=ratio).get_warmup_steps(steps)
+    assert length.warmup_steps == expected
+
+
 def test_train_writes_a_complete_adapter_that_plain_peft_loads(workdir):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM

@@ -98,7 +98,7 @@ def run_length(recipe: Recipe, stream: MicroBatchStream) -> RunLength:
         assert train.epochs is not None
         steps = train.epochs * stream.micro_batches_per_epoch / train.grad_accum_steps
         total = max(1, math.ceil(steps * (train.num_iterations or 1)))
-    warmup = train.warmup_steps or int(train.warmup_ratio * total)
+    warmup = train.warmup_steps or math.ceil(train.warmup_ratio * total)  # rounded up, as the HF Trainer does
     return RunLength(stream.micro_batches_per_epoch, total, min(warmup, total))
 
 
