@@ -446,7 +446,9 @@ class TrainConfig(_Section):
         return value
 
     epochs: float | None = Field(1.0, gt=0)
-    """Passes over the training data; ignored when `max_steps` is set."""
+    """Passes over the training data; ignored when `max_steps` is set. Steps run on across epoch boundaries, and
+    the last step takes only the micro-batches left (fewer than `grad_accum_steps` where they do not divide), so
+    each document is trained `epochs` times, none more."""
     max_steps: int | None = Field(None, ge=1)
     """Optimizer steps to run; overrides `epochs`."""
     micro_batch_size: int = Field(4, ge=1)

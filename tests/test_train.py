@@ -90,6 +90,28 @@ def test_warmup_ratio_gives_the_hf_trainers_warmup_steps(tmp_path, ratio, steps)
     assert length.warmup_steps == expected
 
 
+def test_a_run_set_by_epochs_trains_each_document_that_many_times(workdir):
+    """40 documents, 4 per micro-batch, 4 micro-batches per step: 1.5 epochs are 15 micro-batches, steps of 4, 4, 4
+    and 3 (the last takes those left, as the HF Trainer's last accumulation does). Every step took 4 before, the
+    last one a micro-batch more than 1.5 epochs hold: epoch 1.6, four documents trained once too often."""
+    seen: list[dict] = []
+    overrides = ["train.max_steps=null", "train.epochs=1.5", "train.grad_accum_steps=4", "data.validation=null"]
+    train("recipe.yaml", overrides, log=lambda line: None, on_step=lambda step, metrics: seen.append(metrics))
+    assert [metrics["epoch"] for metrics in seen] == [0.4, 0.8, 1.2, 1.5]
+
+
+def test_epochs_count_micro_batches_without_float_error():
+    """0.3 epochs of 10 micro-batches are 3 micro-batches (3.0000000000000004 in floats: 4 if taken as it is)."""
+    from finetune.data.sampler import MicroBatchStream
+    from finetune.recipe import load_recipe
+    from finetune.training.run import run_length
+
+    recipe = load_recipe("quickstart", ["train.max_steps=null", "train.epochs=0.3", "train.micro_batch_size=4"])
+    length = run_length(recipe, MicroBatchStream(num_rows=40, micro_batch_size=4, seed=0))
+    assert length.total_steps == 3  # 4 before: a fourth step of the next micro-batch
+    assert length.total_micro_batches == 3
+
+
 def test_train_writes_a_complete_adapter_that_plain_peft_loads(workdir):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM

@@ -5,7 +5,8 @@ The same loop runs on one CPU, one GPU, or many processes (`accelerate launch`; 
 lives in `finetune.training.run` (the `TrainingRun` state), reporting in `finetune.training.progress` (one
 `on_step` callback). What happens per optimizer step, in order:
 
-1. take the next `grad_accum_steps` micro-batches of the deterministic stream (`finetune.data.sampler`);
+1. take the next `grad_accum_steps` micro-batches of the deterministic stream (`finetune.data.sampler`; the
+   last step of a run set by `train.epochs` takes those left, which may be fewer);
 2. count the units the objective normalises by (`finetune.training.objectives`: label tokens for SFT,
    pairs for DPO/ORPO/SimPO, examples for KTO) and sum each over processes: N_u;
 3. let the objective do the step's no-grad work (reference log-probabilities, KTO's KL baseline);

@@ -88,18 +88,24 @@ class RunLength:
     micro_batches_per_epoch: int
     total_steps: int
     warmup_steps: int
+    total_micro_batches: int | None = None
+    """The micro-batches a run set by `train.epochs` takes in all (None with `max_steps`: every step takes
+    `grad_accum_steps`). Its last step takes only those left, as the HF Trainer's last accumulation does, so
+    `epochs: 1` trains each document once, not a few of the next epoch's again."""
 
 
 def run_length(recipe: Recipe, stream: MicroBatchStream) -> RunLength:
     train = recipe.train
+    micro_batches = None
     if train.max_steps is not None:
         total = train.max_steps
     else:
         assert train.epochs is not None
-        steps = train.epochs * stream.micro_batches_per_epoch / train.grad_accum_steps
-        total = max(1, math.ceil(steps * (train.num_iterations or 1)))
+        # rounded first: 0.3 epochs of 10 micro-batches is 3.0000000000000004 in floats, and 3 micro-batches
+        micro_batches = max(1, math.ceil(round(train.epochs * stream.micro_batches_per_epoch, 6)))
+        total = math.ceil(micro_batches / train.grad_accum_steps) * (train.num_iterations or 1)
     warmup = train.warmup_steps or math.ceil(train.warmup_ratio * total)  # rounded up, as the HF Trainer does
-    return RunLength(stream.micro_batches_per_epoch, total, min(warmup, total))
+    return RunLength(stream.micro_batches_per_epoch, total, min(warmup, total), micro_batches)
 
 
 def parameter_groups(recipe: Recipe, peft_model: Any) -> list[dict[str, Any]]:
@@ -218,8 +224,11 @@ class TrainingRun:
         return self.recipe.train.num_iterations or 1
 
     def next_micro_batches(self) -> list[dict[str, torch.Tensor]]:
-        """The micro-batches of the next optimizer step, for this process."""
+        """The micro-batches of the next optimizer step, for this process: `grad_accum_steps`, or those left of a
+        run set by `train.epochs` (`RunLength.total_micro_batches`)."""
         accumulation = self.recipe.train.grad_accum_steps
+        if self.length.total_micro_batches is not None:
+            accumulation = min(accumulation, self.length.total_micro_batches - self.position)
         return [
             self.collate([self.data.train[i] for i in self.stream.indices(self.position + k)])
             for k in range(accumulation)
@@ -412,7 +421,9 @@ def start_run(recipe: Recipe, *, resume: bool, say: Say) -> TrainingRun:
         compile_layers(peft_model, quantized=recipe.model.quantization != "none", say=say)
     objective = _objective(recipe, tokenizer, varlen, peft_model, length, say)
     models = Models(model_for_step, peft_model, accelerator)
-    trained_rows = stream.rows_trained_on(length.total_steps * recipe.train.grad_accum_steps)
+    trained_rows = stream.rows_trained_on(
+        length.total_micro_batches or length.total_steps * recipe.train.grad_accum_steps
+    )
     data = precomputed_reference(
         recipe, objective, models, data, trained_rows=trained_rows, resume=resume_from is not None, say=say
     )
