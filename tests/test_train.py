@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -512,6 +513,45 @@ def test_a_resumed_runs_first_throughput_counts_only_the_tokens_it_trained(tmp_p
     log.close()
     record = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])
     assert record["tokens_per_s"] == pytest.approx(500.0)
+
+
+def test_throughput_leaves_out_evaluations_and_checkpoints(workdir, monkeypatch):
+    """Each evaluation and checkpoint moves the loop's clock on by 1000 s; the steps' clock (step_s, and
+    tokens_per_s with it) must not count them. It did: with an evaluation every logged step, every logged
+    throughput counted one. (A clock moved on rather than a sleep: the real steps take 0.1-5 s on a loaded machine.)"""
+    from finetune.training import loop
+    from finetune.training.run import TrainingRun
+
+    class Clock:
+        offset = 0.0
+
+        def perf_counter(self) -> float:
+            return time.perf_counter() + self.offset
+
+        def __getattr__(self, name: str):
+            return getattr(time, name)
+
+    clock = Clock()
+    monkeypatch.setattr(loop, "time", clock)
+
+    def slowed(real):
+        def slow(self):
+            clock.offset += 1000.0
+            return real(self)
+
+        return slow
+
+    for name in ("evaluate", "save_checkpoint"):
+        monkeypatch.setattr(TrainingRun, name, slowed(getattr(TrainingRun, name)))
+    seen: list[dict] = []
+    overrides = ["train.max_steps=4", "train.eval_every_steps=1", "train.save_every_steps=1", "train.log_every_steps=1"]
+    train("recipe.yaml", overrides, log=lambda line: None, on_step=lambda step, metrics: seen.append(metrics))
+    assert len(seen) == 4 and "eval_loss" in seen[0]  # the evaluations and checkpoints did run
+    assert all(metrics["step_s"] < 1000 for metrics in seen), [metrics["step_s"] for metrics in seen]
+    records = [json.loads(line) for line in (workdir / "runs" / "crates" / "metrics.jsonl").read_text().splitlines()]
+    logged = [record for record in records if "tokens_per_s" in record]
+    for before, after in zip(logged, logged[1:]):
+        assert after["tokens_per_s"] > (after["tokens_seen"] - before["tokens_seen"]) / 1000, logged
 
 
 def test_a_run_resumed_at_its_last_step_logs_its_final_evaluation_once(tmp_path):

@@ -34,7 +34,8 @@ import math
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -190,9 +191,13 @@ def run_steps(run: TrainingRun, stop: StopRequest, on_step: StepCallback) -> dic
             saves = is_final or (train_config.save_every_steps and run.step % train_config.save_every_steps == 0)
             single_stop = run.accelerator.num_processes == 1 and stop.requested
             if is_final or evaluates or saves or single_stop or run.step % train_config.log_every_steps == 0:
-                steps.read(run.evaluate() if evaluates else {})
+                steps.fetch()  # the queued steps are done: what follows is not training time
+                with steps.paused():
+                    evaluation = run.evaluate() if evaluates else {}
+                steps.read(evaluation)
                 if saves:
-                    run.save_checkpoint()
+                    with steps.paused():
+                        run.save_checkpoint()
                 if not is_final and stop_agreed(stop, run.accelerator):  # a collective: only where all read
                     path = run.save_checkpoint()
                     raise TrainingInterrupted(
@@ -271,23 +276,45 @@ def device_schedule(run: TrainingRun) -> DeviceSchedule | None:
 
 
 class PendingSteps:
-    """Steps queued on the device and not read yet; `read` reads them in one transfer and reports each."""
+    """Steps queued on the device and not read yet; `read` reads them in one transfer and reports each.
+
+    The steps' clock (`elapsed_s`, `step_s`, and so the log's `tokens_per_s`) leaves out the time `paused` for
+    evaluations and checkpoints: with `eval_every_steps` equal to `log_every_steps`, every logged throughput
+    had counted an evaluation (15x too low on a small run) and the report's "training throughput" with it.
+    """
 
     def __init__(self, run: TrainingRun, on_step: StepCallback, schedule: DeviceSchedule | None) -> None:
         self.run, self.on_step, self.schedule = run, on_step, schedule
         self.queued: list[tuple[QueuedStep, float]] = []
+        self.rows: list[list[float]] | None = None
         self.last: dict[str, float] = {}
         self.start_time = self.previous_end = time.perf_counter()
+        self.paused_s = 0.0
 
     def add(self, step: QueuedStep, epoch: float) -> None:
-        self.queued.append((step, epoch))
+        self.queued.append((step._replace(elapsed_s=step.elapsed_s - self.paused_s), epoch))
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """Time spent in the block is not training time (call `fetch` first: the queued steps' work is)."""
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.paused_s += time.perf_counter() - started
+
+    def fetch(self) -> None:
+        """Copy the queued steps' values to the host (one transfer, which waits for their work to finish)."""
+        if self.queued and self.rows is None:
+            self.rows = torch.stack([step.values for step, _ in self.queued]).tolist()
 
     def read(self, evaluation: dict[str, float]) -> None:
         """Read every queued step (one device-to-host copy), refuse a non-finite one beyond the allowed skips,
         and report each to `on_step`, the last with `evaluation`."""
         if not self.queued:
             return
-        rows = torch.stack([step.values for step, _ in self.queued]).tolist()
+        self.fetch()
+        rows, self.rows = self.rows or [], None
         if self.schedule is not None:
             self.schedule.sync_host()
         run, objective = self.run, self.run.objective

@@ -93,6 +93,10 @@ class RunLength:
     `grad_accum_steps`). Its last step takes only those left, as the HF Trainer's last accumulation does, so
     `epochs: 1` trains each document once, not a few of the next epoch's again."""
 
+    def micro_batches_taken(self, grad_accum_steps: int) -> int:
+        """The micro-batches the whole run takes from the stream (per process)."""
+        return self.total_micro_batches or self.total_steps * grad_accum_steps
+
 
 def run_length(recipe: Recipe, stream: MicroBatchStream) -> RunLength:
     train = recipe.train
@@ -421,9 +425,7 @@ def start_run(recipe: Recipe, *, resume: bool, say: Say) -> TrainingRun:
         compile_layers(peft_model, quantized=recipe.model.quantization != "none", say=say)
     objective = _objective(recipe, tokenizer, varlen, peft_model, length, say)
     models = Models(model_for_step, peft_model, accelerator)
-    trained_rows = stream.rows_trained_on(
-        length.total_micro_batches or length.total_steps * recipe.train.grad_accum_steps
-    )
+    trained_rows = stream.rows_trained_on(length.micro_batches_taken(recipe.train.grad_accum_steps))
     data = precomputed_reference(
         recipe, objective, models, data, trained_rows=trained_rows, resume=resume_from is not None, say=say
     )
