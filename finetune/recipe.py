@@ -469,6 +469,8 @@ class TrainConfig(_Section):
     """Warmup as a fraction of the total steps, rounded up (as the HF Trainer's `warmup_ratio`); used when
     `warmup_steps` is 0."""
     weight_decay: float = Field(0.0, ge=0.0)
+    """AdamW's decoupled weight decay, on the trained weights except biases and norms (as the HF Trainer leaves
+    them out): a base's biases that `lora.bias` trains keep what they learned in pretraining."""
     adam_beta1: float = Field(0.9, ge=0.0, lt=1.0)
     adam_beta2: float = Field(0.999, ge=0.0, lt=1.0)
     adam_eps: float = Field(1e-8, gt=0)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import REORDERED_ULPS, ROUNDED_ULPS, assert_within_ulps
+from helpers import REORDERED_ULPS, ROUNDED_ULPS, assert_within_ulps, tiny_model
 from safetensors.torch import load_file
 
 from finetune.errors import CheckpointError, FinetuneError, ModelError, RecipeError
@@ -89,6 +89,35 @@ def test_warmup_ratio_gives_the_hf_trainers_warmup_steps(tmp_path, ratio, steps)
     length = run_length(recipe, MicroBatchStream(num_rows=40, micro_batch_size=4, seed=0))
     expected = TrainingArguments(output_dir=str(tmp_path), warmup_steps=ratio).get_warmup_steps(steps)
     assert length.warmup_steps == expected
+
+
+def test_weight_decay_leaves_trained_biases_and_norms_alone_as_the_hf_trainer_does():
+    """`lora.bias: all` trains the base's pretrained biases: weight decay, which pulls weights towards 0, must leave
+    them alone (the Trainer's `get_decay_parameter_names`). With zero gradients an AdamW step is weight decay alone:
+    LoRA's weights shrink, the biases stay as they were."""
+    from finetune.model import wrap_with_lora
+    from finetune.recipe import recipe_from_dict
+    from finetune.training.run import make_optimizer, parameter_groups
+
+    recipe = recipe_from_dict({"data": {"train": "x.jsonl"}, "output": {"name": "x"},
+                               "lora": {"r": 4, "bias": "all"},
+                               "train": {"weight_decay": 0.5, "lr": 0.1}})  # fmt: skip
+    peft_model = wrap_with_lora(tiny_model("qwen2"), recipe.lora)  # Qwen2: biases on q, k and v
+    trained = {name: p for name, p in peft_model.named_parameters() if p.requires_grad}
+    exempt = [name for name in trained if name.endswith(".bias")]
+    with torch.no_grad():
+        for name in exempt:
+            trained[name].normal_()  # a pretrained bias (these are initialised to 0, which decay leaves as it is)
+    before = {name: p.detach().clone() for name, p in trained.items()}
+    optimizer = make_optimizer(recipe, parameter_groups(recipe, peft_model))
+    for parameter in trained.values():
+        parameter.grad = torch.zeros_like(parameter)
+    optimizer.step()
+    for name, parameter in trained.items():
+        if name in exempt:
+            assert torch.equal(parameter, before[name]), name
+        elif "lora_A" in name:
+            assert torch.allclose(parameter, before[name] * (1 - 0.1 * 0.5)), name
 
 
 def test_a_run_set_by_epochs_trains_each_document_that_many_times(workdir):

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import shutil
 from collections.abc import Callable
 from contextlib import nullcontext
@@ -126,7 +127,23 @@ def parameter_groups(recipe: Recipe, peft_model: Any) -> list[dict[str, Any]]:
     groups = [{"params": blocks, "lr": recipe.train.lr}]
     if embeddings:
         groups.append({"params": embeddings, "lr": recipe.train.embedding_lr or recipe.train.lr})
+    if recipe.train.weight_decay:
+        names = {id(parameter): name for name, parameter in peft_model.named_parameters()}
+        groups = [part for group in groups for part in _split_by_decay(group, names)]
     return [group for group in groups if group["params"]]
+
+
+_NOT_DECAYED = re.compile(r"bias|layernorm|rmsnorm|(?:^|\.)norm(?:$|\.)|_norm(?:$|\.)")
+"""The HF Trainer's names of weights that `weight_decay` leaves alone (`Trainer.get_decay_parameter_names`):
+biases and norms. A pretrained bias that `lora.bias: all` trains would otherwise be pulled towards 0 every step,
+away from what the base learned."""
+
+
+def _split_by_decay(group: dict[str, Any], names: dict[int, str]) -> list[dict[str, Any]]:
+    """`group` as the weights `train.weight_decay` applies to, then the biases and norms, at weight decay 0."""
+    exempt = [p for p in group["params"] if _NOT_DECAYED.search(names[id(p)].lower())]
+    decayed = [p for p in group["params"] if not _NOT_DECAYED.search(names[id(p)].lower())]
+    return [{**group, "params": decayed}, {**group, "params": exempt, "weight_decay": 0.0}]
 
 
 def make_optimizer(recipe: Recipe, groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
