@@ -501,3 +501,36 @@ def test_kto_labels_read_from_a_csv_file_are_booleans(tmp_path, tiny_tokenizer):
     config = recipe_from_dict({"data": {"train": str(tmp_path / "kto.csv"), "format": "unpaired_preference"},
                                "train": {"objective": "kto", "micro_batch_size": 2}, "output": {"name": "x"}}).data  # fmt: skip
     assert [row["desirable"] for _, row in preview_records(config, tiny_tokenizer, 2)] == [True, False]
+
+
+@pytest.mark.parametrize("starting_adapter", [True, False], ids=["init_from", "base"])
+def test_the_reference_pass_is_the_starting_policy_without_dropout(tiny_base_dir, tiny_tokenizer, starting_adapter):
+    """With dropout (LoRA's on a starting adapter, the base's attention dropout), a training step's reference pass
+    (the model in train mode) scores the starting policy itself, every time alike and as precomputing it does
+    (eval mode), not a fresh dropout draw of it; the model's modes are left as they were."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from finetune.data.preference import encode_preference_records
+    from finetune.training.objectives.base import Models
+    from finetune.training.objectives.reference import StartingWeights, score_rows
+
+    config = recipe_from_dict({"data": {"train": "x", "format": "preference"}, "train": {"objective": "dpo"},
+                               "output": {"name": "x"}}).data  # fmt: skip
+    rows = [e.row for e in encode_preference_records(preference_records(4), config, tiny_tokenizer, locate=str)]
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.5)
+    base = AutoModelForCausalLM.from_pretrained(tiny_base_dir, dtype=torch.float32, attention_dropout=0.5)
+    model = get_peft_model(base, lora)
+    _randomise(model)
+    objective = DPO(CollateOptions(tiny_tokenizer.pad_token_id, True), beta=0.1, loss_type="sigmoid",
+                    precomputed=False)  # fmt: skip
+    if starting_adapter:
+        objective.starting_weights = StartingWeights(model)
+    models = Models(model, model, Accelerator(cpu=True))
+    batch = objective.collate(rows)
+    model.train()
+    first, second = (objective.prepare(models, [batch], reduce=True)[0]["reference"] for _ in range(2))
+    assert torch.equal(first, second)
+    assert all(module.training for module in model.modules())
+    if starting_adapter:  # what `train.precompute_reference` stores for the same pairs
+        assert_within_ulps(first, score_rows(objective, models, rows, 4).reshape(-1), SUM_ULPS, what="reference")

@@ -2,9 +2,10 @@
 
 DPO and KTO measure the policy against the model as training starts. With LoRA that model is inside the
 trained one: the same base with the adapter switched off (B = 0 at initialisation, so the starting model
-is the base). `reference_logps` runs that forward under `torch.no_grad()` with peft's `disable_adapter()`
-on the unwrapped LoRA model, which holds the very parameters the DDP wrapper, the FSDP2 shards or the
-DeepSpeed engine train (a sharded forward gathers as usual; every rank runs it in step).
+is the base). `reference_logps` runs that forward under `torch.no_grad()` with peft's `disable_adapter()`,
+in eval mode (no dropout: the reference is one fixed policy, as precomputed values are), on the unwrapped
+LoRA model, which holds the very parameters the DDP wrapper, the FSDP2 shards or the DeepSpeed engine
+train (a sharded forward gathers as usual; every rank runs it in step).
 
 `train.precompute_reference` instead scores each row the run will train on (and every validation row) once
 before the first step, with the model as it starts (the adapter on: also right when LoRA starts from another
@@ -89,15 +90,30 @@ class MeasuredAgainstStart:
     the base, the adapter disabled."""
 
     def reference_policy(self, models: Models) -> AbstractContextManager:
-        """π_ref for the block: the starting weights swapped in, or the base (the adapter disabled)."""
-        if self.starting_weights is not None:
-            return self.starting_weights.swapped_in()
-        return models.peft.disable_adapter()
+        """π_ref for the block: the starting weights swapped in, or the base (the adapter disabled), in eval
+        mode: the model as it starts is one policy, not a fresh dropout draw of it per pass (LoRA dropout acts
+        on the swapped-in weights, the base's own dropout on either), and the precomputed values are scored
+        in eval mode too."""
+        policy = models.peft.disable_adapter() if self.starting_weights is None else self.starting_weights.swapped_in()
+        return _in_eval_mode(models.peft, policy)
 
     def reference_logps(self, models: Models, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """(S,) log π_ref of each sequence, no gradient."""
         with torch.no_grad(), self.reference_policy(models):
             return sequence_logps(models.peft, batch)
+
+
+@contextmanager
+def _in_eval_mode(model: Any, inner: AbstractContextManager) -> Iterator[None]:
+    """`inner` with every module of `model` in eval mode; each module's own mode back after it."""
+    modes = [(module, module.training) for module in model.modules()]
+    model.eval()
+    try:
+        with inner:
+            yield
+    finally:
+        for module, training in modes:
+            module.training = training
 
 
 @torch.no_grad()
