@@ -195,6 +195,22 @@ CASES = [
         write("pairs.jsonl", "".join(json.dumps({"prompt": "Q", "chosen": c, "rejected": "B"}) + "\n" for c in "AB")),
     ),  # fmt: skip
     Case(
+        "pair-chosen-message-equals-rejected-string",
+        ("data", "preview", "recipe.yaml", *PAIRS, "data.train=pairs.jsonl"),
+        ("pairs.jsonl line 1 (record 1): chosen and rejected are the same",),
+        write(
+            "pairs.jsonl",
+            json.dumps(
+                {
+                    "prompt": [{"role": "user", "content": "Q"}],
+                    "chosen": [{"role": "assistant", "content": "A"}],
+                    "rejected": "A",
+                }
+            )
+            + "\n",
+        ),
+    ),  # fmt: skip
+    Case(
         "unpaired-label-not-boolean",
         (
             "train",

@@ -103,15 +103,16 @@ def encode_preference_records(
         where = locate(index)
         names = ("chosen", "rejected") if paired else ("completion",)
         values = _fields(record, ("prompt", *names), where)
-        if paired and values["chosen"] == values["rejected"]:
-            raise DataError(
-                f"{where}: chosen and rejected are the same {_preview(values['chosen'])}; a pair must prefer one "
-                "completion over a different one: fix or remove the record"
-            )
         tools = record.get(config.tools_field)
         sequences = [
             _sequence(values["prompt"], values[name], config, tokenizer, f"{where} {name}", tools) for name in names
         ]
+        # the tokens, not the fields: a string and the one assistant message it stands for are the same completion
+        if paired and sequences[0].input_ids == sequences[1].input_ids:
+            raise DataError(
+                f"{where}: chosen and rejected are the same {_preview(values['chosen'])}; a pair must prefer one "
+                "completion over a different one: fix or remove the record"
+            )
         fitted, too_long, no_room = _fit(sequences, config, where)
         tokens_in = sum(len(s.input_ids) for s in sequences)
         kept = sum(len(s.input_ids) for s in fitted) if not no_room else 0
