@@ -190,6 +190,13 @@ class LoraConfig(_Section):
         initialisation that moves part of the base into the adapter."""
         return self.init_from is None and self.init not in ("pissa", "olora")
 
+    @property
+    def disabling_gives_start(self) -> bool:
+        """Whether the model with its adapter disabled is the model as the run started, so reference passes may
+        disable it: LoRA starts as the base, and trains nothing `disable_adapter()` leaves on (`bias: all` and
+        `lora_only` train the base layers' own biases, which stay as trained with the adapter off)."""
+        return self.starts_as_base and self.bias == "none"
+
     @model_validator(mode="after")
     def _one_start(self) -> LoraConfig:
         if self.init_from is not None and self.init in ("pissa", "olora"):
@@ -725,9 +732,10 @@ class DeepSpeedConfig(_Section):
 
 
 ZERO3_STARTING_REFERENCE = (
-    "the reference policy is the adapter the run starts from (lora.init_from, or a pissa/olora init), whose weights "
-    "are swapped in for reference passes, and DeepSpeed ZeRO-3 partitions them away; use distributed.deepspeed.stage "
-    "2, strategy fsdp or ddp, or a reference without passes (dpo: train.precompute_reference=true; grpo: train.beta=0)"
+    "the reference policy is the model the run starts from (lora.init_from, a pissa/olora init, or the base biases "
+    "lora.bias trains), whose starting weights are swapped in for reference passes, and DeepSpeed ZeRO-3 partitions "
+    "them away; use distributed.deepspeed.stage 2, strategy fsdp or ddp, or a reference without passes (dpo: "
+    "train.precompute_reference=true; grpo: train.beta=0)"
 )
 
 
@@ -810,7 +818,8 @@ class Recipe(_Section):
                 "before the loop sees the gradient norm; set it to 0 or use fsdp"
             )
         zero3 = self.distributed.strategy == "deepspeed" and self.distributed.deepspeed.stage == 3
-        if zero3 and self.train.reference_passes and not self.lora.starts_as_base:  # else found on every rank later
+        swaps_start = self.train.reference_passes and not self.lora.disabling_gives_start
+        if zero3 and swaps_start:  # else found on every rank later
             raise ValueError(ZERO3_STARTING_REFERENCE)
         if self.distributed.strategy == "deepspeed" and self.train.optimizer != "adamw":
             raise ValueError(

@@ -534,3 +534,33 @@ def test_the_reference_pass_is_the_starting_policy_without_dropout(tiny_base_dir
     assert all(module.training for module in model.modules())
     if starting_adapter:  # what `train.precompute_reference` stores for the same pairs
         assert_within_ulps(first, score_rows(objective, models, rows, 4).reshape(-1), SUM_ULPS, what="reference")
+
+
+def test_with_trained_base_biases_the_reference_is_still_the_start(preference_workdir, tiny_tokenizer):
+    """`lora.bias: all` trains the base layers' own biases, which stay as trained with the adapter disabled: the
+    per-step reference must still be the model as the run started, so it trains the adapter (biases included)
+    that precomputing the reference trains, and reports the same held-out rewards."""
+    from helpers import TEST_SHAPE
+
+    from finetune.embedded.tiny import build_tiny_llama
+
+    base = preference_workdir / "biased-base"
+    build_tiny_llama(tiny_tokenizer, seed=0, attention_bias=True, **TEST_SHAPE).save_pretrained(base)
+    tiny_tokenizer.save_pretrained(base)
+    common = [f"model.base={base}", "lora.bias=all", "lora.dropout=0.0", "train.max_steps=3", "train.report_to=[]",
+              "train.save_every_steps=null", "train.eval_every_steps=null"]  # fmt: skip
+    runs = {}
+    for precompute in ("true", "false"):
+        name = f"precompute-{precompute}"
+        runs[precompute] = train("pref.yaml", [*common, f"train.precompute_reference={precompute}",
+                                               f"output.name={name}"], log=lambda line: None)  # fmt: skip
+    (precomputed, before), (swapped, after) = runs["true"], runs["false"]
+    expected, actual = (
+        load_file(precomputed / "adapter_model.safetensors"),
+        load_file(swapped / "adapter_model.safetensors"),
+    )
+    assert any("bias" in key for key in expected)
+    largest = max((expected[k] - actual[k]).abs().max().item() for k in expected)
+    assert largest <= 1e-5 * max(v.abs().max().item() for v in expected.values()), largest
+    scale = _logps_scale({k: v for k, v in before.items() if k.startswith("eval_")})
+    assert_within_ulps(after["eval_reward_margin"], before["eval_reward_margin"], SUM_ULPS, scale=scale)

@@ -146,6 +146,18 @@ def test_overrides_apply_through_the_schema(tmp_path, override, check):
             ],  # fmt: skip
             ["DeepSpeed ZeRO-3 partitions them away"],
         ),
+        # the base's biases that lora.bias trains stay trained with the adapter disabled: swapped in, as above
+        (
+            MINIMAL,
+            [
+                "train.objective=kto",
+                "data.format=unpaired_preference",
+                "train.micro_batch_size=2",
+                "lora.bias=all",
+                "distributed.strategy=deepspeed",
+            ],  # fmt: skip
+            ["DeepSpeed ZeRO-3 partitions them away"],
+        ),
     ],
 )
 def test_bad_recipes_fail_with_one_line_that_says_where(tmp_path, text, overrides, expected):

@@ -459,10 +459,12 @@ def start_run(recipe: Recipe, *, resume: bool, say: Say) -> TrainingRun:
 
 def _objective(recipe: Recipe, tokenizer: Any, varlen: bool, peft_model: Any, length: RunLength, say: Say) -> Objective:
     """The recipe's objective. One measured against the model as the run starts (DPO, KTO, GRPO's KL) gets the
-    starting LoRA weights when LoRA does not start as the base: copied here, before a resumed run loads its
-    checkpoint's. GRPO learns the run's length (for its reward functions) and its log says how it will decode."""
+    starting trainable weights when disabling the adapter does not give that model (LoRA does not start as the
+    base, or `lora.bias` trains the base's biases): copied here, before a resumed run loads its checkpoint's.
+    GRPO learns the run's length (for its reward functions) and its log says how it will decode."""
     objective = objective_for(recipe, tokenizer, varlen)
-    if isinstance(objective, MeasuredAgainstStart) and recipe.train.reference_passes and not recipe.lora.starts_as_base:
+    swaps_start = recipe.train.reference_passes and not recipe.lora.disabling_gives_start
+    if isinstance(objective, MeasuredAgainstStart) and swaps_start:
         objective.starting_weights = StartingWeights(peft_model)
     if isinstance(objective, GRPO):  # steps per epoch as `run_length` counts them (num_iterations per generation)
         per_epoch = length.micro_batches_per_epoch / recipe.train.grad_accum_steps * (recipe.train.num_iterations or 1)
