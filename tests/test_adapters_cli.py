@@ -107,6 +107,42 @@ def test_list_and_info_show_the_store(tmp_path, adapter_dirs, capsys):
 
 
 @pytest.mark.parametrize(
+    ("document", "fragment"),
+    [
+        ([1, 2], "holds a JSON list, not an object"),
+        ({"rank_pattern": ["q_proj", 8]}, "rank_pattern is ['q_proj', 8], not an object"),
+        ({"target_modules": 5}, "target_modules is 5, not a module name"),
+        ({"target_modules": [1, 2]}, "target_modules is [1, 2]"),
+        ({"r": "four"}, "r is 'four', not a whole number"),
+        ({"lora_alpha": "8"}, "lora_alpha is '8', not a number"),
+    ],
+    ids=["a-list", "rank-pattern-a-list", "targets-a-number", "targets-numbers", "rank-words", "alpha-text"],
+)
+def test_an_adapter_config_of_the_wrong_shape_is_one_line_naming_the_key(
+    tmp_path, tiny_base_dir, adapter_dirs, capsys, document, fragment
+):
+    """A hand-edited adapter_config.json (a list, a key holding another type) is a problem row in `list`, and one
+    line with exit 2 from `info` and `merge`, not an AttributeError or TypeError from inside the arithmetic."""
+    store = tmp_path / "store"
+    shutil.copytree(adapter_dirs["legal"], store / "legal")
+    shutil.copytree(adapter_dirs["legal"], store / "odd")
+    config_file = store / "odd" / "adapter_config.json"
+    config = json.loads(config_file.read_text())
+    config_file.write_text(json.dumps(document if isinstance(document, list) else {**config, **document}))
+    assert run("list", store, "--json") == 0
+    listed = {row["path"]: row["problem"] for row in json.loads(capsys.readouterr().out)}
+    assert listed[str(store / "legal")] is None and fragment in listed[str(store / "odd")]
+    for argv in (
+        ("info", store / "odd"),
+        ("merge", "--base", tiny_base_dir, "--adapter", store / "odd", "--out", tmp_path / "o"),
+    ):
+        assert run(*argv) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("error: ") and fragment in err[0], err
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize(
     ("argv", "message"),
     [
         (

@@ -31,7 +31,7 @@ import hashlib
 import json
 import math
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -346,6 +346,56 @@ def _read_tensors(path: Path, allow_pickle: bool) -> tuple[dict[str, torch.Tenso
     raise AdapterError(f"{path} has no {SAFETENSORS_NAME}; point at a directory written by peft's save_pretrained")
 
 
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+# The keys of adapter_config.json this package reads, and what peft writes there: a check on what each holds
+# (a hand-edited or foreign file with `"r": "8"` or a list for `rank_pattern`) says which key is wrong, where the
+# arithmetic and the store listing would otherwise stop on an AttributeError or TypeError deep inside.
+_CONFIG_TYPES: dict[str, tuple[str, Callable[[object], bool]]] = {
+    "peft_type": ("a string", lambda v: isinstance(v, str)),
+    "r": ("a whole number of at least 1", lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1),
+    "lora_alpha": ("a number", _is_number),
+    "rank_pattern": (
+        "an object of module name -> whole number",
+        lambda v: isinstance(v, dict) and all(isinstance(r, int) and not isinstance(r, bool) for r in v.values()),
+    ),
+    "alpha_pattern": (
+        "an object of module name -> number",
+        lambda v: isinstance(v, dict) and all(map(_is_number, v.values())),
+    ),
+    "target_modules": (
+        "a module name or a list of them",
+        lambda v: isinstance(v, str) or (isinstance(v, list) and all(isinstance(t, str) for t in v)),
+    ),
+    "target_parameters": (
+        "a list of parameter names",
+        lambda v: isinstance(v, list) and all(isinstance(t, str) for t in v),
+    ),
+}
+
+
+def read_adapter_config(config_file: Path) -> dict:
+    """`adapter_config.json` as a dict, its keys that finetune reads of the types peft writes (null allowed).
+
+    Raises:
+        AdapterError: unreadable, not JSON, not a JSON object, or a key of another type; the message names the key.
+    """
+    try:
+        config = json.loads(config_file.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:  # UnicodeDecodeError is a ValueError
+        raise AdapterError(f"{config_file} is not valid JSON ({exc}); re-save the adapter") from None
+    if not isinstance(config, dict):
+        raise AdapterError(f"{config_file} holds a JSON {type(config).__name__}, not an object; re-save the adapter")
+    for key, (expected, fits) in _CONFIG_TYPES.items():
+        if config.get(key) is not None and not fits(config[key]):
+            raise AdapterError(
+                f"{config_file}: {key} is {config[key]!r}, not {expected}; fix that key or re-save the adapter with peft"
+            )
+    return config
+
+
 def read_adapter(path: str | Path, name: str | None = None, *, allow_pickle: bool = False) -> Adapter:
     """Read and check an adapter directory.
 
@@ -361,10 +411,7 @@ def read_adapter(path: str | Path, name: str | None = None, *, allow_pickle: boo
     config_file = path / CONFIG_NAME
     if not config_file.is_file():
         raise AdapterError(f"{path} is not an adapter directory (no {CONFIG_NAME}); give a directory written by peft")
-    try:
-        config = json.loads(config_file.read_text(encoding="utf-8"))
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise AdapterError(f"{config_file} is not valid JSON ({exc}); re-save the adapter") from None
+    config = read_adapter_config(config_file)
     if config.get("peft_type", "LORA") != "LORA":
         raise AdapterError(
             f"{path}: peft_type {config.get('peft_type')!r} is not LoRA; only LoRA adapters can be merged"

@@ -10,13 +10,12 @@ Example:
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from finetune import strict_json
 from finetune.adapters.ledger import read_ledger
-from finetune.adapters.lora import CONFIG_NAME, PICKLE_NAME, SAFETENSORS_NAME
+from finetune.adapters.lora import CONFIG_NAME, PICKLE_NAME, SAFETENSORS_NAME, read_adapter_config
 from finetune.atomic import SET_ASIDE_MARK, STAGING_MARK
 from finetune.errors import AdapterError
 from finetune.manifest import read_manifest
@@ -43,10 +42,7 @@ class AdapterSummary:
 
 
 def _config(adapter_dir: Path) -> dict:
-    try:
-        return json.loads((adapter_dir / CONFIG_NAME).read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise AdapterError(f"{adapter_dir / CONFIG_NAME} cannot be read ({exc}); re-save the adapter") from None
+    return read_adapter_config(adapter_dir / CONFIG_NAME)
 
 
 def _rank(config: dict) -> str:
