@@ -162,10 +162,12 @@ def load_base_from_config(
         kwargs["quantization_config"] = quantization
     if device is not None and device.type != "cpu":
         kwargs["device_map"] = {"": device}  # every module there: one GPU per process, never "auto" sharding
+    from huggingface_hub.errors import StrictDataclassError  # a config.json field of another type: no ValueError
+
     try:
         model = AutoModelForCausalLM.from_pretrained(files, **kwargs)
-    except (OSError, ValueError) as exc:
-        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    except (OSError, ValueError, StrictDataclassError) as exc:
+        first = " ".join(str(exc).split())[:300] or type(exc).__name__
         raise ModelError(
             f"cannot load base model {config.base!r}: {first}{_not_cached_hint(source, config.revision)}"
         ) from None

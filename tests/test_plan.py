@@ -9,6 +9,7 @@ for the same recipes is higher, for the reasons the test states.
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 
@@ -288,6 +289,34 @@ def test_bad_input_is_a_one_line_error(argv, message, capsys):
     err = capsys.readouterr().err
     errors = [line for line in err.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and message in errors[0] and "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"vocab_size": "512"}, "vocab_size' expected int, got str"),
+        ({"num_hidden_layers": 2.5}, "num_hidden_layers' expected int, got float"),
+        ({"num_key_value_heads": 0}, "cannot build a llama model"),
+        ({"hidden_size": -64}, "negative dimension"),
+    ],
+    ids=["vocab-text", "layers-fraction", "no-kv-heads", "negative-width"],
+)
+def test_a_config_json_with_a_field_no_model_can_have_is_one_line(tmp_path, tiny_base_dir, capsys, change, message):
+    """A hand-edited config.json (a number written as text, 0 heads) is one line naming the file and the field, from
+    `plan` (given as --config, or found from model.base) and from `eval`, not a traceback from transformers."""
+    base = tmp_path / "base"
+    shutil.copytree(tiny_base_dir, base)
+    config = json.loads((base / "config.json").read_text())
+    (base / "config.json").write_text(json.dumps({**config, **change}))
+    runs = [["plan", "quickstart", "--config", str(base)], ["plan", "quickstart", f"model.base={base}"]]
+    if isinstance(next(iter(change.values())), str):  # a field of another type stops the load of the weights too
+        (tmp_path / "d.jsonl").write_text('{"text": "the model reads a document"}\n')
+        runs.append(["eval", "--base", str(base), "--data", str(tmp_path / "d.jsonl")])
+    for number, argv in enumerate(runs):
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("error: ") and message in err[0], (argv, err)
+        assert number == 0 or not err[0].startswith("error: --config"), err  # named only where it was given
 
 
 def test_cli_subprocess_exits_2_without_traceback(tmp_path):

@@ -24,21 +24,30 @@ from finetune.paths import local_model_dir
 SHIPPED_CONFIGS = Path(__file__).resolve().parent / "configs"
 
 
-def config_from_json(path: Path) -> Any:
-    """A transformers config from a config.json file (its `model_type` picks the class)."""
+def config_from_json(path: Path, option: str = "") -> Any:
+    """A transformers config from a config.json file (its `model_type` picks the class); `option` is how the user
+    named it in an error (`--config `), empty for a file found from model.base.
+
+    Transformers 5 configs are strict dataclasses: a field of another type (`"num_hidden_layers": "32"`) raises
+    huggingface_hub's StrictDataclassError, which is no ValueError, so it is caught by name here.
+    """
+    from huggingface_hub.errors import StrictDataclassError
+
+    where = f"{option}{path}"
     try:
         fields = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
-        raise ModelError(f"--config {path}: cannot read a config.json ({exc})") from None
+        raise ModelError(f"{where}: cannot read a config.json ({exc})") from None
     if not isinstance(fields, dict) or "model_type" not in fields:
-        raise ModelError(f"--config {path}: not a model config.json (no model_type)")
+        raise ModelError(f"{where}: not a model config.json (no model_type)")
     from transformers import AutoConfig
 
     model_type = fields.pop("model_type")
     try:
         return AutoConfig.for_model(model_type, **fields)
-    except ValueError as exc:
-        raise ModelError(f"--config {path}: {str(exc).splitlines()[0]}") from None
+    except (ValueError, TypeError, ZeroDivisionError, StrictDataclassError) as exc:
+        said = " ".join(str(exc).split())[:300]  # the strict check's cause is on its second line
+        raise ModelError(f"{where}: {said}; fix the file or give --config another one") from None
 
 
 def _embedded_config(base: str) -> tuple[Any, str]:
@@ -68,7 +77,7 @@ def find_model_config(base: str, revision: str | None = None, config_path: str |
         path = path / "config.json" if path.is_dir() else path
         if not path.is_file():
             raise ModelError(f"--config {config_path}: no such file; give a config.json or a directory holding one")
-        return config_from_json(path), str(path)
+        return config_from_json(path, "--config "), str(path)
     if base.startswith("embedded:"):
         return _embedded_config(base)
     local = local_model_dir(base, revision) if Path(base).is_dir() or base.count("/") == 1 else None

@@ -21,7 +21,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from finetune.adapters.experts import ExpertTensor, expert_tensors, routers, unwrapped
-from finetune.errors import ModelError
+from finetune.errors import ModelError, first_line
 from finetune.model import decoder_layers, wrap_with_lora
 from finetune.recipe import LoraConfig
 
@@ -88,11 +88,18 @@ def _unique_numel(parameters: Any) -> int:
 
 def model_shape(config: Any, lora: LoraConfig) -> ModelShape:
     """Build `config`'s model on the meta device, wrap it as training would, and count."""
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+    try:  # numbers no model can have (0 heads, a negative width) fail inside the model's constructor
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+    except (ValueError, TypeError, ZeroDivisionError, RuntimeError) as exc:
+        raise ModelError(
+            f"cannot build a {getattr(config, 'model_type', '?')} model from its config.json: {first_line(exc)}; "
+            "fix the config (or give --config another one)"
+        ) from None
     layers = decoder_layers(model)
     if not layers:
-        raise ModelError(f"{type(model).__name__} names no decoder layer class (_no_split_modules); cannot plan it")
+        raise ModelError(f"{type(model).__name__} has no decoder layers (num_hidden_layers 0, or no layer class "
+                         "named by _no_split_modules); cannot plan it")  # fmt: skip
     quantizable = sum(
         module.weight.numel() for layer in layers for module in layer.modules() if isinstance(module, torch.nn.Linear)
     )
