@@ -398,6 +398,12 @@ CASES = [
         ),
     ),  # fmt: skip
     Case("recipes-show-no-file", ("recipes", "show", "nothere.yaml"), ("no recipe file nothere.yaml",)),
+    Case(
+        "recipes-show-not-utf8",
+        ("recipes", "show", "latin1.yaml"),
+        ("latin1.yaml cannot be read", "UTF-8"),
+        write("latin1.yaml", "output: {name: caf\xe9}\n".encode("latin-1")),
+    ),  # fmt: skip
     # CLI arguments
     Case("generate-without-model", ("generate", "hello"), ("--base", "--adapter")),
     Case("nproc-zero", ("train", "recipe.yaml", "--nproc", "0"), ("--nproc",)),

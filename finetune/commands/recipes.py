@@ -92,7 +92,11 @@ def run_show(args: argparse.Namespace) -> int:
     path = resolve_recipe_path(args.name)
     if not path.is_file():
         raise RecipeError(f"no recipe file {path}; give a recipe file or a name from `finetune recipes list`")
-    print(path.read_text(encoding="utf-8"), end="")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:  # a file given by path may be anything: say so in one line
+        raise RecipeError(f"recipe {path} cannot be read ({exc}); give a UTF-8 YAML recipe file") from None
+    print(text, end="")
     return 0
 
 
