@@ -8,7 +8,8 @@ failure deletes the staging directory; a SIGKILL leaves only a hidden `.partial-
 next writer of the same target removes. Deleting goes the other way (`remove_directory`): renamed to a
 hidden `.<name>.old-<pid>` sibling first, so a kill mid-delete never leaves a half-deleted directory in view.
 
-Single files (a GGUF export, a report page) go the same way through `atomic_file`.
+Single files (a GGUF export, a report page) go the same way through `atomic_file`; the next writer of a file
+removes the staging files of killed writers only (`remove_dead_writers_staging`).
 
 Example:
     with atomic_directory(Path("adapters/legal"), replace=True) as staging:
@@ -53,6 +54,28 @@ def remove_stale_staging(final: Path) -> None:
     for mark in (STAGING_MARK, SET_ASIDE_MARK):
         for stale in final.parent.glob(f".{final.name}{mark}*"):
             shutil.rmtree(stale, ignore_errors=True)
+
+
+def remove_dead_writers_staging(final: Path) -> None:
+    """Delete staging files of `final` whose writer is gone (killed: SIGKILL, or SIGTERM, which Python does not
+    turn into an exception), as `atomic_directory` deletes stale staging directories; otherwise each killed
+    GGUF export leaves a hidden file of up to the model's size that nothing removes. Only dead writers' files
+    go: a process still writing the same file keeps its staging."""
+    for stale in final.parent.glob(f".{final.name}{STAGING_MARK}*"):
+        pid = stale.name.rsplit(STAGING_MARK, 1)[1]
+        if pid.isdigit() and not _process_alive(int(pid)) and stale.is_file():
+            stale.unlink(missing_ok=True)
+
+
+def _process_alive(pid: int) -> bool:
+    """Whether a process `pid` exists on this machine (signal 0 checks without sending anything)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    return True
 
 
 def remove_directory(path: Path) -> None:
@@ -186,6 +209,7 @@ def atomic_file(
     staging = staging_path(final)
     with _unwritable_as(error, final):  # checked before the block runs: one line, not its traceback
         _make_parent(final)
+        remove_dead_writers_staging(final)
         staging.touch()
     try:
         yield staging

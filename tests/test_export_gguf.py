@@ -250,3 +250,76 @@ def test_cli_exports_an_adapter_as_a_gguf_lora(exported, tmp_path):
     assert done.returncode == 0, done.stderr
     assert f"wrote {out}: lora adapter, 28 tensors (f32)" in done.stdout
     assert out.read_bytes() == exported["lora"].read_bytes()
+
+
+def test_mistral_sliding_window_is_the_declared_context(tmp_path, tiny_tokenizer):
+    """llama.cpp runs Mistral as `llama`, with no sliding window: the file declares the window as its context,
+    within which llama.cpp gives transformers' logits, and the report says so. The full 256 was declared before,
+    and prompts longer than the window (8) differed from transformers by up to 0.25, top-1 changed, silently."""
+    import gguf
+    from transformers import MistralConfig, MistralForCausalLM
+
+    config = MistralConfig(
+        vocab_size=len(tiny_tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, sliding_window=8,
+        bos_token_id=tiny_tokenizer.bos_token_id, eos_token_id=tiny_tokenizer.eos_token_id,
+    )  # fmt: skip
+    torch.manual_seed(1)
+    MistralForCausalLM(config).save_pretrained(tmp_path / "m")
+    tiny_tokenizer.save_pretrained(tmp_path / "m")
+    report = export_model_gguf(tmp_path / "m", tmp_path / "m.gguf", dtype="f32")
+    assert gguf.GGUFReader(report.out).fields["llama.context_length"].contents() == 8
+    assert "context length 8: the sliding window" in report.summary()
+    ids = tiny_tokenizer(PROMPTS[0])["input_ids"][:8]
+    assert_within_ulps(llama_cpp_logits(report.out, ids), transformers_logits(tmp_path / "m", [ids])[0], LIBRARY_ULPS)
+
+
+def test_an_export_removes_what_killed_exports_left(tmp_path, tiny_base_dir):
+    """SIGKILL or SIGTERM (Python's default: no cleanup) leaves the staging file `.<out>.partial-<pid>`; the
+    next export to that path deletes it, and keeps the staging of a writer still running."""
+    out = tmp_path / "m.gguf"
+    with subprocess.Popen(["true"]) as ended:  # waited for: its pid names a writer that is gone
+        pass
+    dead = tmp_path / f".m.gguf.partial-{ended.pid}"
+    with subprocess.Popen(["sleep", "60"]) as running:
+        live = tmp_path / f".m.gguf.partial-{running.pid}"
+        for stale in (dead, live):
+            stale.write_bytes(b"half a model")
+        try:
+            export_model_gguf(tiny_base_dir, out)
+        finally:
+            running.kill()
+    assert not dead.exists() and live.exists() and out.is_file()
+
+
+def test_an_adapter_with_lora_alpha_0_is_applied_as_peft_applies_it(exported, tiny_base_dir):
+    """lora_alpha 0 (per-module alphas from alpha_pattern here) raised ZeroDivisionError; llama.cpp reads alpha 0
+    as scale 1, so B carries each module's whole scale, and the LoRA gives the merged model's logits."""
+    from finetune.adapters.ondisk import AdapterSpec, merge_checkpoint
+
+    root = exported["root"]
+    adapter = make_adapter(tiny_base_dir, root / "alpha0", seed=6, r=4, alpha=0, alpha_pattern={"q_proj": 8})
+    merge_checkpoint(str(tiny_base_dir), [AdapterSpec(str(adapter), 1.0)], root / "alpha0-merged")
+    merged = export_model_gguf(root / "alpha0-merged", root / "alpha0-merged.gguf", dtype="f32").out
+    lora = export_lora_gguf(adapter, root / "alpha0.gguf").out
+    ids = exported["ids"][0]
+    with_lora, base_alone = llama_cpp_logits(exported["base"], ids, lora=lora), llama_cpp_logits(exported["base"], ids)
+    assert_within_ulps(with_lora, llama_cpp_logits(merged, ids), REORDERED_ULPS, what="alpha 0 LoRA")
+    assert np.abs(with_lora - base_alone).max() > 1e-2
+
+
+def test_an_adapter_for_another_base_shape_is_refused_in_one_line(exported, tmp_path, tiny_tokenizer, capsys):
+    """`--base` of another shape was written without a word, and llama.cpp refused the file only at load."""
+    from finetune.embedded.tiny import build_tiny_llama
+
+    other = tmp_path / "wider"
+    build_tiny_llama(tiny_tokenizer, hidden_size=96, intermediate_size=128, num_hidden_layers=2).save_pretrained(other)
+    tiny_tokenizer.save_pretrained(other)
+    out = tmp_path / "lora.gguf"
+    argv = ["export", "gguf", "--adapter", str(exported["adapter"]), "--base", str(other), "--out", str(out)]
+    capsys.readouterr()  # save_pretrained's progress bar
+    assert cli_main(argv) == 2
+    error = capsys.readouterr().err.strip()
+    assert error.count("\n") == 0 and "mlp.down_proj updates a (64, 128) weight" in error
+    assert error.endswith(f"{other} has shape (96, 128); give the base the adapter was trained on (--base)")
+    assert not list(tmp_path.glob("*.gguf*"))

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from finetune.adapters.lora import read_adapter
 from finetune.adapters.resolved_base import resolve_model_dir
+from finetune.adapters.tensor_index import TensorIndex
 from finetune.errors import ExportError
 from finetune.export.gguf_file import PlannedTensor, file_type, tensor_dtype, write_gguf
 from finetune.export.gguf_model import ExportReport, check_dtype
@@ -42,13 +43,34 @@ def _lora_tensors(adapter, layout: LlamaLayout, alpha: float, dtype: str) -> lis
                 f"{adapter.path}: the adapter updates {module}, which the base ties to its input embeddings; "
                 "llama.cpp cannot apply it as a LoRA (merge the adapter and export the model instead)"
             )
-        fold = lora.scale * lora.rank / alpha  # 1 for a plain adapter: llama.cpp's alpha / r is the scale
+        # 1 for a plain adapter: llama.cpp's alpha / r is the scale. llama.cpp reads alpha 0 as scale 1 (no
+        # division by r), so a file with lora_alpha 0 (its modules' scales from alpha_pattern, or 0) takes B · scale.
+        fold = lora.scale * lora.rank / alpha if alpha else lora.scale
         A = lora.A.contiguous()
         B = layout.to_llama_cpp(hf_name, lora.B * fold if fold != 1.0 else lora.B).contiguous()
         for suffix, tensor in (("lora_a", A), ("lora_b", B)):
             shape = tuple(tensor.shape)
             plan.append(PlannedTensor(f"{gguf_name}.{suffix}", shape, tensor_dtype(shape, dtype), tensor.numpy))
     return plan
+
+
+def _check_base_shapes(adapter, base_dir: Path) -> None:
+    """Every module the adapter updates is a weight of `base_dir` whose shape is B·A's (after `_lora_tensors`,
+    which refuses embeddings, Conv1D and a tied head with their own reasons).
+
+    The base gives the export only names and the q/k layout; given another base (`--base`), the file was
+    written and llama.cpp refused it only at load ("incorrect shape ... maybe wrong base model?").
+    """
+    headers = TensorIndex.of(base_dir)
+    for module, lora in sorted(adapter.modules.items()):
+        expected = (int(lora.B.shape[0]), int(lora.A.shape[1]))
+        header = headers.get(module + ".weight")
+        found = "no such weight" if header is None else f"shape {tuple(header.shape)}"
+        if header is None or tuple(header.shape) != expected:
+            raise ExportError(
+                f"{adapter.path}: module {module} updates a {expected} weight but the base {base_dir} has {found}; "
+                "give the base the adapter was trained on (--base)"
+            )
 
 
 def export_lora_gguf(
@@ -83,9 +105,11 @@ def export_lora_gguf(
     base_ref = base or adapter.base_path
     if not base_ref:
         raise ExportError(f"{adapter_dir}: the adapter records no base model; pass --base MODEL_DIR")
-    layout = read_layout(resolve_model_dir(base_ref))
+    base_dir = resolve_model_dir(base_ref)
+    layout = read_layout(base_dir)
     alpha = float(adapter.config.get("lora_alpha", 8))
     tensors = _lora_tensors(adapter, layout, alpha, dtype)
+    _check_base_shapes(adapter, base_dir)
 
     def add_metadata(writer) -> None:
         writer.add_type(gguf.GGUFType.ADAPTER)

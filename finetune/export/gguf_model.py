@@ -130,5 +130,11 @@ def export_model_gguf(
     notes: tuple[str, ...] = (
         (f"{len(fallbacks)} tensors with rows not a multiple of 32 written as f16",) if fallbacks else ()
     )
+    if layout.sliding_window:
+        notes += (
+            f"context length {layout.context_length}: the sliding window, which llama.cpp's llama graph does not "
+            "have (beyond it llama.cpp attends to every token, transformers to the last "
+            f"{layout.sliding_window})",
+        )
     notes += (f"tokenizer pre-tokenizer {tokenizer.pre_tokenizer}",)
     return ExportReport(written, "model", dtype, len(tensors), notes)

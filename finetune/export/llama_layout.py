@@ -45,6 +45,14 @@ class LlamaLayout:
     head_dim: int
     rope: dict[str, Any]
     """`rope_parameters` (transformers 5) or the older `rope_theta` + `rope_scaling`, as one mapping."""
+    sliding_window: int | None = None
+    """Mistral's attention window when it is shorter than the context: llama.cpp's `llama` graph has none."""
+
+    @property
+    def context_length(self) -> int:
+        """`llama.context_length`: the model's context, capped at a sliding window (see `_sliding_window`)."""
+        context = int(self.config.get("max_position_embeddings", 2048))
+        return min(context, self.sliding_window) if self.sliding_window else context
 
     @property
     def tied_embeddings(self) -> bool:
@@ -122,6 +130,21 @@ def _rope_parameters(config: dict[str, Any]) -> dict[str, Any]:
     return rope
 
 
+def _sliding_window(config: dict[str, Any], architecture: str) -> int | None:
+    """Mistral's sliding window, where it is shorter than the context; None otherwise.
+
+    transformers' Mistral lets each token attend to the last `sliding_window` tokens only; llama.cpp runs
+    Mistral as `llama`, which attends to the whole context. The two agree exactly up to `sliding_window`
+    tokens (a window as long as the sequence is no window), so the file declares that context (llama.cpp
+    warns beyond it) instead of the longer one, where its outputs silently differ (Mistral 7B v0.1: 4096
+    of 32768). transformers' Llama ignores the key, so it is read for Mistral only.
+    """
+    window = config.get("sliding_window")
+    if architecture != "MistralForCausalLM" or not window:
+        return None
+    return int(window) if int(window) < int(config.get("max_position_embeddings", 2048)) else None
+
+
 def layout_from_config(config: dict[str, Any], where: str) -> LlamaLayout:
     """Check that `config` (a config.json mapping) is a model llama.cpp's Llama graph runs, and read its shape.
 
@@ -152,6 +175,7 @@ def layout_from_config(config: dict[str, Any], where: str) -> LlamaLayout:
         num_kv_heads=int(config.get("num_key_value_heads") or num_heads),
         head_dim=int(config.get("head_dim") or config["hidden_size"] // num_heads),
         rope=rope,
+        sliding_window=_sliding_window(config, architecture),
     )
 
 
@@ -168,7 +192,7 @@ def write_hyperparameters(writer: Any, layout: LlamaLayout) -> None:
     import gguf
 
     config = layout.config
-    writer.add_context_length(int(config.get("max_position_embeddings", 2048)))
+    writer.add_context_length(layout.context_length)
     writer.add_embedding_length(int(config["hidden_size"]))
     writer.add_block_count(layout.num_layers)
     writer.add_feed_forward_length(int(config["intermediate_size"]))
