@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import ROUNDED_ULPS, assert_within_ulps
+from helpers import ROUNDED_ULPS, assert_within_ulps, make_adapter
 from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
@@ -111,6 +111,24 @@ def test_cat_writes_the_exact_weighted_sum(tmp_path, tiny_base_dir, adapter_dirs
         m.merge(name, weight)
     for key, tensor in m.model.state_dict().items():
         assert_within_ulps(combined[key], tensor, ROUNDED_ULPS, what=key)  # W + Σ w·ΔW against one merge at a time
+
+
+def test_peft_loads_every_combined_module_when_the_first_adapter_excluded_some(tmp_path, tiny_base_dir, adapter_dirs):
+    """The first adapter's `exclude_modules` selected its own layers; in the combined config peft would skip
+    the other adapter's LoRA on them, and unmerged use (generate, eval, serve) would lose that part of the sum."""
+    excluding = make_adapter(
+        tiny_base_dir, tmp_path / "excluding", seed=5, exclude_modules=["model.layers.0.self_attn.q_proj"]
+    )
+    paths = [excluding, adapter_dirs["legal"]]  # legal has LoRA on layer 0's q_proj
+    tasks = task_deltas(paths, WEIGHTS)
+    combine(paths, tmp_path / "combined", weights=WEIGHTS, method="cat")
+    peft_model = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(tiny_base_dir), str(tmp_path / "combined")
+    )
+    for module, parts in tasks.items():
+        layer = peft_model.base_model.model.get_submodule(module)
+        assert hasattr(layer, "get_delta_weight"), f"peft put no LoRA on {module}"
+        assert_within_ulps(layer.get_delta_weight("default").double(), sum(parts), FACTORS_ULPS, what=module)
 
 
 def test_svd_at_the_combined_rank_is_exact(tmp_path, adapter_dirs):

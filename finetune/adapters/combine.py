@@ -251,7 +251,12 @@ def combine_adapters(
 
 def _combined_config(template: dict, rank_by_module: dict[str, int], expert_modules: set[str]) -> dict:
     """A peft config whose scale is 1 for every module: alpha = r, per module through the patterns (expert
-    tensors stay targeted by the template's `target_parameters`)."""
+    tensors stay targeted by the template's `target_parameters`).
+
+    `target_modules` names every combined module in full, so the template's own selection of layers
+    (`exclude_modules`, `layers_to_transform`, `layers_pattern`) is dropped: kept, peft would skip the other
+    adapters' modules it excludes when it loads the file (unmerged use would lose part of the sum, unsaid).
+    """
     r = max(rank_by_module.values())
     pattern = {re.escape(m): k for m, k in rank_by_module.items() if k != r}
     config = dict(template)
@@ -262,6 +267,9 @@ def _combined_config(template: dict, rank_by_module: dict[str, int], expert_modu
         rank_pattern=pattern,
         alpha_pattern=dict(pattern),
         target_modules=sorted(set(rank_by_module) - expert_modules),
+        exclude_modules=None,
+        layers_to_transform=None,
+        layers_pattern=None,
         lora_dropout=0.0,
         init_lora_weights=True,
         inference_mode=True,
