@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import assert_tensors_equal, read_tensors
+from helpers import assert_tensors_equal, make_adapter, read_tensors
 from safetensors.torch import load_file, save_file
 
 from finetune.adapters.lora import read_adapter, validate_adapter_name
@@ -300,6 +300,20 @@ def test_unsupported_lora_variants_are_refused_with_the_reason(tmp_path, adapter
     (variant / "adapter_config.json").write_text(json.dumps({**config, "modules_to_save": ["lm_head"]}))
     with pytest.raises(AdapterError, match="replaces whole modules"):
         read_adapter(variant)
+
+
+@pytest.mark.parametrize("init", ["pissa", "olora"])
+def test_an_adapter_saved_unconverted_from_a_base_rewriting_init_is_refused(tmp_path, tiny_base_dir, capsys, init):
+    """peft's PiSSA/OLoRA init takes s·B₀A₀ out of the base weight; an adapter saved without peft's conversion is an
+    update of that rewritten weight, so merged into the base on disk it would not be the trained model."""
+    adapter = make_adapter(tiny_base_dir, tmp_path / init, seed=4, init_lora_weights=init, magnitude=0.05)
+    capsys.readouterr()  # transformers' loading bar
+    for command in (["merge", "--base", str(tiny_base_dir), "--adapter", str(adapter), "--out", str(tmp_path / "m")],
+                    ["combine", str(adapter), str(adapter), "--out", str(tmp_path / "mix")]):  # fmt: skip
+        assert main(["adapters", *command]) == 2
+        error = capsys.readouterr().err.strip().splitlines()
+        assert len(error) == 1 and f"init_lora_weights is '{init}'" in error[0], error
+    assert not (tmp_path / "m").exists() and not (tmp_path / "mix").exists()
 
 
 def test_a_dora_adapter_is_used_unmerged_and_refused_by_adapter_arithmetic(workdir, capsys):

@@ -12,7 +12,8 @@ tensor (peft's `target_parameters`, a `ParamWrapper` with one rank-r pair per ex
 subtract, swap, combine, on-disk streaming and serving all take updates from `delta`. Everything that cannot be written as such a sum
 is refused with an `AdapterError` rather than merged approximately: DoRA (its update depends on the norm of
 the weight it is merged into, so weighted sums and exact subtraction have no meaning), LoRA biases,
-conv LoRA, `modules_to_save` and trainable tokens (full replacement weights, not updates). Copies of the
+conv LoRA, `modules_to_save` and trainable tokens (full replacement weights, not updates), and adapters saved
+unconverted from an initialisation that rewrote the base (PiSSA, OLoRA, CorDA, LoftQ, LoRA-GA). Copies of the
 base's embedding weights that peft saves beside embedding/head LoRA (`save_embedding_layers`) are kept in
 `Adapter.base_copies`, so a base can be checked against them.
 
@@ -62,6 +63,12 @@ _UNSUPPORTED_CONFIG = {
     "use_bdlora": "block-diagonal LoRA is not supported",
     "alora_invocation_tokens": "activated LoRA only applies after invocation tokens, it cannot be merged",
 }
+
+
+# peft initialisations that rewrite the base weight when they create the adapter (W_res = W - s·B₀A₀, or LoftQ's
+# quantized W): an adapter saved so is an update of that rewritten weight, not of the base on disk, until peft
+# converts it (`save_pretrained(path_initial_model_for_weight_conversion=...)`, which sets the init to True).
+_BASE_REWRITING_INITS = ("pissa", "corda", "olora", "loftq", "lora_ga")
 
 
 SCALING_CONFIG_KEYS = ("r", "lora_alpha", "use_rslora", "rank_pattern", "alpha_pattern", "fan_in_fan_out", "use_dora")
@@ -419,6 +426,7 @@ def read_adapter(path: str | Path, name: str | None = None, *, allow_pickle: boo
     for key, why in _UNSUPPORTED_CONFIG.items():
         if config.get(key):
             raise AdapterError(f"{path}: {key} is set: {why}")
+    _check_init(path, config.get("init_lora_weights"))
     manifest = read_manifest(path)
     name = validate_adapter_name(
         name or derived_adapter_name(manifest.name if manifest is not None else path.resolve().name)
@@ -443,6 +451,21 @@ def read_adapter(path: str | Path, name: str | None = None, *, allow_pickle: boo
         name=name, path=path, config=config, modules=modules, manifest=manifest, file_sha256=file_sha256,
         base_copies=base_copies, unmergeable=UNMERGEABLE_DORA if config.get("use_dora") else None,
     )  # fmt: skip
+
+
+def _check_init(path: Path, init: object) -> None:
+    """Refuse an adapter saved unconverted from an initialisation that rewrote the base weight (PiSSA, OLoRA, ...).
+
+    Its B·A is an update of the rewritten weight: added to the base on disk it keeps the part the init took out
+    of the base (s·B₀A₀), so merged it is not the model that was trained. finetune writes its own PiSSA/OLoRA
+    runs converted; peft converts PiSSA, CorDA, OLoRA and LoRA-GA ones, LoftQ's has no original-base form.
+    """
+    if isinstance(init, str) and init.lower().startswith(_BASE_REWRITING_INITS):
+        raise AdapterError(
+            f"{path}: init_lora_weights is {init!r}, which rewrote the base weights when the adapter was created, and "
+            "the adapter was saved without converting it to an update of the original base; re-save it with peft's "
+            "save_pretrained(..., path_initial_model_for_weight_conversion=DIR) (PiSSA, CorDA, OLoRA, LoRA-GA)"
+        )
 
 
 def _split_tensors(
