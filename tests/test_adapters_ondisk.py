@@ -307,3 +307,32 @@ def test_merging_a_quantized_adapter_in_a_fresh_interpreter(tmp_path, tiny_base_
     )  # fmt: skip
     assert completed.returncode == 0, completed.stderr[-2000:]
     assert "dequantized the " + bits in completed.stdout + completed.stderr
+
+
+def test_a_gpt2_adapter_on_conv1d_and_linear_layers_merges_as_peft_merges_it(tmp_path, tiny_tokenizer):
+    """peft transposes the update of a `Conv1D` (GPT-2) and not of an `nn.Linear`, deciding per layer; the
+    `fan_in_fan_out` it saves is the last wrapped layer's kind (here `lm_head`'s: false). Merged by that flag, the
+    square `attn.c_proj` got its update transposed and `c_attn` was refused as another base size."""
+    from peft import PeftModel
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    base = tmp_path / "gpt2"
+    config = GPT2Config(  # untied: peft's merge of a tied head is no reference (it changes the embeddings too)
+        vocab_size=len(tiny_tokenizer), n_embd=64, n_layer=2, n_head=4, n_positions=128, tie_word_embeddings=False
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        GPT2LMHeadModel(config).save_pretrained(base)
+    tiny_tokenizer.save_pretrained(base)
+    adapter = make_adapter(
+        base, tmp_path / "gpt2-lora", seed=6, targets=("c_attn", "attn.c_proj", "lm_head"), fan_in_fan_out=True
+    )
+    assert json.loads((adapter / "adapter_config.json").read_text())["fan_in_fan_out"] is False
+    peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), str(adapter))
+    expected = peft_model.merge_and_unload().state_dict()
+
+    merge_checkpoint(str(base), [AdapterSpec(str(adapter))], tmp_path / "merged", device="cpu")
+    in_memory = finetune.load_model(str(base), adapters={"gpt2_lora": str(adapter)}, device="cpu")
+    in_memory.merge("gpt2_lora")
+    assert_tensors_equal(read_tensors(tmp_path / "merged"), expected)
+    assert_tensors_equal(in_memory.model.state_dict(), expected)

@@ -35,7 +35,7 @@ from finetune.adapters.arithmetic import Term, half_ulp, merged_weight, module_t
 from finetune.adapters.disk_operation import DiskOperation
 from finetune.adapters.expert_files import ExpertLayout
 from finetune.adapters.experts import bind_experts
-from finetune.adapters.fit import check_fits
+from finetune.adapters.fit import bind_layouts, check_fits
 from finetune.adapters.ledger import Ledger
 from finetune.adapters.lora import Adapter
 from finetune.adapters.model_dir import (
@@ -74,7 +74,9 @@ class _ShardWriter:
             else inexact_weights(operation.source_ledger, operation.target_ledger)
         )
         architecture = _meta_model(read_dir)  # one per operation: tied names, quantizable weights, expert tensors
-        operation.adapters = {name: bind_experts(a, architecture) for name, a in operation.adapters.items()}
+        operation.adapters = {
+            name: bind_layouts(bind_experts(a, architecture), architecture) for name, a in operation.adapters.items()
+        }
         self.terms = module_terms(weights, operation.adapters)
         self.terms_of_tensor = {terms[0][2].tensor_name(module): terms for module, terms in self.terms.items()}
         self.read_index = read_index

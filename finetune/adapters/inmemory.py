@@ -37,7 +37,7 @@ from finetune.adapters import quantized
 from finetune.adapters.arithmetic import Term, changed_modules, merged_weight, module_terms
 from finetune.adapters.expert_rows import ExpertRows
 from finetune.adapters.experts import bind_experts, expert_tensors, peft_target_rewrite_off, routers, unwrapped
-from finetune.adapters.fit import check_fits
+from finetune.adapters.fit import bind_layouts, check_fits
 from finetune.adapters.ledger import Ledger
 from finetune.adapters.lora import Adapter
 from finetune.adapters.model_dir import (
@@ -153,7 +153,7 @@ class LoadedModel:
         """Make `adapter` available under `adapter.name`, after checking that it fits this base."""
         if adapter.name in self.adapters:
             raise AdapterError(f"an adapter named {adapter.name!r} is already loaded; give the new one another name")
-        adapter = bind_experts(adapter, self.model)
+        adapter = bind_layouts(bind_experts(adapter, self.model), self.model)
         self._check_fits(adapter)
         self.adapters[adapter.name] = adapter
 
