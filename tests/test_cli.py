@@ -169,3 +169,13 @@ def test_an_unknown_option_is_still_an_argument_error(workdir):
     with pytest.raises(SystemExit) as exit_info:
         main(["validate", "recipe.yaml", "--bogus"])
     assert exit_info.value.code == 2
+
+
+@pytest.mark.parametrize("command", [["train"], ["validate"], ["plan"], ["data", "preview"]])
+def test_a_missing_recipe_is_the_only_argument_named_as_required(command, capsys):
+    """The recipe overrides are optional: argparse named them required beside the recipe ("the following arguments
+    are required: recipe, key=value") when nothing was given, as it does for a `*` positional without a default."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(command)
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1].endswith("the following arguments are required: recipe")

@@ -24,7 +24,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     actions = data.add_subparsers(dest="action", required=True, metavar="ACTION")
     preview = actions.add_parser("preview", help="tokenize the first records as training would, marking trained tokens")
     preview.add_argument("recipe", help="a recipe file or catalog name")
-    preview.add_argument("overrides", nargs="*", metavar="key=value")
+    preview.add_argument("overrides", nargs="*", default=[], metavar="key=value")
     preview.add_argument("--limit", type=int, default=3, help="documents to show (default 3)")
     preview.add_argument("--json", action="store_true", help="one JSON object per document: input_ids and labels")
     preview.set_defaults(handler=run_preview)

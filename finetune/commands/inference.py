@@ -39,7 +39,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     evaluate.add_argument("--max-seq-len", type=positive_int, default=1024)
     evaluate.add_argument("--batch-size", type=positive_int, default=8)
     evaluate.add_argument(
-        "overrides", nargs="*", metavar="data.KEY=VALUE",
+        "overrides", nargs="*", default=[], metavar="data.KEY=VALUE",
         help="any other setting of a recipe's data section, e.g. data.messages_field=conversations",
     )  # fmt: skip
     evaluate.set_defaults(handler=warnings_as_lines(run_eval))

@@ -42,7 +42,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     plan = subparsers.add_parser("plan", help="estimate a recipe's peak memory per device before loading anything")
     plan.add_argument("recipe", help="YAML recipe or catalog name, e.g. llama-3.1-8b-instruct-chat")
     plan.add_argument(
-        "overrides", nargs="*", metavar="key=value", help="recipe overrides, e.g. train.micro_batch_size=1"
+        "overrides", nargs="*", default=[], metavar="key=value", help="recipe overrides, e.g. train.micro_batch_size=1"
     )
     plan.add_argument(
         "--json",

@@ -16,7 +16,7 @@ from finetune.errors import FinetuneError
 def register(subparsers: argparse._SubParsersAction) -> None:
     train = subparsers.add_parser("train", help="fine-tune a LoRA adapter as a recipe says")
     train.add_argument("recipe", help="YAML recipe, e.g. recipes/quickstart.yaml")
-    train.add_argument("overrides", nargs="*", metavar="key=value", help="recipe overrides, e.g. train.lr=1e-4")
+    train.add_argument("overrides", nargs="*", default=[], metavar="key=value", help="recipe overrides, e.g. train.lr=1e-4")
     train.add_argument("--resume", action="store_true", help="continue from the newest checkpoint of the run")
     train.add_argument(
         "--cpu", action="store_true", help="train on the CPU (CPU ranks over gloo with --nproc) even where GPUs are"
@@ -31,7 +31,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     validate = subparsers.add_parser("validate", help="check a recipe (and overrides) without running it")
     validate.add_argument("recipe")
-    validate.add_argument("overrides", nargs="*", metavar="key=value")
+    validate.add_argument("overrides", nargs="*", default=[], metavar="key=value")
     validate.set_defaults(handler=warnings_as_lines(run_validate))
 
 
