@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from finetune.console import configure_console
 from finetune.errors import FinetuneError
 from finetune.launched import broken_collective, end_if_launched, is_first_rank
+from finetune.version import __version__
 
 COMMAND_MODULES = ("train", "plan", "inference", "adapters", "recipes", "data", "serve", "export", "report")
 """Modules under `finetune.commands`, in the order their commands appear in `--help`."""
@@ -34,6 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "-v", "--verbose", action="store_true", help="let the libraries underneath print their own logs and bars"
     )
+    parser.add_argument("--version", action="version", version=f"finetune {__version__}")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in COMMAND_MODULES:
         importlib.import_module(f"finetune.commands.{name}").register(subparsers)

@@ -179,3 +179,11 @@ def test_a_missing_recipe_is_the_only_argument_named_as_required(command, capsys
         main(command)
     assert exit_info.value.code == 2
     assert capsys.readouterr().err.splitlines()[-1].endswith("the following arguments are required: recipe")
+
+
+def test_version_is_the_packages(capsys):
+    from finetune.version import __version__
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code == 0 and capsys.readouterr().out == f"finetune {__version__}\n"
