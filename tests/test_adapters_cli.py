@@ -142,6 +142,18 @@ def test_an_adapter_config_of_the_wrong_shape_is_one_line_naming_the_key(
     assert not (tmp_path / "o").exists()
 
 
+def test_an_adapter_without_its_weights_file_is_a_problem_row_not_a_whole_adapter(tmp_path, adapter_dirs, capsys):
+    """A directory with adapter_config.json and no weights (a copy cut short) was listed as healthy, 0 B."""
+    store = tmp_path / "store"
+    shutil.copytree(adapter_dirs["legal"], store / "cut")
+    (store / "cut" / "adapter_model.safetensors").unlink()
+    assert run("list", store, "--json") == 0
+    (row,) = json.loads(capsys.readouterr().out)
+    assert "has adapter_config.json but no adapter_model.safetensors" in row["problem"]
+    assert run("info", store / "cut") == 2
+    assert len(capsys.readouterr().err.strip().splitlines()) == 1
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [

@@ -93,6 +93,10 @@ def summarize(adapter_dir: Path) -> AdapterSummary:
     rank = _rank(config)
     manifest = read_manifest(adapter_dir)
     weights = _weights_file(adapter_dir)
+    if weights is None:  # listed as whole (0 B), it failed only when used
+        raise AdapterError(
+            f"{adapter_dir} has {CONFIG_NAME} but no {SAFETENSORS_NAME}: its weights are missing; re-copy or re-save it"
+        )
     base = manifest.base.id if manifest is not None else (config.get("base_model_name_or_path") or "?")
     return AdapterSummary(
         name=manifest.name if manifest is not None else adapter_dir.name,
@@ -100,7 +104,7 @@ def summarize(adapter_dir: Path) -> AdapterSummary:
         base=base,
         rank=rank,
         targets=_targets(config, adapter_dir),
-        size_bytes=weights.stat().st_size if weights else 0,
+        size_bytes=weights.stat().st_size,
         metrics=_format_metrics(manifest.metrics) if manifest is not None else "",
         ranks=tuple(int(r) for r in rank.split("/") if r.isdigit()),
         metric_values=dict(manifest.metrics) if manifest is not None else {},

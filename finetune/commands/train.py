@@ -16,7 +16,9 @@ from finetune.errors import FinetuneError
 def register(subparsers: argparse._SubParsersAction) -> None:
     train = subparsers.add_parser("train", help="fine-tune a LoRA adapter as a recipe says")
     train.add_argument("recipe", help="YAML recipe, e.g. recipes/quickstart.yaml")
-    train.add_argument("overrides", nargs="*", default=[], metavar="key=value", help="recipe overrides, e.g. train.lr=1e-4")
+    train.add_argument(
+        "overrides", nargs="*", default=[], metavar="key=value", help="recipe overrides, e.g. train.lr=1e-4"
+    )
     train.add_argument("--resume", action="store_true", help="continue from the newest checkpoint of the run")
     train.add_argument(
         "--cpu", action="store_true", help="train on the CPU (CPU ranks over gloo with --nproc) even where GPUs are"
