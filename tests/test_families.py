@@ -168,7 +168,7 @@ def test_family_recipe_trains_and_masks_exactly_the_assistant_turns(family, tmp_
     (tmp_path / "chats.jsonl").write_text((json.dumps({"messages": CHAT}) + "\n") * 8)
     losses: list[float] = []
     train_overrides = [*overrides, "data.train=chats.jsonl", "train.max_steps=2", "train.lr=1e-2",
-                       "train.warmup_steps=0", "train.micro_batch_size=4", "train.grad_accum_steps=1",
+                       "train.warmup_steps=0", "train.warmup_ratio=0", "train.micro_batch_size=4", "train.grad_accum_steps=1",
                        "train.eval_every_steps=null", "train.save_every_steps=null", "output.name=tiny"]  # fmt: skip
     train(recipe_path, train_overrides, log=lambda message: None, on_step=lambda s, m: losses.append(m["loss"]))
     assert len(losses) == 2 and all(loss == loss and loss < 1e4 for loss in losses)
