@@ -48,8 +48,8 @@ def test_finetune_plan_says_it_in_text_and_json_on_this_cpu(capsys):
     text = capsys.readouterr().out
     assert ("model.dtype=float32 train.precision=fp32 is faster" in text) is expected, text
     assert main(["plan", "qwen3-0.6b-chat", "--device", "cpu", "--json"]) == 0
-    notes = json.loads(capsys.readouterr().out)["notes"]
-    assert len(notes) == expected and all("no bf16 units" in note for note in notes)
+    notes = json.loads(capsys.readouterr().out)["notes"]  # also the CPU heap's, at this recipe's micro-batch
+    assert sum("no bf16 units" in note for note in notes) == expected, notes
 
 
 class _Loaded(Exception):
