@@ -14,6 +14,7 @@ import argparse
 import os
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
 from finetune.console import configure_console
 from finetune.errors import FinetuneError
@@ -26,10 +27,18 @@ COMMAND_MODULES = ("train", "plan", "inference", "adapters", "recipes", "data", 
 EXIT_USER_ERROR = 2
 
 
+class _OneLineErrors(argparse.ArgumentParser):
+    """argparse with the CLI's convention for bad input: one line, exit 2 (argparse prints its usage first, which
+    for `finetune train` is four lines before the one that says what is wrong). Subcommand parsers inherit it."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USER_ERROR, f"error: {self.prog}: {message}; see `{self.prog} --help`\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     import importlib
 
-    parser = argparse.ArgumentParser(
+    parser = _OneLineErrors(
         prog="finetune", description="LoRA fine-tuning of causal LMs, with exact adapter arithmetic."
     )
     parser.add_argument(

@@ -523,7 +523,8 @@ def test_a_bad_number_or_choice_is_refused_before_anything_loads(argv, fragment,
     with pytest.raises(SystemExit) as exit_:
         main(argv)
     assert exit_.value.code == 2
-    assert fragment in capsys.readouterr().err.strip().splitlines()[-1]
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("error: finetune ") and fragment in line
 
 
 def run_cli(args: list[str], cwd: Path, **popen) -> subprocess.CompletedProcess:

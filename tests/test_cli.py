@@ -178,7 +178,10 @@ def test_a_missing_recipe_is_the_only_argument_named_as_required(command, capsys
     with pytest.raises(SystemExit) as exit_info:
         main(command)
     assert exit_info.value.code == 2
-    assert capsys.readouterr().err.splitlines()[-1].endswith("the following arguments are required: recipe")
+    (line,) = capsys.readouterr().err.splitlines()  # one line, as every bad input: no usage lines before it
+    assert line == f"error: finetune {' '.join(command)}: the following arguments are required: recipe; see " + (
+        f"`finetune {' '.join(command)} --help`"
+    )
 
 
 def test_version_is_the_packages(capsys):
