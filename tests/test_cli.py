@@ -104,6 +104,8 @@ def test_eval_perplexity_equals_a_plain_transformers_and_peft_loop(tmp_path, tin
     assert capsys.readouterr().out.strip() == lines[0]
     assert main([*renamed, "train.lr=1"]) == 2
     assert "finetune eval takes data.KEY=VALUE settings only" in capsys.readouterr().err
+    assert main([*renamed, "data.text_field=body", "data.train=other.jsonl"]) == 2  # took it over --data, unsaid
+    assert "'data.train=other.jsonl': finetune eval sets that with --data" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("chat", [False, True])

@@ -100,6 +100,10 @@ def run_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+_EVAL_FLAGS = {"data.train": "--data", "data.format": "--format", "data.max_seq_len": "--max-seq-len"}
+"""The data settings `eval` takes as options of its own."""
+
+
 def _eval_data_config(args: argparse.Namespace):
     """The data section `eval` reads with: --data, --format and --max-seq-len, then any `data.KEY=VALUE`, checked
     as a recipe's data section is (so the data errors' "set data.X" hints can be followed here too)."""
@@ -108,6 +112,10 @@ def _eval_data_config(args: argparse.Namespace):
     outside = [text for text in args.overrides if not text.startswith("data.")]
     if outside:
         raise FinetuneError(f"{outside[0]!r}: finetune eval takes data.KEY=VALUE settings only")
+    for text in args.overrides:  # else one of the two would be dropped without a word
+        flag = _EVAL_FLAGS.get(text.split("=", 1)[0])
+        if flag:
+            raise FinetuneError(f"{text!r}: finetune eval sets that with {flag}; give {flag} instead")
     data = {"train": [args.data], "format": args.format, "max_seq_len": args.max_seq_len, "packing": True}
     settings = apply_overrides(
         {"model": {"base": "embedded:tiny-llama"}, "output": {"name": "eval"}, "data": data}, args.overrides
