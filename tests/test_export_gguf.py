@@ -323,3 +323,15 @@ def test_an_adapter_for_another_base_shape_is_refused_in_one_line(exported, tmp_
     assert error.count("\n") == 0 and "mlp.down_proj updates a (64, 128) weight" in error
     assert error.endswith(f"{other} has shape (96, 128); give the base the adapter was trained on (--base)")
     assert not list(tmp_path.glob("*.gguf*"))
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [(["--model", "embedded:tiny-llama", "--base", "somewhere"], "--base goes with --adapter"),
+     (["--adapter", "adapters/a", "--name", "mine"], "--name goes with --model")],
+    ids=["base-with-model", "name-with-adapter"],
+)  # fmt: skip
+def test_an_option_of_the_other_source_is_refused_not_ignored(tmp_path, capsys, argv, message):
+    assert cli_main(["export", "gguf", *argv, "--out", str(tmp_path / "x.gguf")]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert message in line and not (tmp_path / "x.gguf").exists()

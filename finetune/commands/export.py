@@ -33,6 +33,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run_export_gguf(args: argparse.Namespace) -> int:
+    from finetune.errors import FinetuneError
+
+    for option, value, goes_with in (("--base", args.base, "--adapter"), ("--name", args.name, "--model")):
+        if value is not None and getattr(args, goes_with.removeprefix("--")) is None:  # else ignored, unsaid
+            raise FinetuneError(f"{option} goes with {goes_with}; leave it out or export with {goes_with}")
     if args.model is not None:
         from finetune.export.gguf_model import export_model_gguf
 
