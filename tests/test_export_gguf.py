@@ -335,3 +335,14 @@ def test_an_option_of_the_other_source_is_refused_not_ignored(tmp_path, capsys, 
     assert cli_main(["export", "gguf", *argv, "--out", str(tmp_path / "x.gguf")]) == 2
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert message in line and not (tmp_path / "x.gguf").exists()
+
+
+def test_a_qlora_adapter_exported_alone_says_what_llama_cpp_applies_it_to(tmp_path, tiny_base_dir):
+    """An adapter trained on a 4-bit base learned against the dequantized weights; llama.cpp applies the exported
+    LoRA to the base's GGUF as exported from its 16/32-bit weights (0.015 apart in logits on a real QLoRA run):
+    the summary says so, as `adapters merge` uses the dequantized base."""
+    qlora = make_adapter(tiny_base_dir, tmp_path / "qlora", seed=7, r=4, alpha=8, quantization="4bit")
+    plain = make_adapter(tiny_base_dir, tmp_path / "plain", seed=7, r=4, alpha=8)
+    said = export_lora_gguf(qlora, tmp_path / "qlora.gguf").summary()
+    assert "trained on a 4-bit nf4" in said and "not to the dequantized weights" in said
+    assert "dequantized" not in export_lora_gguf(plain, tmp_path / "plain.gguf").summary()

@@ -122,4 +122,11 @@ def export_lora_gguf(
             writer.add_string("finetune.base_fingerprint", adapter.base_fingerprint)
 
     written = write_gguf(out, GGUF_ARCH, add_metadata, tensors)
-    return ExportReport(written, "lora adapter", dtype, len(tensors), (f"base {base_ref}",))
+    trained_on = adapter.trained_quantization
+    notes: tuple[str, ...] = (f"base {base_ref}",)
+    if trained_on is not None and trained_on.method != "none":  # QLoRA: learned against the dequantized weights
+        notes += (
+            f"trained on a {trained_on.describe()} base: llama.cpp applies it to the base's GGUF as exported (from "
+            "its 16/32-bit weights), not to the dequantized weights it learned against (`adapters merge` does)",
+        )
+    return ExportReport(written, "lora adapter", dtype, len(tensors), notes)
