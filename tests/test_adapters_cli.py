@@ -114,9 +114,18 @@ def test_list_and_info_show_the_store(tmp_path, adapter_dirs, capsys):
         ({"target_modules": 5}, "target_modules is 5, not a module name"),
         ({"target_modules": [1, 2]}, "target_modules is [1, 2]"),
         ({"r": "four"}, "r is 'four', not a whole number"),
+        ({"r": None}, "r is None, not a whole number"),  # listed as rank None before
         ({"lora_alpha": "8"}, "lora_alpha is '8', not a number"),
     ],
-    ids=["a-list", "rank-pattern-a-list", "targets-a-number", "targets-numbers", "rank-words", "alpha-text"],
+    ids=[
+        "a-list",
+        "rank-pattern-a-list",
+        "targets-a-number",
+        "targets-numbers",
+        "rank-words",
+        "rank-null",
+        "alpha-text",
+    ],
 )
 def test_an_adapter_config_of_the_wrong_shape_is_one_line_naming_the_key(
     tmp_path, tiny_base_dir, adapter_dirs, capsys, document, fragment
@@ -140,6 +149,12 @@ def test_an_adapter_config_of_the_wrong_shape_is_one_line_naming_the_key(
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith("error: ") and fragment in err[0], err
     assert not (tmp_path / "o").exists()
+
+
+def test_info_shows_the_per_module_alphas_beside_the_adapters_alpha(tmp_path, tiny_base_dir, capsys):
+    adapter = make_adapter(tiny_base_dir, tmp_path / "patterned", seed=3, r=4, alpha=8, alpha_pattern={"q_proj": 32})
+    assert run("info", adapter) == 0
+    assert "rank: 4  alpha: 8 (q_proj=32)  rslora" in capsys.readouterr().out
 
 
 def test_an_adapter_without_its_weights_file_is_a_problem_row_not_a_whole_adapter(tmp_path, adapter_dirs, capsys):

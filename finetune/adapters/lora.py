@@ -383,6 +383,10 @@ _CONFIG_TYPES: dict[str, tuple[str, Callable[[object], bool]]] = {
 }
 
 
+_NOT_NULL = ("r", "lora_alpha")
+"""Keys that may be left out (peft's defaults) but not given as null."""
+
+
 def read_adapter_config(config_file: Path) -> dict:
     """`adapter_config.json` as a dict, its keys that finetune reads of the types peft writes (null allowed).
 
@@ -396,7 +400,8 @@ def read_adapter_config(config_file: Path) -> dict:
     if not isinstance(config, dict):
         raise AdapterError(f"{config_file} holds a JSON {type(config).__name__}, not an object; re-save the adapter")
     for key, (expected, fits) in _CONFIG_TYPES.items():
-        if config.get(key) is not None and not fits(config[key]):
+        present = config.get(key) is not None or (key in _NOT_NULL and key in config)  # peft fails on a null r
+        if present and not fits(config[key]):
             raise AdapterError(
                 f"{config_file}: {key} is {config[key]!r}, not {expected}; fix that key or re-save the adapter with peft"
             )

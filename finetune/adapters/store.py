@@ -177,6 +177,13 @@ def resolve_adapter_path(ref: str, store_dir: str | Path = "adapters") -> Path:
     )
 
 
+def _alpha(config: dict) -> str:
+    """The adapter's alpha, and the per-module alphas of its `alpha_pattern` beside it."""
+    pattern = config.get("alpha_pattern") or {}
+    per_module = ", ".join(f"{module}={alpha:g}" for module, alpha in sorted(pattern.items()))
+    return f"{config.get('lora_alpha')}" + (f" ({per_module})" if per_module else "")
+
+
 def describe(path: str | Path) -> str:
     """A human-readable description of an adapter directory or of a merged model's ledger."""
     path = Path(path)
@@ -195,7 +202,7 @@ def describe(path: str | Path) -> str:
     lines = [
         f"adapter: {summary.name}",
         f"path: {path}",
-        f"rank: {summary.rank}  alpha: {config.get('lora_alpha')}  rslora: {bool(config.get('use_rslora'))}  "
+        f"rank: {summary.rank}  alpha: {_alpha(config)}  rslora: {bool(config.get('use_rslora'))}  "
         f"dora: {bool(config.get('use_dora'))}",
         f"targets: {summary.targets}",
         f"size: {_size(summary.size_bytes)}",
