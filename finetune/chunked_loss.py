@@ -54,12 +54,15 @@ def token_losses(
     rows = chunk_rows or rows_per_chunk(vocab)
     if hidden.shape[0] == 0:
         return hidden.new_zeros(0, dtype=torch.float32)
+    if type(head) is torch.nn.Linear and not head.weight.requires_grad:
+        # with or without a gradient (evaluation, reference passes): the same arithmetic, so that a policy equal to
+        # its reference scores the same log-probabilities bit for bit (F.cross_entropy's differ in the last bits:
+        # a DPO step from the reference logged rewards of 1e-5 and a reward accuracy of 0.125)
+        bias = head.bias.detach() if head.bias is not None else None
+        return LinearCrossEntropy.apply(hidden, head.weight.detach(), bias, targets, rows)
     pieces = list(zip(hidden.split(rows), targets.split(rows)))
     if not (torch.is_grad_enabled() and hidden.requires_grad):  # evaluation, reference passes: losses only
         return torch.cat([_chunk_losses(head, h, t) for h, t in pieces])
-    if type(head) is torch.nn.Linear and not head.weight.requires_grad:
-        bias = head.bias.detach() if head.bias is not None else None
-        return LinearCrossEntropy.apply(hidden, head.weight.detach(), bias, targets, rows)
     return torch.cat([checkpoint(_chunk_losses, head, h, t, use_reentrant=False) for h, t in pieces])
 
 

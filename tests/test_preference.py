@@ -564,3 +564,15 @@ def test_with_trained_base_biases_the_reference_is_still_the_start(preference_wo
     assert largest <= 1e-5 * max(v.abs().max().item() for v in expected.values()), largest
     scale = _logps_scale({k: v for k, v in before.items() if k.startswith("eval_")})
     assert_within_ulps(after["eval_reward_margin"], before["eval_reward_margin"], SUM_ULPS, scale=scale)
+
+
+def test_a_first_step_from_the_reference_logs_rewards_of_exactly_zero(preference_workdir):
+    """The policy's first forward is its reference's: the training step's log-probabilities (through the chunked
+    loss with a gradient) and the reference pass's (without one) must agree bit for bit. They were computed by two
+    formulas, and the first step logged rewards of 1e-5 and a reward accuracy of 0.125 before any update."""
+    seen: list[dict] = []
+    overrides = ["train.precompute_reference=false", "train.max_steps=1", "train.eval_every_steps=null",
+                 "train.report_to=[]", "lora.dropout=0.0"]  # fmt: skip
+    train("pref.yaml", overrides, log=lambda line: None, on_step=lambda step, metrics: seen.append(metrics))
+    (first,) = seen
+    assert first["rewards_chosen"] == first["rewards_rejected"] == first["reward_accuracy"] == 0.0, first
