@@ -229,10 +229,10 @@ class LoadedModel:
         started = time.perf_counter()
         if self._active is not None and self._active in ledger.entries:
             raise AdapterError(f"adapter {self._active!r} is in use unmerged; call use(None) before merging it")
-        both = sorted(set(ledger.entries) & set(self.attached)) if self._per_row else []
-        if both:  # a row naming it would get it twice: merged underneath and applied unmerged
+        both = self._merged_and_attached(ledger) if self._per_row else None
+        if both is not None:
             raise AdapterError(
-                f"adapter {both[0]!r} is attached for per-row use; merge it after use(None) and remove_adapter"
+                f"adapter {both!r} is attached for per-row use; merge it after use(None) and remove_adapter"
             )
         if self._peft is not None and self._active is not None and self._quantized_base():
             raise AdapterError(
@@ -407,6 +407,12 @@ class LoadedModel:
         module = name.removesuffix(".weight")
         return module, _weight(self._layer(module)[2])
 
+    def _merged_and_attached(self, ledger: Ledger) -> str | None:
+        """The first adapter both in `ledger` and attached for per-row use: a row naming it would get it twice,
+        merged underneath and applied unmerged."""
+        both = sorted(set(ledger.entries) & set(self.attached))
+        return both[0] if both else None
+
     def use_per_row(self) -> torch.nn.Module:
         """Switch every attached adapter on for calls that name one adapter per row of a batch.
 
@@ -425,10 +431,10 @@ class LoadedModel:
         """
         if self._peft is None:
             raise AdapterError("no adapter is attached; call attach(name) first")
-        merged = sorted(set(self._ledger.entries) & set(self.attached))
-        if merged:  # a row naming it would get it twice: merged underneath and applied unmerged
+        merged = self._merged_and_attached(self._ledger)
+        if merged is not None:
             raise AdapterError(
-                f"adapter {merged[0]!r} is merged and attached: a row naming it would get it twice; subtract it, or "
+                f"adapter {merged!r} is merged and attached: a row naming it would get it twice; subtract it, or "
                 "remove_adapter it, before use_per_row"
             )
         if not self._per_row:  # switching costs a walk over every module: once, not per call
