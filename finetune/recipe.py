@@ -409,7 +409,8 @@ class TrainConfig(_Section):
     @property
     def reference_passes(self) -> bool:
         """Whether training runs passes of the reference policy: dpo (unless they are precomputed), kto, and grpo
-        with a KL term (beta > 0). Where LoRA does not start as the base, those passes swap the starting weights in."""
+        with a KL term (beta > 0). Where disabling the adapter does not give the starting model, those passes swap
+        the starting weights in (`Recipe.reference_swaps_start`)."""
         return {"dpo": not self.precompute_reference, "kto": True, "grpo": bool(self.beta)}.get(self.objective, False)
 
     def compiles(self, device_type: str, quantized: bool, checkpointing: bool | None = None) -> bool:
@@ -788,6 +789,13 @@ class Recipe(_Section):
     output: OutputConfig
 
     @property
+    def reference_swaps_start(self) -> bool:
+        """Whether the run's reference passes swap the starting weights in (`StartingWeights`): it runs reference
+        passes (`TrainConfig.reference_passes`) and disabling the adapter does not give the model as the run
+        started (`LoraConfig.disabling_gives_start`)."""
+        return self.train.reference_passes and not self.lora.disabling_gives_start
+
+    @property
     def start_metrics_prefix(self) -> str:
         """The prefix of the held-out metrics taken before training: `base_` where they are the base's (SFT
         evaluates with the adapter disabled; other objectives where LoRA starts as the base), `start_` where a
@@ -818,8 +826,7 @@ class Recipe(_Section):
                 "before the loop sees the gradient norm; set it to 0 or use fsdp"
             )
         zero3 = self.distributed.strategy == "deepspeed" and self.distributed.deepspeed.stage == 3
-        swaps_start = self.train.reference_passes and not self.lora.disabling_gives_start
-        if zero3 and swaps_start:  # else found on every rank later
+        if zero3 and self.reference_swaps_start:  # else found on every rank later
             raise ValueError(ZERO3_STARTING_REFERENCE)
         if self.distributed.strategy == "deepspeed" and self.train.optimizer != "adamw":
             raise ValueError(

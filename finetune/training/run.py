@@ -141,8 +141,10 @@ away from what the base learned."""
 
 def _split_by_decay(group: dict[str, Any], names: dict[int, str]) -> list[dict[str, Any]]:
     """`group` as the weights `train.weight_decay` applies to, then the biases and norms, at weight decay 0."""
-    exempt = [p for p in group["params"] if _NOT_DECAYED.search(names[id(p)].lower())]
-    decayed = [p for p in group["params"] if not _NOT_DECAYED.search(names[id(p)].lower())]
+    exempt: list[torch.nn.Parameter] = []
+    decayed: list[torch.nn.Parameter] = []
+    for parameter in group["params"]:
+        (exempt if _NOT_DECAYED.search(names[id(parameter)].lower()) else decayed).append(parameter)
     return [{**group, "params": decayed}, {**group, "params": exempt, "weight_decay": 0.0}]
 
 
@@ -463,8 +465,7 @@ def _objective(recipe: Recipe, tokenizer: Any, varlen: bool, peft_model: Any, le
     base, or `lora.bias` trains the base's biases): copied here, before a resumed run loads its checkpoint's.
     GRPO learns the run's length (for its reward functions) and its log says how it will decode."""
     objective = objective_for(recipe, tokenizer, varlen)
-    swaps_start = recipe.train.reference_passes and not recipe.lora.disabling_gives_start
-    if isinstance(objective, MeasuredAgainstStart) and swaps_start:
+    if isinstance(objective, MeasuredAgainstStart) and recipe.reference_swaps_start:
         objective.starting_weights = StartingWeights(peft_model)
     if isinstance(objective, GRPO):  # steps per epoch as `run_length` counts them (num_iterations per generation)
         per_epoch = length.micro_batches_per_epoch / recipe.train.grad_accum_steps * (recipe.train.num_iterations or 1)
