@@ -570,15 +570,23 @@ def test_lean_lora_layers_give_pefts_outputs_bit_for_bit(tiny_base_dir):
         assert replaced == 0
 
 
+def _train_noting(tmp_path, base_dir, monkeypatch, rewards: str, source: str, overrides: list[str]) -> list:
+    """Train a GRPO run (`finetune train`, in `tmp_path`) whose reward functions are `source`, written as noted.py,
+    which append what they saw to noted.jsonl; return its records."""
+    from finetune.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    recipe = write_grpo_run(tmp_path, base_dir, rewards)
+    (tmp_path / "noted.py").write_text(source)
+    assert main(["train", str(recipe), *overrides]) == 0
+    return [json.loads(line) for line in (tmp_path / "noted.jsonl").read_text().splitlines()]
+
+
 def test_reward_statistics_are_trls_over_the_whole_step(tmp_path, tiny_base_dir, monkeypatch):
     """trl logs `reward_std` as the standard deviation of all the step's rewards and `rewards/<f>` as the mean over
     the completions f scored (nanmean). They were a mean of per-micro-batch deviations (two micro-batches here) and
     a mean that counted each None as 0. The reward functions write down what they returned, to compare with."""
-    from finetune.cli import main
-
-    monkeypatch.chdir(tmp_path)
-    recipe = write_grpo_run(tmp_path, tiny_base_dir, "noted.py:lengths, noted.py:some")
-    (tmp_path / "noted.py").write_text(
+    source = (
         "import json\n"
         "def _note(name, values):\n"
         "    with open('noted.jsonl', 'a') as f:\n        f.write(json.dumps([name, values]) + '\\n')\n"
@@ -588,8 +596,7 @@ def test_reward_statistics_are_trls_over_the_whole_step(tmp_path, tiny_base_dir,
         "    return _note('some', [None if i % 3 else 1.0 + len(c) / 7 for i, c in enumerate(completions)])\n"
     )
     overrides = ["train.max_steps=1", "train.micro_batch_size=1", "train.grad_accum_steps=2", "data.validation=null"]
-    assert main(["train", str(recipe), *overrides]) == 0
-    noted = [json.loads(line) for line in (tmp_path / "noted.jsonl").read_text().splitlines()]
+    noted = _train_noting(tmp_path, tiny_base_dir, monkeypatch, "noted.py:lengths, noted.py:some", source, overrides)
     lengths = torch.tensor([v for name, values in noted if name == "lengths" for v in values], dtype=torch.float64)
     some = torch.tensor([math.nan if v is None else v for name, values in noted if name == "some" for v in values],
                         dtype=torch.float64)  # fmt: skip
@@ -606,17 +613,13 @@ def test_reward_statistics_are_trls_over_the_whole_step(tmp_path, tiny_base_dir,
 def test_reward_functions_see_the_runs_length_and_epoch_as_trl_passes_them(tmp_path, tiny_base_dir, monkeypatch):
     """`trainer_state.max_steps` and `.epoch`, which reward functions read to shape rewards by progress: a run set
     by `train.epochs` passed max_steps 0 (a division by zero in a curriculum reward) and epoch 0 throughout."""
-    from finetune.cli import main
-
-    monkeypatch.chdir(tmp_path)
-    recipe = write_grpo_run(tmp_path, tiny_base_dir, "progress.py:noted")
-    (tmp_path / "progress.py").write_text(
+    source = (
         "import json\n"
         "def noted(prompts, completions, trainer_state, **kwargs):\n"
-        "    with open('progress.jsonl', 'a') as f:\n"
+        "    with open('noted.jsonl', 'a') as f:\n"
         "        f.write(json.dumps([trainer_state.global_step, trainer_state.max_steps, trainer_state.epoch]) + '\\n')\n"
         "    return [0.0 for _ in completions]\n"
     )
-    assert main(["train", str(recipe), "train.max_steps=null", "train.epochs=1", "data.validation=null"]) == 0
-    seen = [json.loads(line) for line in (tmp_path / "progress.jsonl").read_text().splitlines()]
+    overrides = ["train.max_steps=null", "train.epochs=1", "data.validation=null"]
+    seen = _train_noting(tmp_path, tiny_base_dir, monkeypatch, "noted.py:noted", source, overrides)
     assert seen == [[step, 4, step / 4] for step in range(4)]  # 8 prompts, 2 per step
