@@ -51,8 +51,7 @@ class LlamaLayout:
     @property
     def context_length(self) -> int:
         """`llama.context_length`: the model's context, capped at a sliding window (see `_sliding_window`)."""
-        context = int(self.config.get("max_position_embeddings", 2048))
-        return min(context, self.sliding_window) if self.sliding_window else context
+        return self.sliding_window or int(self.config.get("max_position_embeddings", 2048))
 
     @property
     def tied_embeddings(self) -> bool:
