@@ -119,8 +119,9 @@ def cpu_heap_note(recipe: Recipe, device: str) -> str | None:
 
     The plan counts tensors; glibc's allocator keeps what they free in its heap for reuse instead of returning
     it to the system, and that grows with the tokens of a micro-batch. `bench/plan_accuracy.py` (a 56M-parameter
-    Llama, float32, AMD EPYC, 2026-11-28): peak RSS 1.13x the plan at 1,024 tokens per micro-batch, 1.33x at
-    2,048, 1.55x at 4,096; with `MALLOC_MMAP_THRESHOLD_=65536` 0.78-0.92x, the run 0-42% slower.
+    Llama, float32, AMD EPYC, two runs 2026-11-28): peak RSS 1.08-1.13x the plan at 1,024 tokens per micro-batch,
+    1.21-1.33x at 2,048, 1.55-1.59x at 4,096 (the heap's reuse varies); with `MALLOC_MMAP_THRESHOLD_=65536`
+    0.77-0.92x, the run up to 46% slower.
     """
     tokens = recipe.train.micro_batch_size * recipe.data.max_seq_len
     if device != "cpu" or tokens < CPU_HEAP_TOKENS:
@@ -128,7 +129,7 @@ def cpu_heap_note(recipe: Recipe, device: str) -> str | None:
     return (
         f"on the CPU, resident memory can exceed this plan at {tokens:,} tokens per micro-batch: it counts tensors, "
         "and glibc's allocator keeps the memory they free for reuse (bench/plan_accuracy.py: 1.1x the plan at 1,024 "
-        "tokens, 1.3x at 2,048, 1.5x at 4,096); MALLOC_MMAP_THRESHOLD_=65536 returns it, at up to 40% less speed"
+        "tokens, 1.2-1.3x at 2,048, 1.6x at 4,096); MALLOC_MMAP_THRESHOLD_=65536 returns it, at up to 46% more time"
     )
 
 
