@@ -17,10 +17,8 @@
 set -uo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
-REPO=$(pwd)
 PYTHON=${PYTHON:-python3}
 OUT=${GPU_CHECK_OUT:-bench/results/gpu-check}
-WHEELS=${FINETUNE_WHEELS:-.whl}
 QUICK=()
 TEST_WORKERS=()
 case "${1:-}" in
@@ -30,30 +28,8 @@ case "${1:-}" in
   *) echo "usage: bench/gpu_check.sh [--short | --quick]" >&2; exit 2 ;;
 esac
 
-fail() {
-  echo "gpu_check: FAILED: $*" >&2
-  exit 1
-}
-
-# Subprocesses (the CLI tests, the bench's arms) import this checkout, whatever else is installed.
-export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1
-
-"$PYTHON" - <<'EOF' || fail "no CUDA device: torch.cuda.is_available() is False (or torch is missing); this check needs a GPU"
-import sys
-import torch
-if not torch.cuda.is_available():
-    sys.exit(1)
-print(f"gpu_check: {torch.cuda.get_device_name()}, torch {torch.__version__}, CUDA {torch.version.cuda}")
-EOF
-
-if compgen -G "$WHEELS/*.whl" > /dev/null; then
-  echo "gpu_check: installing the wheels in $WHEELS and this checkout, without the network"
-  "$PYTHON" -m pip install -q --no-index --no-deps "$WHEELS"/*.whl || fail "pip install of $WHEELS/*.whl"
-  "$PYTHON" -m pip install -q --no-index --no-deps --no-build-isolation -e . || fail "pip install -e ."
-fi
-"$PYTHON" -c "import finetune, bitsandbytes, peft, datasets" \
-  || fail "finetune or a dependency does not import; bring wheels in $WHEELS (see bench/README.md, On a GPU)"
+# The CUDA check, the wheels and the import check (exits 1 with a reason if one fails).
+source bench/gpu_setup.sh
 
 if [ "${QUICK[*]-}" = "--short" ] && "$PYTHON" -c "import xdist, pytest_timeout" 2>/dev/null; then
   TEST_WORKERS=(-n 8 --timeout 150)  # the tests are small: 8 processes share the GPU; none may hang the run

@@ -243,3 +243,15 @@ def test_the_step_profiler_covers_the_steps_after_the_warm_up_and_no_others(caps
         f"profile of steps 2-3 (by self_cpu_time_total; {profiler.wall_s:.2f} s of wall time" in capsys.readouterr().err
     )
     assert train_throughput.StepProfiler({"warmup_steps": 2, "steps": 6}).last == 2  # off unless asked
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal where no CUDA device is visible")
+@pytest.mark.parametrize("script", ["gpu_check.sh", "gpu_levers.sh"])
+def test_the_gpu_scripts_stop_at_once_without_a_cuda_device_saying_so(script):
+    """Both share `bench/gpu_setup.sh`: on a machine without a GPU they stop before installing or running anything."""
+    done = subprocess.run(["bash", str(REPO / "bench" / script)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1
+    assert (
+        done.stderr.strip() == f"{script[:-3]}: FAILED: no CUDA device: torch.cuda.is_available() is False (or "
+        "torch is missing); this needs a GPU"
+    )
