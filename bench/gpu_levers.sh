@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The 8B QLoRA preset's untried levers on a GPU, in one command sized for a brief loan (about 7 minutes on an
+# The 8B QLoRA preset's untried levers on a GPU, in one command sized for a brief loan (not yet run on a GPU:
+# about 7 minutes by the earlier runs' times, 48 s for the base and 70-90 s an arm, on an
 # H100 or H200 after the wheels' install). The preset (bench/README.md, "On a GPU") ran at 1.26-1.38x the HF
 # Trainer + peft and 20-24% MFU with every layer checkpointed and eager 4-bit layers; the goal is 2x and 40%.
 # What is left to try, each a recipe key of ours (`--ours-set`), against the same Trainer run:
