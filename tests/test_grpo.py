@@ -609,6 +609,27 @@ def test_reward_statistics_are_trls_over_the_whole_step(tmp_path, tiny_base_dir,
     assert step["rewards/noted.py:lengths"] == pytest.approx(lengths.mean().item(), rel=1e-6)
 
 
+def test_a_completion_no_function_scored_is_left_out_of_the_reward_statistics(tmp_path, tiny_base_dir, monkeypatch):
+    """trl 1.16 makes the reward of a completion every function gave None NaN and logs `reward` and `reward_std` as
+    the nanmean and nanstd over the step: such a completion is left out. They were counted as a reward of 0, which
+    drew `reward` toward 0 (-0.30 for a step whose scored completions averaged -0.60)."""
+    source = (
+        "import json\n"
+        "def some(prompts, completions, **kwargs):\n"
+        "    values = [None if i % 2 else -1.0 - len(c) / 7 for i, c in enumerate(completions)]\n"
+        "    with open('noted.jsonl', 'a') as f:\n        f.write(json.dumps(['some', values]) + '\\n')\n"
+        "    return values\n"
+    )
+    overrides = ["train.max_steps=1", "train.micro_batch_size=1", "train.grad_accum_steps=2", "data.validation=null"]
+    noted = _train_noting(tmp_path, tiny_base_dir, monkeypatch, "noted.py:some", source, overrides)
+    some = torch.tensor([math.nan if v is None else v for _, values in noted for v in values], dtype=torch.float64)
+    assert len(some) == 8 and int(torch.isnan(some).sum()) == 4
+    (step,) = [json.loads(line) for line in (tmp_path / "runs" / "grpo-run" / "metrics.jsonl").read_text().splitlines()]
+    scored = some[~torch.isnan(some)]
+    assert step["reward"] == pytest.approx(scored.mean().item(), rel=1e-6)
+    assert step["reward_std"] == pytest.approx(scored.std().item(), rel=1e-6)
+
+
 @pytest.mark.slow
 def test_reward_functions_see_the_runs_length_and_epoch_as_trl_passes_them(tmp_path, tiny_base_dir, monkeypatch):
     """`trainer_state.max_steps` and `.epoch`, which reward functions read to shape rewards by progress: a run set

@@ -152,7 +152,8 @@ class GRPO(MeasuredAgainstStart):
         names = ["reward", "reward_std", "frac_reward_zero_std", "completion_length", "truncated_share",
                  "clip_ratio", "entropy", "nll", "generate_s", "reward_s"]  # fmt: skip
         names += [f"rewards/{function.name}" for function in reward_functions]
-        names += ["reward_sq", *(f"scored/{function.name}" for function in reward_functions)]  # see finish_summary
+        names += ["reward_sq", "rewarded"]  # see finish_summary
+        names += [f"scored/{function.name}" for function in reward_functions]
         if settings.loss.beta:
             names.append("kl")
         self.metric_units: Mapping[str, str] = dict.fromkeys(names, "completions")
@@ -329,10 +330,12 @@ class GRPO(MeasuredAgainstStart):
         tokens = torch.zeros(scale.completions, device=logps.device).index_add(0, owner, torch.ones_like(logps))
         nll = torch.zeros(scale.completions, device=logps.device).index_add(0, owner, -logps) / tokens.clamp(min=1)
         count = scale.completions * scale.step_completions.new_ones(())
-        rewards = torch.nan_to_num(state["rewards"], nan=0.0)  # unrewarded: 0, as trl's nansum over functions gives
+        rewarded = ~torch.isnan(state["rewards"])  # trl 1.16 leaves a completion no function scored out (NaN)
+        rewards = torch.where(rewarded, state["rewards"], 0.0)
         metrics = {
             "reward": rewards.sum(),
             "reward_sq": (rewards**2).sum(),
+            "rewarded": rewarded.sum(),
             "reward_std": count * 0,  # finish_summary: from the sums of the whole step (or evaluation)
             "frac_reward_zero_std": torch.isclose(state["std"], torch.zeros_like(state["std"])).sum(),
             "completion_length": state["lengths"].sum(),
@@ -353,15 +356,19 @@ class GRPO(MeasuredAgainstStart):
 
     def finish_summary(self, result: dict[str, float], counts: Mapping[str, float]) -> None:
         """trl's statistics over all the completions of a step (every micro-batch, every process) or of an
-        evaluation, from the means of sums `summarise` took: `reward_std` the sample standard deviation of the
-        rewards (trl's `nanstd` over the gathered batch; it was a mean of per-micro-batch deviations), and
-        `rewards/<function>` the mean over the completions the function scored (trl's `nanmean`: a None
-        counted as 0 before), NaN where it scored none."""
+        evaluation, from the means of sums `summarise` took: `reward` and `reward_std` the mean and the sample
+        standard deviation of the rewards of the completions some function scored (trl's `nanmean` and `nanstd`
+        over the gathered batch, where a completion every function gave None is NaN; they had counted it as a
+        reward of 0, and `reward_std` was once a mean of per-micro-batch deviations), NaN where fewer are scored
+        than the statistic needs; `rewards/<function>` the mean over the completions the function scored (trl's
+        `nanmean`: a None counted as 0 before), NaN where it scored none."""
         n = counts["completions"]
-        mean_square = result.pop("reward_sq", None)
-        if mean_square is not None and "reward" in result:
-            variance = max(mean_square - result["reward"] ** 2, 0.0) * n / (n - 1) if n > 1 else 0.0
-            result["reward_std"] = math.sqrt(variance)
+        mean_square, rewarded = result.pop("reward_sq", None), result.pop("rewarded", None)
+        if mean_square is not None and rewarded is not None and "reward" in result:
+            scored = round(rewarded * n)
+            mean = result["reward"] / rewarded if scored > 0 else math.nan
+            variance = max(mean_square / rewarded - mean**2, 0.0) * scored / (scored - 1) if scored > 1 else math.nan
+            result["reward"], result["reward_std"] = mean, math.sqrt(variance)
         for function in self.reward_functions:
             share = result.pop(f"scored/{function.name}", None)
             if share is not None and f"rewards/{function.name}" in result:
