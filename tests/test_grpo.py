@@ -122,6 +122,20 @@ def test_reward_function_errors_name_it(tmp_path, monkeypatch, entry, message):
         _score([entry])
 
 
+def test_a_reward_functions_error_of_several_lines_is_told_in_one(tmp_path, monkeypatch):
+    """The CLI prints a RewardError as one `error:` line: an exception message of several lines (numpy's, an
+    assertion's) or a file whose import fails so was printed over several, the last of them not the error's."""
+    monkeypatch.chdir(tmp_path)
+    write_rewards(tmp_path)
+    with pytest.raises(RewardError) as raised:
+        _score(["rewards.py:lines"])
+    assert "\n" not in str(raised.value) and "raised ValueError: shapes differ (on a batch" in str(raised.value)
+    (tmp_path / "broken.py").write_text("raise ImportError('no backend\\ninstall one of: a, b')\n")
+    with pytest.raises(RewardError) as raised:
+        load_reward_functions(["broken.py:f"])
+    assert "\n" not in str(raised.value) and str(raised.value).endswith("raised ImportError: no backend")
+
+
 def test_a_numpy_array_of_rewards_is_taken_as_trl_takes_it(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     write_rewards(tmp_path)

@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from finetune.errors import FinetuneError
+from finetune.errors import FinetuneError, first_line
 
 
 class RewardError(FinetuneError):
@@ -110,7 +110,9 @@ def _import_file(path: Path) -> Any:
         spec.loader.exec_module(module)
     except (Exception, SystemExit) as exc:  # a file that calls sys.exit() would end the run without a word
         del sys.modules[module_name]
-        raise RewardError(f"train.reward_functions: importing {path} raised {type(exc).__name__}: {exc}") from None
+        raise RewardError(
+            f"train.reward_functions: importing {path} raised {type(exc).__name__}: {first_line(exc)}"
+        ) from None
     return module
 
 
@@ -169,7 +171,7 @@ def _builtin(entry: str, name: str, arguments: dict[str, Any]) -> Callable[..., 
     try:
         return factory(**arguments)
     except (TypeError, ValueError, re.error) as exc:
-        raise RewardError(f"train.reward_functions: {entry!r}: {exc}; fix the argument") from None
+        raise RewardError(f"train.reward_functions: {entry!r}: {first_line(exc)}; fix the argument") from None
 
 
 def exact_match(column: str = "answer") -> Callable[..., list[float]]:
@@ -260,8 +262,8 @@ def score(
                 values = _await(values)
         except (Exception, SystemExit) as exc:  # the user's code, sys.exit() included: theirs to fix, named as such
             raise RewardError(
-                f"reward function {reward.name} raised {type(exc).__name__}: {exc} (on a batch of prompts starting "
-                f"at {records[0]}); fix the function"
+                f"reward function {reward.name} raised {type(exc).__name__}: {first_line(exc)} (on a batch of "
+                f"prompts starting at {records[0]}); fix the function"
             ) from None
         if hasattr(values, "tolist") and getattr(values, "ndim", None) == 1:  # a numpy array, as trl accepts
             values = values.tolist()
