@@ -307,6 +307,18 @@ def test_loss_averages_as_trl_defines_them(loss_type, beta, iterations):
     assert_within_ulps(ours, expected, LIBRARY_ULPS, what=loss_type)  # trl's op order, float32
 
 
+def test_the_kl_metric_is_trls_importance_weighted_one():
+    """trl 1.16 logs `kl` as the masked mean of the per-token KL it adds to the loss, weighted by the importance
+    ratio (`use_bias_correction_kl`); after the first step of a `num_iterations` group the ratio is not 1, and the
+    unweighted KL was logged instead."""
+    torch.manual_seed(0)
+    logps = torch.randn(6) * 0.5 - 1
+    old, ref = logps + torch.randn(6) * 0.3, logps + torch.randn(6) * 0.2
+    _, parts = per_token_loss(logps, old, ref, torch.ones(6), LossSettings("dapo", 0.2, 0.2, 0.04, 6))
+    trls = (torch.exp(ref - logps) - (ref - logps) - 1) * torch.exp(logps - old)
+    torch.testing.assert_close(parts["kl"], trls)
+
+
 def _cli(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
     env = {"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
     import os

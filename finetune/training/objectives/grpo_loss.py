@@ -60,7 +60,8 @@ def per_token_loss(
     advantages: torch.Tensor,
     settings: LossSettings,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """ℓ_t (N,) and per-token parts for metrics (`clipped` 0/1, `kl`), all (N,)."""
+    """ℓ_t (N,) and per-token parts for metrics (`clipped` 0/1, `kl` the term β weighs: r_t · KL_t, which trl
+    logs), all (N,)."""
     ratio = torch.exp(logps - old_logps)
     clipped_ratio = torch.clamp(ratio, 1 - settings.epsilon, 1 + settings.epsilon_high)
     loss = -torch.min(ratio * advantages, clipped_ratio * advantages)
@@ -72,7 +73,7 @@ def per_token_loss(
         delta = ref_logps - logps
         kl = torch.exp(delta) - delta - 1
         loss = loss + settings.beta * kl * ratio
-        parts["kl"] = kl.detach()
+        parts["kl"] = (kl * ratio).detach()  # as trl logs it: E_old[r·k3] estimates the policy's KL now
     return loss, parts
 
 
