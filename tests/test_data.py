@@ -114,6 +114,20 @@ LABEL_CASES = [
         "ok</s>",
     ),
     (
+        "text-with-its-own-bos-and-eos",  # e.g. a chat rendered to text: BOS and EOS once each, never twice
+        {"format": "text"},
+        {"text": "<s>the model reads</s>"},
+        "<s>the model reads</s>",
+        "the model reads</s>",
+    ),
+    (
+        "instruction-with-bos-in-template-and-eos-in-response",
+        {"format": "instruction", "prompt_template": "<s>{prompt}\n"},
+        {"instruction": "add", "output": "a + b</s>"},
+        "<s>add\na + b</s>",
+        "a + b</s>",
+    ),
+    (
         "chat-generation-markers",
         {"format": "chat"},
         {"messages": CHAT},

@@ -493,6 +493,28 @@ def test_an_empty_prompt_without_bos_leaves_each_sequence_first_label_untrained(
         assert batch["sequence_tokens"].tolist() == [len(s["input_ids"]) - 1 for s in sequences]
 
 
+def test_bos_and_eos_already_in_a_pairs_text_are_not_added_again(tiny_tokenizer):
+    """As in `text` and `instruction` records: a prompt written with its BOS and completions ending with EOS
+    get no second one (a doubled BOS is input the model never saw; a doubled EOS trains stopping twice). So do
+    GRPO's string prompts."""
+    from finetune.data.preference import encode_preference_records
+    from finetune.data.prompts import prompt_token_ids
+
+    bos, eos = tiny_tokenizer.bos_token, tiny_tokenizer.eos_token
+    config = recipe_from_dict({"data": {"train": "x.jsonl", "format": "preference"}, "output": {"name": "x"},
+                               "train": {"objective": "dpo"}}).data  # fmt: skip
+    plain = {"prompt": "Weather?", "chosen": "Sunny.", "rejected": "Rain all day."}
+    written = {"prompt": bos + "Weather?", "chosen": "Sunny." + eos, "rejected": "Rain all day." + eos}
+    (ours, theirs) = (encode_preference_records([r], config, tiny_tokenizer, str)[0].row for r in (plain, written))
+    for side in ("chosen_", "rejected_"):
+        assert theirs[f"{side}input_ids"] == ours[f"{side}input_ids"]
+        assert theirs[f"{side}input_ids"].count(tiny_tokenizer.bos_token_id) == 1
+        assert theirs[f"{side}input_ids"].count(tiny_tokenizer.eos_token_id) == 1
+    assert prompt_token_ids(bos + "Weather?", config, tiny_tokenizer, "x") == prompt_token_ids(
+        "Weather?", config, tiny_tokenizer, "x"
+    )
+
+
 def test_kto_labels_read_from_a_csv_file_are_booleans(tmp_path, tiny_tokenizer):
     """A .csv file holds strings only: its `true`/`false` labels are the booleans KTO reads."""
     from finetune.data.preference import preview_records

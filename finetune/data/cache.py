@@ -46,7 +46,7 @@ from transformers import PreTrainedTokenizerBase
 from finetune.data.sources import source_content_hash
 from finetune.recipe import DataConfig
 
-PIPELINE_VERSION = 6  # 6: lines split at CR/LF only; an empty preference prompt leaves the first label untrained
+PIPELINE_VERSION = 7  # 7: BOS/EOS never doubled where the text already has them; 6: lines split at CR/LF only
 """Bump when the rows this package produces change for the same inputs; old cache entries are then unused."""
 
 _FORMAT_FIELDS = {

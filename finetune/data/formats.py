@@ -14,6 +14,11 @@ document. EOS always ends a document as a trained label, so the tuned model lear
   generation prompt through its closing token (`finetune.data.chat_turns`). `data.reasoning: every_turn`
   makes one document per assistant turn (`Document.more`).
 
+In `text` and `instruction`, BOS and EOS are each added once: text that already starts with the BOS token
+or ends with the EOS token (a chat rendered to text with its `<|begin_of_text|>`, a response written with a
+closing `</s>`, a prompt template beginning `<s>`) gets no second one, as trl adds EOS only where it is missing; a doubled
+BOS is input the model never saw in pretraining, and a doubled EOS trains stopping twice.
+
 A record with nothing to train on (empty text, an empty response, a chat without assistant turns under
 completion-only loss) encodes to None and is dropped by the caller, who counts it.
 
@@ -86,6 +91,16 @@ def _bos(tokenizer: PreTrainedTokenizerBase) -> list[int]:
     return [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
 
 
+def _with_bos(bos: list[int], ids: list[int]) -> list[int]:
+    """`ids` led by BOS, unless their own text already began with it (BOS is never doubled)."""
+    return list(ids) if bos and ids[:1] == bos else bos + ids
+
+
+def _with_eos(ids: list[int], eos: int) -> list[int]:
+    """`ids` closed by EOS, unless their own text already ended with it (EOS is never doubled)."""
+    return list(ids) if ids[-1:] == [eos] else [*ids, eos]
+
+
 @overload
 def _string_field(record: dict[str, Any], name: str, config_key: str, where: str) -> str: ...
 @overload
@@ -130,10 +145,11 @@ def _encode_text(records, config, tokenizer, locate) -> list[Document | None]:
     keep = [i for i, text in enumerate(texts) if text.strip()]
     token_ids = _tokenize(tokenizer, [texts[i] for i in keep])
     documents: list[Document | None] = [None] * len(records)
-    bos, eos = _bos(tokenizer), [tokenizer.eos_token_id]
+    bos, eos = _bos(tokenizer), tokenizer.eos_token_id
     for i, ids in zip(keep, token_ids):
-        input_ids = bos + ids + eos
-        documents[i] = Document(input_ids, [IGNORE_INDEX] + input_ids[1:])
+        input_ids = _with_eos(_with_bos(bos, ids), eos)
+        if len(input_ids) > 1:  # a text of nothing but BOS/EOS has no token to train
+            documents[i] = Document(input_ids, [IGNORE_INDEX] + input_ids[1:])
     return documents
 
 
@@ -158,14 +174,14 @@ def _encode_instruction(records, config, tokenizer, locate) -> list[Document | N
             prompts.append(render_prompt(config.prompt_template, prompt))
         responses.append(response)
     documents: list[Document | None] = []
-    bos, eos = _bos(tokenizer), [tokenizer.eos_token_id]
+    bos, eos = _bos(tokenizer), tokenizer.eos_token_id
     tokenized = zip(_tokenize(tokenizer, prompts), _tokenize(tokenizer, responses), responses)
     for prompt_ids, response_ids, response in tokenized:
         if not response.strip():  # an empty answer would teach stopping at once: dropped (and counted) like empty text
             documents.append(None)
             continue
-        prompt_ids = bos + prompt_ids
-        response_ids = response_ids + eos
+        prompt_ids = _with_bos(bos, prompt_ids)
+        response_ids = _with_eos(response_ids, eos)
         input_ids = prompt_ids + response_ids
         if config.completion_only_loss:
             labels = [IGNORE_INDEX] * len(prompt_ids) + response_ids

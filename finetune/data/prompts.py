@@ -22,7 +22,7 @@ from typing import Any
 
 import datasets
 
-from finetune.data.formats import _bos, _preview, _tokenize, encode_chat_prompt
+from finetune.data.formats import _bos, _preview, _tokenize, _with_bos, encode_chat_prompt
 from finetune.data.preference import EncodedRecord, Locate
 from finetune.data.sources import iter_records, load_source
 from finetune.errors import DataError
@@ -41,7 +41,7 @@ def prompt_token_ids(prompt: Any, config: DataConfig, tokenizer: Any, where: str
     if isinstance(prompt, str):
         if not prompt:
             raise DataError(f"{where}: field 'prompt' is empty; give the text the completions continue from")
-        return _bos(tokenizer) + _tokenize(tokenizer, [prompt])[0]
+        return _with_bos(_bos(tokenizer), _tokenize(tokenizer, [prompt])[0])  # BOS once, as `text`
     if not isinstance(prompt, list):
         raise DataError(
             f"{where}: field 'prompt' must be a string or a list of {{role, content}} messages, got "
