@@ -658,6 +658,18 @@ BAD_INPUT_CASES = [
         {},
         ["d.jsonl", "not valid UTF-8", "byte 0xe9", "byte offset 28", "line 2"],
     ),
+    (
+        "lone-surrogate-jsonl",  # text cut inside an emoji: json.loads takes it, the tokenizer raised a TypeError
+        _file("d.jsonl", '{"text": "ok \\ud83d\\ude00"}\n\n{"text": "cut \\ud83d"}\n'),
+        {},
+        ["d.jsonl line 3 (record 2)", "lone surrogate"],
+    ),
+    (
+        "lone-surrogate-json",
+        _file("d.json", '[{"text": "ok"}, {"text": "cut \\uDE00 here"}]'),
+        {},
+        ["d.json record 2", "lone surrogate"],
+    ),
     ("empty-file", _file("d.jsonl", "\n\n"), {}, ["d.jsonl", "has no records"]),
     (
         "empty-after-filtering",

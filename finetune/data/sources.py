@@ -375,6 +375,25 @@ def _utf8_blocks(path: Path, raw_path: str) -> Iterator[str]:
                 return
 
 
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+"""A JSON escape of a UTF-16 surrogate: half of a pair (an emoji written `\\ud83d\\ude00`), or alone."""
+
+
+def _check_no_lone_surrogates(record: dict[str, Any], source_text: str, where: str) -> None:
+    """`json.loads` accepts an escaped surrogate without its pair (`"\\ud83d"`, left by text cut inside an
+    emoji), but such a string is not text: the tokenizer rejects it with a TypeError deep in a worker.
+    Checked only where the record's source text has a surrogate escape at all, so plain records cost nothing."""
+    if _SURROGATE_ESCAPE.search(source_text) is None:
+        return
+    try:
+        json.dumps(record, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        raise DataError(
+            f"{where}: a string holds a lone surrogate escape (\\ud800-\\udfff without its pair), which is not "
+            f"text; remove it or write the character whole, e.g. with json.dumps of the original text"
+        ) from None
+
+
 def _parse_json_lines(lines: Iterable[str], raw_path: str) -> Parsed:
     number = 0
     for line_number, line in enumerate(lines, start=1):
@@ -388,7 +407,9 @@ def _parse_json_lines(lines: Iterable[str], raw_path: str) -> Parsed:
                 f"each line of a .jsonl file must be one JSON object"
             ) from None
         number += 1
-        _check_object(record, f"{raw_path} line {line_number} (record {number})")
+        where = f"{raw_path} line {line_number} (record {number})"
+        _check_object(record, where)
+        _check_no_lone_surrogates(record, line, where)
         yield record, line_number, len(line)
 
 
@@ -413,6 +434,7 @@ def _parse_json(text: str, raw_path: str) -> Parsed:
         )
     for index, record in enumerate(data):
         _check_object(record, f"{raw_path} record {index + 1}")
+        _check_no_lone_surrogates(record, text, f"{raw_path} record {index + 1}")
     return ((record, None, 0) for record in data)
 
 
