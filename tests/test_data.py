@@ -653,6 +653,12 @@ BAD_INPUT_CASES = [
     ),
     ("ragged-csv", _file("d.csv", "text,extra\na,b\nc,d,e\n"), {}, ["d.csv line 3", "3 values", "header has 2"]),
     (
+        "csv-quote-never-closed",  # read silently as one record holding every later row
+        _file("d.csv", 'text\nfirst\n"second, never closed\nthird\nfourth\n'),
+        {},
+        ["d.csv line 3", "never closed"],
+    ),
+    (
         "non-utf8",
         _file("d.jsonl", b'{"text": "ok"}\n{"text": "caf\xe9"}\n'),
         {},

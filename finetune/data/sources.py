@@ -12,7 +12,8 @@ handed on a chunk of records at a time (`iter_records`), so a corpus need not fi
 File rules:
 - `.jsonl`: one JSON object per line; blank lines are skipped.
 - `.json`: a JSON array of objects; JSON Lines saved as `.json` (objects one per line) is read as such.
-- `.csv`: a header row, then one record per row (every value is a string; empty cells are "").
+- `.csv`: a header row, then one record per row (every value is a string; empty cells are ""); a quoted
+  value still open at the end of the file is an error naming its row, not one value holding every later row.
 - `.parquet`: one record per row.
 - `.txt`: documents separated by one or more blank lines (`datasets`' `sample_by="paragraph"`); line
   breaks inside a document are kept. Each document becomes a record `{"text": ...}` (the field named
@@ -446,15 +447,27 @@ def _check_object(record: Any, where: str) -> None:
         )
 
 
+_CSV_END = "\ufdd0end of file\ufdd0"
+"""A last line fed to the CSV reader after the file's own: read as a row of its own, unless a quoted value is
+still open, which then swallows it. (Python's reader, unless strict, ends an open quote silently at the end of
+the file, so one missing closing quote made every later row part of one value; strict mode would also refuse
+the common `"x"  ` with spaces after the quote.) U+FDD0 is a noncharacter, in no real value."""
+
+
 def _parse_csv(blocks: Iterable[str], raw_path: str) -> Parsed:
     # csv wants lines split at \r, \n and \r\n only, with their endings (quoted values span lines)
-    reader = csv.reader(line for block in blocks for line in io.StringIO(block, newline=""))
+    lines = chain((line for block in blocks for line in io.StringIO(block, newline="")), [_CSV_END])
+    reader = csv.reader(lines)
     try:
         header = next(reader, None)
-        if header is None:
+        if header is None or header == [_CSV_END]:
             return
+        _check_quotes_closed(header, raw_path, 1)
         start_line = reader.line_num + 1
         for row in reader:
+            if row == [_CSV_END]:
+                return
+            _check_quotes_closed(row, raw_path, start_line)
             if row:
                 if len(row) != len(header):
                     raise DataError(
@@ -465,6 +478,15 @@ def _parse_csv(blocks: Iterable[str], raw_path: str) -> Parsed:
             start_line = reader.line_num + 1
     except csv.Error as exc:
         raise DataError(f"{raw_path} line {reader.line_num}: malformed CSV ({exc}); check the quoting") from None
+
+
+def _check_quotes_closed(row: list[str], raw_path: str, line: int) -> None:
+    """A row that swallowed `_CSV_END` had a quoted value still open at the end of the file."""
+    if row and _CSV_END in row[-1]:
+        raise DataError(
+            f"{raw_path} line {line}: a quoted value opened in this row is never closed, so the rest of the file "
+            f'would be read as one value; add the closing quote (a quote inside a quoted value is written "")'
+        )
 
 
 def _split_paragraphs(lines: Iterable[str], text_field: str) -> Parsed:
