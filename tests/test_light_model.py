@@ -112,3 +112,20 @@ def test_what_it_does_not_reproduce_goes_the_transformers_way(tmp_path, tiny_bas
         assert _declines(base, adapter), change
     embedding = make_adapter(tiny_base_dir, tmp_path / "embedding", seed=6, targets=("embed_tokens",), manifest=False)
     assert _declines(tiny_base_dir, embedding)
+
+
+def test_an_older_config_files_rope_scaling_declines_as_transformers_scales_it(tmp_path, tiny_base_dir):
+    """Config files written before `rope_type` name a scaling's kind `type` (`{"type": "linear", "factor": 4}`);
+    transformers still scales the rotary embedding by it, so the light path, which computes it unscaled,
+    declines it as it declines `rope_type`."""
+    from transformers import AutoConfig
+
+    adapter = make_adapter(tiny_base_dir, tmp_path / "adapter", seed=5, manifest=False)
+    base = tmp_path / "base"
+    shutil.copytree(tiny_base_dir, base)
+    config = json.loads((base / "config.json").read_text())
+    config["rope_theta"] = config.pop("rope_parameters")["rope_theta"]
+    config["rope_scaling"] = {"type": "linear", "factor": 4.0}
+    (base / "config.json").write_text(json.dumps(config))
+    assert AutoConfig.from_pretrained(base).rope_parameters["rope_type"] == "linear"  # what transformers computes
+    assert _declines(base, adapter)

@@ -233,10 +233,12 @@ def _read_config(model_dir: Path) -> Any:
 
 
 def _rope_theta(config: Any) -> float:
-    """The rotary base of an unscaled rotary embedding (transformers 5's `rope_parameters` or the older fields)."""
+    """The rotary base of an unscaled rotary embedding (transformers 5's `rope_parameters` or the older fields).
+    A scaling's kind is `rope_type`, or `type` in older config.json files (`{"type": "linear", "factor": 4}`),
+    which transformers still reads as the `rope_type`: either one that is not "default" declines."""
     parameters = getattr(config, "rope_parameters", None) or {}
     scaling = getattr(config, "rope_scaling", None) or {}
-    if parameters.get("rope_type", "default") != "default" or scaling.get("rope_type", "default") != "default":
+    if any(fields.get("rope_type", fields.get("type", "default")) != "default" for fields in (parameters, scaling)):
         raise Declined("a scaled rotary embedding")
     return float(parameters.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
 
