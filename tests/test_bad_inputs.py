@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import make_adapter
+from helpers import TEST_SHAPE, make_adapter
 
 from finetune.cli import main
 from finetune.embedded.tiny import build_tiny_llama
@@ -406,6 +406,13 @@ CASES = [
     ),  # fmt: skip
     # CLI arguments
     Case("generate-without-model", ("generate", "hello"), ("--base", "--adapter")),
+    # no manifest to check it by: the light path multiplied the wrong shapes (a RuntimeError)
+    Case(
+        "generate-adapter-of-another-size",
+        ("generate", "--base", "base", "--adapter", "other-adapter", "hello"),
+        ("model.layers.0.mlp.down_proj is (64, 128) in", "another base size"),
+        lambda work: _adapter_of_another_size(work),
+    ),  # fmt: skip
     Case("nproc-zero", ("train", "recipe.yaml", "--nproc", "0"), ("--nproc",)),
     # a node rank past --nnodes waited forever for the rendezvous
     Case(
@@ -431,6 +438,16 @@ def _replace_base(work: Path) -> None:
 
     build_tiny_llama(tokenizer, seed=7, **TEST_SHAPE).save_pretrained(work / "base")
     tokenizer.save_pretrained(work / "base")
+
+
+def _adapter_of_another_size(work: Path) -> None:
+    """./other-adapter: a manifest-less adapter of a base whose MLP is wider than ./base's."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(work / "base")
+    build_tiny_llama(tokenizer, seed=7, **{**TEST_SHAPE, "intermediate_size": 96}).save_pretrained(work / "other")
+    tokenizer.save_pretrained(work / "other")
+    make_adapter(work / "other", work / "other-adapter", seed=3, targets=("down_proj",), manifest=False)
 
 
 def _pickle_adapter(work: Path) -> None:

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from finetune.adapters.fit import check_fingerprint
+from finetune.adapters.fit import check_fingerprint, check_fits
 from finetune.adapters.lora import Adapter, LoraWeights, read_adapter, recorded_quantization
 from finetune.adapters.resolved_base import resolve_base
 from finetune.fingerprint import weight_files
@@ -101,10 +101,11 @@ class LightModel:
 
         Raises:
             Declined: the model or adapter is not one the light path reproduces.
+            AdapterError: the adapter's updates do not fit the base's projections.
         """
         config = _read_config(model_dir)
         tensors = _read_weights(model_dir, config)
-        loras = _adapter_loras(adapter, tensors)
+        loras = _adapter_loras(adapter, tensors, model_dir)
         get = lambda name: _linear(tensors, name, loras)
         layers = []
         for index in range(config.num_hidden_layers):
@@ -283,8 +284,15 @@ def _expected_names(config: Any, tensors: dict[str, torch.Tensor]) -> set[str]:
     return names
 
 
-def _adapter_loras(adapter: Adapter | None, tensors: dict[str, torch.Tensor]) -> dict[str, LoraWeights]:
-    """The adapter's LoRA pairs by module, if every one is a plain LoRA on a projection of the base."""
+def _adapter_loras(
+    adapter: Adapter | None, tensors: dict[str, torch.Tensor], model_dir: Path
+) -> dict[str, LoraWeights]:
+    """The adapter's LoRA pairs by module, if every one is a plain LoRA on a projection of the base.
+
+    Raises:
+        AdapterError: an update's shape is not its projection's (an adapter of another base size, which a
+            missing manifest let through), as `finetune.load_model` refuses it, instead of a failed product.
+    """
     if adapter is None:
         return {}
     if adapter.config.get("modules_to_save") or adapter.base_copies:
@@ -292,6 +300,7 @@ def _adapter_loras(adapter: Adapter | None, tensors: dict[str, torch.Tensor]) ->
     for module, lora in adapter.modules.items():
         if lora.embedding or lora.num_experts > 1 or lora.fan_in_fan_out or module + ".weight" not in tensors:
             raise Declined(f"the adapter's {module} is not a plain LoRA on a projection")
+    check_fits(adapter, lambda module: tuple(tensors[module + ".weight"].shape), base=str(model_dir))
     return adapter.modules
 
 
