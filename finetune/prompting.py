@@ -21,6 +21,18 @@ def prompt_ids(tokenizer, text: str) -> list[int]:
     return list(tokenizer(text)["input_ids"])
 
 
+def require_tokens(ids: list[int]) -> list[int]:
+    """`ids`, if there is at least one: a model cannot continue nothing (an empty prompt with a tokenizer that
+    adds no BOS, as Qwen's, gives no tokens, and the forward failed on an empty tensor).
+
+    Raises:
+        ModelError: no tokens.
+    """
+    if not ids:
+        raise ModelError("the prompt is empty and this tokenizer adds no BOS token to it; give some prompt text")
+    return ids
+
+
 def chat_prompt_ids(tokenizer, messages: list[dict[str, Any]]) -> list[int]:
     """The token ids of `messages` rendered by the tokenizer's chat template, ending with the generation prompt.
 

@@ -75,6 +75,10 @@ def both(*setups: Setup) -> Setup:
     return setup
 
 
+def copy_dir(source: str, relative: str) -> Setup:
+    return lambda work: shutil.copytree(work / source, work / relative)
+
+
 def make_dir(relative: str) -> Setup:
     return lambda work: (work / relative).mkdir(parents=True)
 
@@ -412,6 +416,19 @@ CASES = [
         ("generate", "--base", "base", "--adapter", "other-adapter", "hello"),
         ("model.layers.0.mlp.down_proj is (64, 128) in", "another base size"),
         lambda work: _adapter_of_another_size(work),
+    ),  # fmt: skip
+    # a tokenizer that adds no BOS (Qwen's) gives an empty prompt no tokens: both paths failed on an empty tensor
+    *(
+        Case(
+            f"generate-nothing-to-continue-{path}",
+            ("generate", "--base", "no-bos", *flags, ""),
+            ("the prompt is empty", "adds no BOS"),
+            both(
+                copy_dir("base", "no-bos"),
+                edit_json("no-bos/tokenizer.json", lambda tokenizer: tokenizer.update(post_processor=None)),
+            ),
+        )
+        for path, flags in (("light", ()), ("transformers", ("--temperature", "0.5")))
     ),  # fmt: skip
     Case("nproc-zero", ("train", "recipe.yaml", "--nproc", "0"), ("--nproc",)),
     # a node rank past --nnodes waited forever for the rendezvous

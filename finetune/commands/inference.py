@@ -140,14 +140,14 @@ def run_generate(args: argparse.Namespace) -> int:
             return 0
     import torch
 
-    from finetune.prompting import chat_prompt_ids, prompt_ids
+    from finetune.prompting import chat_prompt_ids, prompt_ids, require_tokens
 
     loaded, _ = _load(args)
     tokenizer = loaded.tokenizer
     if args.chat:
         ids = chat_prompt_ids(tokenizer, [{"role": "user", "content": args.prompt}])
     else:
-        ids = prompt_ids(tokenizer, args.prompt)
+        ids = require_tokens(prompt_ids(tokenizer, args.prompt))
     input_ids = torch.tensor([ids], device=loaded.device)
     torch.manual_seed(args.seed)
     sampling = dict(do_sample=True, temperature=args.temperature) if args.temperature > 0 else dict(do_sample=False)

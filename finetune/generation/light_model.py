@@ -40,6 +40,7 @@ from finetune.adapters.lora import Adapter, LoraWeights, read_adapter, recorded_
 from finetune.adapters.resolved_base import resolve_base
 from finetune.fingerprint import weight_files
 from finetune.generation.lean_decoder import Layer, Norm, _Rotation, config_declined_because
+from finetune.prompting import require_tokens
 
 # generation_config.json keys that leave greedy decoding with an explicit EOS and max_new_tokens unchanged
 GREEDY_NEUTRAL = frozenset({
@@ -198,7 +199,7 @@ def light_generate(
         model = LightModel.load(model_dir, lead)
     except Declined:
         return None
-    ids = tokenizer.encode(prompt, add_special_tokens=True).ids
+    ids = require_tokens(tokenizer.encode(prompt, add_special_tokens=True).ids)
     return tokenizer.decode(model.greedy(ids, max_new_tokens, eos_id), skip_special_tokens=True)
 
 
