@@ -17,7 +17,7 @@ from helpers import REORDERED_ULPS, REPO, assert_within_ulps, greedy_ids, greedy
 from helpers import with_adapter as with_lora
 
 from finetune.adapters.lora import read_adapter
-from finetune.generation.light_model import LightModel, light_generate
+from finetune.generation.light_model import Declined, LightModel, light_generate
 
 FAMILIES = [("llama", {}), ("llama", {"attention_bias": True, "mlp_bias": True}), ("mistral", {"sliding_window": None}),
             ("qwen2", {}), ("qwen3", {"head_dim": 24}), ("llama", {"tie_word_embeddings": True})]  # fmt: skip
@@ -129,3 +129,22 @@ def test_an_older_config_files_rope_scaling_declines_as_transformers_scales_it(t
     (base / "config.json").write_text(json.dumps(config))
     assert AutoConfig.from_pretrained(base).rope_parameters["rope_type"] == "linear"  # what transformers computes
     assert _declines(base, adapter)
+
+
+@pytest.mark.parametrize(("family", "config", "left_out"),
+                         [("qwen3", {"head_dim": 128}, "head_dim"),
+                          ("mistral", {"sliding_window": None, "num_attention_heads": 16, "num_key_value_heads": 8},
+                           "num_key_value_heads")],
+                         ids=["qwen3-head-dim", "mistral-kv-heads"])  # fmt: skip
+def test_a_field_config_json_leaves_to_the_familys_default_is_read_as_transformers_reads_it(
+    tmp_path, family, config, left_out
+):
+    """A config.json may leave out what the family's config class defaults (Qwen3's head_dim is 128, Mistral's
+    key/value heads 8, not hidden_size / heads and the query heads): transformers loads such a model, and the
+    light path, which filled in its own defaults (a RuntimeError on the reshape), declines it."""
+    base, adapter, _ = _saved(tmp_path, family, config)
+    fields = json.loads((base / "config.json").read_text())
+    del fields[left_out]
+    (base / "config.json").write_text(json.dumps(fields))
+    with pytest.raises(Declined):
+        LightModel.load(base, read_adapter(adapter))

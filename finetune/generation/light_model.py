@@ -50,6 +50,13 @@ GREEDY_NEUTRAL = frozenset({
 # tokenizer classes that are `tokenizer.json` as it is, and settings that would make transformers alter it
 PLAIN_TOKENIZERS = frozenset({"TokenizersBackend", "PreTrainedTokenizerFast"})
 TOKENIZER_OVERRIDES = ("add_bos_token", "add_eos_token", "add_prefix_space", "clean_up_tokenization_spaces")
+# config.json fields a family's transformers config fills in with a default other than the one the light path
+# takes when they are left out (Mistral's 8 key/value heads and 4,096-token window, Qwen3's head_dim of 128, ...)
+FAMILY_DEFAULTED = {
+    "mistral": ("num_key_value_heads", "sliding_window"),
+    "qwen2": ("num_key_value_heads",),
+    "qwen3": ("num_key_value_heads", "head_dim"),
+}
 ATTENTION = ("q_proj", "k_proj", "v_proj")
 MLP = ("gate_proj", "up_proj")
 
@@ -221,7 +228,11 @@ def _model_dir(base: str, device: str, adapter: Adapter | None, force: bool) -> 
 
 
 def _read_config(model_dir: Path) -> Any:
-    config = SimpleNamespace(**json.loads((model_dir / "config.json").read_text(encoding="utf-8")))
+    fields = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
+    left_out = [name for name in FAMILY_DEFAULTED.get(fields.get("model_type"), ()) if name not in fields]
+    if left_out:
+        raise Declined(f"config.json leaves {', '.join(left_out)} to the family's default")
+    config = SimpleNamespace(**fields)
     reason = config_declined_because(config)
     if reason is not None or getattr(config, "quantization_config", None) is not None:
         raise Declined(reason or "a quantized base")
