@@ -130,6 +130,8 @@ def test_the_cli_hands_its_options_to_the_launcher(workdir, eight_cpus, monkeypa
         (["train", "recipe.yaml", "--nproc", "2", "train.lr=fast"], "train.lr"),
         (["train", "recipe.yaml", "--nproc", "0"], "--nproc 0 --nnodes 1: both must be at least 1"),
         (["train", "recipe.yaml", "--nnodes", "0"], "--nproc 1 --nnodes 0: both must be at least 1"),
+        (["train", "recipe.yaml", "--nproc", "2", "--main-port", "70000"], "--main-port 70000: give a TCP port"),
+        (["train", "recipe.yaml", "--nproc", "2", "--main-port", "-1"], "--main-port -1: give a TCP port"),
     ],
 )
 def test_bad_options_or_recipes_are_refused_before_any_launch(workdir, monkeypatch, capsys, argv, fragment):

@@ -46,6 +46,8 @@ def run_train(args: argparse.Namespace) -> int:
         raise FinetuneError(f"--nproc {args.nproc} --nnodes {args.nnodes}: both must be at least 1")
     if not 0 <= args.node_rank < args.nnodes:  # else the rendezvous waits for nodes that never come
         raise FinetuneError(f"--node-rank {args.node_rank}: give 0 .. {args.nnodes - 1} (--nnodes {args.nnodes})")
+    if args.main_port is not None and not 0 <= args.main_port <= 65535:  # else a traceback from the launcher
+        raise FinetuneError(f"--main-port {args.main_port}: give a TCP port, 1 .. 65535 (0 or none: a free one)")
     if args.node_rank > 0 and not args.main_address:
         raise FinetuneError(f"--node-rank {args.node_rank}: give --main-address, the address of the node of rank 0")
     if args.cpu:
