@@ -218,3 +218,26 @@ def test_a_kill_while_an_old_checkpoint_is_deleted_leaves_none_half_deleted_in_v
     assert len(list(tmp_path.glob(".checkpoint-000001.old-*"))) == 1  # out of view, not yet deleted
     save(3)
     assert [p.name for p in tmp_path.iterdir()] == ["checkpoint-000003"]
+
+
+def test_a_signal_on_a_saving_step_writes_its_checkpoint_once(workdir, monkeypatch):
+    """SIGTERM read at a step that saves anyway: the checkpoint it just wrote is the one the stop names. It was
+    written a second time, replacing the first (a whole gather and write more; out of view in between)."""
+    from finetune.training import checkpoint as ckpt
+    from finetune.training.interrupt import TrainingInterrupted
+
+    written: list[int] = []
+    real_save = ckpt.save_checkpoint
+    monkeypatch.setattr(
+        ckpt, "save_checkpoint", lambda run_dir, **kw: written.append(kw["step"]) or real_save(run_dir, **kw)
+    )
+
+    def sigterm_at_step_1(step: int, metrics: dict) -> None:
+        if step == 1:  # read at step 2 (log_every_steps 2), which saves
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    overrides = ["train.save_every_steps=2", "train.log_every_steps=2", "output.name=long"]
+    with pytest.raises(TrainingInterrupted, match="interrupted at step 2 of 6; checkpoint runs/long/checkpoint-000002"):
+        train("recipe.yaml", overrides, log=lambda message: None, on_step=sigterm_at_step_1)
+    assert written == [2]
+    assert [p.name for p in list_checkpoints(workdir / "runs" / "long")] == ["checkpoint-000002"]

@@ -199,7 +199,9 @@ def run_steps(run: TrainingRun, stop: StopRequest, on_step: StepCallback) -> dic
                     with steps.paused():
                         run.save_checkpoint()
                 if not is_final and stop_agreed(stop, run.accelerator):  # a collective: only where all read
-                    path = run.save_checkpoint()
+                    # on a saving step its checkpoint was just written: a second write replaced it (the adapter,
+                    # Adam's state, gathered again under FSDP/ZeRO), leaving it out of view while it did
+                    path = ckpt.checkpoint_path(run.run_dir, run.step) if saves else run.save_checkpoint()
                     raise TrainingInterrupted(
                         f"interrupted at step {run.step} of {run.length.total_steps}; checkpoint {path} written; run "
                         "the same `finetune train` command with --resume to continue",
