@@ -8,9 +8,13 @@ two real ranks.
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import socket
+import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -19,6 +23,7 @@ from finetune.errors import FinetuneError
 from finetune.launched import already_launched
 from finetune.training import launch
 from finetune.training.launch import launch_command, run_launched
+from finetune.training.loop import train
 
 CPU_COUNT = 8
 LAUNCHER = [sys.executable, "-m", "finetune.training.launch", "--multi_gpu", "--mixed_precision", "no",
@@ -108,6 +113,9 @@ def test_the_cli_hands_its_options_to_the_launcher(workdir, eight_cpus, monkeypa
     monkeypatch.delenv("RANK", raising=False)
     for hidden_by_cpu in ("CUDA_VISIBLE_DEVICES", "DS_ACCELERATOR"):  # --cpu sets them; restored afterwards
         monkeypatch.setenv(hidden_by_cpu, os.environ.get(hidden_by_cpu, ""))
+    checkpoint = workdir / "runs" / "crates" / "checkpoint-000001"  # what --resume is checked against before launching
+    checkpoint.mkdir(parents=True)
+    (checkpoint / "trainer_state.json").write_text(json.dumps({"rng": [{}] * 4}))  # written by 2 x 2 processes
     argv = ["-v", "train", "recipe.yaml", "--nproc", "2", "--nnodes", "2", "--node-rank", "1", "train.lr=1e-4"]
     argv += ["--main-address", "10.0.0.1", "--main-port", "29501", "--resume", "--cpu"]
     assert main(argv) == 7  # the launcher's exit status is the command's
@@ -212,3 +220,33 @@ def test_a_signal_to_finetune_reaches_the_launcher_once_and_finetune_waits_for_i
             os.killpg(process.pid, signal.SIGKILL)
         if marker.read_text().startswith("ready"):  # not stopped: an orphan (as before the fix) must not outlive it
             os.kill(int(marker.read_text().split()[1]), signal.SIGKILL)
+
+
+def _launch_cli(*argv: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    for name in ("LOCAL_RANK", "RANK"):
+        env.pop(name, None)
+    command = [sys.executable, "-m", "finetune", "train", "recipe.yaml", "--nproc", "2", "--cpu", *argv]
+    return subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
+
+
+@pytest.mark.slow
+def test_what_every_rank_would_refuse_is_refused_once_before_any_launch(workdir):
+    """A --resume with no checkpoint or with one of another process count, and a fresh run into an earlier one's
+    adapter, used to be found by each rank: the same error twice (or once and "rank 0 was ended by SIGTERM")."""
+    train("recipe.yaml", ["train.max_steps=1", "output.name=one"], log=lambda line: None)
+    cases = [
+        (["output.name=none", "--resume"], "error: --resume: no checkpoint in runs/none; run without --resume"),
+        (["output.name=one", "--resume"], "error: runs/one/checkpoint-000001 was written by 1 process(es) but this "
+                                          "run has 2; resume with --nproc 1"),
+        (["output.name=one"], "error: output: adapters/one already exists; choose another output.name"),
+    ]  # fmt: skip
+    for argv, line in cases:
+        result = _launch_cli(*argv)
+        assert result.returncode == 2, result.stderr[-2000:]
+        assert result.stderr.startswith(line) and result.stderr.count("\n") == 1, result.stderr  # one line, once
+    # the first run's directory, as it is, without its adapter: an earlier run in the way of a fresh one
+    shutil.rmtree("adapters/one")
+    result = _launch_cli("output.name=one")
+    assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
+    assert result.stderr.startswith("error: output: runs/one holds an earlier run's checkpoints or metrics")

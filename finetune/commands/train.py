@@ -41,6 +41,7 @@ def run_train(args: argparse.Namespace) -> int:
     # Imported here, not at the top: `finetune --help` stays fast.
     from finetune.launched import already_launched
     from finetune.training.launch import check_gpu_count, hide_gpus, launch_command, run_launched
+    from finetune.training.run_files import check_before_launch
 
     if args.nproc < 1 or args.nnodes < 1:
         raise FinetuneError(f"--nproc {args.nproc} --nnodes {args.nnodes}: both must be at least 1")
@@ -58,6 +59,7 @@ def run_train(args: argparse.Namespace) -> int:
     recipe = load_recipe(args.recipe, args.overrides)
     check_reward_functions(recipe)  # here too, once, before any rank starts
     if (args.nproc > 1 or args.nnodes > 1) and not already_launched():
+        check_before_launch(recipe, resume=args.resume, processes=args.nproc * args.nnodes)
         use_cpu = args.cpu or not _cuda_available()  # torch is imported only to ask: 1.3 s of a CPU launch
         if not use_cpu:
             import torch

@@ -29,11 +29,12 @@ from safetensors.torch import load_file, save_file
 from finetune.atomic import SET_ASIDE_MARK, atomic_directory, remove_directory
 from finetune.errors import CheckpointError
 from finetune.tensorfile import check_safetensors
+from finetune.training.run_files import PREFIX, STATE_FILE, checkpoint_path, latest_checkpoint, list_checkpoints
 
-PREFIX = "checkpoint-"
+__all__ = ["PREFIX", "STATE_FILE", "checkpoint_path", "latest_checkpoint", "list_checkpoints"]  # read without torch
+
 TRAINABLE_FILE = "trainable.safetensors"
 OPTIMIZER_TENSORS_FILE = "optimizer.safetensors"
-STATE_FILE = "trainer_state.json"
 CARRIED_FILE = "carried.safetensors"
 
 
@@ -102,10 +103,6 @@ def cpu_copy(value: Any) -> Any:
     return value
 
 
-def checkpoint_path(run_dir: Path, step: int) -> Path:
-    return run_dir / f"{PREFIX}{step:06d}"
-
-
 def save_checkpoint(
     run_dir: Path,
     *,
@@ -144,19 +141,6 @@ def save_checkpoint(
     for stale in run_dir.glob(f".{PREFIX}*{SET_ASIDE_MARK}*"):  # what such a kill left, hidden
         shutil.rmtree(stale, ignore_errors=True)
     return final
-
-
-def list_checkpoints(run_dir: Path) -> list[Path]:
-    """Complete checkpoints in `run_dir`, oldest first (hidden staging leftovers of a crash are ignored)."""
-    if not run_dir.is_dir():
-        return []
-    found = [p for p in run_dir.iterdir() if p.name.startswith(PREFIX) and p.name[len(PREFIX) :].isdigit()]
-    return sorted(found, key=lambda p: int(p.name[len(PREFIX) :]))
-
-
-def latest_checkpoint(run_dir: Path) -> Path | None:
-    found = list_checkpoints(run_dir)
-    return found[-1] if found else None
 
 
 def load_checkpoint(path: Path, *, scheduler: Any) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, Any]]:

@@ -28,8 +28,10 @@ from safetensors.torch import load_file, save_file
 
 from finetune.atomic import atomic_file
 from finetune.recipe import Recipe
+from finetune.training.run_files import START_FILE
 
-START_FILE = "initial-adapter.safetensors"
+__all__ = ["START_FILE"]
+
 MUTATING_INITS = ("pissa", "olora")
 
 

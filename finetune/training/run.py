@@ -60,7 +60,7 @@ from finetune.training.evaluate import evaluate
 from finetune.training.fsdp import FsdpSharding
 from finetune.training.lean_activations import use_lean_activations
 from finetune.training.liger_kernels import use_liger_kernels
-from finetune.training.mutated_start import START_FILE, mutates_base
+from finetune.training.mutated_start import mutates_base
 from finetune.training.objectives import Objective, objective_for
 from finetune.training.objectives.base import CarriesState, Models, describe_rewards
 from finetune.training.objectives.grpo import GRPO
@@ -68,6 +68,14 @@ from finetune.training.objectives.reference import MeasuredAgainstStart, Startin
 from finetune.training.preference_setup import initial_adapter, precomputed_reference
 from finetune.training.recipe_digest import recipe_digest, resume_mismatch
 from finetune.training.regional_compile import compile_layers
+from finetune.training.run_files import (
+    adapter_taken,
+    check_process_count,
+    earlier_run_error,
+    earlier_run_files,
+    resume_checkpoint,
+    taken_adapter_error,
+)
 from finetune.training.sharding import (
     DdpSharding,
     DistributedInfo,
@@ -178,12 +186,10 @@ def check_output_free(recipe: Recipe) -> None:
     """The adapter directory is free, or `output.overwrite` may replace it: only an adapter (or an empty directory)
     is replaced, never another directory or a file that `output.dir` happens to name."""
     adapter_dir = recipe.output.adapter_dir
-    if not adapter_dir.exists() and not adapter_dir.is_symlink():
+    if not adapter_taken(recipe):
         return
     if not recipe.output.overwrite:
-        raise RecipeError(
-            f"output: {adapter_dir} already exists; choose another output.name, or set output.overwrite=true"
-        )
+        raise taken_adapter_error(recipe)
     if adapter_dir.is_symlink() or not adapter_dir.is_dir():
         raise RecipeError(f"output: {adapter_dir} is not a directory; output.overwrite replaces adapters only: "
                           "choose another output.dir")  # fmt: skip
@@ -372,24 +378,17 @@ def _fit_to_device(recipe: Recipe, model: Any, device: torch.device, checkpointe
     return compiled, choose_attention(recipe.train.varlen_attention, model, device, say)
 
 
-RUN_FILES = ("metrics.jsonl", "report.html", "plots", "tensorboard", START_FILE)
-"""What a run writes into its run directory besides its checkpoints."""
-
-
 def start_run_dir_afresh(recipe: Recipe) -> None:
     """A fresh run (no --resume) must not mix with an earlier run's checkpoints and metrics in its run directory: a
     later --resume would continue the older run. They are deleted with `output.overwrite`, otherwise refused. The
     adapter directory is checked first (`check_output_free`)."""
     check_output_free(recipe)
     run_dir = recipe.output.run_path
-    earlier = ckpt.list_checkpoints(run_dir) + [run_dir / name for name in RUN_FILES if (run_dir / name).exists()]
+    earlier = earlier_run_files(run_dir)
     if not earlier:
         return
     if not recipe.output.overwrite:
-        raise RecipeError(
-            f"output: {run_dir} holds an earlier run's checkpoints or metrics; continue it with --resume, or set "
-            "output.overwrite=true to start over (they are deleted)"
-        )
+        raise earlier_run_error(run_dir)
     for path in earlier:  # every process may get here: another may have deleted it already
         if path.is_dir():
             shutil.rmtree(path, ignore_errors=True)
@@ -402,11 +401,7 @@ def start_run(recipe: Recipe, *, resume: bool, say: Say) -> TrainingRun:
     recipe = recipe.for_device("cuda" if torch.cuda.is_available() else "cpu")
     if not resume:
         start_run_dir_afresh(recipe)
-    resume_from = ckpt.latest_checkpoint(recipe.output.run_path) if resume else None
-    if resume and resume_from is None:
-        raise CheckpointError(
-            f"--resume: no checkpoint in {recipe.output.run_path}; run without --resume to start fresh"
-        )
+    resume_from = resume_checkpoint(recipe.output.run_path) if resume else None
     accelerator = _make_accelerator(recipe)
     if not accelerator.is_main_process:
         say = _silent
@@ -549,11 +544,7 @@ def _restore(run: TrainingRun, path: Path, say: Say) -> None:
             "it), so resuming would restart Adam's moments; start fresh without --resume"
         )
     rng_states = state["rng"]
-    if len(rng_states) != run.accelerator.num_processes:
-        raise CheckpointError(
-            f"{path} was written by {len(rng_states)} process(es) but this run has "
-            f"{run.accelerator.num_processes}; resume with --nproc {len(rng_states)}"
-        )
+    check_process_count(path, len(rng_states), run.accelerator.num_processes)
     try:
         trainable = trainable_names(run.peft_model, trainable)
     except KeyError as exc:
