@@ -279,7 +279,7 @@ def _lora_targets(config: LoraConfig, model: PreTrainedModel, moe: _MoeTargets) 
     if config.target_modules == "all-linear":  # peft's `all-linear` leaves the head out and takes no additions
         head = lm_head.rsplit(".", 1)[-1]
         left_out = {head, *moe.moved_by_peft}
-        blocks = [name for name in linear_module_names(model, skip=moe.frozen_routers) if name not in left_out]
+        blocks = [name for name in linear_module_names(model, skip=moe.skipped_linear) if name not in left_out]
     else:
         blocks = list(config.target_modules)
     if not extra:
@@ -297,11 +297,16 @@ class _MoeTargets:
         self.experts: list[ExpertTensor] = expert_tensors(model) if config.target_modules == "all-linear" else []
         router_names = routers(model, self.experts)
         linear = {name for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+        # Phi-MoE's and Llama 4's routers subclass nn.Linear but return a tuple (logits, weights, experts):
+        # peft's LoRA linear layer adds its update to that output and fails, so they are no linear target.
+        wrappable = {name for name in linear if _returns_its_product(model.get_submodule(name))}
         self.frozen_routers = set() if config.train_router else set(router_names)
         # Routers that are nn.Linear are excluded by full name too, in case another layer shares their last name.
         self.excluded_routers = sorted(self.frozen_routers & linear)
-        # A router that is not an nn.Linear (a module holding a weight) is reached as a parameter, like the experts.
-        self.router_parameters = [n for n in router_names if n not in linear] if config.train_router else []
+        # A router that is no plain nn.Linear (a module holding a weight) is reached as a parameter, like the experts.
+        self.router_parameters = [n for n in router_names if n not in wrappable] if config.train_router else []
+        self.skipped_linear = self.frozen_routers | set(self.router_parameters)
+        """Linear layers `all-linear` leaves out (full names): the frozen routers and those reached as parameters."""
         # Dense layers (shared experts, dense MLPs) named as plain peft renames onto the experts when it loads an
         # adapter of this family: left out of `all-linear`, so the adapter loads in plain peft as trained.
         self.moved_by_peft = peft_rewritten_names(model) if self.experts else frozenset()
@@ -312,6 +317,12 @@ class _MoeTargets:
         experts = {f"{e.owner.rsplit('.', 1)[-1]}.{e.parameter}" for e in self.experts}
         router_weights = {f"{name.rsplit('.', 1)[-1]}.weight" for name in self.router_parameters}
         return sorted(experts | router_weights)
+
+
+def _returns_its_product(linear: torch.nn.Module) -> bool:
+    """Whether a linear layer's forward is nn.Linear's (or a quantized linear layer's): it returns x·Wᵀ (+ b), to
+    which peft's LoRA layer adds its update."""
+    return type(linear).forward is torch.nn.Linear.forward or type(linear).__name__ in ("Linear8bitLt", "Linear4bit")
 
 
 def peft_lora_config(config: LoraConfig, model: PreTrainedModel) -> PeftLoraConfig:

@@ -513,3 +513,30 @@ def test_combined_router_lora_stays_a_parameter_target_and_patterns_on_experts_a
     with pytest.raises(AdapterError, match="rank_pattern/alpha_pattern that may set the rank or alpha of an expert"):
         combine_adapters([patterned, patterned], tmp_path / "refused")
     assert not (tmp_path / "refused").exists()
+
+
+def test_routers_that_subclass_linear_but_return_a_tuple_train_as_parameters(tiny_tokenizer, tmp_path):
+    """Phi-MoE's router is an nn.Linear subclass whose forward returns (logits, weights, experts): peft's LoRA
+    linear layer cannot add its update to that, so `train_router` reaches its weight as a raw parameter. A
+    training forward and backward run, and the in-memory merge equals plain peft's attached forward."""
+    from transformers import PhimoeConfig
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(PhimoeConfig(**MOE_SHAPE, intermediate_size=32, num_local_experts=4))
+    model.save_pretrained(tmp_path / "base")
+    tiny_tokenizer.save_pretrained(tmp_path / "base")
+    adapter_dir = moe_adapter(tmp_path / "base", tmp_path / "routed", seed=1, train_router=True)
+    assert "router.weight" in json.loads((adapter_dir / "adapter_config.json").read_text())["target_parameters"]
+    ids = torch.randint(3, 500, (2, 8), generator=torch.Generator().manual_seed(0))
+    peft_model = wrap_with_lora(model, LoraConfig(r=4, train_router=True))
+    peft_model(input_ids=ids, labels=ids).loss.backward()  # a training step's forward and backward
+    from peft import PeftModel
+
+    base = AutoModelForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.float32)
+    with torch.no_grad():
+        attached = PeftModel.from_pretrained(base, str(adapter_dir))(input_ids=ids).logits
+    m = finetune.load_model(str(tmp_path / "base"), {"routed": str(adapter_dir)}, dtype="float32", device="cpu")
+    m.merge("routed")
+    with torch.no_grad():
+        merged = m.model(input_ids=ids).logits
+    torch.testing.assert_close(merged, attached, rtol=0, atol=1e-5)
