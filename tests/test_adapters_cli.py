@@ -191,6 +191,29 @@ def test_user_errors_are_one_line_and_exit_2(tmp_path, tiny_base_dir, adapter_di
     assert not (tmp_path / "o").exists()
 
 
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["subtract", "--model", "{two}", "--adapter", "legal", "--adapter", "med", "--out", "{tmp}/o"],
+        ["swap", "--model", "{two}", "--remove", "legal", "--remove", "med", "--add", "{code}", "--out", "{tmp}/o"],
+        ["swap", "--model", "{two}", "--remove", "legal", "--add", "{code}", "--add", "{med}", "--out", "{tmp}/o"],
+    ],
+)
+def test_an_option_that_takes_one_adapter_given_twice_is_refused(tmp_path, tiny_base_dir, adapter_dirs, capsys, argv):
+    """argparse keeps the last of repeated options: `subtract --adapter legal --adapter med` (repeated as merge's
+    `--adapter` is) took out med alone and exited 0. Refused in one line, nothing written."""
+    legal, med = adapter_dirs["legal"], adapter_dirs["med"]
+    assert run("merge", "--base", tiny_base_dir, "--adapter", legal, "--adapter", med, "--out", tmp_path / "two") == 0
+    capsys.readouterr()
+    values = {"two": tmp_path / "two", "tmp": tmp_path, "code": adapter_dirs["code"], "med": med}
+    with pytest.raises(SystemExit) as exited:
+        run(*[a.format(**values) for a in argv])
+    assert exited.value.code == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert "given twice" in line and "run the command once per adapter" in line
+    assert not (tmp_path / "o").exists()
+
+
 def test_subprocess_exit_code_and_no_traceback(tmp_path, tiny_base_dir, adapter_dirs):
     bad = subprocess.run(
         [

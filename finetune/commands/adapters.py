@@ -37,6 +37,20 @@ def parse_adapter_spec(spec: str):
     return AdapterSpec(spec)
 
 
+class _Once(argparse.Action):
+    """An option given at most once. argparse keeps the last of repeated options, so `subtract --adapter a
+    --adapter b` (repeated as `merge --adapter` is) would take out b alone and report success; refused instead."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        earlier = getattr(namespace, self.dest, None)
+        if earlier is not None:
+            parser.error(
+                f"{option_string} given twice ({earlier!r} and {values!r}) but takes one adapter; "
+                "run the command once per adapter"
+            )
+        setattr(namespace, self.dest, values)
+
+
 def _add_arithmetic_flags(parser: argparse.ArgumentParser) -> None:
     """What merge, subtract and swap share: what the user vouches for, and where the arithmetic runs."""
     parser.add_argument("--force", action="store_true", help="apply adapters even if the base fingerprint differs")
@@ -88,7 +102,9 @@ def _register_merge(sub: argparse._SubParsersAction) -> None:
 def _register_subtract_and_swap(sub: argparse._SubParsersAction) -> None:
     subtract = sub.add_parser("subtract", help="take an adapter back out of a merged model")
     subtract.add_argument("--model", required=True, help="a merged model directory written by `adapters merge`")
-    subtract.add_argument("--adapter", required=True, metavar="NAME|PATH[:WEIGHT]", help="adapter to take out")
+    subtract.add_argument(
+        "--adapter", required=True, action=_Once, metavar="NAME|PATH[:WEIGHT]", help="adapter to take out"
+    )
     subtract.add_argument("--out", required=True)
     subtract.add_argument("--base", default=None, help="pristine base (default: the one the ledger records)")
     subtract.add_argument(
@@ -99,8 +115,8 @@ def _register_subtract_and_swap(sub: argparse._SubParsersAction) -> None:
 
     swap = sub.add_parser("swap", help="replace one merged adapter by another")
     swap.add_argument("--model", required=True)
-    swap.add_argument("--remove", required=True, metavar="NAME|PATH")
-    swap.add_argument("--add", required=True, metavar="PATH[:WEIGHT]")
+    swap.add_argument("--remove", required=True, action=_Once, metavar="NAME|PATH")
+    swap.add_argument("--add", required=True, action=_Once, metavar="PATH[:WEIGHT]")
     swap.add_argument("--out", required=True)
     swap.add_argument("--base", default=None, help="pristine base (default: the one the ledger records)")
     _add_arithmetic_flags(swap)
