@@ -294,13 +294,15 @@ class _MoeTargets:
     """What `all-linear` adds on a mixture of experts: its expert tensors and, with `train_router`, its routers."""
 
     def __init__(self, config: LoraConfig, model: torch.nn.Module):
-        self.experts: list[ExpertTensor] = expert_tensors(model) if config.target_modules == "all-linear" else []
-        router_names = routers(model, self.experts)
+        every_expert = expert_tensors(model)
+        self.experts: list[ExpertTensor] = every_expert if config.target_modules == "all-linear" else []
+        # `train_router` trains the routers beside a list of target modules too (not only beside `all-linear`).
+        router_names = routers(model, every_expert)
         linear = {name for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
         # Phi-MoE's and Llama 4's routers subclass nn.Linear but return a tuple (logits, weights, experts):
         # peft's LoRA linear layer adds its update to that output and fails, so they are no linear target.
         wrappable = {name for name in linear if _returns_its_product(model.get_submodule(name))}
-        self.frozen_routers = set() if config.train_router else set(router_names)
+        self.frozen_routers = set(router_names) if self.experts and not config.train_router else set()
         # Routers that are nn.Linear are excluded by full name too, in case another layer shares their last name.
         self.excluded_routers = sorted(self.frozen_routers & linear)
         # A router that is no plain nn.Linear (a module holding a weight) is reached as a parameter, like the experts.

@@ -540,3 +540,31 @@ def test_routers_that_subclass_linear_but_return_a_tuple_train_as_parameters(tin
     with torch.no_grad():
         merged = m.model(input_ids=ids).logits
     torch.testing.assert_close(merged, attached, rtol=0, atol=1e-5)
+
+
+def test_train_router_beside_a_list_of_target_modules_trains_the_routers(tiny_tokenizer, tmp_path):
+    """`lora.train_router` with `target_modules` a list (not `all-linear`) put LoRA on no router, unsaid: the
+    routers were looked for beside the experts `all-linear` takes only. Now each router's weight is a parameter
+    target, and the in-memory merge of the saved adapter equals plain peft's attached forward."""
+    from peft import PeftModel
+
+    base_dir = build_moe("qwen3_moe", tmp_path / "base", tiny_tokenizer)
+    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    peft_model = wrap_with_lora(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], train_router=True))
+    names = routers(model, expert_tensors(model))
+    trained = {n for n, p in peft_model.named_parameters() if p.requires_grad}
+    assert all(f"base_model.model.{name}.lora_A.default.weight" in trained for name in names)
+    with torch.no_grad():
+        for name, parameter in peft_model.named_parameters():
+            if "lora_B" in name:
+                parameter.normal_(std=0.2, generator=torch.Generator().manual_seed(1))
+    peft_model.save_pretrained(tmp_path / "routed")
+    ids = torch.randint(3, 500, (2, 8), generator=torch.Generator().manual_seed(0))
+    base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    with torch.no_grad():
+        attached = PeftModel.from_pretrained(base, str(tmp_path / "routed"))(input_ids=ids).logits
+    m = finetune.load_model(str(base_dir), {"routed": str(tmp_path / "routed")}, dtype="float32", device="cpu")
+    m.merge("routed")
+    with torch.no_grad():
+        merged = m.model(input_ids=ids).logits
+    torch.testing.assert_close(merged, attached, rtol=0, atol=1e-5)
