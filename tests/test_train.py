@@ -255,6 +255,20 @@ def test_resume_refuses_changed_data_and_a_run_shorter_than_the_checkpoint(workd
         train("recipe.yaml", ["train.max_steps=4"], resume=True)
 
 
+def test_resume_beside_an_adapter_it_could_not_replace_is_refused_before_training(workdir):
+    """A finished run's adapter in the way of a longer one resumed from its checkpoint: without output.overwrite the
+    resumed run trained every step left and was then refused its adapter. It is refused at once, saying how."""
+    train("recipe.yaml", ["train.max_steps=2", "train.save_every_steps=1"])
+    lines_before = Path("runs/crates/metrics.jsonl").read_text()
+    with pytest.raises(
+        RecipeError, match="adapters/crates already exists and is not this run's adapter.*overwrite=true"
+    ):
+        train("recipe.yaml", ["train.max_steps=4"], resume=True)
+    assert Path("runs/crates/metrics.jsonl").read_text() == lines_before  # no step was trained
+    _, metrics = train("recipe.yaml", ["train.max_steps=4", "output.overwrite=true"], resume=True)
+    assert metrics["step"] == 4
+
+
 def test_a_checkpoint_of_an_earlier_version_resumes_unless_a_setting_added_since_differs(workdir):
     """An upgrade that adds recipe settings (with defaults) must not lose a run: a checkpoint without them
     was written by a run that behaved as their defaults do, so it resumes; a recipe that sets one of them

@@ -42,7 +42,7 @@ from typing import Any, NamedTuple
 import torch
 
 from finetune.device import to_device
-from finetune.errors import TrainingError
+from finetune.errors import RecipeError, TrainingError
 from finetune.manifest import read_manifest
 from finetune.recipe import Recipe, load_recipe
 from finetune.report import report_finished_run
@@ -57,6 +57,7 @@ from finetune.training.out_of_memory import is_out_of_memory, out_of_memory_line
 from finetune.training.progress import Say, StepCallback, TrainingLog, fan_out
 from finetune.training.recipe_digest import SECTIONS, resume_mismatch
 from finetune.training.run import TrainingRun, start_run
+from finetune.training.run_files import adapter_taken
 from finetune.training.sharding import DdpSharding, Sharding
 from finetune.training.tracking import Trackers
 
@@ -115,6 +116,11 @@ def _train(
     if resume and run.step == run.length.total_steps and _adapter_of_this_run(run):
         log(f"the run had finished: its adapter is {recipe.output.adapter_dir}")  # killed after writing it
         return TrainResult(recipe.output.adapter_dir, _recorded_metrics(recipe.output.adapter_dir))
+    if resume and not recipe.output.overwrite and adapter_taken(recipe):  # else refused after the last step
+        raise RecipeError(
+            f"output: {recipe.output.adapter_dir} already exists and is not this run's adapter, so this run could "
+            "not write its own at the end; resume with output.overwrite=true to replace it then"
+        )
     say = log if run.is_main else (lambda message: None)
     show_bar = run.is_main and (sys.stderr.isatty() if progress is None else progress)
     trackers = Trackers.start(run.accelerator, recipe, run.base_eval, run.step)
