@@ -417,15 +417,16 @@ CASES = [
         ("model.layers.0.mlp.down_proj is (64, 128) in", "another base size"),
         lambda work: _adapter_of_another_size(work),
     ),  # fmt: skip
-    # a tokenizer that adds no BOS (Qwen's) gives an empty prompt no tokens: both paths failed on an empty tensor
+    # a tokenizer without a BOS (Qwen's) gives an empty prompt no tokens: both paths failed on an empty tensor
     *(
         Case(
             f"generate-nothing-to-continue-{path}",
             ("generate", "--base", "no-bos", *flags, ""),
-            ("the prompt is empty", "adds no BOS"),
+            ("the prompt is empty", "has no BOS"),
             both(
                 copy_dir("base", "no-bos"),
                 edit_json("no-bos/tokenizer.json", lambda tokenizer: tokenizer.update(post_processor=None)),
+                edit_json("no-bos/tokenizer_config.json", lambda settings: settings.update(bos_token=None)),
             ),
         )
         for path, flags in (("light", ()), ("transformers", ("--temperature", "0.5")))

@@ -148,3 +148,31 @@ def test_a_field_config_json_leaves_to_the_familys_default_is_read_as_transforme
     (base / "config.json").write_text(json.dumps(fields))
     with pytest.raises(Declined):
         LightModel.load(base, read_adapter(adapter))
+
+
+def test_a_tokenizer_naming_a_bos_it_does_not_add_is_prompted_as_training_documents_start(tmp_path, tiny_base_dir):
+    """GPT-2-style tokenizers (GPT-2, Pythia, Phi-2) name a BOS but do not add it. Training documents start with
+    it, so prompts do too, on both paths of `finetune generate` (and in `serve`, through `prompt_ids`): before,
+    a base with such a tokenizer was prompted without the token its adapters were trained after."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from finetune.data.formats import encode_records
+    from finetune.prompting import prompt_ids
+    from finetune.recipe import recipe_from_dict
+
+    base = tmp_path / "base"
+    shutil.copytree(tiny_base_dir, base)
+    _edit_json(base / "tokenizer.json", post_processor=None)
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    assert tokenizer.bos_token_id is not None and tokenizer.bos_token_id not in tokenizer(PROMPT)["input_ids"]
+    config = recipe_from_dict({"data": {"train": "x.jsonl", "format": "text"}, "output": {"name": "x"}}).data
+    (document,) = encode_records([{"text": PROMPT}], config, tokenizer, locate=str)
+    ids = prompt_ids(tokenizer, PROMPT)
+    assert ids[0] == tokenizer.bos_token_id and document.input_ids[:-1] == ids  # all but the EOS
+    adapter = make_adapter(base, tmp_path / "adapter", seed=4, manifest=False)
+    options = dict(base=str(base), adapter=str(adapter), max_new_tokens=12, dtype="float32", device="cpu")
+    light = light_generate(prompt=PROMPT, force=False, **options)
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), str(adapter))
+    expected = tokenizer.decode(greedy_ids(model.eval(), ids, 12, tokenizer.eos_token_id), skip_special_tokens=True)
+    assert light == expected

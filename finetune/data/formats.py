@@ -39,6 +39,7 @@ from finetune.data.chat import ChatRecord, normalize_messages, normalize_record,
 from finetune.data.chat_turns import apply_template, render_chat, render_chat_prompt, render_every_turn
 from finetune.data.labels import IGNORE_INDEX
 from finetune.errors import DataError
+from finetune.prompting import with_bos, with_eos
 from finetune.recipe import DataConfig
 
 if TYPE_CHECKING:  # the quickstart pairs' generator renders prompts without loading transformers (3 s)
@@ -87,20 +88,6 @@ def encode_records(
     return encoder(records, config, tokenizer, locate)
 
 
-def _bos(tokenizer: PreTrainedTokenizerBase) -> list[int]:
-    return [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
-
-
-def _with_bos(bos: list[int], ids: list[int]) -> list[int]:
-    """`ids` led by BOS, unless their own text already began with it (BOS is never doubled)."""
-    return list(ids) if bos and ids[:1] == bos else bos + ids
-
-
-def _with_eos(ids: list[int], eos: int) -> list[int]:
-    """`ids` closed by EOS, unless their own text already ended with it (EOS is never doubled)."""
-    return list(ids) if ids[-1:] == [eos] else [*ids, eos]
-
-
 @overload
 def _string_field(record: dict[str, Any], name: str, config_key: str, where: str) -> str: ...
 @overload
@@ -145,9 +132,9 @@ def _encode_text(records, config, tokenizer, locate) -> list[Document | None]:
     keep = [i for i, text in enumerate(texts) if text.strip()]
     token_ids = _tokenize(tokenizer, [texts[i] for i in keep])
     documents: list[Document | None] = [None] * len(records)
-    bos, eos = _bos(tokenizer), tokenizer.eos_token_id
+    bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
     for i, ids in zip(keep, token_ids):
-        input_ids = _with_eos(_with_bos(bos, ids), eos)
+        input_ids = with_eos(with_bos(bos, ids), eos)
         if len(input_ids) > 1:  # a text of nothing but BOS/EOS has no token to train
             documents[i] = Document(input_ids, [IGNORE_INDEX] + input_ids[1:])
     return documents
@@ -174,14 +161,14 @@ def _encode_instruction(records, config, tokenizer, locate) -> list[Document | N
             prompts.append(render_prompt(config.prompt_template, prompt))
         responses.append(response)
     documents: list[Document | None] = []
-    bos, eos = _bos(tokenizer), tokenizer.eos_token_id
+    bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
     tokenized = zip(_tokenize(tokenizer, prompts), _tokenize(tokenizer, responses), responses)
     for prompt_ids, response_ids, response in tokenized:
         if not response.strip():  # an empty answer would teach stopping at once: dropped (and counted) like empty text
             documents.append(None)
             continue
-        prompt_ids = _with_bos(bos, prompt_ids)
-        response_ids = _with_eos(response_ids, eos)
+        prompt_ids = with_bos(bos, prompt_ids)
+        response_ids = with_eos(response_ids, eos)
         input_ids = prompt_ids + response_ids
         if config.completion_only_loss:
             labels = [IGNORE_INDEX] * len(prompt_ids) + response_ids

@@ -39,10 +39,11 @@ import datasets
 
 from finetune.data.chat import ChatRecord, normalize_messages, normalize_tools
 from finetune.data.chat_turns import render_chat
-from finetune.data.formats import _bos, _preview, _tokenize, _with_bos, _with_eos, chat_template_of
+from finetune.data.formats import _preview, _tokenize, chat_template_of
 from finetune.data.labels import IGNORE_INDEX
 from finetune.data.sources import iter_records, load_source
 from finetune.errors import DataError
+from finetune.prompting import with_bos, with_eos
 from finetune.recipe import DataConfig
 
 _IDS = datasets.Sequence(datasets.Value("int32"))
@@ -154,8 +155,8 @@ def _sequence(prompt: Any, completion: Any, config: DataConfig, tokenizer: Any, 
                 f"{where}: the prompt is a string, so the completion must be one too, got "
                 f"{type(completion).__name__} {_preview(completion)}; give both as strings or both as messages"
             )
-        prompt_ids = _with_bos(_bos(tokenizer), _tokenize(tokenizer, [prompt])[0])  # BOS and EOS once, as `text`
-        completion_ids = _with_eos(_tokenize(tokenizer, [completion])[0], tokenizer.eos_token_id) if completion else []
+        prompt_ids = with_bos(tokenizer.bos_token_id, _tokenize(tokenizer, [prompt])[0])  # BOS and EOS once, as `text`
+        completion_ids = with_eos(_tokenize(tokenizer, [completion])[0], tokenizer.eos_token_id) if completion else []
         if not completion_ids:
             raise DataError(f"{where}: the completion is empty; give it text to train on, or remove the record")
         labels = [IGNORE_INDEX] * len(prompt_ids) + completion_ids

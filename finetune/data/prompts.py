@@ -22,10 +22,11 @@ from typing import Any
 
 import datasets
 
-from finetune.data.formats import _bos, _preview, _tokenize, _with_bos, encode_chat_prompt
+from finetune.data.formats import _preview, _tokenize, encode_chat_prompt
 from finetune.data.preference import EncodedRecord, Locate
 from finetune.data.sources import iter_records, load_source
 from finetune.errors import DataError
+from finetune.prompting import with_bos
 from finetune.recipe import DataConfig
 
 PROMPT_FEATURES = datasets.Features(
@@ -41,7 +42,7 @@ def prompt_token_ids(prompt: Any, config: DataConfig, tokenizer: Any, where: str
     if isinstance(prompt, str):
         if not prompt:
             raise DataError(f"{where}: field 'prompt' is empty; give the text the completions continue from")
-        return _with_bos(_bos(tokenizer), _tokenize(tokenizer, [prompt])[0])  # BOS once, as `text`
+        return with_bos(tokenizer.bos_token_id, _tokenize(tokenizer, [prompt])[0])  # BOS once, as `text`
     if not isinstance(prompt, list):
         raise DataError(
             f"{where}: field 'prompt' must be a string or a list of {{role, content}} messages, got "

@@ -40,7 +40,7 @@ from finetune.adapters.lora import Adapter, LoraWeights, read_adapter, recorded_
 from finetune.adapters.resolved_base import resolve_base
 from finetune.fingerprint import weight_files
 from finetune.generation.lean_decoder import Layer, Norm, _Rotation, config_declined_because
-from finetune.prompting import require_tokens
+from finetune.prompting import require_tokens, with_bos
 
 # generation_config.json keys that leave greedy decoding with an explicit EOS and max_new_tokens unchanged
 GREEDY_NEUTRAL = frozenset({
@@ -202,11 +202,11 @@ def light_generate(
         base = lead.base_path
     try:
         model_dir = _model_dir(base, device, lead, force)
-        tokenizer, eos_id = _tokenizer(model_dir)
+        tokenizer, bos_id, eos_id = _tokenizer(model_dir)
         model = LightModel.load(model_dir, lead)
     except Declined:
         return None
-    ids = require_tokens(tokenizer.encode(prompt, add_special_tokens=True).ids)
+    ids = require_tokens(with_bos(bos_id, tokenizer.encode(prompt, add_special_tokens=False).ids))  # as prompt_ids
     return tokenizer.decode(model.greedy(ids, max_new_tokens, eos_id), skip_special_tokens=True)
 
 
@@ -322,8 +322,8 @@ def _linear(tensors: dict[str, torch.Tensor], module: str, loras: dict[str, Lora
     return LoraLinear(tensors[module + ".weight"], tensors.get(module + ".bias"), updates)
 
 
-def _tokenizer(model_dir: Path) -> tuple[Any, int | None]:
-    """`tokenizer.json` through the `tokenizers` library, and the EOS id, where transformers would use that
+def _tokenizer(model_dir: Path) -> tuple[Any, int | None, int | None]:
+    """`tokenizer.json` through the `tokenizers` library, and the BOS and EOS ids, where transformers would use that
     file as it is (else Declined)."""
     from tokenizers import Tokenizer
 
@@ -334,6 +334,11 @@ def _tokenizer(model_dir: Path) -> tuple[Any, int | None]:
     if settings.get("tokenizer_class") not in PLAIN_TOKENIZERS or any(settings.get(k) for k in TOKENIZER_OVERRIDES):
         raise Declined("tokenizer settings transformers applies on top of tokenizer.json")
     tokenizer = Tokenizer.from_file(str(tokenizer_file))
-    eos = settings.get("eos_token")
-    eos = eos.get("content") if isinstance(eos, dict) else eos
-    return tokenizer, (None if eos is None else tokenizer.token_to_id(eos))
+    bos_id, eos_id = (_token_id(tokenizer, settings.get(key)) for key in ("bos_token", "eos_token"))
+    return tokenizer, bos_id, eos_id
+
+
+def _token_id(tokenizer: Any, token: str | dict[str, Any] | None) -> int | None:
+    """The id of a special token as tokenizer_config.json names it (a string, or a dict with its content)."""
+    content = token.get("content") if isinstance(token, dict) else token
+    return None if content is None else tokenizer.token_to_id(content)
