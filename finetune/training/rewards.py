@@ -302,7 +302,7 @@ def _number(name: str, value: Any, record: str) -> float:
     if not isinstance(value, numbers.Real) or math.isinf(float(value)):
         raise RewardError(
             f"reward function {name} returned {value!r} for a completion of {record}; return a finite float "
-            "(or None) per completion"
+            "per completion (None or NaN: not scored, as trl reads them)"
         )
     if abs(float(value)) > FLOAT32_MAX:  # rewards are float32 tensors: this one would be inf there
         raise RewardError(
