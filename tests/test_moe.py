@@ -513,6 +513,12 @@ def test_combined_router_lora_stays_a_parameter_target_and_patterns_on_experts_a
     with pytest.raises(AdapterError, match="rank_pattern/alpha_pattern that may set the rank or alpha of an expert"):
         combine_adapters([patterned, patterned], tmp_path / "refused")
     assert not (tmp_path / "refused").exists()
+    plain = moe_adapter(base_dir, tmp_path / "plain", seed=2)  # the same modules but the routers
+    with pytest.raises(
+        AdapterError, match=r"adapters 'routed' and 'plain' adapt different modules \(\d+, e\.g\. .*merge"
+    ):
+        combine_adapters([routed, plain], tmp_path / "refused")
+    assert not (tmp_path / "refused").exists()
 
 
 def test_routers_that_subclass_linear_but_return_a_tuple_train_as_parameters(tiny_tokenizer, tmp_path):

@@ -183,11 +183,28 @@ def _check_experts(adapters: list[Adapter], method: str) -> None:
                     "alpha of an expert tensor, which combine cannot tell apart without the base; merge the adapters "
                     "instead (finetune adapters merge)"
                 )
-    modules = [{m: w.rank for m, w in a.modules.items()} for a in adapters]
-    if any(len(set(ranks.values())) != 1 for ranks in modules) or len({frozenset(r) for r in modules}) != 1:
-        raise AdapterError(
-            "combine cat of adapters with LoRA on expert tensors needs each adapter at one rank on the same modules"
-        )
+    _check_expert_cat_layout(adapters)
+
+
+def _check_expert_cat_layout(adapters: list[Adapter]) -> None:
+    """peft's ParamWrapper takes one rank per adapter over the modules its config names: a concatenated expert
+    adapter exists only where every input has one rank on the same modules."""
+    for adapter in adapters:
+        ranks = sorted({lora.rank for lora in adapter.modules.values()})
+        if len(ranks) > 1:
+            raise AdapterError(
+                f"adapter {adapter.name!r} ({adapter.path}) has LoRA on expert tensors at ranks {ranks}, and combine "
+                "cat needs one rank per adapter; merge the adapters instead (finetune adapters merge)"
+            )
+    first = adapters[0]
+    for adapter in adapters[1:]:
+        differ = sorted(set(first.modules) ^ set(adapter.modules))
+        if differ:
+            raise AdapterError(
+                f"adapters {first.name!r} and {adapter.name!r} adapt different modules ({len(differ)}, e.g. "
+                f"{differ[0]}), and combine cat of LoRA on expert tensors needs the same ones; merge the adapters "
+                "instead (finetune adapters merge)"
+            )
 
 
 def combine_adapters(
