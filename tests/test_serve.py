@@ -273,6 +273,18 @@ def test_seeded_sampling_is_reproducible_alone_and_in_a_batch(client):
     assert complete(client, "legal", PROMPTS[0], **{**sampled, "seed": 8})["token_ids"] != alone
 
 
+@pytest.mark.parametrize("extreme", [{"temperature": 1e-40}, {"temperature": 1.0, "top_p": 1e-300}])
+def test_a_near_greedy_request_samples_the_best_token_and_spares_its_batch(client, reference, extreme):
+    """A temperature or top_p this close to 0 (both in the API's range) leaves only the best token: the answer
+    is the greedy one. They made the probabilities NaN, a 500 for the request and for the rows sharing its
+    prefill, here a greedy request of another adapter."""
+    jobs = [("legal", PROMPTS[0], {"seed": 3, **extreme}), ("med", PROMPTS[1], {})]
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        choices = list(pool.map(lambda job: complete(client, job[0], job[1], **job[2]), jobs))
+    for (model, prompt, _), choice in zip(jobs, choices):
+        assert choice["token_ids"] == greedy(reference, model, prompt_ids(reference.tokenizer, prompt))
+
+
 def test_streaming_returns_the_same_text(client, reference):
     body = {"model": "legal", "prompt": PROMPTS[0], "max_tokens": MAX_TOKENS, "temperature": 0, "stream": True}
     with client.stream("POST", "/v1/completions", json=body) as response:

@@ -52,7 +52,11 @@ def next_tokens(
 
 
 def _sample(scores: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
-    scores = scores / params.temperature  # (V,)
+    """One token of one row. Every temperature and top_p the API accepts gives a distribution: the scores are
+    shifted so the best is 0 before dividing (a tiny temperature such as 1e-40 made the best score inf, and
+    softmax NaN), and top_p always keeps the best token (a top_p such as 1e-300 is 0 as a float32, which
+    dropped them all). Either was a 500 for the request and for every row sharing its forward."""
+    scores = (scores - scores.max()) / params.temperature  # (V,): at most 0, so never +inf nor NaN
     if 0 < params.top_k < scores.numel():
         kth_best = torch.topk(scores, params.top_k).values[-1]
         scores = scores.masked_fill(scores < kth_best, float("-inf"))
@@ -61,6 +65,7 @@ def _sample(scores: torch.Tensor, params: SamplingParams, generator: torch.Gener
         sorted_probabilities = sorted_scores.softmax(dim=-1)
         mass_before = sorted_probabilities.cumsum(dim=-1) - sorted_probabilities
         drop = mass_before >= params.top_p  # the tokens before this one already reach top_p
+        drop[0] = False  # the best token stays, whatever top_p rounds to
         scores = scores.scatter(0, order, sorted_scores.masked_fill(drop, float("-inf")))
     probabilities = scores.softmax(dim=-1)
     return int(torch.multinomial(probabilities, 1, generator=generator))
