@@ -316,6 +316,26 @@ def test_stop_sequence_cuts_the_text(client, reference):
     assert choice["text"] == expected[: expected.find(stop)]
 
 
+@pytest.mark.parametrize("stop", ["k\u0533 up", "\u0533"])
+def test_a_stop_sequence_is_found_where_a_character_spans_tokens(tiny_tokenizer, stop):
+    """The byte-level tokenizer writes "\u0533" as two tokens: after the first the text ends in U+FFFD. The "k"
+    before it, which begins the stop, was released then, and the stop, whole one token later, was never found."""
+    from finetune.serve.textstream import TextStream
+
+    ids = tiny_tokenizer.encode(" rank\u0533 update", add_special_tokens=False)
+    texts = [tiny_tokenizer.decode(ids[: i + 1]) for i in range(len(ids))]
+    assert any(text.endswith("k\ufffd") for text in texts)  # the case: a character split across two tokens
+    stream = TextStream(lambda tokens: tiny_tokenizer.decode(tokens, skip_special_tokens=True), stop=[stop])
+    pieces = []
+    for token in ids:
+        pieces.append(stream.push(token))
+        if stream.stopped:
+            break
+    pieces.append(stream.finish())
+    assert stream.stopped
+    assert "".join(pieces) == stream.text == " rank\u0533 update"[: " rank\u0533 update".find(stop)]
+
+
 # ---- adapters at runtime ---------------------------------------------------------------------------
 def test_load_and_unload_at_runtime(client, reference, serve_adapters):
     loaded = client.post("/v1/load_lora_adapter", json={"lora_name": "code", "lora_path": str(serve_adapters["code"])})

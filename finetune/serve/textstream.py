@@ -41,14 +41,22 @@ class TextStream:
         """Add one generated token; return the new text that is safe to release (maybe "")."""
         self._tokens.append(token_id)
         self._text = self._decode(self._tokens)
-        cut = self._first_stop()
+        settled = self._settled_length()
+        cut = self._first_stop(settled)
         if cut is not None:
             self._text, self.stopped = self._text[:cut], True
             return self._release(len(self._text))
-        safe = len(self._text) - self._stop_prefix_length()
-        while safe > self._sent and self._text[safe - 1] == REPLACEMENT_CHARACTER:
-            safe -= 1
-        return self._release(safe)
+        return self._release(settled - self._stop_prefix_length(settled))
+
+    def _settled_length(self) -> int:
+        """Length of the text before its trailing U+FFFD, which a later token may turn into another character.
+        Stop sequences are looked for, and held back, in this text only: the hold-back was measured on the text
+        with its U+FFFD, which no stop sequence begins, so in " rank\ufffd" the "k" of the stop "k\u0533 up" was
+        released, and the stop, complete one token later, was never found."""
+        settled = len(self._text)
+        while settled > self._sent and self._text[settled - 1] == REPLACEMENT_CHARACTER:
+            settled -= 1
+        return settled
 
     def finish(self) -> str:
         """Everything not released yet: the request is over."""
@@ -60,17 +68,17 @@ class TextStream:
         piece, self._sent = self._text[self._sent : end], end
         return piece
 
-    def _first_stop(self) -> int | None:
-        """Where the earliest stop sequence starts in the unreleased text, or None."""
-        found = [at for stop in self._stop if (at := self._text.find(stop, self._sent)) >= 0]
+    def _first_stop(self, end: int) -> int | None:
+        """Where the earliest stop sequence starts in the unreleased text up to `end`, or None."""
+        found = [at for stop in self._stop if (at := self._text.find(stop, self._sent, end)) >= 0]
         return min(found) if found else None
 
-    def _stop_prefix_length(self) -> int:
-        """Length of the longest end of the text that could begin a stop sequence."""
+    def _stop_prefix_length(self, end: int) -> int:
+        """Length of the longest end of the text up to `end` that could begin a stop sequence."""
         longest = 0
         for stop in self._stop:
-            for length in range(min(len(stop) - 1, len(self._text) - self._sent), longest, -1):
-                if self._text.endswith(stop[:length]):
+            for length in range(min(len(stop) - 1, end - self._sent), longest, -1):
+                if self._text.endswith(stop[:length], 0, end):
                     longest = length
                     break
         return longest
