@@ -30,6 +30,7 @@ from helpers import ALL_LINEAR, REPO, TEST_SHAPE, greedy_ids, make_adapter
 
 import finetune
 from finetune.cli import main
+from finetune.errors import ServeError
 from finetune.prompting import chat_prompt_ids, prompt_ids
 from finetune.serve.server import ServerThread
 from finetune.serve.settings import ServeSettings
@@ -624,6 +625,22 @@ def test_cli_startup_errors_are_one_line(serve_base, serve_adapters, capsys, arg
     assert main(["serve", str(serve_base), "--port", "0", *[a.format(**paths) for a in arguments]]) == 2
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and fragment in errors[0], errors
+
+
+@pytest.mark.parametrize("wait", ["nan", "inf"])
+def test_cli_refuses_a_wait_that_never_ends(serve_base, capsys, wait):
+    """nan and inf were taken: the worker spun (nan) or died (inf: OverflowError) waiting to fill its first
+    batch, while the server took requests and never answered them."""
+    from finetune.cli import build_parser
+
+    with pytest.raises(SystemExit) as exit_:  # parsing alone: taken, the server would start and never end
+        build_parser().parse_args(["serve", str(serve_base), "--max-wait-ms", wait])
+    assert exit_.value.code == 2
+    error = capsys.readouterr().err.strip()
+    assert "\n" not in error and f"--max-wait-ms: {wait} must be a finite number of at least 0" in error
+    for wait_ms in (float(wait), 1e300):  # the Python API's settings, and a finite wait as good as endless
+        with pytest.raises(ServeError, match="--max-wait-ms must be a number of at most 60000"):
+            ServeSettings(base=str(serve_base), max_wait_ms=wait_ms).check()
 
 
 def test_cli_refuses_a_taken_port(serve_base, serve_adapters, capsys):

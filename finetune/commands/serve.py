@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from finetune.commands.numbers import port_number, positive_int
+from finetune.commands.numbers import non_negative_float, port_number, positive_int
 from finetune.commands.warning_lines import warnings_as_lines
 from finetune.serve.settings import DEFAULT_HOST
 
@@ -72,7 +72,10 @@ def _add_limits(parser: argparse.ArgumentParser) -> None:
         "--max-batch-size", type=positive_int, default=8, help="most sequences in one forward pass (default 8)"
     )
     parser.add_argument(
-        "--max-wait-ms", type=float, default=10.0, help="how long an idle server waits to fill a batch (default 10)"
+        "--max-wait-ms",
+        type=non_negative_float,
+        default=10.0,
+        help="how long an idle server waits to fill a batch (default 10, at most 60000)",
     )
     parser.add_argument(
         "--max-tokens-limit",

@@ -8,11 +8,15 @@ Example:
 from __future__ import annotations
 
 import importlib.util
+import math
 from dataclasses import dataclass, field
 
 from finetune.errors import ServeError
 
 DEFAULT_HOST = "127.0.0.1"
+MAX_WAIT_MS = 60_000
+"""A minute: an idle server holds its first request this long at most. nan passed the check and the worker spun
+waiting, inf (or 1e300) raised OverflowError in it, and either way the server took requests and never answered."""
 BASE_ROW = "__base__"
 """peft's name for a row of a mixed batch that runs on the base alone."""
 
@@ -64,6 +68,8 @@ class ServeSettings:
         for name, (value, lowest) in bounds.items():
             if value < lowest:
                 raise ServeError(f"--{name.replace('_', '-')} must be at least {lowest}, got {value}")
+        if not (math.isfinite(self.max_wait_ms) and self.max_wait_ms <= MAX_WAIT_MS):
+            raise ServeError(f"--max-wait-ms must be a number of at most {MAX_WAIT_MS}, got {self.max_wait_ms}")
         if self.port > 65535:
             raise ServeError(f"--port must be at most 65535, got {self.port}")
         if self.merge is not None and self.merge not in self.adapters:
