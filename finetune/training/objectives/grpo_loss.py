@@ -13,10 +13,14 @@ DeepSeek-V3.2): its gradient is then the unbiased reverse-KL gradient, even on-p
 
 and the step's loss averages ℓ_t · m_t as trl does:
 - `grpo`: per completion over its tokens, then over the completions of each micro-batch, then over
-  micro-batches (every micro-batch holds the same number of completions: the mean over completions);
+  micro-batches (every micro-batch of a full step holds the same number of completions: the mean over
+  completions);
 - `bnpo`: over the tokens of each micro-batch, then over micro-batches;
 - `dr_grpo`: Σ over tokens / (completions × max_completion_length);
 - `dapo`: Σ over tokens / (completion tokens of the whole step, on every process).
+
+A run set by epochs may end with a micro-batch of fewer prompts, which trl never meets (its sampler drops an
+incomplete batch); there `grpo` and `bnpo` weight each micro-batch by its completions.
 
 The loop normalises by one unit, the step's completions on every process (C); each function here returns
 the micro-batch's share of the sum Σ that gives trl's loss as Σ / C (e.g. `dapo`: Σ ℓ·m · C / tokens).
