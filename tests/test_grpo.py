@@ -608,6 +608,15 @@ def _train_noting(tmp_path, base_dir, monkeypatch, rewards: str, source: str, ov
     return [json.loads(line) for line in (tmp_path / "noted.jsonl").read_text().splitlines()]
 
 
+ONE_STEP_OF_TWO_MICRO_BATCHES = [
+    "train.max_steps=1", "train.micro_batch_size=1", "train.grad_accum_steps=2", "data.validation=null"
+]  # fmt: skip
+
+
+def _logged_steps(tmp_path: Path) -> list[dict]:
+    return [json.loads(line) for line in (tmp_path / "runs" / "grpo-run" / "metrics.jsonl").read_text().splitlines()]
+
+
 def test_reward_statistics_are_trls_over_the_whole_step(tmp_path, tiny_base_dir, monkeypatch):
     """trl logs `reward_std` as the standard deviation of all the step's rewards and `rewards/<f>` as the mean over
     the completions f scored (nanmean). They were a mean of per-micro-batch deviations (two micro-batches here) and
@@ -621,14 +630,15 @@ def test_reward_statistics_are_trls_over_the_whole_step(tmp_path, tiny_base_dir,
         "def some(prompts, completions, **kwargs):\n"
         "    return _note('some', [None if i % 3 else 1.0 + len(c) / 7 for i, c in enumerate(completions)])\n"
     )
-    overrides = ["train.max_steps=1", "train.micro_batch_size=1", "train.grad_accum_steps=2", "data.validation=null"]
-    noted = _train_noting(tmp_path, tiny_base_dir, monkeypatch, "noted.py:lengths, noted.py:some", source, overrides)
+    noted = _train_noting(
+        tmp_path, tiny_base_dir, monkeypatch, "noted.py:lengths, noted.py:some", source, ONE_STEP_OF_TWO_MICRO_BATCHES
+    )
     lengths = torch.tensor([v for name, values in noted if name == "lengths" for v in values], dtype=torch.float64)
     some = torch.tensor([math.nan if v is None else v for name, values in noted if name == "some" for v in values],
                         dtype=torch.float64)  # fmt: skip
     assert len(lengths) == 8 and 0 < int(torch.isnan(some).sum()) < 8
     rewards = lengths + torch.nan_to_num(some)  # trl: the weighted nansum over the functions
-    (step,) = [json.loads(line) for line in (tmp_path / "runs" / "grpo-run" / "metrics.jsonl").read_text().splitlines()]
+    (step,) = _logged_steps(tmp_path)
     assert step["reward"] == pytest.approx(rewards.mean().item(), rel=1e-6)
     assert step["reward_std"] == pytest.approx(rewards.std().item(), rel=1e-6)
     assert step["rewards/noted.py:some"] == pytest.approx(some.nanmean().item(), rel=1e-6)
@@ -646,11 +656,10 @@ def test_a_completion_no_function_scored_is_left_out_of_the_reward_statistics(tm
         "    with open('noted.jsonl', 'a') as f:\n        f.write(json.dumps(['some', values]) + '\\n')\n"
         "    return values\n"
     )
-    overrides = ["train.max_steps=1", "train.micro_batch_size=1", "train.grad_accum_steps=2", "data.validation=null"]
-    noted = _train_noting(tmp_path, tiny_base_dir, monkeypatch, "noted.py:some", source, overrides)
+    noted = _train_noting(tmp_path, tiny_base_dir, monkeypatch, "noted.py:some", source, ONE_STEP_OF_TWO_MICRO_BATCHES)
     some = torch.tensor([math.nan if v is None else v for _, values in noted for v in values], dtype=torch.float64)
     assert len(some) == 8 and int(torch.isnan(some).sum()) == 4
-    (step,) = [json.loads(line) for line in (tmp_path / "runs" / "grpo-run" / "metrics.jsonl").read_text().splitlines()]
+    (step,) = _logged_steps(tmp_path)
     scored = some[~torch.isnan(some)]
     assert step["reward"] == pytest.approx(scored.mean().item(), rel=1e-6)
     assert step["reward_std"] == pytest.approx(scored.std().item(), rel=1e-6)
