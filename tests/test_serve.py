@@ -408,6 +408,8 @@ def test_unload_refusals(client, reference):
         ({"model": "legal", "prompt": [True]}, 400, "token ids (a list of integers)", "prompt"),
         ({"model": "legal", "prompt": [[]]}, 400, "none of them empty", "prompt"),
         ({"model": "legal", "prompt": [1, 10**9]}, 400, "token id 1000000000 is not in the vocabulary", "prompt"),
+        # a field of two forms: pydantic's path named the first form (`stop.str`)
+        ({"model": "legal", "prompt": "x", "stop": ["a", 5]}, 400, "stop: give a string or a list of strings", "stop"),
     ],
 )
 def test_bad_requests_are_refused_and_the_server_goes_on(client, reference, body, status, fragment, param):
@@ -426,6 +428,10 @@ def test_bad_json_unknown_routes_and_chat_errors(client, reference):
     assert_error(
         client.post("/v1/chat/completions", json=no_content), 400, "Field required", param="messages.0.content"
     )
+    for content in (None, 5, [{"type": "text", "text": 5}]):  # pydantic's path named a form: content.str
+        wrong = {"model": "med", "messages": [{"role": "user", "content": content}]}
+        error = assert_error(client.post("/v1/chat/completions", json=wrong), 400, param="messages.0.content")
+        assert error["message"] == 'messages.0.content: give a string or a list of {"type": "text", "text": ...} parts'
     assert_still_serves(client, reference)
 
 

@@ -170,10 +170,28 @@ def parse_body(model: type[BaseModel], body: bytes) -> Any:
             message = f"{param}: this server does not support this parameter"
         elif first["loc"][0] == "prompt":  # one error per form of the union: say the forms instead
             param, message, more = "prompt", f"prompt: {PROMPT_FORMS}", 0
+        elif (union := _union_field(first["loc"])) is not None:  # likewise, where pydantic names a form in the path
+            param, message, more = union[0], f"{union[0]}: {union[1]}", 0
         else:
             said = first["msg"].removeprefix("Value error, ")  # a validator's own message, as it wrote it
             message = f"{param}: {said}" if param else said
         raise ServeError(message + (f" (and {more} more problems)" if more else ""), param=param) from None
+
+
+UNION_FORMS = {
+    "stop": "give a string or a list of strings",
+    "content": 'give a string or a list of {"type": "text", "text": ...} parts',
+}
+"""What a field of several forms takes, said instead of pydantic's error for its first form."""
+
+
+def _union_field(loc: tuple) -> tuple[str, str] | None:
+    """(the field's path, its forms) where `loc` runs into a form of a field of `UNION_FORMS` (pydantic names the
+    form it tried after the field: `messages.0.content.str`, `stop.list[str].1`), else None."""
+    for at, part in enumerate(loc[:-1]):
+        if part in UNION_FORMS and isinstance(loc[at + 1], str):
+            return ".".join(str(p) for p in loc[: at + 1]), UNION_FORMS[part]
+    return None
 
 
 def error_body(error: ServeError) -> dict:
