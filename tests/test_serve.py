@@ -624,6 +624,8 @@ def test_cli_serve_exits_128_plus_the_signal_whenever_it_comes(serve_base, momen
         (["--adapter", "legal={foreign}"], "was trained on base"),
         (["--adapter", "legal={legal}", "--adapter", "legal={med}"], "given twice"),
         (["--adapter", "{legal}", "--base-name", "legal"], "the base model's name"),
+        (["--adapter", "legal="], "--adapter legal=: give NAME=PATH with both parts"),  # read as "."
+        (["--adapter", "={legal}"], "give NAME=PATH with both parts"),  # served under the manifest's name
     ],
 )
 def test_cli_startup_errors_are_one_line(serve_base, serve_adapters, capsys, arguments, fragment):

@@ -101,6 +101,8 @@ def _adapter_specs(specs: list[str]) -> dict[str, str]:
         name, separator, path = spec.partition("=")
         if not separator:
             name, path = read_adapter(spec).name, spec
+        elif not name or not path:  # `legal=` read as the current directory; `=PATH` served under another name
+            raise ServeError(f"--adapter {spec}: give NAME=PATH with both parts, or PATH alone")
         if name in adapters:
             raise ServeError(f"--adapter {spec}: the name {name!r} is given twice; use NAME=PATH to name them apart")
         adapters[name] = path
