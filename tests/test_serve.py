@@ -13,6 +13,7 @@ one token forever under greedy decoding, which would hide a wrong position or ca
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -624,8 +625,6 @@ def test_cli_serve_exits_128_plus_the_signal_whenever_it_comes(serve_base, momen
         (["--adapter", "legal={foreign}"], "was trained on base"),
         (["--adapter", "legal={legal}", "--adapter", "legal={med}"], "given twice"),
         (["--adapter", "{legal}", "--base-name", "legal"], "the base model's name"),
-        (["--adapter", "legal="], "--adapter legal=: give NAME=PATH with both parts"),  # read as "."
-        (["--adapter", "={legal}"], "give NAME=PATH with both parts"),  # served under the manifest's name
     ],
 )
 def test_cli_startup_errors_are_one_line(serve_base, serve_adapters, capsys, arguments, fragment):
@@ -633,6 +632,18 @@ def test_cli_startup_errors_are_one_line(serve_base, serve_adapters, capsys, arg
     assert main(["serve", str(serve_base), "--port", "0", *[a.format(**paths) for a in arguments]]) == 2
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and fragment in errors[0], errors
+
+
+@pytest.mark.parametrize("spec", ["legal=", "={legal}"])
+def test_an_adapter_spec_missing_its_name_or_path_is_refused(serve_adapters, spec):
+    """`legal=` was read as the current directory (and a server started there), `=PATH` served under the
+    manifest's name. Checked on the parser of the specs: a server that started would never return."""
+    from finetune.commands.serve import _adapter_specs
+    from finetune.errors import ServeError
+
+    spec = spec.format(legal=serve_adapters["legal"])
+    with pytest.raises(ServeError, match=f"--adapter {re.escape(spec)}: give NAME=PATH with both parts"):
+        _adapter_specs([spec])
 
 
 @pytest.mark.parametrize("wait", ["nan", "inf"])
