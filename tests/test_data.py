@@ -816,6 +816,32 @@ def test_a_hub_dataset_in_the_local_cache_is_read_offline(tmp_path, tiny_tokeniz
         build_datasets(missing, tiny_tokenizer, cache_dir=tmp_path / "cache")
 
 
+def test_each_subset_of_a_cached_hub_dataset_has_its_own_cache_entry(tmp_path, tiny_tokenizer, monkeypatch):
+    """The snapshot's bytes hold every subset, so only `subset` tells two of them apart: without it in the
+    fingerprint, the second subset was served the first one's cached rows."""
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    _cached_hub_dataset(tmp_path / "hub", "acme/mix", RECORDS)
+    snapshot = next((tmp_path / "hub" / "datasets--acme--mix" / "snapshots").iterdir())
+    write_records(snapshot / "data" / "other.jsonl", [{"text": "an other subset entirely"}])
+    configs = "".join(
+        f"- config_name: {name}\n  data_files:\n  - split: train\n    path: data/{name}.jsonl\n"
+        for name in ("train", "other")
+    )
+    (snapshot / "README.md").write_text(f"---\nconfigs:\n{configs}---\n")
+    built = [
+        build_datasets(
+            DataConfig(train=[{"path": "acme/mix", "subset": subset}], format="text", max_seq_len=128),
+            tiny_tokenizer,
+            cache_dir=tmp_path / "cache",
+        )
+        for subset in ("train", "other")
+    ]
+    assert [bundle.stats["num_records"] for bundle in built] == [len(RECORDS), 1]
+    assert not built[1].cache_hit and built[0].fingerprint != built[1].fingerprint
+
+
 def test_data_preview_shows_the_pieces_training_uses(tmp_path, tiny_tokenizer, tiny_base_dir, capsys, monkeypatch):
     from finetune.cli import main
 

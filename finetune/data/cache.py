@@ -5,8 +5,9 @@ already backed by Arrow files, keys them by hashing the mapped function (a closu
 slowly and, when it cannot, silently falls back to a random key), and still re-reads and re-parses the
 sources on every run. Here the key is computed from what decides the result and nothing else:
 
-- the bytes of every source (in order; with split and max_records), not their paths, so moving data
-  keeps the cache;
+- the bytes of every source (in order; with split, subset and max_records), not their paths, so moving
+  data keeps the cache (a hub dataset's snapshot holds every subset's files, so its bytes alone do not
+  say which subset was read);
 - the data config fields the chosen format reads (e.g. `text_field` only for `text`), max_seq_len,
   overlength, and the validation split with its seed only when a split is taken (not `packing`: rows
   are one document each, packed per micro-batch when collated);
@@ -44,7 +45,7 @@ import datasets
 from transformers import PreTrainedTokenizerBase
 
 from finetune.data.sources import source_content_hash
-from finetune.recipe import DataConfig
+from finetune.recipe import DataConfig, SourceConfig
 
 PIPELINE_VERSION = 7  # 7: BOS/EOS never doubled where the text already has them; 6: lines split at CR/LF only
 """Bump when the rows this package produces change for the same inputs; old cache entries are then unused."""
@@ -103,7 +104,7 @@ def fingerprint_inputs(config: DataConfig, tokenizer: PreTrainedTokenizerBase, s
         fields["seed"] = seed
 
     def describe(sources):
-        return [{"sha256": source_content_hash(s), "split": s.split, "max_records": s.max_records} for s in sources]
+        return [_describe_source(source) for source in sources]
 
     return {
         "pipeline_version": PIPELINE_VERSION,
@@ -112,6 +113,16 @@ def fingerprint_inputs(config: DataConfig, tokenizer: PreTrainedTokenizerBase, s
         "validation": describe(config.validation),
         "tokenizer": tokenizer_identity(tokenizer),
     }
+
+
+def _describe_source(source: SourceConfig) -> dict[str, Any]:
+    """What of one source decides its records. `subset` picks files within a hub snapshot whose bytes are
+    hashed whole, so two subsets of one snapshot differ only there; it is named only when set, so the keys
+    of sources without one (every local file) stay those written before it was added."""
+    described = {"sha256": source_content_hash(source), "split": source.split, "max_records": source.max_records}
+    if source.subset is not None:
+        described["subset"] = source.subset
+    return described
 
 
 def fingerprint_of(inputs: dict[str, Any]) -> str:
