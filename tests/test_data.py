@@ -539,6 +539,22 @@ def test_damaged_cache_entry_is_rebuilt(tmp_path, tiny_tokenizer):
     assert not again.cache_hit and again.stats == first.stats
 
 
+def test_cache_entry_with_rows_cut_off_is_rebuilt(tmp_path, tiny_tokenizer):
+    """A rows file cut at a record batch boundary reads without error as fewer rows; it was served as the
+    whole entry (the log saying every row was loaded), so training silently ran on part of the data."""
+    records = [{"text": f"document number {i}"} for i in range(2 * pipeline._RECORDS_PER_CHUNK + 5)]
+    config = DataConfig(train=[write_records(tmp_path / "many.jsonl", records)], max_seq_len=64)
+    first = build_datasets(config, tiny_tokenizer, cache_dir=tmp_path / "cache")
+    rows_file = first.cache_path / "train" / "data.arrow"
+    with pa.OSFile(str(rows_file), "rb") as source:
+        pa.ipc.open_stream(source).read_next_batch()
+        first_batch_end = source.tell()
+    with open(rows_file, "r+b") as handle:
+        handle.truncate(first_batch_end)
+    again = build_datasets(config, tiny_tokenizer, cache_dir=tmp_path / "cache")
+    assert not again.cache_hit and len(again.train) == first.stats["num_rows"] == len(records)
+
+
 @pytest.fixture(scope="module")
 def other_tokenizer():
     from helpers import tokenizer_corpus

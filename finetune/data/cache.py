@@ -172,9 +172,14 @@ def load_cached(cache_root: Path, fingerprint: str) -> CacheEntry | None:
         meta = json.loads(meta_path.read_text(encoding="utf-8"))
         train = load_rows(path, "train")
         validation = load_rows(path, "validation") if meta["has_validation"] else None
-    except (OSError, ValueError, KeyError):
+        whole = len(train) == meta["stats"]["num_rows"] and (
+            validation is None or len(validation) == meta["stats"]["validation_num_rows"]
+        )
+    except (OSError, ValueError, KeyError, TypeError):
         return None  # damaged by hand: rebuilt and replaced by the caller
-    return CacheEntry(train, validation, meta["stats"], path)
+    # An Arrow stream cut at a record batch boundary (a file truncated or copied in part; writes are not
+    # synced before the rename) reads without an error as fewer rows: the counts in meta.json tell.
+    return CacheEntry(train, validation, meta["stats"], path) if whole else None
 
 
 Build = Callable[[Path], "tuple[dict[str, Any], bool]"]
