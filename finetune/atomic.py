@@ -63,11 +63,11 @@ def remove_dead_writers_staging(final: Path) -> None:
     go: a process still writing the same file keeps its staging."""
     for stale in final.parent.glob(f".{final.name}{STAGING_MARK}*"):
         pid = stale.name.rsplit(STAGING_MARK, 1)[1]
-        if pid.isdigit() and not _process_alive(int(pid)) and stale.is_file():
+        if pid.isdigit() and not process_alive(int(pid)) and stale.is_file():
             stale.unlink(missing_ok=True)
 
 
-def _process_alive(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
     """Whether a process `pid` exists on this machine (signal 0 checks without sending anything)."""
     try:
         os.kill(pid, 0)

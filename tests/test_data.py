@@ -9,6 +9,11 @@ from __future__ import annotations
 
 import copy
 import json
+import os
+import signal
+import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import datasets
@@ -553,6 +558,42 @@ def test_cache_entry_with_rows_cut_off_is_rebuilt(tmp_path, tiny_tokenizer):
         handle.truncate(first_batch_end)
     again = build_datasets(config, tiny_tokenizer, cache_dir=tmp_path / "cache")
     assert not again.cache_hit and len(again.train) == first.stats["num_rows"] == len(records)
+
+
+_BUILD_THEN_HANG = """
+import sys, time
+from pathlib import Path
+from finetune.data import cache
+
+def build(staging):
+    (staging / "train").mkdir()
+    (staging / "train" / "data.arrow").write_bytes(b"half written")
+    print("building", flush=True)
+    time.sleep(600)
+
+cache.store(Path(sys.argv[1]), "sha256:" + "ab" * 32, build, {})
+"""
+
+
+def test_a_killed_builds_staging_directory_is_removed_by_the_next_build(tmp_path, tiny_tokenizer):
+    """SIGKILL (or SIGTERM before training handles it) runs no cleanup: each kill while tokenizing left its
+    staging directory, up to the whole tokenized corpus, in the cache for good."""
+    cache_root = tmp_path / "cache"
+    killed = subprocess.Popen(
+        [sys.executable, "-c", _BUILD_THEN_HANG, str(cache_root)],
+        stdout=subprocess.PIPE,
+        env={**os.environ, "PYTHONPATH": str(Path(pipeline.__file__).parents[2])},  # this checkout's package
+    )
+    assert killed.stdout.readline() == b"building\n"
+    killed.send_signal(signal.SIGKILL)
+    killed.wait()
+    (left,) = cache_root.glob(".tmp-*")
+    running = cache_root / f".tmp-{'cd' * 8}-{os.getpid()}-00000000-{socket.gethostname()}"  # a live build's
+    running.mkdir()
+    config = DataConfig(train=[write_records(tmp_path / "many.jsonl", MANY)])
+    bundle = build_datasets(config, tiny_tokenizer, cache_dir=cache_root)
+    assert not left.exists() and running.exists()
+    assert sorted(p.name for p in cache_root.iterdir()) == sorted([running.name, bundle.cache_path.name])
 
 
 @pytest.fixture(scope="module")

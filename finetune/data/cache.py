@@ -20,9 +20,10 @@ An entry is a directory: `train/data.arrow` (and `validation/data.arrow`), Arrow
 `datasets.Dataset.from_file` and tokenizes nothing. A miss builds the rows straight into a temporary
 directory beside the cache entry, batch by batch (see `finetune.data.rowfiles`), and renames it into
 place, so a crash never leaves a half-written entry and two processes racing to write the same entry both end up reading one
-complete copy. The cache lives in `$HF_DATASETS_CACHE/finetune` (next to `datasets`' own cache, moved
-by the same variables) unless a directory is passed in. Entries are never evicted: each distinct data
-fingerprint keeps one directory of Arrow files until the directory is deleted (always safe to do).
+complete copy; the staging directory of a killed build is removed by the next build (`remove_abandoned_staging`).
+The cache lives in `$HF_DATASETS_CACHE/finetune` (next to `datasets`' own cache, moved by the same
+variables) unless a directory is passed in. Entries are never evicted: each distinct data fingerprint
+keeps one directory of Arrow files until the directory is deleted (always safe to do).
 
 Example:
     fingerprint = data_fingerprint(config, tokenizer, seed=0)   # "sha256:3f1c..."
@@ -35,6 +36,7 @@ import hashlib
 import json
 import os
 import shutil
+import socket
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -44,6 +46,7 @@ from typing import Any
 import datasets
 from transformers import PreTrainedTokenizerBase
 
+from finetune.atomic import process_alive
 from finetune.data.sources import source_content_hash
 from finetune.recipe import DataConfig, SourceConfig
 
@@ -194,7 +197,8 @@ def store(cache_root: Path, fingerprint: str, build: Build, inputs: dict[str, An
     """
     path = _entry_dir(cache_root, fingerprint)
     cache_root.mkdir(parents=True, exist_ok=True)
-    staging = cache_root / f".tmp-{path.name[:16]}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    remove_abandoned_staging(cache_root)
+    staging = cache_root / f".tmp-{path.name[:16]}-{os.getpid()}-{uuid.uuid4().hex[:8]}-{socket.gethostname()}"
     try:
         staging.mkdir()
         stats, has_validation = build(staging)
@@ -214,3 +218,22 @@ def store(cache_root: Path, fingerprint: str, build: Build, inputs: dict[str, An
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return path
+
+
+def remove_abandoned_staging(cache_root: Path) -> None:
+    """Delete the staging directories of builds whose process is gone (SIGKILL, or SIGTERM before training
+    installs its handler), and `.damaged-*` entries a kill left before their removal.
+
+    A build removes its own staging directory when it fails, but a killed process runs no cleanup, and
+    each kill during tokenizing left up to the whole tokenized corpus under a hidden name for good. A
+    staging directory names its process and host (`.tmp-<fingerprint>-<pid>-<random>-<host>`); only those
+    of this host whose process no longer exists are removed, so a build running now, here or on another
+    machine sharing the cache, keeps its own.
+    """
+    host = socket.gethostname()
+    for child in cache_root.glob(".damaged-*"):
+        shutil.rmtree(child, ignore_errors=True)
+    for child in cache_root.glob(".tmp-*"):
+        parts = child.name.split("-", 4)
+        if len(parts) == 5 and parts[4] == host and parts[2].isdigit() and not process_alive(int(parts[2])):
+            shutil.rmtree(child, ignore_errors=True)
