@@ -230,9 +230,9 @@ class LoraConfig(_Section):
 class SourceConfig(_Section):
     """One data source: a local file or a dataset saved with `save_to_disk`."""
 
-    path: str
+    path: str = Field(min_length=1)
     """A .jsonl/.json/.csv/.parquet/.txt file, a directory written by `datasets.save_to_disk`, or a hub dataset
-    id (`org/name`) in the local hub cache."""
+    id (`org/name`) in the local hub cache. Not empty: "" was read as the current directory."""
     split: str | None = None
     """Split to read from a saved `DatasetDict` or a hub dataset (default: `train`)."""
     subset: str | None = None

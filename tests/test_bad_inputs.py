@@ -115,6 +115,8 @@ CASES = [
         ),
     ),
     Case("number-as-words", ("validate", "recipe.yaml", "train.max_steps=ten"), ("train.max_steps",)),
+    # "" was read as the current directory: "a directory but not one written by datasets.save_to_disk"
+    Case("data-path-empty", ("validate", "recipe.yaml", "data.train="), ("data.train[0].path", "at least 1 character")),
     Case(
         "validate-a-missing-data-file",
         ("validate", "recipe.yaml", "data.train=nosuch.jsonl"),
