@@ -35,12 +35,18 @@ class Quantization:
         quant_type: 4-bit data type, nf4 (QLoRA's) or fp4.
         double_quant: quantize the 4-bit blocks' scales too (QLoRA's double quantization).
         compute_dtype: dtype 4-bit layers dequantize to for each matmul; None: the model's dtype.
+        weight_dtype: dtype the weights were loaded in when bitsandbytes quantized them (the training run's
+            `model.dtype`, from an adapter's manifest); None: unknown. It changes the quantized weights: a float32
+            checkpoint loaded in bfloat16 rounds to other nf4 codes and absmax scales than loaded in float32
+            (0.07 apart at worst on the tiny base's q_proj, as far as the nf4 error itself), so the on-disk round
+            trip quantizes from it (`pristine.quantization_roundtrip`). Not a recipe field: `as_record` omits it.
     """
 
     method: Method = "none"
     quant_type: QuantType = "nf4"
     double_quant: bool = True
     compute_dtype: str | None = None
+    weight_dtype: str | None = None
 
     @property
     def bits(self) -> int | None:

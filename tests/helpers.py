@@ -85,9 +85,11 @@ def make_adapter(
     name: str | None = None,
     magnitude: float = 0.2,
     quantization: str = "none",
+    base_dtype: str | None = None,
     **lora_options,
 ) -> Path:
-    """A peft LoRA adapter for `base_dir` with seeded random A, B (so ΔW ≠ 0), optionally with a manifest."""
+    """A peft LoRA adapter for `base_dir` with seeded random A, B (so ΔW ≠ 0), optionally with a manifest
+    (recording `quantization` and the dtype its run loaded the base in, `base_dtype`)."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
@@ -107,8 +109,9 @@ def make_adapter(
     peft_model.save_pretrained(out)
     if manifest:
         base = BaseInfo(
-            id=str(base_dir), path=str(base_dir), fingerprint=fingerprint_model_dir(base_dir), quantization=quantization
-        )
+            id=str(base_dir), path=str(base_dir), fingerprint=fingerprint_model_dir(base_dir), quantization=quantization,
+            dtype=base_dtype,
+        )  # fmt: skip
         write_manifest(out, Manifest(name=name or out.name, base=base))
     return out
 

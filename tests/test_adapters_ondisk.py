@@ -162,6 +162,35 @@ def test_merging_an_adapter_trained_on_a_quantized_base(tmp_path, tiny_base_dir)
 
 
 @pytest.mark.parametrize("bits", ["4bit", "8bit"])
+def test_a_quantized_base_is_reproduced_from_the_dtype_its_run_loaded(tmp_path, tiny_base_dir, bits):
+    """A QLoRA run with `model.dtype: bfloat16` on a float32 checkpoint quantized the bfloat16 weights; the merge
+    (written float32, as stored) must dequantize those same weights. Quantized from float32 instead, the base was
+    up to 0.2 (4-bit) and 0.01 (8-bit) away from what the adapter learned against."""
+    bnb = pytest.importorskip("bitsandbytes")
+    from transformers import BitsAndBytesConfig
+
+    adapter = make_adapter(
+        tiny_base_dir, tmp_path / "q", seed=6, targets=("q_proj",), quantization=bits, base_dtype="bfloat16"
+    )
+    merge_checkpoint(str(tiny_base_dir), [AdapterSpec(str(adapter))], tmp_path / "out", device="cpu")
+    merged = read_tensors(tmp_path / "out")
+    config = (  # as training loads it: nf4 with double quantization (transformers' own default is fp4)
+        BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True)
+        if bits == "4bit"
+        else BitsAndBytesConfig(load_in_8bit=True)
+    )
+    trained = AutoModelForCausalLM.from_pretrained(tiny_base_dir, quantization_config=config, dtype=torch.bfloat16)
+    checked = 0
+    for name, layer in trained.named_modules():
+        if isinstance(layer, (bnb.nn.Linear4bit, bnb.nn.Linear8bitLt)) and not name.endswith("q_proj"):
+            assert merged[name + ".weight"].dtype == torch.float32
+            # untouched: the trained base (8-bit: int8·absmax/127 in another order than bitsandbytes' own, 1 ulp)
+            torch.testing.assert_close(merged[name + ".weight"], bnb_weight(layer), rtol=1.2e-7, atol=0)
+            checked += 1
+    assert checked == 12
+
+
+@pytest.mark.parametrize("bits", ["4bit", "8bit"])
 def test_requantize_on_request_prints_the_error_it_adds(tmp_path, tiny_base_dir, bits, tiny_tokenizer):
     bnb = pytest.importorskip("bitsandbytes")
     adapter = make_adapter(tiny_base_dir, tmp_path / "q", seed=6, targets=("q_proj", "up_proj"), quantization=bits)

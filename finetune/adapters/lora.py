@@ -260,7 +260,11 @@ class Adapter:
             return None
         recipe_model = (self.manifest.recipe or {}).get("model")
         fields = recipe_model if isinstance(recipe_model, dict) else {}
-        return Quantization.from_record({**fields, "quantization": self.manifest.base.quantization})
+        recorded = Quantization.from_record({**fields, "quantization": self.manifest.base.quantization})
+        loaded_as = self.manifest.base.dtype  # what bitsandbytes quantized from (see Quantization.weight_dtype)
+        if recorded.method == "none" or loaded_as not in ("float32", "bfloat16", "float16"):
+            return recorded
+        return replace(recorded, weight_dtype=loaded_as)
 
     @property
     def scaling_sha256(self) -> str:
@@ -524,17 +528,22 @@ def recorded_quantization(adapters: Iterable[Adapter], *, strict: bool = True) -
 
     A compute dtype they disagree on is dropped (it changes no dequantized weight). Adapters trained on
     differently quantized bases (none/4bit/8bit, nf4/fp4, double quantization or not) have no one base that
-    reproduces what each learned against: `AdapterError` when `strict`, else None (the caller chooses).
+    reproduces what each learned against: `AdapterError` when `strict`, else None (the caller chooses). So do
+    adapters whose runs loaded a quantized base in different dtypes (`Quantization.weight_dtype`).
     """
     named = [(a.name, a.trained_quantization) for a in adapters]
     recorded = [(name, q) for name, q in named if q is not None]
     if not recorded:
         return None
-    kinds = {(q.method, q.quant_type, q.double_quant) if q.method == "4bit" else (q.method,) for _, q in recorded}
+    kinds = {
+        (q.method, q.weight_dtype, q.quant_type, q.double_quant) if q.method == "4bit" else (q.method, q.weight_dtype)
+        for _, q in recorded
+    }
     if len(kinds) > 1:
         if not strict:
             return None
-        listed = ", ".join(f"{name}: {q.describe()}" for name, q in recorded)
+        listed = ", ".join(f"{name}: {q.describe()}" + (f" from {q.weight_dtype}" if q.weight_dtype else "")
+                           for name, q in recorded)  # fmt: skip
         raise AdapterError(
             f"the adapters were trained on differently quantized bases ({listed}); load them separately, or "
             "choose the base's quantization (quantization= / --quantization)"
