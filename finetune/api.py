@@ -137,7 +137,7 @@ def load_model(
     base: str | Path,
     adapters: Mapping[str, str | Path] | Sequence[str | Path] | None = None,
     *,
-    dtype: str | torch.dtype = "float32",
+    dtype: str | torch.dtype | None = None,
     quantization: str | None = None,
     requantize: bool = False,
     force: bool = False,
@@ -154,7 +154,9 @@ def load_model(
             (else `base_model_name_or_path`) names the base; that adapter is then switched on with `use`.
         adapters: name -> adapter directory (or a list of directories, named by manifest or directory).
         dtype: float32 | bfloat16 | float16, as a name or a `torch.dtype` (as transformers accepts): the
-            model's dtype, and that of merged weights.
+            model's dtype, and that of merged weights. Default: float32; on a base quantized as the adapters'
+            runs quantized it, the dtype those runs loaded it in, which decides the quantized weights
+            (transformers casts a checkpoint to it before bitsandbytes quantizes).
         quantization: none | 4bit | 8bit (bitsandbytes); default: what the adapters' manifests record.
             Merging into a quantized layer dequantizes it and writes a dense `dtype` layer.
         requantize: requantize merged layers instead (their added error is in `requantization_errors`).
@@ -167,13 +169,15 @@ def load_model(
         AdapterError: unreadable/unsafe adapters, fingerprint or shape mismatch, no base to be found.
         ModelError: the base cannot be loaded.
     """
-    dtype = str(dtype).removeprefix("torch.")  # torch.bfloat16 -> "bfloat16"
-    if dtype not in DTYPES:
-        raise AdapterError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)} (names or torch dtypes)")
     if quantization not in (None, *METHODS):
         raise AdapterError(f"quantization {quantization!r} is not one of {', '.join(METHODS)}")
     base, read, use_first = _read_adapters(base, adapters, allow_pickle)
     quantization_settings = _quantization(quantization, read)
+    if dtype is None:
+        dtype = quantization_settings.weight_dtype if quantization_settings.method != "none" else None
+    dtype = str(dtype or "float32").removeprefix("torch.")  # torch.bfloat16 -> "bfloat16"
+    if dtype not in DTYPES:
+        raise AdapterError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)} (names or torch dtypes)")
     resolved = resolve_base(
         base, quantization=quantization_settings, dtype=getattr(torch, dtype), device=device, revision=revision
     )

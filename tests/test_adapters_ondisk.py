@@ -188,6 +188,13 @@ def test_a_quantized_base_is_reproduced_from_the_dtype_its_run_loaded(tmp_path, 
             torch.testing.assert_close(merged[name + ".weight"], bnb_weight(layer), rtol=1.2e-7, atol=0)
             checked += 1
     assert checked == 12
+    # in memory too: the default dtype of a base quantized as the adapter's run did is the dtype that run loaded
+    loaded = finetune.load_model(str(tiny_base_dir), {"q": str(adapter)}, device="cpu")
+    assert loaded.model.dtype == torch.bfloat16
+    layers = dict(loaded.model.named_modules())
+    for name, layer in trained.named_modules():
+        if isinstance(layer, (bnb.nn.Linear4bit, bnb.nn.Linear8bitLt)) and not name.endswith("q_proj"):
+            torch.testing.assert_close(bnb_weight(layers[name]), bnb_weight(layer), rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("bits", ["4bit", "8bit"])

@@ -19,12 +19,20 @@ from finetune.commands.warning_lines import warnings_as_lines
 from finetune.errors import FinetuneError
 
 ADAPTER_NAME = "adapter"
+QUANTIZED_DTYPE_HELP = (
+    "the model's dtype (default: float32; on a base quantized as its adapter's run quantized it, the dtype that run "
+    "loaded it in, which decides the quantized weights)"
+)
 
 
 def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--base", help="base model directory, hub id or embedded:tiny-llama (default: the adapter's)")
     parser.add_argument("--adapter", help="adapter directory, applied unmerged")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16", "float16"],
+        help=QUANTIZED_DTYPE_HELP,
+    )
     parser.add_argument("--force", action="store_true", help="apply an adapter trained on another base")
     parser.add_argument(
         "--device", default="auto", help="auto (a GPU when there is one, else the CPU), cpu, cuda or cuda:N"
@@ -133,7 +141,7 @@ def run_generate(args: argparse.Namespace) -> int:
 
         text = light_generate(
             base=args.base, adapter=args.adapter, prompt=args.prompt, max_new_tokens=args.max_new_tokens,
-            dtype=args.dtype, device=args.device, force=args.force,
+            dtype=args.dtype or "float32", device=args.device, force=args.force,
         )  # fmt: skip
         if text is not None:
             print(text)

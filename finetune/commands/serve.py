@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import os
 
+from finetune.commands.inference import QUANTIZED_DTYPE_HELP
 from finetune.commands.numbers import non_negative_float, port_number, positive_int
 from finetune.commands.warning_lines import warnings_as_lines
 from finetune.serve.settings import DEFAULT_HOST
@@ -53,7 +54,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help=f"require 'Authorization: Bearer KEY' (default: ${API_KEY_VARIABLE})",
     )
     _add_limits(parser)
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help=QUANTIZED_DTYPE_HELP)
     parser.add_argument(
         "--device", default="auto", help="auto (a GPU when there is one, else the CPU), cpu, cuda or cuda:N"
     )

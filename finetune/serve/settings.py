@@ -36,7 +36,8 @@ class ServeSettings:
         max_wait_ms: how long an idle server waits for more requests before it starts a batch.
         max_tokens_limit: the largest `max_tokens` a request may ask for.
         max_pending: most sequences queued or running at once; more are refused with 429.
-        dtype: float32 | bfloat16 | float16.
+        dtype: float32 | bfloat16 | float16; None: as `finetune.load_model` chooses (float32, or the dtype
+            the adapters' runs loaded a quantized base in).
         device: where the model runs: auto (a GPU when there is one), cpu, cuda or cuda:N.
         log_level: uvicorn's log level.
     """
@@ -52,7 +53,7 @@ class ServeSettings:
     max_wait_ms: float = 10.0
     max_tokens_limit: int = 1024
     max_pending: int = 64
-    dtype: str = "float32"
+    dtype: str | None = None
     device: str = "auto"
     log_level: str = "warning"
 
