@@ -171,11 +171,35 @@ def load_base_from_config(
         raise ModelError(
             f"cannot load base model {config.base!r}: {first}{_not_cached_hint(source, config.revision)}"
         ) from None
+    _check_quantized_as_asked(model, config)
     model.config._name_or_path = source  # adapters record the hub id, not this machine's cache path
     keep_float_kernels(model)  # a 4-bit base computes with the same weights in every mode (see there)
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer_for(config)
     _check_vocabulary_fits(model, tokenizer, config.tokenizer or config.base)
     return model.eval(), tokenizer, source
+
+
+def _check_quantized_as_asked(model: PreTrainedModel, config: ModelConfig) -> None:
+    """A checkpoint saved quantized (`adapters merge --requantize`, a hub `-bnb-4bit` model) loads with its own
+    bitsandbytes settings whatever was asked: asked for 8-bit, a 4-bit one loaded 4-bit while the run, its
+    manifest and every later merge took it for 8-bit (a merge would round-trip the wrong way). Asked for none
+    (`generate`/`serve` of a requantized merge), it loads as saved, as before."""
+    if config.quantization == "none":
+        return
+    bnb = sys.modules.get("bitsandbytes")
+    kinds = {"none"}
+    if bnb is not None:
+        kinds = {
+            "4bit" if isinstance(m, bnb.nn.Linear4bit) else "8bit"
+            for m in model.modules()
+            if isinstance(m, (bnb.nn.Linear4bit, bnb.nn.Linear8bitLt))
+        } or {"none"}
+    loaded = next(iter(kinds)) if len(kinds) == 1 else "mixed"
+    if loaded != config.quantization:
+        raise ModelError(
+            f"base model {config.base!r} is a checkpoint saved {loaded}-quantized but model.quantization (quantization=) "
+            f"is {config.quantization}; set it to {loaded} (or none), or use the 16/32-bit checkpoint it was quantized from"
+        )
 
 
 SINK_ATTENTION_FAMILIES = {"gpt_oss"}

@@ -238,6 +238,19 @@ def test_requantize_on_request_prints_the_error_it_adds(tmp_path, tiny_base_dir,
         )
 
 
+def test_a_requantized_checkpoint_is_not_taken_for_another_quantization(tmp_path, tiny_base_dir):
+    """transformers loads a checkpoint saved 4-bit as 4-bit whatever quantization is asked: asked for 8-bit,
+    `load_model` loaded it 4-bit and recorded 8-bit. One line now; asked for what it is, it loads."""
+    from finetune.errors import ModelError
+
+    pytest.importorskip("bitsandbytes")
+    adapter = make_adapter(tiny_base_dir, tmp_path / "q", seed=6, targets=("q_proj",), quantization="4bit")
+    merge_checkpoint(str(tiny_base_dir), [AdapterSpec(str(adapter))], tmp_path / "nf4", requantize=True)
+    with pytest.raises(ModelError, match=r"checkpoint saved 4bit-quantized but model.quantization .* is 8bit; set"):
+        finetune.load_model(str(tmp_path / "nf4"), quantization="8bit", device="cpu")
+    assert finetune.load_model(str(tmp_path / "nf4"), quantization="4bit", device="cpu").base.quantization.bits == 4
+
+
 def test_a_shard_written_tensor_by_tensor_reads_back_in_safetensors(tmp_path):
     """Merges write each shard's header first and then one tensor at a time (`write_planned_shard`): safetensors
     reads every dtype back as written, with the ledger in the metadata; a tensor that is not as planned stops it."""
