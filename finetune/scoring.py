@@ -124,6 +124,20 @@ def output_head(model: torch.nn.Module) -> torch.nn.Module | None:
     return None if inner is None else inner.get_output_embeddings()
 
 
+def perplexity_of(mean_loss: float) -> float:
+    """exp of a mean next-token loss: the perplexity, inf past float range (a mean above about 709.78, a
+    diverged or badly scaled model) instead of an OverflowError, NaN for NaN.
+
+    The one formula for `finetune eval` and training's evaluation, so both print the same figure for the same
+    loss (a cap at exp(50) in training alone had training report 5.2e21 where `eval` crashed or printed the
+    true value).
+    """
+    try:
+        return math.exp(mean_loss)
+    except OverflowError:
+        return math.inf
+
+
 @torch.no_grad()
 def perplexity(
     model: torch.nn.Module,
@@ -152,4 +166,4 @@ def perplexity(
     model.train(was_training)
     loss, tokens = loss_sum.item(), int(num_label_tokens.item())
     mean = loss / tokens if tokens else math.nan
-    return {"eval_loss": mean, "eval_ppl": math.exp(mean) if tokens else math.nan, "eval_tokens": tokens}
+    return {"eval_loss": mean, "eval_ppl": perplexity_of(mean) if tokens else math.nan, "eval_tokens": tokens}

@@ -192,3 +192,36 @@ def test_version_is_the_packages(capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["--version"])
     assert exit_info.value.code == 0 and capsys.readouterr().out == f"finetune {__version__}\n"
+
+
+@pytest.mark.parametrize("scale", [3.0, 60.0])
+def test_eval_and_training_give_one_perplexity_for_a_loss_beyond_50_and_past_float_range(scale):
+    """A diverged or badly scaled model's mean loss can pass 50 (training capped its perplexity at exp(50)) and
+    709.78 (past float range: `finetune eval` died of an OverflowError). Both now give exp(loss), inf past range."""
+    import math
+
+    import torch
+    from helpers import tiny_model
+
+    from finetune.data.collate import collate_batch
+    from finetune.scoring import perplexity
+    from finetune.training.evaluate import evaluate
+
+    model = tiny_model("llama")
+    with torch.no_grad():  # sharpen the logits: the loss of a random model grows with the scale
+        model.lm_head.weight.mul_(scale * 40)
+    generator = torch.Generator().manual_seed(0)
+    rows = [{"input_ids": ids, "labels": [-100, *ids[1:]]} for ids in torch.randint(0, 96, (6, 20), generator=generator).tolist()]  # fmt: skip
+
+    def collate(batch):
+        return collate_batch(batch, pad_token_id=0, packing=True)
+
+    scored = perplexity(model, rows, collate=collate, micro_batch_size=4)
+    trained = evaluate(model, rows, collate=collate, micro_batch_size=4)
+    assert 50 < scored["eval_loss"] and (scored["eval_loss"] > 710) == (scale > 10)
+    expected = math.exp(scored["eval_loss"]) if scored["eval_loss"] < 709 else math.inf
+    assert scored["eval_ppl"] == pytest.approx(expected, rel=1e-9)
+    assert trained["eval_ppl"] == pytest.approx(scored["eval_ppl"], rel=1e-5)
+    from finetune.report.runs import perplexity_change
+
+    assert perplexity_change(math.inf, math.inf) == "no percentage: a perplexity is not a finite number"  # not "nan%"

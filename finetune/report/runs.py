@@ -15,6 +15,7 @@ Example:
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -137,6 +138,9 @@ def write_run_record(run_dir: Path, adapter_dir: Path, manifest: Manifest | None
 
 
 def perplexity_change(base_ppl: float, ppl: float) -> str:
-    """'97.3% lower' or '12.0% higher': how `ppl` compares with the base's, in words a log line can hold."""
+    """'97.3% lower' or '12.0% higher': how `ppl` compares with the base's, in words a log line can hold. A
+    perplexity past float range (inf: `finetune.scoring.perplexity_of`) or NaN has no percentage."""
+    if not (math.isfinite(base_ppl) and math.isfinite(ppl)):
+        return "no percentage: a perplexity is not a finite number"
     change = 100 * (1 - ppl / base_ppl)
     return f"{change:.1f}% lower" if change >= 0 else f"{-change:.1f}% higher"

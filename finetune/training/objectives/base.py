@@ -23,7 +23,6 @@ Example:
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
@@ -31,6 +30,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from finetune.data.collate import Layout
+from finetune.scoring import perplexity_of
 
 
 @dataclass(frozen=True)
@@ -114,7 +114,7 @@ def summarise(objective: Objective, sums: Mapping[str, float], counts: Mapping[s
         if counts[unit] > 0 and name in sums:  # a metric some models do not report (router_aux) is left out
             result[name] = sums[name] / counts[unit]
     if "nll" in result:
-        result["ppl"] = math.exp(min(result.pop("nll"), 50.0))
+        result["ppl"] = perplexity_of(result.pop("nll"))
     if "reward_margin" not in objective.metric_units and {"rewards_chosen", "rewards_rejected"} <= result.keys():
         result["reward_margin"] = result["rewards_chosen"] - result["rewards_rejected"]  # unpaired: of the means
     finish = getattr(objective, "finish_summary", None)
