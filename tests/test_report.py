@@ -16,6 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from PIL import Image
 
 from finetune.cli import main as cli_main
@@ -125,6 +126,26 @@ def test_a_directory_without_metrics_is_a_one_line_error(tmp_path, capsys):
     assert cli_main(["report", str(tmp_path)]) == 2
     error = capsys.readouterr().err
     assert error.startswith("error: ") and error.count("\n") == 1 and "has no metrics.jsonl" in error
+    assert not (tmp_path / "report.html").exists()
+
+
+@pytest.mark.parametrize(
+    "damaged, torn_tail",
+    [(b'{"step": 1, "loss": 2.0}\n\xff\xfe garbage\n{"step": 2, "loss": 1.0}\n', False),  # not UTF-8, line 2
+     (b'{"step": 1, "loss": 2.0}\n{"step": Infinity, "loss": 1.0}\n{"step": 2, "loss": 1.0}\n', False),
+     (b'{"step": 1, "loss": 2.0}\n{"step": 2, "lo\xc3', True)],  # a torn last line, cut inside a character
+)  # fmt: skip
+def test_a_damaged_metrics_line_is_a_one_line_error_naming_it(tmp_path, capsys, damaged, torn_tail):
+    """Bytes that are not UTF-8 or a step of Infinity were a UnicodeDecodeError or OverflowError traceback;
+    they are a bad record like any other (and a torn last line is still skipped)."""
+    (tmp_path / "metrics.jsonl").write_bytes(damaged)
+    code = cli_main(["report", str(tmp_path)])
+    error = capsys.readouterr().err
+    if torn_tail:
+        assert code == 0 and (tmp_path / "report.html").is_file()
+        return
+    assert code == 2 and error.count("\n") == 1, error
+    assert error.startswith(f"error: {tmp_path / 'metrics.jsonl'}:2 is not a metrics record; fix or delete that line")
     assert not (tmp_path / "report.html").exists()
 
 

@@ -73,17 +73,21 @@ class RunHistory:
 
 
 def _read_records(path: Path) -> tuple[dict[int, dict], dict[int, dict]]:
-    """Training and evaluation records by step; a torn last line (a killed run) is skipped."""
+    """Training and evaluation records by step; a torn last line (a killed run) is skipped.
+
+    Lines are decoded one by one, so bytes that are not UTF-8 (a damaged file) make that line a bad record, named
+    by its number, like a step of Infinity (OverflowError in `int`), not a traceback.
+    """
     train: dict[int, dict] = {}
     evals: dict[int, dict] = {}
-    lines = path.read_text(encoding="utf-8").splitlines()
+    lines = path.read_bytes().splitlines()
     for number, line in enumerate(lines, start=1):
         if not line.strip():
             continue
         try:
-            record = json.loads(line)
+            record = json.loads(line.decode("utf-8"))
             step = int(record["step"])
-        except (ValueError, KeyError, TypeError):
+        except (ValueError, KeyError, TypeError, OverflowError):  # UnicodeDecodeError is a ValueError
             if number == len(lines):
                 break
             raise ReportError(f"{path}:{number} is not a metrics record; fix or delete that line") from None
