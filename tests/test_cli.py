@@ -106,6 +106,9 @@ def test_eval_perplexity_equals_a_plain_transformers_and_peft_loop(tmp_path, tin
     assert "finetune eval takes data.KEY=VALUE settings only" in capsys.readouterr().err
     assert main([*renamed, "data.text_field=body", "data.train=other.jsonl"]) == 2  # took it over --data, unsaid
     assert "'data.train=other.jsonl': finetune eval sets that with --data" in capsys.readouterr().err
+    for held_out in ("data.validation_split=0.5", "data.validation=other.jsonl"):  # a share of --data left out, unsaid
+        assert main([*renamed, "data.text_field=body", held_out]) == 2
+        assert f"'{held_out}': finetune eval scores every record of --data" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("chat", [False, True])

@@ -110,6 +110,9 @@ def run_eval(args: argparse.Namespace) -> int:
 
 _EVAL_FLAGS = {"data.train": "--data", "data.format": "--format", "data.max_seq_len": "--max-seq-len"}
 """The data settings `eval` takes as options of its own."""
+_NOT_FOR_EVAL = ("data.validation", "data.validation_split")
+"""Settings of a training run's held-out data: eval scores `train` (its --data) whole, so `validation_split` held a
+share of the file out of the figure without a word, and `validation` was read for nothing."""
 
 
 def _eval_data_config(args: argparse.Namespace):
@@ -121,9 +124,15 @@ def _eval_data_config(args: argparse.Namespace):
     if outside:
         raise FinetuneError(f"{outside[0]!r}: finetune eval takes data.KEY=VALUE settings only")
     for text in args.overrides:  # else one of the two would be dropped without a word
-        flag = _EVAL_FLAGS.get(text.split("=", 1)[0])
+        key = text.split("=", 1)[0]
+        flag = _EVAL_FLAGS.get(key)
         if flag:
             raise FinetuneError(f"{text!r}: finetune eval sets that with {flag}; give {flag} instead")
+        if key in _NOT_FOR_EVAL:
+            raise FinetuneError(
+                f"{text!r}: finetune eval scores every record of --data, so it has no held-out part to split off or "
+                f"read; leave {key} out, and give the file to score as --data"
+            )
     data = {"train": [args.data], "format": args.format, "max_seq_len": args.max_seq_len, "packing": True}
     settings = apply_overrides(
         {"model": {"base": "embedded:tiny-llama"}, "output": {"name": "eval"}, "data": data}, args.overrides
