@@ -228,3 +228,30 @@ def test_eval_and_training_give_one_perplexity_for_a_loss_beyond_50_and_past_flo
     from finetune.report.runs import perplexity_change
 
     assert perplexity_change(math.inf, math.inf) == "no percentage: a perplexity is not a finite number"  # not "nan%"
+
+
+def test_eval_says_which_records_its_figure_leaves_out(tmp_path, tiny_base_dir, capsys):
+    """Records cut to --max-seq-len (tails not scored) or dropped (nothing to score) changed the printed perplexity
+    without a word; each is now a warning line on stderr, and a file scored whole has none."""
+    import json
+
+    from helpers import instruction_records
+
+    records = [*instruction_records(4), {"instruction": "Say nothing.", "input": "", "output": "  "}]
+    (tmp_path / "held_out.jsonl").write_text("".join(json.dumps(record) + "\n" for record in records))
+    argv = ["eval", "--base", str(tiny_base_dir), "--data", str(tmp_path / "held_out.jsonl"), "--format", "instruction"]
+    lengths = []
+    for max_seq_len in ("512", "75"):  # prompts of 45-68 tokens, documents of 65-90
+        assert main([*argv, "--max-seq-len", max_seq_len]) == 0
+        out, err = capsys.readouterr()
+        lengths.append(int(out.split(" over ")[1].split()[0].replace(",", "")))
+        warnings = [line for line in err.splitlines() if line.startswith("warning: ")]
+        dropped = "warning: 1 of 5 records had nothing to score (an empty response or text, or a prompt filling "
+        assert warnings[-1].startswith(dropped + f"--max-seq-len={max_seq_len})")
+        if max_seq_len == "75":
+            assert warnings[0].startswith(
+                "warning: 2 of 5 records are longer than --max-seq-len=75 tokens and were cut"
+            )
+        else:
+            assert len(warnings) == 1
+    assert lengths[1] < lengths[0]
