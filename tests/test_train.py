@@ -269,6 +269,18 @@ def test_resume_beside_an_adapter_it_could_not_replace_is_refused_before_trainin
     assert metrics["step"] == 4
 
 
+def test_resume_drops_damaged_metrics_lines_instead_of_failing_on_them(workdir):
+    """A metrics.jsonl line that is not UTF-8 or holds a step of Infinity is dropped on resume, as a torn line is;
+    it was a UnicodeDecodeError or OverflowError traceback."""
+    train("recipe.yaml", ["train.max_steps=2", "train.save_every_steps=1", "train.log_every_steps=1"])
+    metrics = Path("runs/crates/metrics.jsonl")
+    with metrics.open("ab") as handle:
+        handle.write(b'\xff\xfe not text\n{"step": Infinity, "loss": 1.0}\n')
+    train("recipe.yaml", ["train.max_steps=3", "output.overwrite=true"], resume=True)
+    steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
+    assert steps[-1] == 3 and steps == sorted(steps)
+
+
 def test_a_checkpoint_of_an_earlier_version_resumes_unless_a_setting_added_since_differs(workdir):
     """An upgrade that adds recipe settings (with defaults) must not lose a run: a checkpoint without them
     was written by a run that behaved as their defaults do, so it resumes; a recipe that sets one of them

@@ -55,7 +55,8 @@ def _drop_records_after(path: Path, step: int, *, last_step: bool) -> None:
     the evaluation at `step` goes too: it is the final one, which comes after the last checkpoint and runs again."""
     if not path.exists():
         return
-    lines = path.read_text().splitlines(keepends=True)
+    # bytes that are not UTF-8 (a damaged file) make their line unreadable, dropped like a torn one
+    lines = path.read_bytes().decode("utf-8", errors="replace").splitlines(keepends=True)
     kept = [line for line in lines if (logged := _step_of(line)) is not None and logged <= step]
     if last_step:
         kept = [
@@ -67,10 +68,11 @@ def _drop_records_after(path: Path, step: int, *, last_step: bool) -> None:
 
 
 def _step_of(line: str) -> int | None:
-    """The step of one metrics.jsonl line; None for a line a killed process left half-written."""
+    """The step of one metrics.jsonl line; None for a line a killed process left half-written (or damaged:
+    a step of Infinity is an OverflowError in `int`)."""
     try:
         return int(json.loads(line)["step"])
-    except (ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError, OverflowError):
         return None
 
 
