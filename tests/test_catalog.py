@@ -134,3 +134,39 @@ def test_recipes_copy_to_a_new_directory_written_with_a_slash_puts_the_recipe_in
     assert main(["recipes", "copy", "quickstart", "mine/"]) == 0
     assert (tmp_path / "mine" / "quickstart.yaml").is_file()  # not a file named `mine`
     assert main(["recipes", "copy", "quickstart", "mine.yaml"]) == 0 and (tmp_path / "mine.yaml").is_file()
+
+
+RECORD_HINTS = {
+    "chat": '{"messages": [...]}',
+    "instruction": '{"instruction", "input", "output"}',
+    "text": '{"text": "..."}',
+    "preference": '{"prompt", "chosen", "rejected"}',
+}
+"""What a recipe's "Point data.train at your data (...)" comment shows, by the `data.format` the recipe reads."""
+
+
+@pytest.mark.parametrize("entry", catalog_entries(), ids=lambda entry: entry.name)
+def test_recipe_comment_shows_records_of_the_format_it_reads(entry):
+    """Following the recipe's own usage comment gives data it reads: a continued-pretraining recipe pointed
+    at `{"messages"}` records fails on its first record (no field 'text')."""
+    recipe = load_recipe(entry.path)
+    hints = [line for line in entry.path.read_text().splitlines() if line.startswith("# Point data.train")]
+    if not hints:  # the embedded base's recipes ship their data; the GRPO recipe shows a whole record instead
+        return
+    assert len(hints) == 1 and RECORD_HINTS[recipe.data.format] in hints[0], (recipe.data.format, hints)
+
+
+PLANNED = [entry for entry in catalog_entries() if entry.memory and "finetune plan" in entry.memory]
+
+
+@pytest.mark.parametrize("entry", PLANNED, ids=[entry.name for entry in PLANNED])
+def test_catalog_memory_line_is_what_finetune_plan_says(entry):
+    """A `finetune recipes list` memory figure credited to `finetune plan` is the plan's CUDA peak today, at the
+    recipe's own micro-batch and length (the 70B figure had been left at 43.6 GiB when the plan said 43.5)."""
+    from finetune.plan.memory import GiB
+
+    recipe = load_recipe(entry.path)
+    config, _ = find_model_config(recipe.model.base, recipe.model.revision)
+    plan = estimate(recipe, model_shape(config, recipe.lora), device="cuda", nproc=1)
+    batch = f"at batch {recipe.train.micro_batch_size}, {recipe.data.max_seq_len} tokens"
+    assert entry.memory.startswith(f"{plan.peak_bytes / GiB:.1f} GiB {batch}")
