@@ -298,8 +298,10 @@ def test_bad_input_is_a_one_line_error(argv, message, capsys):
         ({"num_hidden_layers": 2.5}, "num_hidden_layers' expected int, got float"),
         ({"num_key_value_heads": 0}, "cannot build a llama model"),
         ({"hidden_size": -64}, "negative dimension"),
+        ({"vocab_size": 0, "pad_token_id": None}, "vocab_size 0: a model needs at least one token"),
+        ({"pad_token_id": 10**6}, "Padding_idx must be within num_embeddings"),
     ],
-    ids=["vocab-text", "layers-fraction", "no-kv-heads", "negative-width"],
+    ids=["vocab-text", "layers-fraction", "no-kv-heads", "negative-width", "no-vocabulary", "pad-past-vocabulary"],
 )
 def test_a_config_json_with_a_field_no_model_can_have_is_one_line(tmp_path, tiny_base_dir, capsys, change, message):
     """A hand-edited config.json (a number written as text, 0 heads) is one line naming the file and the field, from
@@ -317,6 +319,19 @@ def test_a_config_json_with_a_field_no_model_can_have_is_one_line(tmp_path, tiny
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith("error: ") and message in err[0], (argv, err)
         assert number == 0 or not err[0].startswith("error: --config"), err  # named only where it was given
+
+
+def test_more_experts_routed_per_token_than_there_are_is_one_line(tmp_path, capsys):
+    """top-k above the experts builds on the meta device but no forward runs (`torch.topk`); the plan said "46.84B
+    active per token" of Qwen3-30B-A3B's 30.53B. It is refused in one line instead."""
+    from finetune.plan.model_config import SHIPPED_CONFIGS
+
+    config = json.loads((SHIPPED_CONFIGS / "Qwen" / "Qwen3-30B-A3B.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "num_experts_per_tok": config["num_experts"] + 1}))
+    assert main(["plan", "qwen3-30b-a3b-chat", "--config", str(tmp_path), "--device", "cuda"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["error: config.json routes 129 experts per token but has only 128; fix the config (or give "
+                   "--config another one)"]  # fmt: skip
 
 
 def test_cli_subprocess_exits_2_without_traceback(tmp_path):

@@ -88,10 +88,11 @@ def _unique_numel(parameters: Any) -> int:
 
 def model_shape(config: Any, lora: LoraConfig) -> ModelShape:
     """Build `config`'s model on the meta device, wrap it as training would, and count."""
-    try:  # numbers no model can have (0 heads, a negative width) fail inside the model's constructor
+    try:  # numbers no model can have (0 heads, a negative width, a pad id past the vocabulary) fail inside the
+        # model's constructor; torch's Embedding checks its padding_idx with `assert`
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config)
-    except (ValueError, TypeError, ZeroDivisionError, RuntimeError) as exc:
+    except (ValueError, TypeError, ZeroDivisionError, RuntimeError, AssertionError) as exc:
         raise ModelError(
             f"cannot build a {getattr(config, 'model_type', '?')} model from its config.json: {first_line(exc)}; "
             "fix the config (or give --config another one)"
@@ -107,6 +108,7 @@ def model_shape(config: Any, lora: LoraConfig) -> ModelShape:
     layer_params = max(_unique_numel(layer.parameters()) for layer in layers)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     experts = expert_tensors(model)
+    _check_sizes(text, experts)
     expert_params = sum(math.prod(e.shape) for e in experts)
     routed = _experts_per_token(text) / experts[0].num_experts if experts else 1.0
     router_params = sum(p.numel() for name in routers(model, experts) for p in model.get_submodule(name).parameters())
@@ -172,6 +174,19 @@ def _extra_norms(layer: torch.nn.Module, text: Any) -> dict[str, Any]:
         count = heads_of.get(name.rsplit(".", 1)[-1], 1) if width == head_dim else 1
         elements, rows = elements + count * width, rows + count
     return dict(extra_norm_elements=max(0, elements - 2 * text.hidden_size), extra_norm_rows=max(0, rows - 2))
+
+
+def _check_sizes(text: Any, experts: list[ExpertTensor]) -> None:
+    """Refuse sizes a model builds with on the meta device but cannot run with, which the plan would divide by
+    (a vocabulary of 0 tokens) or turn into nonsense (more experts routed per token than there are: more active
+    parameters than parameters; `torch.topk` fails on the first forward)."""
+    fix = "fix the config (or give --config another one)"
+    vocab = getattr(text, "vocab_size", None)
+    if not isinstance(vocab, int) or vocab < 1:
+        raise ModelError(f"config.json vocab_size {vocab!r}: a model needs at least one token; {fix}")
+    if experts and _experts_per_token(text) > experts[0].num_experts:
+        raise ModelError(f"config.json routes {_experts_per_token(text)} experts per token but has only "
+                         f"{experts[0].num_experts}; {fix}")  # fmt: skip
 
 
 def _experts_per_token(text: Any) -> int:
