@@ -405,3 +405,16 @@ def test_a_cpu_plan_of_a_large_micro_batch_says_the_heap_can_hold_more(capsys):
     (note,) = [note for note in notes("train.micro_batch_size=16", "data.max_seq_len=256") if "glibc" in note]
     assert "at 4,096 tokens per micro-batch" in note
     assert not any("glibc" in note for note in notes("train.micro_batch_size=16", device="cuda"))
+
+
+def test_a_peak_of_100_gib_or_more_stays_in_the_gib_column(capsys):
+    """The table's widths count the peak line: a peak wider than every part (Qwen3-30B-A3B without checkpointing,
+    138 GiB) had its figure a character right of the column."""
+    argv = ["plan", "qwen3-30b-a3b-chat", "train.gradient_checkpointing=false", "--device", "cuda"]
+    assert main(argv) == 0
+    lines = capsys.readouterr().out.splitlines()
+    table = lines[lines.index(next(line for line in lines if line.startswith("part "))) :]
+    table = table[: next(i for i, line in enumerate(table) if line.startswith("peak ")) + 1]
+    assert float(table[-1].split()[1]) >= 100
+    ends = {line.index(" GiB") + 4 if line.startswith("part ") else line.index(".") + 3 for line in table}
+    assert len(ends) == 1, table

@@ -54,14 +54,17 @@ def _moe_lines(recipe: Recipe, plan: MemoryPlan) -> list[str]:
 
 
 def _table(plan: MemoryPlan) -> list[str]:
+    """The parts, then the peak (and what is offloaded), one column of GiB: the totals count in the widths, as
+    a peak of 100 GiB or more is wider than every part (`138.05` stood out of its column)."""
     rows = [("part", "GiB", "where", "what")]
     rows += [(p.name, _gib(p.num_bytes), p.where, p.note) for p in plan.parts]
-    widths = [max(len(row[i]) for row in rows) for i in range(3)]
-    lines = [f"{r[0]:<{widths[0]}}  {r[1]:>{widths[1]}}  {r[2]:<{widths[2]}}  {r[3]}" for r in rows]
-    lines.append(f"{'peak':<{widths[0]}}  {_gib(plan.peak_bytes):>{widths[1]}}  per device")
+    totals = [("peak", _gib(plan.peak_bytes), "per device")]
     if plan.host_bytes and plan.device == "cuda":
-        lines.append(f"{'host':<{widths[0]}}  {_gib(plan.host_bytes):>{widths[1]}}  offloaded to CPU memory")
-    return lines
+        totals.append(("host", _gib(plan.host_bytes), "offloaded to CPU memory"))
+    widths = [max(len(row[i]) for row in rows + totals) for i in range(2)]
+    widths.append(max(len(row[2]) for row in rows))
+    lines = [f"{r[0]:<{widths[0]}}  {r[1]:>{widths[1]}}  {r[2]:<{widths[2]}}  {r[3]}" for r in rows]
+    return lines + [f"{name:<{widths[0]}}  {gib:>{widths[1]}}  {what}" for name, gib, what in totals]
 
 
 def _verdict(plan: MemoryPlan, device_bytes: int, found: list[Suggestion]) -> list[str]:
