@@ -116,7 +116,7 @@ CASES = [
     ),
     Case("number-as-words", ("validate", "recipe.yaml", "train.max_steps=ten"), ("train.max_steps",)),
     # "" was read as the current directory: "a directory but not one written by datasets.save_to_disk"
-    Case("data-path-empty", ("validate", "recipe.yaml", "data.train="), ("data.train[0].path", "at least 1 character")),
+    Case("validate-an-empty-data-path", ("validate", "recipe.yaml", "data.train="), ("data.train[0].path", "at least 1 character")),
     Case(
         "validate-a-missing-data-file",
         ("validate", "recipe.yaml", "data.train=nosuch.jsonl"),
@@ -136,7 +136,6 @@ CASES = [
         ("not one written by",),
         make_dir("somedir"),
     ),  # fmt: skip
-    Case("validate-an-empty-data-path", ("validate", "recipe.yaml", "data.train="), ("not one written by",)),
     Case("negative-steps", ("validate", "recipe.yaml", "train.max_steps=-5"), ("train.max_steps", "greater than")),
     Case("lr-zero", ("validate", "recipe.yaml", "train.lr=0"), ("train.lr",)),
     Case(
