@@ -122,7 +122,7 @@ CASES = [
         ("validate", "recipe.yaml", "data.train=nosuch.jsonl"),
         ("data file nosuch.jsonl does not exist",),
     ),  # fmt: skip
-    # a directory that save_to_disk did not write (or an empty path, which is the current directory) failed only
+    # a directory that save_to_disk did not write failed only
     # when training loaded the data, after the base
     # a missing starting adapter was found by the run only, after the base and the data had loaded
     Case(
