@@ -622,3 +622,24 @@ def test_a_run_resumed_at_its_last_step_logs_its_final_evaluation_once(tmp_path)
     log.close()
     written = [json.loads(line) for line in path.read_text().splitlines()]
     assert written == records
+
+
+def test_a_callback_that_changes_its_metrics_changes_nothing_of_the_run(workdir):
+    """`on_step` got the loop's own dict, the one kept as the run's last metrics: a callback that cleared it (or
+    added its own keys) left an adapter whose manifest, checkpoint and `TrainResult.metrics` had no loss."""
+    seen: list[int] = []
+
+    def meddle(step: int, metrics: dict) -> None:
+        seen.append(step)
+        metrics.clear()
+        metrics["mine"] = 1.0
+
+    result = train("recipe.yaml", ["train.max_steps=2", "train.log_every_steps=1"], log=lambda line: None,
+                   on_step=meddle)  # fmt: skip
+    assert seen == [1, 2]
+    records = [json.loads(line) for line in (workdir / "runs" / "crates" / "metrics.jsonl").read_text().splitlines()]
+    last_train = [record for record in records if "loss" in record][-1]
+    manifest = json.loads((result.adapter_dir / "manifest.json").read_text())
+    for metrics in (result.metrics, manifest["metrics"]):
+        assert "mine" not in metrics and metrics["loss"] == last_train["loss"]
+        assert metrics["grad_norm"] == last_train["grad_norm"]

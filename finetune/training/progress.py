@@ -34,12 +34,14 @@ _NOT_RECORDED = ("elapsed_s", "skipped_steps")
 
 
 def fan_out(*callbacks: StepCallback | None) -> StepCallback:
-    """One `on_step` that calls each given callback in turn (None entries are skipped)."""
+    """One `on_step` that calls each given callback in turn (None entries are skipped), each with its own copy
+    of the metrics: the loop keeps the dict it reports as the run's last metrics (the manifest's, the checkpoint's,
+    `TrainResult.metrics`), so a user's callback that pops, clears or adds keys had changed those silently."""
     chosen = [c for c in callbacks if c is not None]
 
     def on_step(step: int, metrics: dict[str, float]) -> None:
         for callback in chosen:
-            callback(step, metrics)
+            callback(step, dict(metrics))
 
     return on_step
 
