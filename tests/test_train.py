@@ -643,3 +643,23 @@ def test_a_callback_that_changes_its_metrics_changes_nothing_of_the_run(workdir)
     for metrics in (result.metrics, manifest["metrics"]):
         assert "mine" not in metrics and metrics["loss"] == last_train["loss"]
         assert metrics["grad_norm"] == last_train["grad_norm"]
+
+
+def test_an_evaluation_line_starts_a_line_of_its_own_under_the_progress_bar(tmp_path, capsys):
+    """With the bar drawn (a terminal), the evaluation's line was printed where the bar's text ended, one line
+    holding both: `| 2/4 [00:01<00:01, 1.2step/s]step 2: eval loss ...`."""
+    import sys
+
+    from finetune.training.progress import TrainingLog
+
+    log = TrainingLog(tmp_path, total_steps=4, first_step=0, log_every_steps=1, show_bar=True,
+                      say=lambda line: print(line, file=sys.stderr))  # fmt: skip
+    for step in (1, 2):
+        metrics = {"loss": 1.0, "lr": 0.1, "epoch": 0.1, "tokens_seen": 100 * step, "grad_norm": 1.0}
+        log(step, {**metrics, "elapsed_s": float(step), **({"eval_loss": 2.0, "eval_ppl": 7.4} if step == 2 else {})})
+    log.close()
+    console = capsys.readouterr().err
+    assert "step 2: eval loss 2.0000" in console
+    before = console[: console.index("step 2: eval loss")]
+    # what precedes it on its line: nothing, or the blanks with which the bar was cleared
+    assert before.rstrip("\r").rsplit("\r", 1)[-1].rsplit("\n", 1)[-1].strip() == "", repr(before[-120:])

@@ -122,12 +122,22 @@ class TrainingLog:
             return
         self._write(step, eval_metrics)
         if "eval_reward" in eval_metrics:  # an online objective: its loss on its own samples says nothing
-            self.say(f"step {step}: held-out reward {eval_metrics['eval_reward']:.3f}")
+            self._say_beside_bar(f"step {step}: held-out reward {eval_metrics['eval_reward']:.3f}")
             return
-        self.say(
+        self._say_beside_bar(
             f"step {step}: eval loss {eval_metrics['eval_loss']:.4f}, perplexity {eval_metrics['eval_ppl']:.3f}"
             + describe_rewards(eval_metrics, prefix="eval_")
         )
+
+    def _say_beside_bar(self, line: str) -> None:
+        """`say` a line with the bar cleared first and drawn again after it: printed over a drawn bar, the line
+        began where the bar ended (`| 1/6 [00:07<00:37, 7.46s/step]step 2: eval loss ...`) on a terminal."""
+        if not self.show_bar:
+            self.say(line)
+            return
+        self._bar.clear()
+        self.say(line)
+        self._bar.refresh()
 
     def _log_train(self, step: int, metrics: dict[str, float]) -> None:
         elapsed_s, tokens_seen = metrics["elapsed_s"], metrics["tokens_seen"]
