@@ -133,3 +133,26 @@ def test_a_tracker_that_fails_to_start_is_a_one_line_error(workdir, monkeypatch,
     (error,) = capsys.readouterr().err.strip().splitlines()[-1:]
     assert error.startswith("error: train.report_to ['mlflow']: a tracker failed to start"), error
     assert not (workdir / "adapters").exists()
+
+
+def test_a_resumed_runs_tensorboard_holds_each_step_once(workdir):
+    """metrics.jsonl drops what a resumed run trains again; TensorBoard showed those steps twice (the stale ones
+    with another throughput) and the base model's figures again at the resume step. The resumed writer purges
+    what comes after the checkpoint, so the event files read back as metrics.jsonl."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    import finetune
+
+    overrides = ["train.max_steps=4", "train.save_every_steps=2", "train.log_every_steps=1", "output.name=tb"]
+
+    def stop_at_4(step: int, metrics: dict) -> None:
+        if step == 4:
+            raise KeyboardInterrupt  # after step 3 was logged, before the adapter: resumed from step 2
+
+    with pytest.raises(KeyboardInterrupt):
+        finetune.train("recipe.yaml", overrides, log=lambda line: None, on_step=stop_at_4)
+    finetune.train("recipe.yaml", overrides, log=lambda line: None, resume=True)
+    run_dir = workdir / "runs" / "tb"
+    events = EventAccumulator(str(run_dir / "tensorboard")).Reload()
+    recorded = {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+    _assert_series_equal(recorded, _expected_series(run_dir))

@@ -71,6 +71,7 @@ from finetune.training.regional_compile import compile_layers
 from finetune.training.run_files import (
     adapter_taken,
     check_process_count,
+    checkpoint_step,
     earlier_run_error,
     earlier_run_files,
     resume_checkpoint,
@@ -320,7 +321,7 @@ class TrainingRun:
         return path
 
 
-def _make_accelerator(recipe: Recipe) -> Any:
+def _make_accelerator(recipe: Recipe, resumed_at: int = 0) -> Any:
     precision = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}[recipe.train.precision]
     # accelerate keeps one process-wide AcceleratorState and refuses a second Accelerator with another
     # precision. Clearing it (not the PartialState holding the process group) lets the Python API run
@@ -328,12 +329,17 @@ def _make_accelerator(recipe: Recipe) -> Any:
     AcceleratorState._reset_state(reset_partial_state=False)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if recipe.distributed.strategy != "deepspeed" or world_size == 1:
-        return Accelerator(mixed_precision=precision, cpu=not torch.cuda.is_available(), log_with=log_with(recipe))
+        return Accelerator(
+            mixed_precision=precision, cpu=not torch.cuda.is_available(), log_with=log_with(recipe, resumed_at)
+        )
     plugin = deepspeed_plugin(recipe, world_size)
     # Without CUDA accelerate picks no backend and counts 1 process although DeepSpeed joined all of them.
     handlers = [] if torch.cuda.is_available() else [InitProcessGroupKwargs(backend="gloo")]
     accelerator = Accelerator(
-        mixed_precision=precision, deepspeed_plugin=plugin, log_with=log_with(recipe), kwargs_handlers=handlers
+        mixed_precision=precision,
+        deepspeed_plugin=plugin,
+        log_with=log_with(recipe, resumed_at),
+        kwargs_handlers=handlers,
     )
     if accelerator.distributed_type != DistributedType.DEEPSPEED or accelerator.num_processes != world_size:
         raise RecipeError(
@@ -402,7 +408,7 @@ def start_run(recipe: Recipe, *, resume: bool, say: Say) -> TrainingRun:
     if not resume:
         start_run_dir_afresh(recipe)
     resume_from = resume_checkpoint(recipe.output.run_path) if resume else None
-    accelerator = _make_accelerator(recipe)
+    accelerator = _make_accelerator(recipe, checkpoint_step(resume_from) if resume_from is not None else 0)
     if not accelerator.is_main_process:
         say = _silent
     with accelerator.main_process_first():  # the embedded base, its fingerprint and the data cache: built once

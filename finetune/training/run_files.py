@@ -32,12 +32,17 @@ def checkpoint_path(run_dir: Path, step: int) -> Path:
     return run_dir / f"{PREFIX}{step:06d}"
 
 
+def checkpoint_step(path: Path) -> int:
+    """The step a checkpoint directory (`checkpoint-000120`) was written at."""
+    return int(path.name[len(PREFIX) :])
+
+
 def list_checkpoints(run_dir: Path) -> list[Path]:
     """Complete checkpoints in `run_dir`, oldest first (hidden staging leftovers of a crash are ignored)."""
     if not run_dir.is_dir():
         return []
     found = [p for p in run_dir.iterdir() if p.name.startswith(PREFIX) and p.name[len(PREFIX) :].isdigit()]
-    return sorted(found, key=lambda p: int(p.name[len(PREFIX) :]))
+    return sorted(found, key=checkpoint_step)
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:

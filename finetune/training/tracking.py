@@ -31,18 +31,21 @@ from finetune.errors import TrainingError, first_line
 from finetune.recipe import Recipe, recipe_to_dict
 
 
-def log_with(recipe: Recipe) -> list[Any] | None:
+def log_with(recipe: Recipe, resumed_at: int = 0) -> list[Any] | None:
     """`Accelerator(log_with=...)` for the recipe's trackers (None for none: accelerate warns about []).
 
     TensorBoard is given as a tracker object so that its files land in `<run_dir>/tensorboard/`, where
-    they have always been; the others are named and built by `init_trackers`.
+    they have always been; the others are named and built by `init_trackers`. A run resumed from the checkpoint
+    of step `resumed_at` purges what the earlier event files hold after that step (`purge_step`), as
+    metrics.jsonl drops those records: the steps trained again were shown twice, with stale throughput.
     """
     from accelerate.tracking import TensorBoardTracker
 
     if not recipe.train.report_to:
         return None
+    purge = {"purge_step": resumed_at + 1} if resumed_at else {}
     return [
-        TensorBoardTracker("tensorboard", str(recipe.output.run_path)) if name == "tensorboard" else name
+        TensorBoardTracker("tensorboard", str(recipe.output.run_path), **purge) if name == "tensorboard" else name
         for name in recipe.train.report_to
     ]
 
@@ -74,7 +77,8 @@ class Trackers:
     def start(cls, accelerator: Any, recipe: Recipe, base_eval: Mapping[str, float], step: int) -> Trackers:
         """Start a run in each tracker (main process), with the recipe as its configuration and the base
         model's held-out metrics (`base_eval_loss`, `base_eval_ppl`; `start_...` where the run starts from another
-        adapter: `Recipe.start_metrics_prefix`) logged at `step`."""
+        adapter: `Recipe.start_metrics_prefix`) logged at `step` 0 (a resumed run, at a later `step`, logged them
+        when it started)."""
         run_name = recipe.output.name
         try:
             accelerator.init_trackers(
@@ -92,7 +96,7 @@ class Trackers:
                 f"{first_line(exc)}); fix its settings (environment variables, login) or leave it out of train.report_to"
             ) from None
         trackers = cls(accelerator)
-        if base_eval:
+        if base_eval and step == 0:  # a resumed run's were logged at its start, at step 0
             trackers.log(step, {f"{recipe.start_metrics_prefix}{key}": value for key, value in base_eval.items()})
         return trackers
 
