@@ -501,6 +501,21 @@ def test_an_adapter_to_start_from_gives_the_run_its_shape_unless_the_recipe_says
         train("silent.yaml", ["lora.init_from=start", "lora.r=4", "output.name=r4"], log=lambda line: None)
 
 
+def test_an_adapter_to_start_from_with_a_per_module_alpha_is_refused_not_rescaled(workdir, tiny_base_dir):
+    """peft's `alpha_pattern` gives a module its own alpha; the recipe has one. Copied under the run's scale,
+    q_proj's weights started at a quarter of their update, and the adapter written at the end was another model
+    than the one it started from (logits 6.6 apart after a step at lr 1e-9), without a word."""
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    config = PeftLoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"],
+                            alpha_pattern={"q_proj": 32}, init_lora_weights="gaussian")  # fmt: skip
+    get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_base_dir), config).save_pretrained(workdir / "start")
+    with pytest.raises(ModelError, match=r"lora.init_from start: module .*q_proj is scaled 8 in the adapter .* but 2"):
+        train("recipe.yaml", ["lora.init_from=start", "train.max_steps=1", "train.report_to=[]"], log=lambda line: None)
+
+
 @pytest.mark.parametrize("init", ["pissa", "olora"])
 def test_a_pissa_or_olora_adapter_is_written_as_an_update_of_the_base_on_disk(workdir, capsys, init):
     """PiSSA/OLoRA take the adapter's start out of the base the run trains on: written as the trained factors

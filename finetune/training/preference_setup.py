@@ -20,13 +20,14 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from finetune.adapters.fit import check_fingerprint
-from finetune.adapters.lora import read_adapter
+from finetune.adapters.lora import Adapter, read_adapter
 from finetune.adapters.resolved_base import ResolvedBase
 from finetune.errors import AdapterError, ModelError
 from finetune.recipe import Recipe, recipe_to_dict
@@ -72,10 +73,31 @@ def initial_adapter(recipe: Recipe, peft_model: Any, base: ResolvedBase, say: Sa
             "lora.target_modules out (they are then the adapter's) or set them, and train_lm_head/train_embed_tokens, "
             "as in the recipe that trained it"
         )
+    _check_scales(source, adapter, peft_model)
     with torch.no_grad():
         for name, tensor in state.items():
             trainable[name].copy_(tensor.to(trainable[name].dtype))
     say(f"LoRA starts from {source} ({len(adapter.modules)} modules)")
+
+
+def _check_scales(source: str, adapter: Adapter, peft_model: Any) -> None:
+    """Refuse a starting adapter whose per-module scale (its `alpha_pattern`, or a `rank_pattern` rank under
+    rsLoRA) is not the run's: the recipe has one alpha, so its weights copied under the run's scale started
+    another model than the adapter (q_proj at alpha 32 trained as alpha 8), and the adapter written at the end
+    was that other model, without a word. r, alpha and rsLoRA are compared before; this compares what they and
+    the patterns give each module, as peft computes it."""
+    for name, module in peft_model.named_modules():
+        weights = adapter.modules.get(name.removeprefix("base_model.model."))
+        scaling = getattr(module, "scaling", None)
+        if weights is None or not isinstance(scaling, dict) or "default" not in scaling:
+            continue
+        if not math.isclose(weights.scale, scaling["default"], rel_tol=1e-9):
+            raise ModelError(
+                f"lora.init_from {source}: module {name.removeprefix('base_model.model.')} is scaled "
+                f"{weights.scale:g} in the adapter (its alpha_pattern/rank_pattern) but {scaling['default']:g} "
+                "in this run, which has one alpha for every module; start from an adapter without per-module "
+                "alphas, or merge it into the base and train a new adapter on the merged model"
+            )
 
 
 def reference_digest(recipe: Recipe, data_fingerprint: str) -> str:
