@@ -263,15 +263,34 @@ def linear_module_names(model: torch.nn.Module, skip: frozenset[str] | set[str] 
     return sorted(names)
 
 
+_PEFT_LAYERS = (torch.nn.Linear, torch.nn.Embedding, torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d,
+               torch.nn.MultiheadAttention)  # fmt: skip
+"""The layer types peft's LoRA wraps (bitsandbytes' quantized linear layers subclass `nn.Linear`), and
+transformers' `Conv1D` (GPT-2's layers), checked by name."""
+
+
 def _check_targets(model: torch.nn.Module, targets: list[str]) -> None:
-    """Refuse target names that match no module, listing those that do exist."""
-    module_names = [name for name, _ in model.named_modules()]
-    missing = [t for t in targets if not any(n == t or n.endswith("." + t) or re.fullmatch(t, n) for n in module_names)]
+    """Refuse target names that match no module as peft matches a list (a module's full name or its last parts,
+    never a regex), or that match a module peft cannot put LoRA on (a norm, a whole block): peft raised a
+    traceback for both (`NoMatchingPeftModuleError`, `ValueError: Target module ... is not supported`)."""
+    modules = list(model.named_modules())
+    matched = {t: [(n, m) for n, m in modules if n == t or n.endswith("." + t)] for t in targets}
+    missing = [t for t, found in matched.items() if not found]
     if missing:
         raise ModelError(
-            f"lora.target_modules {missing} match no module of the base model; linear layers that exist: "
-            f"{', '.join(linear_module_names(model))} (or use target_modules: all-linear)"
+            f"lora.target_modules {missing} match no module of the base model (each is a module name or its last "
+            f"parts, not a regex); linear layers that exist: {', '.join(linear_module_names(model))} (or use "
+            "target_modules: all-linear)"
         )
+    for target, found in matched.items():
+        other = [(n, m) for n, m in found if not isinstance(m, _PEFT_LAYERS) and type(m).__name__ != "Conv1D"]
+        if other:
+            name, module = other[0]
+            raise ModelError(
+                f"lora.target_modules {target!r} names {name}, a {type(module).__name__}, which LoRA cannot adapt "
+                f"(it takes linear, embedding and convolution layers); linear layers that exist: "
+                f"{', '.join(linear_module_names(model))} (or use target_modules: all-linear)"
+            )
 
 
 def embedding_module_names(model: PreTrainedModel) -> tuple[str, str]:

@@ -143,6 +143,10 @@ def test_validate_reports_ok_and_errors(workdir, capsys):
         (["train", "recipe.yaml", "train.lr=fast"], ["train.lr"]),
         (["train", "recipe.yaml", "data.train=absent.jsonl"], ["absent.jsonl"]),
         (["train", "recipe.yaml", "lora.target_modules=[wq]"], ["wq", "q_proj"]),
+        # peft reads a list's entries as names, never as regexes, and wraps no norm or block: two tracebacks before
+        (["train", "recipe.yaml", r"lora.target_modules=[.*layers\.0\..*_proj]"], ["match no module", "not a regex"]),
+        (["train", "recipe.yaml", "lora.target_modules=[q_proj,input_layernorm]"], ["LlamaRMSNorm", "cannot adapt"]),
+        (["train", "recipe.yaml", "lora.target_modules=[mlp]"], ["model.layers.0.mlp, a LlamaMLP", "cannot adapt"]),
         (["train", "recipe.yaml", "model.base=."], ["not a model directory"]),
         (["eval", "--data", "valid.jsonl"], ["--base", "--adapter"]),
     ],
