@@ -346,3 +346,18 @@ def test_an_adapter_given_again_is_refused_where_it_would_count_twice(tiny_base_
         again.use("again")
     with pytest.raises(AdapterError, match="adapter weight nan is not a finite number"):
         m.merge("med", float("nan"))
+
+
+@pytest.mark.parametrize("bias", ["all", "lora_only"])
+def test_an_adapter_with_trained_base_biases_is_refused_saying_what_takes_it(tmp_path, bias):
+    """`lora.bias: all / lora_only` saves the base's own biases, trained; peft writes them into the base layers and
+    leaves them there with the adapter off, so no exact use, merge or subtract exists. The refusal said "not a
+    LoRA A/B weight (conv LoRA and saved full modules ...)", which named neither the cause nor a way out."""
+    from helpers import tiny_model, with_adapter
+
+    from finetune.adapters.lora import read_adapter
+    from finetune.errors import AdapterError
+
+    with_adapter(tiny_model("qwen2"), bias=bias).save_pretrained(tmp_path / "biased")
+    with pytest.raises(AdapterError, match=r"is a trained bias of the base \(lora.bias: all or lora_only\).*peft"):
+        read_adapter(tmp_path / "biased")

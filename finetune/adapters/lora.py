@@ -493,6 +493,13 @@ def _split_tensors(
             base_copies[match["module"]] = tensor
         elif _DORA_KEY.match(module_key):
             continue  # DoRA's magnitudes: peft applies them unmerged; the adapter is marked unmergeable
+        elif module_key.endswith(".bias") and ".lora_" not in module_key:  # `lora.bias: all / lora_only`
+            raise AdapterError(
+                f"{path}: tensor {key} is a trained bias of the base (lora.bias: all or lora_only), which peft writes "
+                "into the base layers themselves and does not take out when the adapter is off; finetune's adapter "
+                "operations (generate, eval, serve, merge) do not take such adapters: load it with peft "
+                "(PeftModel.from_pretrained), or train with lora.bias: none"
+            )
         else:
             raise AdapterError(
                 f"{path}: tensor {key} is not a LoRA A/B weight of a linear or embedding layer (conv LoRA and saved "
