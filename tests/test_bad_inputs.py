@@ -116,7 +116,11 @@ CASES = [
     ),
     Case("number-as-words", ("validate", "recipe.yaml", "train.max_steps=ten"), ("train.max_steps",)),
     # "" was read as the current directory: "a directory but not one written by datasets.save_to_disk"
-    Case("validate-an-empty-data-path", ("validate", "recipe.yaml", "data.train="), ("data.train[0].path", "at least 1 character")),
+    Case(
+        "validate-an-empty-data-path",
+        ("validate", "recipe.yaml", "data.train="),
+        ("data.train[0].path", "at least 1 character"),
+    ),
     Case(
         "validate-a-missing-data-file",
         ("validate", "recipe.yaml", "data.train=nosuch.jsonl"),
