@@ -334,6 +334,18 @@ def test_more_experts_routed_per_token_than_there_are_is_one_line(tmp_path, caps
                    "--config another one)"]  # fmt: skip
 
 
+def test_key_value_heads_that_do_not_divide_the_heads_are_one_line(tmp_path, capsys):
+    """32 heads in 3 key/value groups build on the meta device, and the plan gave figures, but the attention's
+    first forward fails. Refused in one line instead."""
+    from finetune.plan.model_config import SHIPPED_CONFIGS
+
+    config = json.loads((SHIPPED_CONFIGS / "meta-llama" / "Llama-3.1-8B.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "num_key_value_heads": 3}))
+    assert main(["plan", "llama-3.1-8b-instruction", "--config", str(tmp_path), "--device", "cuda"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "32 attention heads in 3 key/value groups, which do not divide them" in err[0]
+
+
 def test_cli_subprocess_exits_2_without_traceback(tmp_path):
     done = subprocess.run(
         [sys.executable, "-m", "finetune", "plan", "qwen3-4b-chat", "model.base=org/not-here"],

@@ -179,7 +179,8 @@ def _extra_norms(layer: torch.nn.Module, text: Any) -> dict[str, Any]:
 def _check_sizes(text: Any, experts: list[ExpertTensor]) -> None:
     """Refuse sizes a model builds with on the meta device but cannot run with, which the plan would divide by
     (a vocabulary of 0 tokens) or turn into nonsense (more experts routed per token than there are: more active
-    parameters than parameters; `torch.topk` fails on the first forward)."""
+    parameters than parameters; `torch.topk` fails on the first forward), or key/value heads that do not divide
+    the attention heads (the attention's first forward fails)."""
     fix = "fix the config (or give --config another one)"
     vocab = getattr(text, "vocab_size", None)
     if not isinstance(vocab, int) or vocab < 1:
@@ -187,6 +188,10 @@ def _check_sizes(text: Any, experts: list[ExpertTensor]) -> None:
     if experts and _experts_per_token(text) > experts[0].num_experts:
         raise ModelError(f"config.json routes {_experts_per_token(text)} experts per token but has only "
                          f"{experts[0].num_experts}; {fix}")  # fmt: skip
+    heads, kv_heads = getattr(text, "num_attention_heads", None), getattr(text, "num_key_value_heads", None)
+    if isinstance(heads, int) and isinstance(kv_heads, int) and kv_heads > 0 and heads % kv_heads:
+        raise ModelError(f"config.json has {heads} attention heads in {kv_heads} key/value groups, which do not "
+                         f"divide them (grouped-query attention repeats each key/value head alike); {fix}")  # fmt: skip
 
 
 def _experts_per_token(text: Any) -> int:
