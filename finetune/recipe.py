@@ -514,6 +514,8 @@ class TrainConfig(_Section):
     seed: int = Field(0, ge=0, le=2**32 - 1)
     """Seeds LoRA initialisation, dropout, the data order and the validation split (numpy and accelerate take 0 to 2**32 - 1)."""
     log_every_steps: int = Field(10, ge=1)
+    """Write a training record to metrics.jsonl and the trackers, and a console line, every N optimizer steps (and
+    at the last); a step's figures are read from the device only then."""
     eval_every_steps: int | None = Field(None, ge=1)
     """Evaluate every N optimizer steps (and always at the end when there is validation data)."""
     save_every_steps: int | None = Field(None, ge=1)
@@ -521,6 +523,16 @@ class TrainConfig(_Section):
     keep_checkpoints: int = Field(2, ge=1)
     """How many checkpoints to keep in the run directory."""
     eval_max_batches: int | None = Field(None, ge=1)
+    """Evaluate on the first N batches of the validation data only (every evaluation the same ones): quicker, and
+    the held-out figures are then those of that subset."""
+
+    @field_validator("eval_every_steps", "save_every_steps", "eval_max_batches", mode="before")
+    @classmethod
+    def _zero_is_not_none(cls, value: Any) -> Any:
+        if value == 0 and not isinstance(value, bool):  # the HF Trainer's users write 0 (or "no") for none
+            raise ValueError("0 is no interval or count: give 1 or more, or null for none")
+        return value
+
     report_to: list[Literal["tensorboard", "mlflow", "wandb", "trackio"]] = ["tensorboard"]
     """Experiment trackers that also receive the run's metrics (through accelerate); [] for none.
     mlflow, wandb and trackio need their package (`pip install 'finetune[wandb]'`); offline use:

@@ -142,6 +142,12 @@ CASES = [
     ),  # fmt: skip
     Case("negative-steps", ("validate", "recipe.yaml", "train.max_steps=-5"), ("train.max_steps", "greater than")),
     Case("lr-zero", ("validate", "recipe.yaml", "train.lr=0"), ("train.lr",)),
+    # the HF Trainer's "none": was "greater than or equal to 1", which did not say that null switches it off
+    Case(
+        "eval-every-zero-steps",
+        ("validate", "recipe.yaml", "train.eval_every_steps=0"),
+        ("train.eval_every_steps: 0 is no interval or count", "null for none"),
+    ),  # fmt: skip
     Case(
         "missing-data-train",
         ("validate", "nodata.yaml"),
