@@ -45,6 +45,7 @@ import pyarrow.parquet as pq
 
 from finetune.errors import DataError
 from finetune.recipe import SourceConfig
+from finetune.strict_json import is_text
 
 FILE_SUFFIXES = (".jsonl", ".json", ".csv", ".parquet", ".txt")
 """File extensions a source may have; anything else must be a `save_to_disk` directory."""
@@ -380,19 +381,15 @@ _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
 """A JSON escape of a UTF-16 surrogate: half of a pair (an emoji written `\\ud83d\\ude00`), or alone."""
 
 
-def _check_no_lone_surrogates(record: dict[str, Any], source_text: str, where: str) -> None:
-    """`json.loads` accepts an escaped surrogate without its pair (`"\\ud83d"`, left by text cut inside an
-    emoji), but such a string is not text: the tokenizer rejects it with a TypeError deep in a worker.
-    Checked only where the record's source text has a surrogate escape at all, so plain records cost nothing."""
-    if _SURROGATE_ESCAPE.search(source_text) is None:
-        return
-    try:
-        json.dumps(record, ensure_ascii=False).encode("utf-8")
-    except UnicodeEncodeError:
+def _check_text(record: dict[str, Any], where: str) -> None:
+    """Refuse a record holding a lone surrogate (`strict_json.is_text`): the tokenizer rejects it with a TypeError
+    deep in a worker. Callers check only records whose source has a surrogate escape at all (`_SURROGATE_ESCAPE`,
+    searched once per line or file), so plain records cost nothing."""
+    if not is_text(record):
         raise DataError(
             f"{where}: a string holds a lone surrogate escape (\\ud800-\\udfff without its pair), which is not "
             f"text; remove it or write the character whole, e.g. with json.dumps of the original text"
-        ) from None
+        )
 
 
 def _parse_json_lines(lines: Iterable[str], raw_path: str) -> Parsed:
@@ -410,7 +407,8 @@ def _parse_json_lines(lines: Iterable[str], raw_path: str) -> Parsed:
         number += 1
         where = f"{raw_path} line {line_number} (record {number})"
         _check_object(record, where)
-        _check_no_lone_surrogates(record, line, where)
+        if _SURROGATE_ESCAPE.search(line) is not None:
+            _check_text(record, where)
         yield record, line_number, len(line)
 
 
@@ -433,9 +431,11 @@ def _parse_json(text: str, raw_path: str) -> Parsed:
             f"{raw_path}: expected a JSON array of records, got {got}; "
             f"write [{{...}}, {{...}}] or use .jsonl with one object per line"
         )
+    escaped = _SURROGATE_ESCAPE.search(text) is not None  # once: searched per record, it scanned the whole file
     for index, record in enumerate(data):
         _check_object(record, f"{raw_path} record {index + 1}")
-        _check_no_lone_surrogates(record, text, f"{raw_path} record {index + 1}")
+        if escaped:
+            _check_text(record, f"{raw_path} record {index + 1}")
     return ((record, None, 0) for record in data)
 
 

@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from finetune.errors import ServeError
 from finetune.serve.batcher import Finished
+from finetune.strict_json import is_text
 
 MAX_STOP_SEQUENCES = 16
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -153,13 +154,11 @@ def parse_body(model: type[BaseModel], body: bytes) -> Any:
         raise ServeError(f"the request body is not valid JSON ({exc})", code="invalid_json") from None
     if not isinstance(data, dict):
         raise ServeError("the request body must be a JSON object", code="invalid_json")
-    try:  # "\ud800" is valid JSON but no text: the tokenizer raised TypeError on it (a 500)
-        json.dumps(data, ensure_ascii=False).encode("utf-8")
-    except UnicodeEncodeError:
+    if not is_text(data):  # "\ud800" is valid JSON but no text: the tokenizer raised TypeError on it (a 500)
         raise ServeError(
             "the request body has a string with a lone surrogate escape (such as \\ud800), which is not text",
             code="invalid_json",
-        ) from None
+        )
     try:
         return model.model_validate(data)
     except ValidationError as exc:
