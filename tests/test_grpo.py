@@ -545,8 +545,9 @@ def test_resume_from_a_checkpoint_gives_the_same_adapter_bit_for_bit(
 
     from safetensors.torch import load_file
 
-    from finetune.training.checkpoint import CARRIED_FILE, checkpoint_path
+    from finetune.training.checkpoint import CARRIED_FILE
     from finetune.training.loop import train
+    from finetune.training.run_files import checkpoint_path
 
     monkeypatch.chdir(tmp_path)
     recipe = write_grpo_run(tmp_path, tiny_base_dir, "lengths.py:short")

@@ -17,8 +17,9 @@ import torch
 from safetensors.torch import load_file
 
 from finetune.tensorfile import safetensors_problem
-from finetune.training.checkpoint import list_checkpoints, save_checkpoint
+from finetune.training.checkpoint import save_checkpoint
 from finetune.training.loop import SLOW_STEP_ENV, train
+from finetune.training.run_files import list_checkpoints
 
 REPO = Path(__file__).resolve().parents[1]
 LONG_RUN = ["train.max_steps=60", "train.log_every_steps=1", "output.name=long"]

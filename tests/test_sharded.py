@@ -27,6 +27,7 @@ from finetune.embedded.tiny import build_tiny_llama
 from finetune.errors import CheckpointError
 from finetune.training import checkpoint as ckpt
 from finetune.training.loop import SLOW_STEP_ENV, train
+from finetune.training.run_files import checkpoint_path, latest_checkpoint
 
 # Adapters trained on the same batches with gradients summed in another order agree to float rounding, which
 # Adam magnifies: its update m/sqrt(v) is near ±lr for any gradient entry well above its eps, so an entry
@@ -256,7 +257,7 @@ def test_a_checkpoint_without_optimizer_state_is_not_resumed(workdir):
     # What a DeepSpeed run writes (ZeRO's partitioned Adam moments are not in it): resuming it under
     # another strategy would silently restart the moments, so it is refused.
     train("recipe.yaml", ["train.max_steps=1", "train.save_every_steps=1", "output.name=zero"])
-    path = ckpt.latest_checkpoint(Path("runs/zero"))
+    path = latest_checkpoint(Path("runs/zero"))
     scheduler = torch.optim.lr_scheduler.LambdaLR(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))]), lambda s: 1)
     trainable, _, state = ckpt.load_checkpoint(path, scheduler=scheduler)
     ckpt.save_checkpoint(
@@ -359,7 +360,7 @@ def test_grpo_resumed_in_the_middle_of_a_group_on_2_ranks_gives_the_unbroken_ada
     assert (Path("runs/ddp") / "checkpoint-000001" / ckpt.CARRIED_FILE).is_file()
     os.rename("adapters/ddp", "unbroken")
     for step in (2, 3):
-        shutil.rmtree(ckpt.checkpoint_path(Path("runs/ddp"), step))
+        shutil.rmtree(checkpoint_path(Path("runs/ddp"), step))
     assert "resumed from" in _train(*steps, "output.name=ddp", "--resume")
     expected = load_file("unbroken/adapter_model.safetensors")
     actual = load_file("adapters/ddp/adapter_model.safetensors")

@@ -12,7 +12,7 @@ never leaves something that looks like a whole checkpoint.
 
 Example:
     save_checkpoint(run_dir, step=120, trainable=state, optimizer_state=opt.state_dict(), scheduler=sched, state={...}, keep=2)
-    path = latest_checkpoint(run_dir)
+    path = latest_checkpoint(run_dir)   # finetune.training.run_files: the run directory's names
 """
 
 from __future__ import annotations
@@ -29,9 +29,7 @@ from safetensors.torch import load_file, save_file
 from finetune.atomic import SET_ASIDE_MARK, atomic_directory, remove_directory
 from finetune.errors import CheckpointError
 from finetune.tensorfile import check_safetensors
-from finetune.training.run_files import PREFIX, STATE_FILE, checkpoint_path, latest_checkpoint, list_checkpoints
-
-__all__ = ["PREFIX", "STATE_FILE", "checkpoint_path", "latest_checkpoint", "list_checkpoints"]  # read without torch
+from finetune.training.run_files import PREFIX, STATE_FILE, checkpoint_path, list_checkpoints
 
 TRAINABLE_FILE = "trainable.safetensors"
 OPTIMIZER_TENSORS_FILE = "optimizer.safetensors"

@@ -47,7 +47,6 @@ from finetune.manifest import read_manifest
 from finetune.recipe import Recipe, load_recipe
 from finetune.report import report_finished_run
 from finetune.signals import StopRequest
-from finetune.training import checkpoint as ckpt
 from finetune.training.device_schedule import DeviceSchedule
 from finetune.training.finish import finish_run
 from finetune.training.interrupt import TrainingInterrupted, graceful_stop, stop_agreed
@@ -57,7 +56,7 @@ from finetune.training.out_of_memory import is_out_of_memory, out_of_memory_line
 from finetune.training.progress import Say, StepCallback, TrainingLog, fan_out
 from finetune.training.recipe_digest import SECTIONS, resume_mismatch
 from finetune.training.run import TrainingRun, start_run
-from finetune.training.run_files import adapter_taken
+from finetune.training.run_files import adapter_taken, checkpoint_path, latest_checkpoint
 from finetune.training.sharding import DdpSharding, Sharding
 from finetune.training.tracking import Trackers
 
@@ -207,7 +206,7 @@ def run_steps(run: TrainingRun, stop: StopRequest, on_step: StepCallback) -> dic
                 if not is_final and stop_agreed(stop, run.accelerator):  # a collective: only where all read
                     # on a saving step its checkpoint was just written: a second write replaced it (the adapter,
                     # Adam's state, gathered again under FSDP/ZeRO), leaving it out of view while it did
-                    path = ckpt.checkpoint_path(run.run_dir, run.step) if saves else run.save_checkpoint()
+                    path = checkpoint_path(run.run_dir, run.step) if saves else run.save_checkpoint()
                     raise TrainingInterrupted(
                         f"interrupted at step {run.step} of {run.length.total_steps}; checkpoint {path} written; run "
                         "the same `finetune train` command with --resume to continue",
@@ -365,7 +364,7 @@ def _refuse_nonfinite(run: TrainingRun, step: int, loss: float, grad_norm: float
     if skipped_steps <= allowed:
         return
 
-    last_good = ckpt.latest_checkpoint(run.run_dir)
+    last_good = latest_checkpoint(run.run_dir)
     where = f"the last good checkpoint is {last_good}" if last_good else "no checkpoint was written yet"
     values = (("loss", loss), ("gradient norm", grad_norm))
     bad = [f"{name} {value}" for name, value in values if not math.isfinite(value)] or [f"{n} {v}" for n, v in values]

@@ -30,8 +30,6 @@ from finetune.atomic import atomic_file
 from finetune.recipe import Recipe
 from finetune.training.run_files import START_FILE
 
-__all__ = ["START_FILE"]
-
 MUTATING_INITS = ("pissa", "olora")
 
 

@@ -71,6 +71,7 @@ from finetune.training.regional_compile import compile_layers
 from finetune.training.run_files import (
     adapter_taken,
     check_process_count,
+    checkpoint_path,
     checkpoint_step,
     earlier_run_error,
     earlier_run_files,
@@ -296,7 +297,7 @@ class TrainingRun:
         carried_states = gather_object([ckpt.cpu_copy(carried)])  # one entry per process, None or all lists
         trainable = adapter_state(self.peft_model, self.sharding.state.trainable_state(self.peft_model))
         optimizer = self.sharding.state.optimizer_state(self.optimizer)
-        path = ckpt.checkpoint_path(self.run_dir, self.step)
+        path = checkpoint_path(self.run_dir, self.step)
         if self.is_main:
             ckpt.save_checkpoint(
                 self.run_dir,
