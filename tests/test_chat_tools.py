@@ -482,3 +482,18 @@ def test_a_turn_after_a_tool_result_with_no_header_trains_its_wrapping_from_the_
         runs = trained_runs(ids, [token if keep else -100 for token, keep in zip(ids, trained)], tokenizer)
         assert runs[:3] == [mistral.trained[0], call, mistral.trained[1]], after
         assert runs[3:] == ([" You are welcome.</s>"] if after else [])
+
+
+@pytest.mark.parametrize("family", [f for f in FAMILIES if f.record is None or f.name == "deepseek-v3"],
+                         ids=lambda f: f.name)  # fmt: skip
+def test_a_tool_that_returned_nothing_leaves_the_turns_trained_as_with_a_result(family):
+    """A tool's result may be empty (null, "" or blanks): it shows nowhere in the rendering, which is no sign that
+    the template renders text depending on the assistant's words; the turns train as with any result."""
+    tokenizer = family_tokenizer(family)
+    for result in (None, "", "  "):
+        record = _variant(lambda m, r=result: m[3].update(content=r))
+        record["tools"] = (family.record or RECORD)["tools"]
+        ids, trained = render_chat(normalize_record(record, "messages", "record 1"), tokenizer.chat_template,
+                                   tokenizer, "record 1")  # fmt: skip
+        runs = trained_runs(ids, [token if keep else -100 for token, keep in zip(ids, trained)], tokenizer)
+        assert runs == list(family.trained), result

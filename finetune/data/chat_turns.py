@@ -289,8 +289,11 @@ def _differing(full: str, marked: str) -> tuple[int, int] | None:
 
 
 def _forms(message: dict[str, Any]) -> list[str]:
-    """How a message's content may show in a rendering: as is, trimmed, or as a JSON string."""
+    """How a message's content may show in a rendering: as is, trimmed, or as a JSON string; none for a blank
+    content (a tool that returned nothing), whose JSON form `""` is text the template need not render."""
     content = message.get("content") or ""
+    if not content.strip():
+        return []
     return [form for form in (content, content.strip(), json.dumps(content, ensure_ascii=False)) if form.strip()]
 
 
@@ -310,17 +313,18 @@ def _start_without_header(
     That is where the conversation before it, rendered as a prompt, ends, as at inference. A template that renders
     earlier turns otherwise once later ones exist (Mistral's tools and system prompt go with the last user turn)
     gets the end of the first special token after the previous message's content instead; with neither, the words'
-    start."""
-    previous = _content_end(full, messages[index - 1], floor, words_start) if index else None
-    if previous is None:
+    start. A previous message with blank content (a tool that returned nothing) shows nowhere: the prompt then only
+    has to end after the turn before."""
+    if not index:
         return words_start
+    previous = _content_end(full, messages[index - 1], floor, words_start)  # None: blank, as a tool's empty result
     try:
         prompt = render(messages[:index], add_generation_prompt=True)
     except DataError:  # a template that refuses to end on this message
         prompt = ""
-    if prompt and previous <= len(prompt) <= words_start and full.startswith(prompt):
+    if prompt and (floor if previous is None else previous) <= len(prompt) <= words_start and full.startswith(prompt):
         return len(prompt)
-    return marks.after_special(full, previous, words_start)
+    return words_start if previous is None else marks.after_special(full, previous, words_start)
 
 
 def _content_end(full: str, message: dict[str, Any], floor: int, before: int) -> int | None:
