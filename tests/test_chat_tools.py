@@ -497,3 +497,29 @@ def test_a_tool_that_returned_nothing_leaves_the_turns_trained_as_with_a_result(
                                    tokenizer, "record 1")  # fmt: skip
         runs = trained_runs(ids, [token if keep else -100 for token, keep in zip(ids, trained)], tokenizer)
         assert runs == list(family.trained), result
+
+
+HEADERLESS_ANSWER = {"mistral-v0.3": " Paris: 18 C.</s>", "deepseek-v3": "Paris: 18 C.<｜end▁of▁sentence｜>"}
+
+
+@pytest.mark.parametrize("name", list(HEADERLESS_ANSWER))
+def test_an_answer_after_context_tool_results_trains_alone(name, tmp_path, capsys):
+    """Mistral's and DeepSeek's templates write no generation prompt after tool results. With the turns before it
+    as context (an `every_turn` document, a preference pair's prompt), the answer's start is looked for after
+    them, not at the call turn's header: that would train the call and the tool result as the answer (or stop the
+    run, when the result's text shows nowhere else)."""
+    family = next(f for f in FAMILIES if f.name == name)
+    tokenizer = family_tokenizer(family)
+    prompt = [{"role": "user", "content": QUESTION}, {"role": "assistant", "content": None, "tool_calls": [CALL]},
+              {"role": "tool", "tool_call_id": "call00001", "content": "Paris"}]  # fmt: skip
+    answer = {"role": "assistant", "content": "Paris: 18 C."}
+    for result in ("Paris", RESULT):  # shown in the question too, and only as the result
+        prompt[2]["content"] = result
+        _, second = preview_json(tmp_path, tokenizer, {"tools": TOOLS, "messages": [*prompt, answer]}, capsys,
+                                 "data.reasoning=every_turn")  # fmt: skip
+        assert trained_runs(second["input_ids"], second["labels"], tokenizer) == [HEADERLESS_ANSWER[name]], result
+    pair = {"tools": TOOLS, "prompt": prompt, "chosen": [answer], "rejected": [{**answer, "content": "Paris: 30 C."}]}
+    (tmp_path / "pairs.jsonl").write_text(json.dumps(pair) + "\n")
+    config = DataConfig(train=[str(tmp_path / "pairs.jsonl")], format="preference", max_seq_len=2048)
+    ((_, row),) = preview_records(config, tokenizer, limit=1)
+    assert trained_runs(row["chosen_input_ids"], row["chosen_labels"], tokenizer) == [HEADERLESS_ANSWER[name]]

@@ -204,7 +204,7 @@ def render_turns(
     full = render(shown)
     marks = turn_marks(tokenizer, template, json.dumps(kwargs, sort_keys=True))
     spans: list[tuple[int, int]] = []
-    floor = 0
+    floor = _context_words_end(full, shown, train_from, render)
     for index, message in enumerate(shown):
         if message["role"] != "assistant" or index < train_from:
             continue
@@ -231,6 +231,20 @@ def render_turns(
         full += marks.last_turn_closer
         spans[-1] = (spans[-1][0], len(full))
     return full, spans
+
+
+def _context_words_end(full: str, messages: list[dict[str, Any]], train_from: int, render: Callable) -> int:
+    """Where the words of the last assistant turn before message `train_from` end in `full` (0 if there is none).
+
+    Turns left as context are not located, but the first trained turn's header is looked for after them: a turn
+    that follows no header (Mistral's and DeepSeek's answers after tool results) would otherwise take the previous
+    turn's header for its own, and train that turn and the tool results with it."""
+    for index in range(train_from - 1, -1, -1):
+        if messages[index]["role"] == "assistant":
+            words = _differing(full, render([*messages[:index], _masked(messages[index]), *messages[index + 1 :]]))
+            if words is not None:  # else the template renders none of its words: the turn before it bounds
+                return words[1]
+    return 0
 
 
 def _masked(message: dict[str, Any]) -> dict[str, Any]:
