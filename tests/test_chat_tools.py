@@ -523,3 +523,20 @@ def test_an_answer_after_context_tool_results_trains_alone(name, tmp_path, capsy
     config = DataConfig(train=[str(tmp_path / "pairs.jsonl")], format="preference", max_seq_len=2048)
     ((_, row),) = preview_records(config, tokenizer, limit=1)
     assert trained_runs(row["chosen_input_ids"], row["chosen_labels"], tokenizer) == [HEADERLESS_ANSWER[name]]
+
+
+def test_a_marked_template_trains_no_turn_of_the_prompt_where_the_prompt_is_no_prefix(tmp_path, capsys):
+    """With trl's `{% generation %}`-marked gpt-oss template, a pair's prompt (or an `every_turn` document's context)
+    renders the pending call's analysis, which the whole conversation drops: the prompt is no prefix of it, and
+    its tool call, marked like any assistant turn, must still stay context."""
+    gpt_oss = FAMILIES[4]
+    tokenizer = family_tokenizer(gpt_oss, TRL_TEMPLATES / "gptoss_training.jinja")
+    answer = "<|start|>assistant" + gpt_oss.trained[1]  # trl's marks take the header with the turn
+    pair = {"tools": TOOLS, "prompt": MESSAGES[:4], "chosen": [MESSAGES[4]],
+            "rejected": [{"role": "assistant", "thinking": "Guess.", "content": "Paris: 30 C."}]}  # fmt: skip
+    (tmp_path / "pairs.jsonl").write_text(json.dumps(pair) + "\n")
+    config = DataConfig(train=[str(tmp_path / "pairs.jsonl")], format="preference", max_seq_len=2048)
+    ((_, row),) = preview_records(config, tokenizer, limit=1)
+    assert trained_runs(row["chosen_input_ids"], row["chosen_labels"], tokenizer) == [answer]
+    _, second = preview_json(tmp_path, tokenizer, RECORD, capsys, "data.reasoning=every_turn")
+    assert trained_runs(second["input_ids"], second["labels"], tokenizer) == [answer]

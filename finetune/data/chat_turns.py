@@ -127,7 +127,8 @@ def render_chat(
     `train_from` leaves earlier turns as context: a preference completion after its prompt, or the last
     turn of an `every_turn` example. Templates that render a turn differently once later turns exist
     (gpt-oss drops a tool call's analysis once a final answer follows) are handled, since turns are
-    located in the whole rendering, not after a separately rendered prompt.
+    located in the whole rendering, not after a separately rendered prompt (with `{% generation %}` marks
+    too: `_marked_turn_start`).
     """
     if has_generation_marks(template):
         out = apply_template(
@@ -135,13 +136,47 @@ def render_chat(
             tokenize=True, return_dict=True, return_assistant_tokens_mask=True,
         )  # fmt: skip
         ids, flags = list(out["input_ids"]), [bool(flag) for flag in out["assistant_masks"]]
-        if train_from:  # the marks cover every turn: keep those after the prompt's rendering
-            prompt = ChatRecord(chat.messages[:train_from], chat.tools)
-            keep = common_prefix_length(render_chat_prompt(prompt, template, tokenizer, where, reasoning), ids)
+        if train_from:  # the marks cover every turn: keep those from turn `train_from` on
+            keep = _marked_turn_start(chat, template, tokenizer, where, reasoning, train_from, ids, flags)
             flags = [flag and position >= keep for position, flag in enumerate(flags)]
         return ids, flags
     text, spans = render_turns(chat, template, tokenizer, where, reasoning, train_from)
     return tokens_of(tokenizer, text, spans)
+
+
+def _marked_turn_start(
+    chat: ChatRecord,
+    template: str,
+    tokenizer: Any,
+    where: str,
+    reasoning: Reasoning,
+    train_from: int,
+    ids: list[int],
+    flags: list[bool],
+) -> int:
+    """The first token of turn `train_from` in a `{% generation %}` template's rendering `ids`: the start of the
+    marked run that holds the turn's first word (found as `render_turns` finds it).
+
+    Not the end of the prompt's own rendering: where a template renders a turn otherwise once later ones exist
+    (gpt-oss drops a call's analysis once an answer follows) that is no prefix of `ids`, and the prompt's tool call
+    would be trained with the completion. Where the prompt is a prefix, its generation prompt stays context, as
+    before; the prompt's end is kept too for a turn the template renders no word of."""
+    shown, render = _renderer(chat, template, tokenizer, where, reasoning)
+    prompt = ChatRecord(chat.messages[:train_from], chat.tools)
+    after_prompt = common_prefix_length(render_chat_prompt(prompt, template, tokenizer, where, reasoning), ids)
+    full = render(shown)
+    turns = (i for i in range(train_from, len(shown)) if shown[i]["role"] == "assistant")
+    found = (_differing(full, render([*shown[:i], _masked(shown[i]), *shown[i + 1 :]])) for i in turns)
+    words = next((located for located in found if located is not None), None)
+    encoded = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
+    if words is None or list(encoded["input_ids"]) != ids:
+        return after_prompt
+    floor = _context_words_end(full, shown, train_from, render)
+    offsets = encoded["offset_mapping"]
+    first_word = keep = next((position for position, (_, end) in enumerate(offsets) if end > words[0]), len(ids))
+    while keep and flags[keep - 1] and offsets[keep - 1][0] >= floor:  # back to the run's start (its header)
+        keep -= 1
+    return max(keep, after_prompt) if after_prompt <= first_word else keep  # the prompt's header stays context
 
 
 def render_every_turn(
@@ -182,6 +217,21 @@ def tokens_of(tokenizer: Any, text: str, spans: list[tuple[int, int]]) -> tuple[
     return list(encoded["input_ids"]), flags
 
 
+def _renderer(
+    chat: ChatRecord, template: str, tokenizer: Any, where: str, reasoning: Reasoning
+) -> tuple[list[dict[str, Any]], Callable[..., str]]:
+    """The messages as the template reads them, and a function rendering a list of such messages to text (extra
+    keyword arguments go to the template) with the chat's tools and the reasoning mode's template arguments."""
+    reads = template_reads(template)
+    rendered_with = null_content_as_empty(template) if reads.null_content else template
+    kwargs = template_kwargs(reasoning)
+
+    def render(messages: list[dict[str, Any]], **extra: Any) -> str:
+        return _apply(tokenizer, messages, chat.tools, rendered_with, where, {**kwargs, **extra, "tokenize": False})
+
+    return for_template(chat.messages, reads, reasoning != "none"), render
+
+
 def render_turns(
     chat: ChatRecord,
     template: str,
@@ -193,16 +243,10 @@ def render_turns(
     """The conversation's rendering and the character span each assistant turn from message `train_from`
     on trains (see the module docstring), in order; a turn the template renders nothing of has no span."""
     check_renders_tools(chat, template, where)
-    reads = template_reads(template)
-    template = null_content_as_empty(template) if reads.null_content else template
-    kwargs = template_kwargs(reasoning)
-    shown = for_template(chat.messages, reads, reasoning != "none")
-
-    def render(messages: list[dict[str, Any]], **extra: Any) -> str:
-        return _apply(tokenizer, messages, chat.tools, template, where, {**kwargs, **extra, "tokenize": False})
-
+    shown, render = _renderer(chat, template, tokenizer, where, reasoning)
     full = render(shown)
-    marks = turn_marks(tokenizer, template, json.dumps(kwargs, sort_keys=True))
+    rendered_with = null_content_as_empty(template) if template_reads(template).null_content else template
+    marks = turn_marks(tokenizer, rendered_with, json.dumps(template_kwargs(reasoning), sort_keys=True))
     spans: list[tuple[int, int]] = []
     floor = _context_words_end(full, shown, train_from, render)
     for index, message in enumerate(shown):
