@@ -540,3 +540,22 @@ def test_a_marked_template_trains_no_turn_of_the_prompt_where_the_prompt_is_no_p
     assert trained_runs(row["chosen_input_ids"], row["chosen_labels"], tokenizer) == [answer]
     _, second = preview_json(tmp_path, tokenizer, RECORD, capsys, "data.reasoning=every_turn")
     assert trained_runs(second["input_ids"], second["labels"], tokenizer) == [answer]
+
+
+@pytest.mark.parametrize("family", [f for f in FAMILIES if f.name != "mistral-v0.3"], ids=lambda f: f.name)
+def test_a_developer_message_is_the_system_message_where_the_template_has_no_developer_role(family):
+    """OpenAI's `developer` role stands for the system message; Qwen's, DeepSeek's and GLM's templates render no
+    message of a role they do not know, so its instructions would vanish from every example without a word."""
+    tokenizer = family_tokenizer(family)
+
+    def rendered(role: str) -> tuple[list[int], list[bool]]:
+        messages = [{"role": role, "content": SYSTEM}, *WITHOUT_TOOLS["messages"][1:]]
+        chat = normalize_record({"messages": messages}, "messages", "record 1")
+        return render_chat(chat, tokenizer.chat_template, tokenizer, "record 1")
+
+    ids, trained = rendered("developer")
+    assert SYSTEM in tokenizer.decode(ids)
+    assert all(SYSTEM not in run for run in trained_runs(ids, [t if k else -100 for t, k in zip(ids, trained)],
+                                                         tokenizer))  # fmt: skip
+    if family.name != "gpt-oss":  # gpt-oss's has a developer message of its own
+        assert (ids, trained) == rendered("system")

@@ -227,6 +227,10 @@ def test_chat_completions_with_the_openai_client_equal_generate(server, referenc
         assert reply.choices[0].message.content == reference.tokenizer.decode(expected, skip_special_tokens=True)
         assert reply.choices[0].message.role == "assistant"
         assert reply.usage.completion_tokens == len(expected)
+    # a template without a `developer` role is given that message as `system`, as training gives it
+    as_developer = [{**messages[0], "role": "developer"}, messages[1]]
+    reply = api.chat.completions.create(model="med", messages=as_developer, max_tokens=MAX_TOKENS, temperature=0)
+    assert reply.usage.prompt_tokens == len(chat_prompt_ids(reference.tokenizer, messages))
     completion = api.completions.create(model="legal", prompt=PROMPTS[3], max_tokens=MAX_TOKENS, temperature=0)
     expected = greedy(reference, "legal", prompt_ids(reference.tokenizer, PROMPTS[3]))
     assert completion.choices[0].text == reference.tokenizer.decode(expected, skip_special_tokens=True)

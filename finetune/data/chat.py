@@ -14,7 +14,8 @@ Accepted shapes, per record:
 Normalised, a message is `{role, content, reasoning?, tool_calls?, name?, tool_call_id?}` with `content` a
 string (empty where there was none) and tool-call arguments as objects. `for_template` turns that into
 what a given template reads: reasoning under `reasoning_content` (Qwen3), `thinking` (gpt-oss) or inline
-`<think>` (templates that read neither, such as the DeepSeek-R1 distills'), `content: null` where the
+`<think>` (templates that read neither, such as the DeepSeek-R1 distills'), `developer` as `system` where the
+template has no developer role, `content: null` where the
 template tests for it (DeepSeek's tool-call branch), arguments as JSON text where the template
 concatenates them.
 
@@ -289,6 +290,9 @@ class TemplateReads:
     calls_without_text: bool = False
     """The template renders a turn's tool calls only when it has no text (the R1 distills'): reasoning, which it
     would take inline as text, is left out of such a turn."""
+    developer_role: bool = True
+    """The template knows OpenAI's `developer` role (gpt-oss's); one that never names it renders no such message
+    (Qwen's, DeepSeek's, GLM's drop it without a word), so it is given as the system message it stands for."""
 
 
 def template_reads(template: str) -> TemplateReads:
@@ -304,14 +308,20 @@ def template_reads(template: str) -> TemplateReads:
     one_analysis = "Cannot pass both content and thinking" in template
     with_text = re.search(r"content['\"]?\]?\s+is\s+not\s+none", template)
     calls_without_text = with_text is not None and "tool_calls" not in template[with_text.end() :]
-    return TemplateReads(key, null_content, as_text, one_analysis, calls_without_text)
+    return TemplateReads(key, null_content, as_text, one_analysis, calls_without_text, "developer" in template)
+
+
+def developer_as_system(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The messages with OpenAI's `developer` role given as `system`, for a template that has no developer role:
+    training and `serve` give such a template the same messages."""
+    return [{**message, "role": "system"} if message.get("role") == "developer" else message for message in messages]
 
 
 def for_template(messages: list[dict[str, Any]], reads: TemplateReads, reasoning: bool = True) -> list[dict[str, Any]]:
     """Normalised messages in the form a template reads (see `template_reads`); without reasoning when
     `reasoning` is False."""
     out = []
-    for message in messages:
+    for message in messages if reads.developer_role else developer_as_system(messages):
         if message["role"] != "assistant":
             out.append(message)
             continue

@@ -35,6 +35,7 @@ from finetune.adapters.fit import check_fingerprint
 from finetune.adapters.inmemory import LoadedModel
 from finetune.adapters.lora import Adapter, read_adapter
 from finetune.api import load_model
+from finetune.data.chat import developer_as_system, template_reads
 from finetune.errors import FinetuneError, ServeError
 from finetune.generation.kvbatch import KVBatch
 from finetune.prompting import chat_prompt_ids, prompt_ids
@@ -137,7 +138,11 @@ class Engine:
     def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
         try:
             with self._tokenizer_lock:
-                return chat_prompt_ids(self.loaded.tokenizer, messages)
+                template = getattr(self.loaded.tokenizer, "chat_template", None) or ""
+                reads = template_reads(template)  # as training read the template: `developer` may be `system`
+                return chat_prompt_ids(
+                    self.loaded.tokenizer, messages if reads.developer_role else developer_as_system(messages)
+                )
         except FinetuneError as exc:
             raise ServeError(str(exc), param="messages") from None
 
