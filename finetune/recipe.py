@@ -339,6 +339,13 @@ class DataConfig(_Section):
             raise ValueError("data.prompt_template must contain '{prompt}'")
         if "{prompt}" not in self.prompt_with_input_template or "{input}" not in self.prompt_with_input_template:
             raise ValueError("data.prompt_with_input_template must contain '{prompt}' and '{input}'")
+        if self.chat_template is not None and "{%" not in self.chat_template and "{{" not in self.chat_template:
+            # a file's path (trl takes one) would render as its own text: every record trained on the path alone
+            shown = self.chat_template if len(self.chat_template) <= 60 else self.chat_template[:57] + "..."
+            raise ValueError(
+                f"data.chat_template must be a Jinja template's text, got {shown!r} (no {{% %}} or {{{{ }}}} in it); "
+                "paste the template itself (a YAML block scalar `|`), not the path of a file"
+            )
         return self
 
 

@@ -89,6 +89,8 @@ def test_overrides_apply_through_the_schema(tmp_path, override, check):
         (MINIMAL, ["train.lr.x=3"], ["train.lr: Input should be a valid number"]),
         (MINIMAL, ["lora.r=-1"], ["lora.r", "greater than or equal to 1"]),
         (MINIMAL, ["data.prompt_template=no placeholder"], ["must contain '{prompt}'"]),
+        # a template file's path was taken for the template: each record rendered as the path's text
+        (MINIMAL, ["data.chat_template=templates/qwen3.jinja"], ["data.chat_template must be a Jinja template's text"]),
         # quantization as a mapping
         (MINIMAL + "model:\n  quantization: {bits: 3}\n", [], ["model", "quantization.bits is 3; use 4 (QLoRA) or 8"]),
         (MINIMAL + "model:\n  quantization: {bits: 4, kind: nf4}\n", [], ["unknown key(s) ['kind']"]),
