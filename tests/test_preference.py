@@ -246,6 +246,35 @@ def test_kto_equals_trl(tiny_base_dir, tiny_tokenizer):
     assert_within_ulps(ours[1]["kl"], kl, SUM_ULPS, scale=_logps_scale(ours[1]), what="kl")
 
 
+def test_a_lone_kto_example_is_not_its_own_kl_baseline(tiny_base_dir, tiny_tokenizer):
+    """A micro-batch of one example (the last of an epoch of 5 examples at micro_batch_size 2) has no other
+    completion: rotated, its KL pair was its own prompt and completion, so z0 was its own log-ratio and its loss
+    exactly 1 - sigmoid(0) = 0.5 whatever it learnt. It now counts for nothing in the step's z0, and a step with
+    no mismatched pair takes z0 = 0."""
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from finetune.data.preference import encode_preference_records
+    from finetune.training.objectives.base import Models
+
+    config = recipe_from_dict({"data": {"train": "x", "format": "unpaired_preference"}, "output": {"name": "x"},
+                               "train": {"objective": "kto"}}).data  # fmt: skip
+    rows = [e.row for e in encode_preference_records(unpaired_records(2)[:3], config, tiny_tokenizer, locate=str)]
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_base_dir, dtype=torch.float32), _lora())
+    _randomise(model)
+    models = Models(model, model, Accelerator(cpu=True))
+    objective = KTO(CollateOptions(tiny_tokenizer.pad_token_id, True), beta=0.1, desirable_weight=1.0,
+                    undesirable_weight=1.0)  # fmt: skip
+    both, lone = objective.collate(rows[:2]), objective.collate(rows[2:])
+    z0 = objective.prepare(models, [both], reduce=False)[0]["z0"]
+    assert z0.item() > 0  # the baseline of the mismatched pairs is not the floor: the comparison is not vacuous
+    assert objective.prepare(models, [both, lone], reduce=False)[0]["z0"].item() == z0.item()
+    prepared = objective.prepare(models, [lone], reduce=False)[0]
+    assert prepared["z0"].item() == 0.0
+    with torch.no_grad():
+        assert objective.terms(models, lone, prepared).losses["examples"].item() < 0.49  # not 0.5: ρ > 0
+
+
 def test_packed_pairs_equal_unpacked_and_micro_batches_one_batch(trl_dpo, tiny_base_dir, tiny_tokenizer):
     """The same pairs packed in rows, packed in one sequence, padded one per row, and split unevenly into two
     micro-batches: one loss, one gradient (DPO with RPO's token-normalised term: both units at once)."""

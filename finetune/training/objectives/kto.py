@@ -10,7 +10,11 @@ prompt x_i paired with the completion of the previous example of its micro-batch
 the paper and trl build them: the same set of completions as the rewards, each under another prompt).
 The mean is taken over every mismatched pair of the optimizer step on every process (the step's `prepare`
 pass, one all-reduce), so z₀ is the step's; trl averages per micro-batch and process, which is the same
-with one micro-batch per step. The loss is Σ ℓ / (examples in the step, all processes), trl's mean.
+with one micro-batch per step. A micro-batch of one example (the last of an epoch whose size leaves one over,
+or of an evaluation) has no other completion: its own pair would make z₀ its own log-ratio ρ, so that its
+loss is 1 − σ(0) = 0.5 whatever it learnt. Its KL sequence is still scored (every process runs the same
+passes) but counts for nothing, and a step with no mismatched pair at all takes z₀ = 0 (the clamp's floor).
+The loss is Σ ℓ / (examples in the step, all processes), trl's mean.
 
 Rewards for the metrics are β · ρ, averaged over the desirable (`rewards_chosen`) and the undesirable
 (`rewards_rejected`) examples; `reward_margin` is the difference of those means, `kl` is z₀.
@@ -44,6 +48,12 @@ def mismatched(rows: list[dict[str, Any]], max_seq_len: int) -> list[dict[str, l
         labels = [IGNORE_INDEX] * prompt + other["labels"][start:]
         sequences.append({"input_ids": input_ids[:max_seq_len], "labels": labels[:max_seq_len]})
     return sequences
+
+
+def mismatched_pairs(examples: int) -> int:
+    """How many of a micro-batch's KL sequences are mismatched: all of them, but none for a lone example, whose
+    rotation pairs its prompt with its own completion."""
+    return examples if examples > 1 else 0
 
 
 class KTO(MeasuredAgainstStart):
@@ -94,13 +104,14 @@ class KTO(MeasuredAgainstStart):
             references.append(self.reference_logps(models, batch))  # (n,)
             with torch.no_grad():
                 kl_logratios = sequence_logps(models.peft, kl_batch) - self.reference_logps(models, kl_batch)
-            kl_sums.append(kl_logratios.sum())
-            count += len(batch["desirable"])
+            pairs = mismatched_pairs(len(batch["desirable"]))
+            kl_sums.append(kl_logratios.sum() if pairs else torch.zeros_like(kl_logratios.sum()))
+            count += pairs
         device = kl_sums[0].device
         totals = torch.stack([torch.stack(kl_sums).sum(), torch.tensor(float(count), device=device)])
         if reduce:
             totals = models.accelerator.reduce(totals, reduction="sum")
-        z0 = (totals[0] / totals[1]).clamp(min=0)
+        z0 = (totals[0] / totals[1].clamp(min=1)).clamp(min=0)  # no mismatched pair in the step: 0
         return [{"reference": reference, "z0": z0} for reference in references]
 
     def terms(self, models: Models, batch: dict[str, torch.Tensor], prepared: dict) -> Terms:
