@@ -544,6 +544,26 @@ def test_bos_and_eos_already_in_a_pairs_text_are_not_added_again(tiny_tokenizer)
     )
 
 
+@pytest.mark.parametrize("overlength", ["truncate", "truncate_prompt"])
+def test_a_pair_the_length_limit_makes_the_same_is_refused(tiny_tokenizer, overlength):
+    """Completions that differ only beyond data.max_seq_len are the same once cut: a pair with no preference in
+    it (loss log 2 whatever the model, gradient 0, never counted accurate) is refused as chosen == rejected is,
+    naming the record; one whose difference survives the cut is kept."""
+    from finetune.data.preference import encode_preference_records
+    from finetune.errors import DataError
+
+    config = recipe_from_dict({"data": {"train": "x.jsonl", "format": "preference", "max_seq_len": 64,
+                                        "overlength": overlength}, "output": {"name": "x"},
+                               "train": {"objective": "dpo"}}).data  # fmt: skip
+    shared = "the model reads a document " * 14  # 71 tokens
+    record = {"prompt": "Weather?", "chosen": shared + "Sunny.", "rejected": shared + "Rain all day."}
+    with pytest.raises(DataError, match=r"^record 3: chosen and rejected differ only from token \d+ on .*max_seq_len"):
+        encode_preference_records([record], config, tiny_tokenizer, lambda i: "record 3")
+    kept = {"prompt": "Weather?", "chosen": "Sunny.", "rejected": shared}
+    (encoded,) = encode_preference_records([kept], config, tiny_tokenizer, lambda i: "record 4")
+    assert encoded.too_long and encoded.row["chosen_input_ids"] != encoded.row["rejected_input_ids"]
+
+
 def test_kto_labels_read_from_a_csv_file_are_booleans(tmp_path, tiny_tokenizer):
     """A .csv file holds strings only: its `true`/`false` labels are the booleans KTO reads."""
     from finetune.data.preference import preview_records

@@ -93,7 +93,8 @@ def encode_preference_records(
     """Encode a batch of records of one source into rows of `ROW_FEATURES_BY_FORMAT[config.format]`.
 
     Raises:
-        DataError: a missing or mistyped field, chosen equal to rejected, a label that is not a boolean,
+        DataError: a missing or mistyped field, chosen equal to rejected (as written, or once cut to
+            max_seq_len), a label that is not a boolean,
             a completion with no assistant turn, or (overlength `error`) a record longer than max_seq_len.
     """
     if tokenizer.eos_token_id is None:
@@ -115,6 +116,8 @@ def encode_preference_records(
                 "completion over a different one: fix or remove the record"
             )
         fitted, too_long, no_room = _fit(sequences, config, where)
+        if paired and too_long and not no_room and fitted[0].input_ids == fitted[1].input_ids:
+            raise _same_when_cut(sequences, config, where)
         tokens_in = sum(len(s.input_ids) for s in sequences)
         kept = sum(len(s.input_ids) for s in fitted) if not no_room else 0
         row = None if no_room else _row(fitted, None if paired else _label(record, where))
@@ -216,6 +219,18 @@ def _fit(sequences: list[Sequence], config: DataConfig, where: str) -> tuple[lis
     fitted = [Sequence(s.input_ids[:limit], s.labels[:limit], min(s.prompt_length, limit)) for s in sequences]
     no_room = any(all(label == IGNORE_INDEX for label in s.labels) for s in fitted)
     return fitted, True, no_room
+
+
+def _same_when_cut(sequences: list[Sequence], config: DataConfig, where: str) -> DataError:
+    """The error for a pair whose completions differ only beyond max_seq_len: cut to it, chosen equals rejected,
+    a pair with no preference in it (its loss a constant, its gradient 0) that would dilute every step it is in."""
+    chosen, rejected = (s.input_ids for s in sequences)
+    shared = next((i for i, (a, b) in enumerate(zip(chosen, rejected)) if a != b), min(len(chosen), len(rejected)))
+    return DataError(
+        f"{where}: chosen and rejected differ only from token {shared + 1} on (prompt included), so cut to "
+        f"data.max_seq_len={config.max_seq_len} ({config.overlength}) they are the same; raise data.max_seq_len, "
+        "or shorten the record's prompt or the start its completions share"
+    )
 
 
 def _cut_prompt(sequence: Sequence, excess: int) -> Sequence:
