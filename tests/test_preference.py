@@ -520,6 +520,15 @@ def test_an_empty_prompt_without_bos_leaves_each_sequence_first_label_untrained(
     if paired:  # each side scores its own tokens only: all but its first
         batch = collate_sequences(sequences, tokenizer.pad_token_id, packing=True)
         assert batch["sequence_tokens"].tolist() == [len(s["input_ids"]) - 1 for s in sequences]
+    else:  # so do KTO's KL sequences: the empty prompt with another example's completion, packed after another
+        from finetune.training.objectives.kto import mismatched
+
+        other = {"prompt": "Weather?", "completion": "Rain all day.", "label": False}
+        (second,) = encode_preference_records([other], config, tokenizer, lambda i: "record 2")
+        kl = mismatched([second.row, encoded.row], max_seq_len=512)  # the empty prompt's is packed second
+        batch = collate_sequences(kl, tokenizer.pad_token_id, packing=True)
+        labelled = [sum(label != IGNORE_INDEX for label in sequence["labels"]) for sequence in kl]
+        assert kl[1]["labels"][0] == IGNORE_INDEX and batch["sequence_tokens"].tolist() == labelled
 
 
 def test_bos_and_eos_already_in_a_pairs_text_are_not_added_again(tiny_tokenizer):

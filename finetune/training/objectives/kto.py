@@ -39,13 +39,18 @@ KL_PREFIX = "kl/"
 
 
 def mismatched(rows: list[dict[str, Any]], max_seq_len: int) -> list[dict[str, list[int]]]:
-    """KL sequences: row i's prompt with row i−1's completion (cyclically), cut to `max_seq_len` tokens."""
+    """KL sequences: row i's prompt with row i−1's completion (cyclically), cut to `max_seq_len` tokens.
+
+    A sequence's first label stays -100, as the rows' own do: after an empty prompt (no BOS) the completion's
+    first token would be scored from the end of the sequence packed before it, and counted as that one's.
+    """
     sequences = []
     for index, row in enumerate(rows):
         other = rows[index - 1]
         prompt, start = row["prompt_length"], other["prompt_length"]
         input_ids = row["input_ids"][:prompt] + other["input_ids"][start:]
         labels = [IGNORE_INDEX] * prompt + other["labels"][start:]
+        labels[:1] = [IGNORE_INDEX] * len(labels[:1])
         sequences.append({"input_ids": input_ids[:max_seq_len], "labels": labels[:max_seq_len]})
     return sequences
 
