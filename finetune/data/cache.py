@@ -50,7 +50,9 @@ from finetune.atomic import process_alive
 from finetune.data.sources import source_content_hash
 from finetune.recipe import DataConfig, SourceConfig
 
-PIPELINE_VERSION = 7  # 7: BOS/EOS never doubled where the text already has them; 6: lines split at CR/LF only
+# 8: chat masks after blank or context tool results, `developer` as `system`; 7: BOS/EOS never doubled where the
+# text already has them; 6: lines split at CR/LF only
+PIPELINE_VERSION = 8
 """Bump when the rows this package produces change for the same inputs; old cache entries are then unused."""
 
 _FORMAT_FIELDS = {
