@@ -122,16 +122,16 @@ def load_base(
         (model in eval mode, tokenizer, resolved source: the local directory or hub id that was loaded).
     """
     chosen = {"attn_implementation": attn_implementation} if attn_implementation is not None else {}
+    # the 4-bit settings only for a 4-bit base, which alone reads them (a recipe refuses them otherwise; a manifest
+    # written before it did may still carry them beside 8bit)
+    four_bit = quantization.as_record() if quantization.method == "4bit" else {"quantization": quantization.method}
     config = ModelConfig(
         base=base,
         dtype=dtype,
         revision=revision,
         **chosen,
         trust_remote_code=trust_remote_code,
-        quantization=quantization.method,
-        bnb_4bit_quant_type=quantization.quant_type,
-        bnb_4bit_use_double_quant=quantization.double_quant,
-        bnb_4bit_compute_dtype=quantization.compute_dtype,
+        **four_bit,
         tokenizer=tokenizer,
     )
     return load_base_from_config(config, device=device)

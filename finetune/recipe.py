@@ -106,9 +106,29 @@ class ModelConfig(_Section):
             raise ValueError(f"quantization.bits is {spec.get('bits')!r}; use 4 (QLoRA) or 8")
         if spec["bits"] == 8 and len(spec) > 1:
             raise ValueError("quantization: type, double_quant and compute_dtype apply to bits: 4 only")
+        for key, field in fields.items():  # both spellings of one setting: neither may quietly win
+            if key in spec and field in data and data[field] != spec[key]:
+                raise ValueError(
+                    f"quantization.{key} is {spec[key]!r} but {field} is {data[field]!r}; give the setting once"
+                )
         flat = {**data, "quantization": f"{spec['bits']}bit"}
         flat.update({fields[key]: value for key, value in spec.items() if key in fields})
         return flat
+
+    @model_validator(mode="after")
+    def _four_bit_options_need_four_bits(self) -> ModelConfig:
+        """The `bnb_4bit_*` settings configure a 4-bit base only: with `8bit` or `none` bitsandbytes never reads
+        them, and the run trained on a base other than the one the recipe seems to ask for. Compared with the
+        defaults, not with what was given: a dumped recipe gives every field."""
+        if self.quantization == "4bit":
+            return self
+        for name in ("bnb_4bit_quant_type", "bnb_4bit_use_double_quant", "bnb_4bit_compute_dtype"):
+            if getattr(self, name) != ModelConfig.model_fields[name].default:
+                raise ValueError(
+                    f"{name} applies to quantization 4bit only, and quantization is {self.quantization}; remove "
+                    f"{name} or set model.quantization=4bit"
+                )
+        return self
 
 
 _PEFT_SHAPE_KEYS = {"r": "r", "lora_alpha": "alpha", "use_rslora": "use_rslora", "lora_dropout": "dropout"}

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from finetune.errors import RecipeError
-from finetune.recipe import load_recipe, parse_override
+from finetune.recipe import ModelConfig, load_recipe, parse_override
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -100,6 +100,16 @@ def test_overrides_apply_through_the_schema(tmp_path, override, check):
             [],
             ["model.bnb_4bit_quant_type", "'nf4' or 'fp4'"],
         ),
+        # 4-bit settings beside an 8-bit or unquantized base were accepted and never read
+        (MINIMAL, ["model.quantization=8bit", "model.bnb_4bit_quant_type=fp4"], ["bnb_4bit_quant_type applies to"]),
+        (MINIMAL, ["model.bnb_4bit_use_double_quant=false"], ["quantization is none", "model.quantization=4bit"]),
+        (MINIMAL, ["model.quantization={bits: 8}", "model.bnb_4bit_compute_dtype=bfloat16"], ["quantization is 8bit"]),
+        # the mapping and the flat field disagreeing: the mapping quietly won
+        (
+            MINIMAL,
+            ["model.quantization={bits: 4, type: fp4}", "model.bnb_4bit_quant_type=nf4"],
+            ["quantization.type is 'fp4' but bnb_4bit_quant_type is 'nf4'; give the setting once"],
+        ),
         # distributed: no strategy quietly becomes another
         (MINIMAL, ["distributed.strategy=zero"], ["distributed.strategy", "'ddp', 'fsdp' or 'deepspeed'"]),
         (MINIMAL, ["distributed.fsdp.version=1"], ["distributed.fsdp.version", "FSDP1 is deprecated"]),
@@ -189,6 +199,22 @@ def test_quantization_as_a_string_or_the_mapping_qlora_users_write(tmp_path, qua
         model.bnb_4bit_compute_dtype,
     )
     assert found == expected
+
+
+def test_four_bit_settings_agreeing_with_the_mapping_or_left_at_their_defaults_pass(tmp_path):
+    both = ["model.quantization={bits: 4, type: fp4}", "model.bnb_4bit_quant_type=fp4"]
+    assert load_recipe(write(tmp_path, MINIMAL), both).model.bnb_4bit_quant_type == "fp4"
+    dumped = load_recipe(write(tmp_path, MINIMAL), ["model.quantization=8bit"]).model.model_dump()
+    assert ModelConfig.model_validate(dumped).quantization == "8bit"  # a dumped recipe gives every field
+
+
+def test_a_manifest_s_four_bit_settings_beside_another_method_do_not_stop_loading_its_base():
+    """Adapters trained before the recipe refused them may record `bnb_4bit_*` settings beside `none` or `8bit`."""
+    from finetune.model import load_base
+    from finetune.quantization import Quantization
+
+    model, _, _ = load_base("embedded:tiny-llama", quantization=Quantization("none", quant_type="fp4"))
+    assert not getattr(model, "is_quantized", False)
 
 
 def test_missing_and_unreadable_recipes(tmp_path):
