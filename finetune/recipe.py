@@ -905,13 +905,16 @@ class Recipe(_Section):
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
-    """`yaml.SafeLoader` that rejects a key given twice in one mapping instead of keeping the last."""
+    """`yaml.SafeLoader` that rejects a key given twice in one mapping instead of keeping the last. Merge keys
+    (`<<: *anchor`) still work as in YAML: the mapping's own keys override the merged ones."""
 
 
 def _construct_unique_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
     seen: set[Any] = set()
     for key_node, _ in node.value:
-        key = loader.construct_object(key_node, deep=deep)
+        # a merge key has no constructor of its own: `construct_mapping` below merges it (and `<<` twice is a twice)
+        merge = key_node.tag == "tag:yaml.org,2002:merge"
+        key = "<<" if merge else loader.construct_object(key_node, deep=deep)
         if key in seen:
             raise yaml.constructor.ConstructorError(None, None, f"key {key!r} is given twice", key_node.start_mark)
         seen.add(key)

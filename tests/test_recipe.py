@@ -217,6 +217,28 @@ def test_a_manifest_s_four_bit_settings_beside_another_method_do_not_stop_loadin
     assert not getattr(model, "is_quantized", False)
 
 
+MERGED = """data:
+  train:
+    - &source {path: a.jsonl, max_records: 50}
+  validation:
+    - <<: *source
+      path: b.jsonl
+output:
+  name: demo
+"""
+
+
+def test_yaml_merge_keys_merge_and_the_mapping_s_own_keys_override(tmp_path):
+    """`<<: *anchor` failed as a YAML syntax error ("could not determine a constructor for the tag ...merge"): the
+    duplicate-key check constructed the merge key itself."""
+    recipe = load_recipe(write(tmp_path, MERGED))
+    assert [(s.path, s.max_records) for s in recipe.data.validation] == [("b.jsonl", 50)]
+    with pytest.raises(RecipeError, match=r"recipe.yaml:7:7: YAML syntax error: key 'path' is given twice"):
+        load_recipe(write(tmp_path, MERGED.replace("path: b.jsonl", "path: b.jsonl\n      path: c.jsonl")))
+    with pytest.raises(RecipeError, match="key '<<' is given twice"):
+        load_recipe(write(tmp_path, MERGED.replace("path: b.jsonl", "<<: {split: x}")))
+
+
 def test_missing_and_unreadable_recipes(tmp_path):
     with pytest.raises(RecipeError, match="does not exist"):
         load_recipe(tmp_path / "nope.yaml")
