@@ -969,6 +969,8 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     """
     for text in overrides:
         path, value = parse_override(text)
+        if isinstance(value, (bool, int, float)) and _takes_text_only(path):
+            value = text.partition("=")[2].strip()  # `output.name=2024`, `model.revision=007`: the words typed
         node = data
         for depth, part in enumerate(path[:-1]):
             child = node.setdefault(part, {})
@@ -978,6 +980,18 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
             node = child
         node[path[-1]] = value
     return data
+
+
+def _takes_text_only(path: list[str]) -> bool:
+    """Whether the recipe field at `path` takes a string (or null) and nothing else. YAML reads an override's
+    `2024`, `007` (octal 7) or `yes` as a number or a bool, which such a field refuses; the text was meant."""
+    model: type[BaseModel] | None = Recipe
+    for part in path[:-1]:
+        field = model.model_fields.get(part) if model else None
+        model = _section_type(field.annotation) if field else None
+    field = model.model_fields.get(path[-1]) if model else None
+    kinds = set(get_args(field.annotation) or (field.annotation,)) - {type(None)} if field else set()
+    return kinds == {str}
 
 
 def _section_fields(location: tuple[Any, ...]) -> list[str]:

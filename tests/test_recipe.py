@@ -45,6 +45,13 @@ def test_minimal_recipe_fills_defaults(tmp_path):
         # one item of a list alone, as lora.target_modules=q_proj is taken (these were "Input should be a valid list")
         ("train.report_to=tensorboard", lambda r: r.train.report_to == ["tensorboard"]),
         ("train.report_to=none", lambda r: r.train.report_to == []),  # the HF Trainer's word for none
+        # a text-only field takes the words typed, which YAML read as a number or a bool ("Input should be a valid
+        # string (got 2024)"; 007 was octal 7)
+        ("output.name=2024", lambda r: r.output.name == "2024"),
+        ("output.name=007", lambda r: r.output.name == "007"),
+        ("model.revision=20240101", lambda r: r.model.revision == "20240101"),
+        ("train.tracker_project=yes", lambda r: r.train.tracker_project == "yes"),
+        ("model.revision=null", lambda r: r.model.revision is None),
     ],
 )
 def test_overrides_apply_through_the_schema(tmp_path, override, check):
