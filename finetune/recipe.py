@@ -86,7 +86,9 @@ class ModelConfig(_Section):
     expect: `{bits: 4, type: nf4 | fp4, double_quant: true, compute_dtype: bfloat16}` or `{bits: 8}`, which
     sets the `bnb_4bit_*` fields below (`finetune.quantization` holds the defaults)."""
     bnb_4bit_quant_type: QuantType = Quantization.quant_type
+    """Data type of a 4-bit base's weights: `nf4` (QLoRA's NormalFloat) or `fp4`."""
     bnb_4bit_use_double_quant: bool = Quantization.double_quant
+    """Quantize a 4-bit base's per-block scales too (QLoRA's double quantization: about 0.4 bits a weight less)."""
     bnb_4bit_compute_dtype: Literal["float32", "bfloat16", "float16"] | None = None
     """Dtype 4-bit layers compute in (dequantized per matmul); default: `dtype`."""
 
@@ -161,6 +163,8 @@ class LoraConfig(_Section):
     alpha: float = Field(16.0, gt=0)
     """Scale numerator: the update is multiplied by alpha / r (alpha / sqrt(r) with rsLoRA)."""
     dropout: float = Field(0.05, ge=0.0, lt=1.0)
+    """Dropout probability on the input of each LoRA update (peft's `lora_dropout`); the base weights see the input
+    as it is. 0 for none."""
     target_modules: Literal["all-linear"] | list[str] = "all-linear"
     """`all-linear` (every linear layer of the blocks, not the output head) or a list of module-name suffixes.
     On a mixture of experts `all-linear` also takes the fused expert tensors (peft's `target_parameters`: one
@@ -177,6 +181,7 @@ class LoraConfig(_Section):
     """Also put LoRA on the input embeddings (`embed_tokens`), as continued pretraining on a new vocabulary
     mix does. Its learning rate is `train.embedding_lr`."""
     exclude_modules: list[str] = []
+    """Module names (or name suffixes) left out of `target_modules`, as peft's `exclude_modules` matches them."""
     use_rslora: bool = False
     """Scale by alpha / sqrt(r) instead of alpha / r (rank-stabilised LoRA)."""
     use_dora: bool = False
@@ -186,6 +191,9 @@ class LoraConfig(_Section):
     and `olora` move the base's principal (QR) components into the adapter; the adapter is written as a plain
     LoRA of rank 2r on the base on disk (`finetune.training.mutated_start`)."""
     bias: Literal["none", "all", "lora_only"] = "none"
+    """Which of the base's biases train beside LoRA, as peft's `bias`: `none`; `all`, every bias; `lora_only`, the
+    biases of the layers LoRA targets. Trained biases are saved with the adapter, which is then peft's to load:
+    `generate`, `eval`, `serve` and the adapter operations refuse it (peft leaves the biases in the base)."""
     init_from: str | None = None
     """An adapter directory the LoRA weights start from instead of `init` (e.g. the SFT adapter a preference
     run refines). Its shape is the run's: `r`, `alpha`, `use_rslora`, `dropout` and `target_modules` not
@@ -291,11 +299,15 @@ class DataConfig(_Section):
     `prompt`: `{prompt, ...}` records for grpo (a string, or chat messages rendered with the chat template
     and its generation prompt); every other field reaches the reward functions as a keyword argument."""
     text_field: str = "text"
+    """Text records: the field holding the document (`.txt` sources are read into it)."""
     prompt_field: str = "instruction"
+    """Instruction records: the field holding the instruction (the prompt's `{prompt}`)."""
     input_field: str | None = "input"
     """Optional context field of instruction records; used when present and non-empty."""
     response_field: str = "output"
+    """Instruction records: the field holding the response (what is trained)."""
     messages_field: str = "messages"
+    """Chat records: the field holding the OpenAI-style message list (ShareGPT `conversations` is read without it)."""
     tools_field: str = "tools"
     """Chat and preference records: the field holding the function schemas given to the chat template (a
     list, or that list as JSON text); when a record has it, every tool call must name one of them."""
@@ -494,12 +506,16 @@ class TrainConfig(_Section):
     grad_accum_steps: int = Field(1, ge=1)
     """Micro-batches per optimizer step. The loss is the mean over the label tokens of all of them."""
     lr: float = Field(2e-4, gt=0)
+    """Peak learning rate of the LoRA weights, reached at the end of warmup; `schedule` takes it from there."""
     embedding_lr: float | None = Field(None, gt=0)
     """Learning rate of the LoRA weights on `lm_head`/`embed_tokens` (`lora.train_lm_head`,
     `lora.train_embed_tokens`); default `lr`. unsloth's continued-pretraining docs train them at a rate 10x
     below the blocks' (5e-6 against 5e-5)."""
     schedule: Literal["cosine", "linear", "constant"] = "cosine"
+    """The learning rate after warmup, as transformers' schedulers: `cosine` and `linear` decay to 0 at the last
+    step, `constant` stays at `lr`."""
     warmup_steps: int = Field(0, ge=0)
+    """Optimizer steps over which the learning rate rises linearly from 0 to `lr`."""
     warmup_ratio: float = Field(0.0, ge=0.0, lt=1.0)
     """Warmup as a fraction of the total steps, rounded up (as the HF Trainer's `warmup_ratio`); used when
     `warmup_steps` is 0."""
@@ -507,9 +523,14 @@ class TrainConfig(_Section):
     """AdamW's decoupled weight decay, on the trained weights except biases and norms (as the HF Trainer leaves
     them out): a base's biases that `lora.bias` trains keep what they learned in pretraining."""
     adam_beta1: float = Field(0.9, ge=0.0, lt=1.0)
+    """AdamW's decay rate of the gradient's running mean."""
     adam_beta2: float = Field(0.999, ge=0.0, lt=1.0)
+    """AdamW's decay rate of the squared gradient's running mean."""
     adam_eps: float = Field(1e-8, gt=0)
+    """AdamW's epsilon, added to the denominator."""
     optimizer: Literal["adamw", "adamw_8bit", "paged_adamw_8bit"] = "adamw"
+    """`adamw`: torch's AdamW (fused where torch has it), 32-bit state. `adamw_8bit`, `paged_adamw_8bit`: bitsandbytes' AdamW with 8-bit
+    state (paged: in memory that can move to the host under pressure); they need bitsandbytes."""
     max_grad_norm: float | None = Field(1.0, gt=0)
     """Clip the global gradient norm to this; null turns clipping off."""
     nonfinite_skips: int = Field(0, ge=0)
@@ -786,7 +807,9 @@ class DistributedConfig(_Section):
     """`ddp`: every rank holds the whole model, gradients are averaged. `fsdp`: the model is sharded over
     the ranks (a base too large for one device). `deepspeed`: ZeRO stage 2/3 (`pip install 'finetune[deepspeed]'`)."""
     fsdp: FsdpConfig = FsdpConfig()
+    """Options of `strategy: fsdp` (set only with it)."""
     deepspeed: DeepSpeedConfig = DeepSpeedConfig()
+    """Options of `strategy: deepspeed` (set only with it)."""
 
     @field_validator("strategy")
     @classmethod
@@ -819,13 +842,21 @@ class Recipe(_Section):
     """A whole fine-tuning run."""
 
     description: str = ""
+    """What the recipe is for, in a sentence (`finetune recipes list`); no effect on training."""
     catalog: CatalogInfo = CatalogInfo()
+    """How the catalog describes the recipe."""
     model: ModelConfig = ModelConfig()
+    """The base model."""
     lora: LoraConfig = LoraConfig()
+    """The adapter."""
     data: DataConfig
+    """The data (required: at least `train`)."""
     train: TrainConfig = TrainConfig()
+    """The optimisation and the objective."""
     distributed: DistributedConfig = DistributedConfig()
+    """Several processes (`--nproc`)."""
     output: OutputConfig
+    """Where the adapter and the logs go (required: at least `name`)."""
 
     @property
     def reference_swaps_start(self) -> bool:
