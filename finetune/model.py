@@ -386,6 +386,13 @@ def peft_lora_config(config: LoraConfig, model: PreTrainedModel) -> PeftLoraConf
     init = inits[config.init]
     moe = _MoeTargets(config, model)
     target_parameters = moe.target_parameters
+    if config.use_dora and target_parameters:  # peft raised a traceback once the base (and the data) had loaded
+        what = "fused expert tensors" if moe.experts else "routers, reached as parameters"
+        raise ModelError(
+            f"lora.use_dora: this mixture of experts' {what} ({', '.join(target_parameters)}) take LoRA as parameters, "
+            "which peft has no DoRA for; set lora.use_dora=false, or give lora.target_modules a list of linear layers "
+            "(attention, dense MLPs) without lora.train_router"
+        )
     return PeftLoraConfig(
         task_type="CAUSAL_LM",
         r=config.r,

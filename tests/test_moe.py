@@ -574,3 +574,17 @@ def test_train_router_beside_a_list_of_target_modules_trains_the_routers(tiny_to
     with torch.no_grad():
         merged = m.model(input_ids=ids).logits
     torch.testing.assert_close(merged, attached, rtol=0, atol=1e-5)
+
+
+def test_dora_on_the_expert_tensors_is_one_line_naming_the_fix():
+    """peft has no DoRA for parameter targets: `lora.use_dora` with `all-linear` on a mixture of experts (or
+    `train_router` where a router is reached as a parameter) was peft's traceback, after the base and the data had
+    loaded in `finetune train` and in `finetune plan`. On the linear layers alone DoRA works."""
+    from finetune.errors import ModelError
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(FAMILIES["qwen3_moe"]())
+    with pytest.raises(ModelError, match=r"lora.use_dora: .*fused expert tensors .*set lora.use_dora=false"):
+        wrap_with_lora(model, LoraConfig(use_dora=True))
+    peft_model = wrap_with_lora(model, LoraConfig(use_dora=True, target_modules=["q_proj", "v_proj"]))
+    assert any("lora_magnitude_vector" in name for name, _ in peft_model.named_parameters())
