@@ -346,3 +346,22 @@ def test_a_qlora_adapter_exported_alone_says_what_llama_cpp_applies_it_to(tmp_pa
     said = export_lora_gguf(qlora, tmp_path / "qlora.gguf").summary()
     assert "trained on a 4-bit nf4" in said and "not to the dequantized weights" in said
     assert "dequantized" not in export_lora_gguf(plain, tmp_path / "plain.gguf").summary()
+
+
+def test_rope_inverse_frequencies_saved_with_the_weights_are_left_out(tmp_path, tiny_base_dir, tiny_tokenizer):
+    """Checkpoints saved by transformers before 4.31 hold `rotary_emb.inv_freq` per layer, which transformers ignores;
+    they were exported as `blk.N.attn_rot_embd`, and llama.cpp refused the file (wrong number of tensors)."""
+    from safetensors.torch import load_file, save_file
+
+    model_dir = tmp_path / "with-inv-freq"
+    shutil.copytree(tiny_base_dir, model_dir)
+    weights = load_file(model_dir / "model.safetensors")
+    inv_freq = 1.0 / 10000.0 ** (torch.arange(0, 16, 2, dtype=torch.float32) / 16)
+    for layer in range(2):
+        weights[f"model.layers.{layer}.self_attn.rotary_emb.inv_freq"] = inv_freq.clone()
+    save_file(weights, model_dir / "model.safetensors", metadata={"format": "pt"})
+    report = export_model_gguf(model_dir, tmp_path / "m.gguf", dtype="f32")
+    ids = tiny_tokenizer(PROMPTS[0])["input_ids"]
+    reference = transformers_logits(model_dir, [ids])[0]
+    assert_within_ulps(llama_cpp_logits(report.out, ids), reference, LIBRARY_ULPS, what="f32")
+    assert report.num_tensors == len(weights) - 2

@@ -29,6 +29,12 @@ from finetune.export.llama_layout import GGUF_ARCH, LlamaLayout, read_layout, wr
 LEDGER_METADATA_KEY = "finetune.merged"
 """GGUF key holding the ledger of adapters merged into the exported weights (JSON), when there is one."""
 
+RECOMPUTED_BUFFERS = (".rotary_emb.inv_freq",)
+"""Suffixes of tensors some checkpoints hold that are no weights: RoPE's inverse frequencies, which transformers
+computes from config.json (and ignores in the file) but versions before 4.31 saved. `gguf`'s name map places them
+(`blk.N.attn_rot_embd`), and llama.cpp refuses a file with tensors its graph does not load ("wrong number of
+tensors"), so they are left out, as llama.cpp's own converter leaves them out."""
+
 
 @dataclass(frozen=True)
 class ExportReport:
@@ -79,6 +85,8 @@ def plan_model_tensors(model_dir: Path, layout: LlamaLayout, dtype: str) -> list
         raise ExportError(f"{model_dir} holds no *.safetensors weights; re-save it with save_pretrained")
     plan = []
     for hf_name, (path, _, shape) in headers.items():
+        if hf_name.endswith(RECOMPUTED_BUFFERS):
+            continue
         gguf_name = layout.gguf_name(hf_name)
         if gguf_name is not None:
             plan.append(PlannedTensor(gguf_name, shape, tensor_dtype(shape, dtype), _loader(path, hf_name, layout)))
