@@ -365,3 +365,23 @@ def test_rope_inverse_frequencies_saved_with_the_weights_are_left_out(tmp_path, 
     reference = transformers_logits(model_dir, [ids])[0]
     assert_within_ulps(llama_cpp_logits(report.out, ids), reference, LIBRARY_ULPS, what="f32")
     assert report.num_tensors == len(weights) - 2
+
+
+@pytest.mark.parametrize("source", ["model", "adapter-base"])
+def test_a_truncated_weight_file_is_a_one_line_error(exported, tmp_path, tiny_base_dir, capsys, source):
+    """A shard cut short (a killed copy) was a SafetensorError traceback, exit 1; for `--adapter` too, whose
+    `--base` is read for its tensor headers."""
+    model_dir = tmp_path / "cut"
+    shutil.copytree(tiny_base_dir, model_dir)
+    weights = model_dir / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-1000])
+    out = tmp_path / "x.gguf"
+    chosen = (
+        ["--model", str(model_dir)]
+        if source == "model"
+        else ["--adapter", str(exported["adapter"]), "--base", str(model_dir)]
+    )
+    assert cli_main(["export", "gguf", *chosen, "--out", str(out)]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert f"{weights}: it has" in line and "truncated or corrupt; re-download or re-save the model" in line
+    assert not list(tmp_path.glob("*.gguf*"))
