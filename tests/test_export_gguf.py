@@ -385,3 +385,15 @@ def test_a_truncated_weight_file_is_a_one_line_error(exported, tmp_path, tiny_ba
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert f"{weights}: it has" in line and "truncated or corrupt; re-download or re-save the model" in line
     assert not list(tmp_path.glob("*.gguf*"))
+
+
+@pytest.mark.parametrize("config", ["{", "[1, 2]"], ids=["cut-short", "not-an-object"])
+def test_a_config_json_that_is_no_json_object_is_a_one_line_error(tmp_path, tiny_base_dir, capsys, config):
+    """A config.json cut short was a JSONDecodeError traceback (exit 1), one that is a list an AttributeError."""
+    model_dir = tmp_path / "broken"
+    shutil.copytree(tiny_base_dir, model_dir)
+    (model_dir / "config.json").write_text(config)
+    assert cli_main(["export", "gguf", "--model", str(model_dir), "--out", str(tmp_path / "x.gguf")]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert f"{model_dir / 'config.json'} is not" in line and line.endswith("re-save the model with save_pretrained")
+    assert not list(tmp_path.glob("*.gguf*"))

@@ -183,7 +183,13 @@ def read_layout(model_dir: Path) -> LlamaLayout:
     config_file = Path(model_dir) / "config.json"
     if not config_file.is_file():
         raise ExportError(f"{model_dir} has no config.json; give a model directory written by save_pretrained")
-    return layout_from_config(json.loads(config_file.read_text(encoding="utf-8")), str(model_dir))
+    try:  # a config cut short or hand-edited was a JSONDecodeError traceback
+        config = json.loads(config_file.read_text(encoding="utf-8"))
+    except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError
+        raise ExportError(f"{config_file} is not valid JSON ({exc}); re-save the model with save_pretrained") from None
+    if not isinstance(config, dict):
+        raise ExportError(f"{config_file} is not a JSON object; re-save the model with save_pretrained")
+    return layout_from_config(config, str(model_dir))
 
 
 def write_hyperparameters(writer: Any, layout: LlamaLayout) -> None:
