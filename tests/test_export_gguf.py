@@ -397,3 +397,23 @@ def test_a_config_json_that_is_no_json_object_is_a_one_line_error(tmp_path, tiny
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert f"{model_dir / 'config.json'} is not" in line and line.endswith("re-save the model with save_pretrained")
     assert not list(tmp_path.glob("*.gguf*"))
+
+
+def _limit_file_size() -> None:
+    """In the child: files may not grow past 64 KiB (a full disk, for writers), and the limit is an error."""
+    import resource
+    import signal
+
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 10, 64 << 10))
+
+
+def test_a_full_disk_while_writing_tensors_is_one_line_and_leaves_nothing(tmp_path, tiny_base_dir):
+    """numpy's `tofile` reports a short write as "N requested and M written", an OSError without errno: a disk
+    filling up while the tensors were written (past the metadata, 64 KiB here) was a traceback with exit 1."""
+    out = tmp_path / "m.gguf"
+    argv = [sys.executable, "-m", "finetune", "export", "gguf", "--model", str(tiny_base_dir), "--out", str(out)]
+    done = subprocess.run(argv, capture_output=True, text=True, preexec_fn=_limit_file_size, timeout=300)
+    (line,) = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and line.startswith(f"error: cannot write {out}: File too large;"), done.stderr
+    assert "nothing was left behind" in line and not list(tmp_path.iterdir())

@@ -63,6 +63,18 @@ def tensor_dtype(shape: Sequence[int], requested: str) -> str:
     return requested
 
 
+class _WrittenByPython(np.ndarray):
+    """An array whose `tofile` (what `GGUFWriter.write_tensor_data` calls) goes through the file object's `write`.
+
+    numpy's `tofile` reports a write cut short by a full disk or a file-size limit as "N requested and M
+    written", an OSError without errno, so `atomic_file` could not say the disk was full and the export ended
+    in a traceback (exit 1); Python's `write` raises the same failure with its errno (ENOSPC, EFBIG).
+    """
+
+    def tofile(self, fid, *args, **kwargs) -> None:
+        fid.write(np.ascontiguousarray(self).reshape(-1).view(np.uint8).data)
+
+
 @dataclass(frozen=True)
 class PlannedTensor:
     """One tensor of the file: its GGUF name, its shape (numpy order: rows first), encoding and loader."""
@@ -121,7 +133,7 @@ def write_gguf(
             for tensor in tensors:
                 data = tensor.load()
                 assert tuple(data.shape) == tensor.shape, (tensor.name, data.shape, tensor.shape)
-                writer.write_tensor_data(encode(data, tensor.dtype))
+                writer.write_tensor_data(encode(data, tensor.dtype).view(_WrittenByPython))
         finally:
             writer.close()
     return out
