@@ -417,3 +417,14 @@ def test_a_full_disk_while_writing_tensors_is_one_line_and_leaves_nothing(tmp_pa
     (line,) = done.stderr.strip().splitlines()
     assert done.returncode == 2 and line.startswith(f"error: cannot write {out}: File too large;"), done.stderr
     assert "nothing was left behind" in line and not list(tmp_path.iterdir())
+
+
+def test_a_q8_0_lora_says_which_tensors_it_wrote_as_f16(exported):
+    """B's rows are rank-long (8 here): q8_0 cannot pack them, so every B is f16. The model export's summary said
+    so for its tensors; the adapter's said only "(q8_0)" for a file whose B matrices all were f16."""
+    import gguf
+
+    report = export_lora_gguf(exported["adapter"], exported["root"] / "adapter-q8_0.gguf", dtype="q8_0")
+    kinds = [t.tensor_type.name for t in gguf.GGUFReader(report.out).tensors]
+    assert kinds.count("F16") == 14 and kinds.count("Q8_0") == 14
+    assert "14 tensors with rows not a multiple of 32 written as f16" in report.summary()

@@ -20,7 +20,7 @@ from finetune.adapters.lora import read_adapter
 from finetune.adapters.tensor_index import TensorIndex
 from finetune.errors import ExportError
 from finetune.export.gguf_file import PlannedTensor, file_type, tensor_dtype, write_gguf
-from finetune.export.gguf_model import ExportReport, check_dtype, whole_model_dir
+from finetune.export.gguf_model import ExportReport, check_dtype, fallback_notes, whole_model_dir
 from finetune.export.llama_layout import GGUF_ARCH, SUPPORTED_ARCHITECTURES, LlamaLayout, read_layout
 
 
@@ -122,7 +122,7 @@ def export_lora_gguf(
 
     written = write_gguf(out, GGUF_ARCH, add_metadata, tensors)
     trained_on = adapter.trained_quantization
-    notes: tuple[str, ...] = (f"base {base_ref}",)
+    notes = (f"base {base_ref}", *fallback_notes(tensors, dtype))
     if trained_on is not None and trained_on.method != "none":  # QLoRA: learned against the dequantized weights
         notes += (
             f"trained on a {trained_on.describe()} base: llama.cpp applies it to the base's GGUF as exported (from "

@@ -75,6 +75,15 @@ def whole_model_dir(ref: str) -> Path:
     return model_dir
 
 
+def fallback_notes(tensors: list[PlannedTensor], dtype: str) -> tuple[str, ...]:
+    """The summary's note on 2-D tensors not written as `dtype` (q8_0 rows not a multiple of 32: f16), if any.
+
+    A LoRA's B has rank-long rows, so at the usual ranks (8, 16) every B of a q8_0 adapter is f16.
+    """
+    fallbacks = sorted({t.name for t in tensors if t.dtype != dtype and len(t.shape) > 1})
+    return (f"{len(fallbacks)} tensors with rows not a multiple of 32 written as f16",) if fallbacks else ()
+
+
 def _block_order(name: str) -> tuple[int, str]:
     """Sort key: non-block tensors first, then block by block (numerically), names within."""
     parts = name.split(".")
@@ -148,10 +157,7 @@ def export_model_gguf(
             writer.add_string(LEDGER_METADATA_KEY, json.dumps(ledger, sort_keys=True))
 
     written = write_gguf(out, GGUF_ARCH, add_metadata, tensors)
-    fallbacks = sorted({t.name for t in tensors if t.dtype != dtype and len(t.shape) > 1})
-    notes: tuple[str, ...] = (
-        (f"{len(fallbacks)} tensors with rows not a multiple of 32 written as f16",) if fallbacks else ()
-    )
+    notes = fallback_notes(tensors, dtype)
     if layout.sliding_window:
         notes += (
             f"context length {layout.context_length}: the sliding window, which llama.cpp's llama graph does not "
