@@ -334,6 +334,41 @@ CASES = [
     ),  # fmt: skip
     Case("adapter-weight-not-a-number", (*MERGE, f"{ADAPTER}:heavy", "--out", "merged"), ("heavy",)),
     Case("merge-out-exists", (*MERGE, ADAPTER, "--out", "folder"), ("folder already exists",), make_dir("folder")),
+    # a merged model's own shards were never checked (its base's fingerprint is read from its ledger): safetensors'
+    # "incomplete metadata" traceback, exit 1, when the stream opened them
+    *(
+        Case(
+            f"{command}-from-a-truncated-merged-model",
+            argv,
+            ("merged0/model.safetensors", "truncated"),
+            both(lambda work: _merge_into(work, "merged0"), truncate("merged0/model.safetensors", 0.9)),
+        )
+        for command, argv in (
+            (
+                "swap",
+                ("adapters", "swap", "--model", "merged0", "--remove", ADAPTER, "--add", ADAPTER, "--out", "merged"),
+            ),
+            ("merge", ("adapters", "merge", "--base", "merged0", "--adapter", f"{ADAPTER}:0.5", "--out", "merged")),
+        )
+    ),  # fmt: skip
+    Case(
+        "subtract-over-a-truncated-pristine-base",
+        (
+            "adapters",
+            "subtract",
+            "--model",
+            "merged0",
+            "--adapter",
+            ADAPTER,
+            "--base",
+            "base2",
+            "--force",
+            "--out",
+            "merged",
+        ),
+        ("base2/model.safetensors", "truncated"),
+        both(lambda work: _merge_into(work, "merged0"), copy_dir("base", "base2"), truncate("base2/model.safetensors")),
+    ),  # fmt: skip
     Case(
         "info-truncated",
         ("adapters", "info", ADAPTER),
@@ -477,6 +512,10 @@ def _adapter_of_another_size(work: Path) -> None:
     build_tiny_llama(tokenizer, seed=7, **{**TEST_SHAPE, "intermediate_size": 96}).save_pretrained(work / "other")
     tokenizer.save_pretrained(work / "other")
     make_adapter(work / "other", work / "other-adapter", seed=3, targets=("down_proj",), manifest=False)
+
+
+def _merge_into(work: Path, out: str) -> None:
+    assert main([*MERGE, ADAPTER, "--out", out]) == 0
 
 
 def _pickle_adapter(work: Path) -> None:

@@ -383,7 +383,7 @@ def test_a_truncated_weight_file_is_a_one_line_error(exported, tmp_path, tiny_ba
     )
     assert cli_main(["export", "gguf", *chosen, "--out", str(out)]) == 2
     (line,) = capsys.readouterr().err.strip().splitlines()
-    assert f"{weights}: it has" in line and "truncated or corrupt; re-download or re-save the model" in line
+    assert f"{weights}: it has" in line and "truncated or corrupt; re-create, re-download or re-copy that model" in line
     assert not list(tmp_path.glob("*.gguf*"))
 
 

@@ -137,12 +137,24 @@ def resolve_base(
 
 
 def resolve_model_dir(ref: str) -> Path:
-    """A local model directory with safetensors weights for `ref` (a path, `embedded:*`, or a cached hub id)."""
+    """A local model directory with whole safetensors weights for `ref` (a path, `embedded:*`, or a cached hub id).
+
+    Every weight file's header is checked here, the one gate of the on-disk arithmetic's source model (a merged one
+    included, whose files the fingerprint of a plain base never reads) and of its pristine base: a file cut short
+    by a full disk or a killed copy is one error naming it, not safetensors' traceback when the stream opens it.
+
+    Raises:
+        AdapterError: not a model directory, or no safetensors weights.
+        ModelError: a weight file is not whole (truncated, a Git LFS pointer).
+    """
     directory = local_model_dir(resolve_base_id(ref))
     if directory is None or not (directory / "config.json").is_file():
         raise AdapterError(f"{ref} is not a model directory (no config.json) nor a cached hub model; give a local path")
-    if not weight_files(directory):
+    files = weight_files(directory)
+    if not files:
         raise AdapterError(f"{directory} holds no *.safetensors weights; re-save it with save_pretrained (safetensors)")
+    for file in files:
+        check_safetensors(file, ModelError, "re-create, re-download or re-copy that model")
     return directory
 
 

