@@ -255,3 +255,29 @@ def test_a_combined_adapter_keeps_the_4bit_settings_its_adapters_were_trained_wi
     combine_adapters(adapters, tmp_path / "both", weights=[1.0, 0.5])
     recorded = read_adapter(tmp_path / "both").trained_quantization
     assert (recorded.method, recorded.quant_type, recorded.double_quant) == ("4bit", "fp4", False)
+
+
+def test_the_manifest_records_the_base_and_every_input_whatever_their_order(tmp_path, tiny_base_dir, monkeypatch):
+    """A first input without a manifest (a plain peft adapter) made combine write none, so the combined adapter lost
+    the base fingerprint its other inputs carried (merging it elsewhere warned instead of refusing); the inputs were
+    recorded by the path as typed, relative to a directory the reader may not be in, and without their sha256."""
+    import hashlib
+
+    from finetune.manifest import read_manifest
+
+    monkeypatch.chdir(tmp_path)
+    make_adapter(tiny_base_dir, tmp_path / "plain", seed=4, targets=("q_proj",), manifest=False)
+    make_adapter(tiny_base_dir, tmp_path / "recorded", seed=5, targets=("v_proj",))
+    expected_base = read_manifest(tmp_path / "recorded").base
+    for order in (["plain", "recorded"], ["recorded", "plain"]):
+        out = tmp_path / f"mix-{order[0]}"
+        combine_adapters(order, out, weights=[1.0, -0.5])
+        manifest = read_manifest(out)
+        assert manifest is not None and manifest.base == expected_base
+        recorded = manifest.model_extra["combined_from"]
+        assert [entry["path"] for entry in recorded] == [str(tmp_path / name) for name in order]
+        assert [entry["weight"] for entry in recorded] == [1.0, -0.5]
+        sha = [
+            hashlib.sha256((tmp_path / name / "adapter_model.safetensors").read_bytes()).hexdigest() for name in order
+        ]
+        assert [entry["sha256"] for entry in recorded] == sha

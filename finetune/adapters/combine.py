@@ -301,20 +301,33 @@ def _quantization_recipe(adapters: list[Adapter]) -> dict | None:
     return {"model": recorded.as_record()} if recorded is not None and recorded.method != "none" else None
 
 
+def _provenance(adapters: list[Adapter], weights: list[float]) -> list[dict]:
+    """What `combined_from` records of each input, as a merge's ledger does: its name, its absolute path (a relative
+    one named another directory once the user changed directory), its weight, and the sha256 of its weights file,
+    by which a later reader can tell whether the adapter at that path is still the one combined."""
+    return [
+        {"name": a.name, "path": str(a.path.resolve()), "weight": w, "sha256": a.file_sha256}
+        for a, w in zip(adapters, weights)
+    ]
+
+
 def _write(out, config: dict, tensors: dict, adapters: list[Adapter], weights: list[float], method: str) -> None:
+    """The combined adapter, with a manifest when any input has one: the base record is the first manifest's (the
+    inputs' fingerprints agree, `_check_compatible`), whatever the order; a first input without a manifest dropped
+    the base's fingerprint and the record of the combination altogether."""
     from safetensors.torch import save_file
 
     with staging_dir(out) as tmp:
         (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         save_file(tensors, str(tmp / SAFETENSORS_NAME), metadata={"format": "pt"})
-        manifest = adapters[0].manifest
+        manifest = next((a.manifest for a in adapters if a.manifest is not None), None)
         if manifest is not None:
             combined = Manifest(
                 name=Path(out).name,
                 base=manifest.base,
                 versions=library_versions(),
                 created=now_iso(),
-                combined_from=[{"name": a.name, "path": str(a.path), "weight": w} for a, w in zip(adapters, weights)],
+                combined_from=_provenance(adapters, weights),
                 combine_method=method,
                 recipe=_quantization_recipe(adapters),
             )
