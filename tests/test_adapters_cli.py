@@ -157,6 +157,19 @@ def test_info_shows_the_per_module_alphas_beside_the_adapters_alpha(tmp_path, ti
     assert "rank: 4  alpha: 8 (q_proj=32)  rslora" in capsys.readouterr().out
 
 
+def test_ranks_are_listed_in_numeric_order(tmp_path, tiny_base_dir, capsys):
+    """A rank_pattern (every combined adapter has one) gave "12/2/6" in the table, info and `--json`'s ranks."""
+    store = tmp_path / "store"
+    make_adapter(tiny_base_dir, store / "mixed", seed=3, r=2, targets=("q_proj", "v_proj", "o_proj"),
+                 rank_pattern={"layers.0.self_attn.q_proj": 12, "layers.1.self_attn.v_proj": 6})  # fmt: skip
+    assert run("list", store) == 0
+    assert " 2/6/12 " in capsys.readouterr().out
+    assert run("list", store, "--json") == 0
+    assert json.loads(capsys.readouterr().out)[0]["ranks"] == [2, 6, 12]
+    assert run("info", store / "mixed") == 0
+    assert "rank: 2/6/12  alpha" in capsys.readouterr().out
+
+
 def test_an_adapter_without_its_weights_file_is_a_problem_row_not_a_whole_adapter(tmp_path, adapter_dirs, capsys):
     """A directory with adapter_config.json and no weights (a copy cut short) was listed as healthy, 0 B."""
     store = tmp_path / "store"

@@ -46,8 +46,9 @@ def _config(adapter_dir: Path) -> dict:
 
 
 def _rank(config: dict) -> str:
+    """The ranks smallest first, as numbers ("2/6/12"; sorted as text they read "12/2/6", and `--json` kept it)."""
     ranks = {config.get("r", "?"), *(config.get("rank_pattern") or {}).values()}
-    return "/".join(str(r) for r in sorted(ranks, key=str))
+    return "/".join(str(r) for r in sorted(ranks, key=lambda r: (isinstance(r, str), 0 if isinstance(r, str) else r)))
 
 
 def _targets(config: dict, adapter_dir: Path) -> str:
