@@ -281,3 +281,18 @@ def test_the_manifest_records_the_base_and_every_input_whatever_their_order(tmp_
             hashlib.sha256((tmp_path / name / "adapter_model.safetensors").read_bytes()).hexdigest() for name in order
         ]
         assert [entry["sha256"] for entry in recorded] == sha
+
+
+@pytest.mark.parametrize(("method", "weights", "density"), [("cat", [3e38, 1.0], 0.5), ("svd", [3e38, 1.0], 0.5),
+                                                             ("dare", [1e36, 1.0], 1e-3)])  # fmt: skip
+def test_a_combination_past_float32s_range_is_refused_and_nothing_written(
+    tmp_path, adapter_dirs, method, weights, density
+):
+    """cat wrote an adapter holding Inf (exit 0, "relative error nan"), which every later command refused; svd and
+    dare (1/density rescale) stopped on torch's LinAlgError. README: NaN/Inf updates are refused before writing."""
+    from finetune.errors import AdapterError
+
+    paths = [adapter_dirs["legal"], adapter_dirs["med"]]
+    with pytest.raises(AdapterError, match="NaN/Inf in model.layers"):
+        combine_adapters(paths, tmp_path / "mix", weights=weights, method=method, density=density, seed=1)
+    assert list(tmp_path.iterdir()) == []

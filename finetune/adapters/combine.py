@@ -129,12 +129,28 @@ def _check_compatible(adapters: list[Adapter]) -> None:
                 )
 
 
+def _check_finite(module: str, *tensors: torch.Tensor) -> None:
+    """Refuse a combination past float32's range (weights of 1e38, dare's rescale by 1/density): it was written as an
+    adapter holding Inf, exit 0, that every later command refused, or it stopped svd with a LinAlgError traceback."""
+    if not all(bool(torch.isfinite(tensor).all()) for tensor in tensors):
+        raise AdapterError(
+            f"combining gives NaN/Inf in {module}: the weighted updates exceed float32's range; lower --weights "
+            "(or raise --density); nothing was written"
+        )
+
+
 def _combine_module(
-    parts: list[tuple[LoraWeights, float]], method: str, target_rank: int, density: float, generator: torch.Generator
+    module: str,
+    parts: list[tuple[LoraWeights, float]],
+    method: str,
+    target_rank: int,
+    density: float,
+    generator: torch.Generator,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """One module's combination: (exact weighted sum of the ΔW, A, B, the ΔW that A and B give)."""
     tasks = [lora.delta(w) for lora, w in parts]
     exact = torch.stack(tasks).sum(dim=0)
+    _check_finite(module, exact)
     if parts[0][0].num_experts > 1:
         return exact, *_cat_experts(parts)
     if method == "cat":
@@ -148,6 +164,7 @@ def _combine_module(
         merged = _ties(tasks, density)
     else:
         merged = _dare(tasks, density, generator)
+    _check_finite(module, merged)
     A, B = _low_rank(merged.T if parts[0][0].fan_in_fan_out else merged, target_rank)
     return exact, A, B, (B @ A).T if parts[0][0].fan_in_fan_out else B @ A
 
@@ -244,7 +261,8 @@ def combine_adapters(
     expert_modules: set[str] = set()  # peft's wrappers of expert tensors: targeted by target_parameters
     for module in modules:
         parts = [(a.modules[module], w) for a, w in zip(adapters, weights) if module in a.modules]
-        exact, A, B, combined = _combine_module(parts, method, target_rank, density, generator)
+        exact, A, B, combined = _combine_module(module, parts, method, target_rank, density, generator)
+        _check_finite(module, A, B)
         error = (combined - exact).norm().item()
         norm = exact.norm().item()
         error_squared, norm_squared = error_squared + error**2, norm_squared + norm**2
