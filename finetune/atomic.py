@@ -50,10 +50,14 @@ def staging_path(final: Path) -> Path:
 
 
 def remove_stale_staging(final: Path) -> None:
-    """Delete hidden siblings of `final` (staging or set aside) left by writers that were killed."""
-    for mark in (STAGING_MARK, SET_ASIDE_MARK):
-        for stale in final.parent.glob(f".{final.name}{mark}*"):
-            shutil.rmtree(stale, ignore_errors=True)
+    """Delete hidden siblings of `final` (staging or set aside) left by writers that were killed (or by this process).
+
+    A sibling of a writer still running is kept: two commands writing the same target at once (two `adapters
+    merge --out m` in two terminals) each deleted the other's staging directory under it, and the first to start
+    failed with a FileNotFoundError traceback; now the second to finish is told the target appeared meanwhile.
+    """
+    for stale in _left_by_gone_writers(final, (STAGING_MARK, SET_ASIDE_MARK)):
+        shutil.rmtree(stale, ignore_errors=True)
 
 
 def remove_dead_writers_staging(final: Path) -> None:
@@ -61,10 +65,19 @@ def remove_dead_writers_staging(final: Path) -> None:
     turn into an exception), as `atomic_directory` deletes stale staging directories; otherwise each killed
     GGUF export leaves a hidden file of up to the model's size that nothing removes. Only dead writers' files
     go: a process still writing the same file keeps its staging."""
-    for stale in final.parent.glob(f".{final.name}{STAGING_MARK}*"):
-        pid = stale.name.rsplit(STAGING_MARK, 1)[1]
-        if pid.isdigit() and not process_alive(int(pid)) and stale.is_file():
+    for stale in _left_by_gone_writers(final, (STAGING_MARK,)):
+        if stale.is_file():
             stale.unlink(missing_ok=True)
+
+
+def _left_by_gone_writers(final: Path, marks: tuple[str, ...]) -> Iterator[Path]:
+    """Hidden siblings of `final` with one of `marks` whose writer (the pid after the mark) is no other live
+    process: gone, this process itself, or no pid at all."""
+    for mark in marks:
+        for sibling in final.parent.glob(f".{final.name}{mark}*"):
+            pid = sibling.name.rsplit(mark, 1)[1]
+            if not pid.isdigit() or int(pid) == os.getpid() or not process_alive(int(pid)):
+                yield sibling
 
 
 def process_alive(pid: int) -> bool:
