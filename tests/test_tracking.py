@@ -135,24 +135,81 @@ def test_a_tracker_that_fails_to_start_is_a_one_line_error(workdir, monkeypatch,
     assert not (workdir / "adapters").exists()
 
 
+def _interrupted_and_resumed(name: str, report_to: str) -> Path:
+    """A run of 4 steps with a checkpoint at step 2, interrupted once step 3 was logged (before the adapter), then
+    resumed from step 2: its trackers first saw steps 1-3, the resumed process trains 3 and 4 again. The run
+    directory is absolute: wandb's service, started by an earlier test in another working directory, would
+    resolve a relative one against that."""
+    import finetune
+
+    overrides = ["train.max_steps=4", "train.save_every_steps=2", "train.log_every_steps=1", f"output.name={name}"]
+    overrides += [f"train.report_to={report_to}", f"output.run_dir={Path.cwd() / 'runs' / name}"]
+
+    def stop_at_4(step: int, metrics: dict) -> None:
+        if step == 4:
+            raise KeyboardInterrupt  # after step 3 was logged, before the adapter
+
+    with pytest.raises(KeyboardInterrupt):
+        finetune.train("recipe.yaml", overrides, log=lambda line: None, on_step=stop_at_4)
+    finetune.train("recipe.yaml", overrides, log=lambda line: None, resume=True)
+    return Path("runs") / name
+
+
 def test_a_resumed_runs_tensorboard_holds_each_step_once(workdir):
     """metrics.jsonl drops what a resumed run trains again; TensorBoard showed those steps twice (the stale ones
     with another throughput) and the base model's figures again at the resume step. The resumed writer purges
     what comes after the checkpoint, so the event files read back as metrics.jsonl."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    import finetune
-
-    overrides = ["train.max_steps=4", "train.save_every_steps=2", "train.log_every_steps=1", "output.name=tb"]
-
-    def stop_at_4(step: int, metrics: dict) -> None:
-        if step == 4:
-            raise KeyboardInterrupt  # after step 3 was logged, before the adapter: resumed from step 2
-
-    with pytest.raises(KeyboardInterrupt):
-        finetune.train("recipe.yaml", overrides, log=lambda line: None, on_step=stop_at_4)
-    finetune.train("recipe.yaml", overrides, log=lambda line: None, resume=True)
-    run_dir = workdir / "runs" / "tb"
+    run_dir = _interrupted_and_resumed("tb", "[tensorboard]")
     events = EventAccumulator(str(run_dir / "tensorboard")).Reload()
     recorded = {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
     _assert_series_equal(recorded, _expected_series(run_dir))
+
+
+def test_a_resumed_runs_mlflow_and_wandb_runs_hold_each_step_once(workdir, monkeypatch):
+    """The resumed process started new runs in MLflow and wandb holding only steps 3-4 (no base figures, none of
+    steps 1-2), beside the interrupted runs' step 3 of other values: the history was in two runs, one step in both.
+    The new runs are first sent the history metrics.jsonl keeps, so each reads back as metrics.jsonl."""
+    from mlflow.tracking import MlflowClient
+    from run_fixtures import tracker_environment
+
+    for key, value in tracker_environment(workdir).items():
+        monkeypatch.setenv(key, value)
+    run_dir = _interrupted_and_resumed("twice", "[tensorboard,mlflow,wandb]")
+    expected = _expected_series(run_dir)
+
+    client = MlflowClient()
+    (experiment,) = [e for e in client.search_experiments() if e.name == "finetune"]
+    resumed, interrupted = client.search_runs([experiment.experiment_id], order_by=["attributes.start_time DESC"])
+    assert resumed.info.run_name == interrupted.info.run_name == "twice"
+    history = {
+        key: [(m.step, m.value) for m in client.get_metric_history(resumed.info.run_id, key)] for key in expected
+    }
+    _assert_series_equal(history, expected)
+
+    (run_file,) = (run_dir / "wandb" / "latest-run").glob("run-*.wandb")
+    recorded: dict[str, list[tuple[int, float]]] = {}
+    for record in _wandb_records(run_file):
+        if record.WhichOneof("record_type") == "history":
+            row = {item.key or ".".join(item.nested_key): json.loads(item.value_json) for item in record.history.item}
+            for key, value in row.items():
+                recorded.setdefault(key, []).append((row["_step"], value))
+    _assert_series_equal(recorded, expected)
+
+
+def test_a_resumed_runs_trackio_run_holds_each_step_once(workdir, monkeypatch):
+    """trackio, where installed: the resumed run's records (its local database) are metrics.jsonl's, each step once."""
+    pytest.importorskip("trackio")
+    from trackio.sqlite_storage import SQLiteStorage
+
+    monkeypatch.setattr("trackio.sqlite_storage.TRACKIO_DIR", workdir / "trackio")  # read once, at import
+    run_dir = _interrupted_and_resumed("twice", "[trackio]")
+    expected = _expected_series(run_dir)
+    interrupted, resumed = SQLiteStorage.get_run_records("finetune")
+    assert interrupted["name"] == resumed["name"] == "twice"
+    recorded: dict[str, list[tuple[int, float]]] = {}
+    for row in SQLiteStorage.get_logs("finetune", resumed["name"], run_id=resumed["id"]):
+        for key in expected.keys() & row.keys():
+            recorded.setdefault(key, []).append((row["step"], row[key]))
+    _assert_series_equal(recorded, expected)

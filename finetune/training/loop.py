@@ -133,6 +133,8 @@ def _train(
         show_bar=show_bar,
         record=trackers.log,
     )
+    if run.step and run.is_main:  # resumed: the trackers' new runs get the history kept up to the checkpoint
+        trackers.resend_history(run.run_dir / "metrics.jsonl")
     say(
         f"training {run.length.total_steps} steps ({run.length.micro_batches_per_epoch} micro-batches per epoch, "
         f"{recipe.train.grad_accum_steps} per step, {run.accelerator.num_processes} process(es))"

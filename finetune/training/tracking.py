@@ -16,15 +16,25 @@ of them from the main process. This module chooses and checks them, and feeds th
 A tracker whose package is missing is a recipe error naming the package, before anything is loaded
 (`finetune.recipe.TRACKER_PACKAGES`).
 
+A resumed run (`--resume`) starts a new run in wandb, MLflow and trackio, and first sends it the history that
+metrics.jsonl keeps (up to the checkpoint, with the base model's figures at step 0): none of them can drop points
+from a run it holds (wandb's rewind is a server feature, offline runs have none), so reopening the interrupted
+run would show the steps trained again twice, the killed process's values beside the resumed ones. The new run
+holds each step once, with the values of the run that wrote the adapter; the interrupted run stays, as it was
+left. TensorBoard keeps one run directory and purges the steps trained again (`log_with`).
+
 Example:
     accelerator = Accelerator(log_with=log_with(recipe))
-    trackers = Trackers.start(accelerator, recipe, base_eval={"eval_loss": 5.8, "eval_ppl": 345.5})
+    trackers = Trackers.start(accelerator, recipe, base_eval={"eval_loss": 5.8, "eval_ppl": 345.5}, step=0)
+    trackers.resend_history(run_dir / "metrics.jsonl")   # a resumed run (step > 0), once its log has truncated it
 """
 
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from finetune.errors import TrainingError, first_line
@@ -70,8 +80,9 @@ def flat_config(values: Mapping[str, Any], prefix: str = "") -> dict[str, str | 
 class Trackers:
     """The accelerator's trackers for one run: started with the recipe, fed records, finished once."""
 
-    def __init__(self, accelerator: Any) -> None:
+    def __init__(self, accelerator: Any, base_metrics: Mapping[str, float] | None = None) -> None:
         self.accelerator = accelerator
+        self.base_metrics = dict(base_metrics or {})  # the held-out figures before training, as logged at step 0
 
     @classmethod
     def start(cls, accelerator: Any, recipe: Recipe, base_eval: Mapping[str, float], step: int) -> Trackers:
@@ -95,10 +106,27 @@ class Trackers:
                 f"train.report_to {recipe.train.report_to}: a tracker failed to start ({type(exc).__name__}: "
                 f"{first_line(exc)}); fix its settings (environment variables, login) or leave it out of train.report_to"
             ) from None
-        trackers = cls(accelerator)
-        if base_eval and step == 0:  # a resumed run's were logged at its start, at step 0
-            trackers.log(step, {f"{recipe.start_metrics_prefix}{key}": value for key, value in base_eval.items()})
+        trackers = cls(accelerator, {f"{recipe.start_metrics_prefix}{key}": value for key, value in base_eval.items()})
+        if trackers.base_metrics and step == 0:  # a resumed run sends them with its history (`resend_history`)
+            trackers.log(step, trackers.base_metrics)
         return trackers
+
+    def resend_history(self, metrics_path: Path) -> None:
+        """Send a resumed run's new tracker runs what the run logged before its checkpoint: the base model's figures
+        at step 0, then each record metrics.jsonl keeps (call it once the log has dropped those past the checkpoint).
+        Not to TensorBoard, whose run directory still holds them. A null (a non-finite value) is sent as NaN."""
+        targets = [tracker for tracker in self.accelerator.trackers if tracker.name != "tensorboard"]
+        if not targets or not self.accelerator.is_main_process:
+            return
+        history = [(0, self.base_metrics)] if self.base_metrics else []
+        if metrics_path.exists():
+            for line in metrics_path.read_bytes().decode("utf-8", errors="replace").splitlines():
+                record = json.loads(line)
+                step = record.pop("step")
+                history.append((step, {key: math.nan if value is None else value for key, value in record.items()}))
+        for step, values in history:
+            for tracker in targets:
+                tracker.log(values, step=step)
 
     def log(self, step: int, values: Mapping[str, float]) -> None:
         """Send one record (as written to metrics.jsonl) to every tracker."""
