@@ -137,13 +137,11 @@ def test_a_tracker_that_fails_to_start_is_a_one_line_error(workdir, monkeypatch,
 
 def _interrupted_and_resumed(name: str, report_to: str) -> Path:
     """A run of 4 steps with a checkpoint at step 2, interrupted once step 3 was logged (before the adapter), then
-    resumed from step 2: its trackers first saw steps 1-3, the resumed process trains 3 and 4 again. The run
-    directory is absolute: wandb's service, started by an earlier test in another working directory, would
-    resolve a relative one against that."""
+    resumed from step 2: its trackers first saw steps 1-3, the resumed process trains 3 and 4 again."""
     import finetune
 
     overrides = ["train.max_steps=4", "train.save_every_steps=2", "train.log_every_steps=1", f"output.name={name}"]
-    overrides += [f"train.report_to={report_to}", f"output.run_dir={Path.cwd() / 'runs' / name}"]
+    overrides += [f"train.report_to={report_to}"]
 
     def stop_at_4(step: int, metrics: dict) -> None:
         if step == 4:
@@ -213,3 +211,35 @@ def test_a_resumed_runs_trackio_run_holds_each_step_once(workdir, monkeypatch):
         for key in expected.keys() & row.keys():
             recorded.setdefault(key, []).append((row["step"], row[key]))
     _assert_series_equal(recorded, expected)
+
+
+def test_wandb_keeps_a_runs_history_after_the_process_changed_directory(workdir, tmp_path_factory, monkeypatch):
+    """Two runs in one process, the second after a chdir, each with a relative run directory: wandb's service,
+    started in the first directory, resolved the second run's against it and wrote its run file nowhere (the
+    offline run directory held logs and no history). Each run directory now holds its own run's records."""
+    import shutil
+
+    from run_fixtures import tracker_environment
+
+    import finetune
+
+    for key, value in tracker_environment(workdir).items():
+        monkeypatch.setenv(key, value)
+    other = tmp_path_factory.mktemp("other")
+    for name in ("recipe.yaml", "train.jsonl", "valid.jsonl"):
+        shutil.copy(workdir / name, other / name)
+    overrides = ["train.max_steps=2", "train.report_to=[wandb]"]
+    finetune.train("recipe.yaml", overrides, log=lambda line: None)
+    monkeypatch.chdir(other)
+    finetune.train("recipe.yaml", overrides, log=lambda line: None)
+    for root in (workdir, other):
+        run_dir = root / "runs" / "crates"
+        (run_file,) = (run_dir / "wandb").glob("offline-run-*/run-*.wandb")
+        steps = {
+            json.loads(item.value_json)
+            for record in _wandb_records(run_file)
+            if record.WhichOneof("record_type") == "history"
+            for item in record.history.item
+            if (item.key or ".".join(item.nested_key)) == "_step"
+        }
+        assert steps == {0, 2}, root  # the base model at 0, then every log_every_steps (2)

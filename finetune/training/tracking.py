@@ -89,14 +89,18 @@ class Trackers:
         """Start a run in each tracker (main process), with the recipe as its configuration and the base
         model's held-out metrics (`base_eval_loss`, `base_eval_ppl`; `start_...` where the run starts from another
         adapter: `Recipe.start_metrics_prefix`) logged at `step` 0 (a resumed run, at a later `step`, logged them
-        when it started)."""
+        when it started).
+
+        wandb's directory is given absolute: its service process, started by the first run in a process, resolves a
+        relative one against its own working directory, so a later run after a `chdir` (a notebook, a script of
+        several runs) wrote its run file nowhere and lost its whole history without a word."""
         run_name = recipe.output.name
         try:
             accelerator.init_trackers(
                 recipe.train.tracker_project,
                 config=flat_config(recipe_to_dict(recipe)),
                 init_kwargs={
-                    "wandb": {"name": run_name, "dir": str(recipe.output.run_path)},
+                    "wandb": {"name": run_name, "dir": str(recipe.output.run_path.absolute())},
                     "mlflow": {"run_name": run_name},
                     "trackio": {"name": run_name},
                 },
