@@ -421,6 +421,28 @@ OWN_ROW_FORMATS = (*PREFERENCE_FORMATS, "prompt")
 
 TRACKER_PACKAGES = {"tensorboard": "tensorboard", "mlflow": "mlflow", "wandb": "wandb", "trackio": "trackio"}
 """`train.report_to` name -> the package that must be importable (and pip-installable under that name)."""
+TRACKER_DISTRIBUTIONS = {"mlflow": ("mlflow", "mlflow-skinny")}
+"""The installed distributions that provide a tracker's package, where not just the package's own name."""
+
+
+def tracker_installed(name: str) -> bool:
+    """Whether `train.report_to`'s `name` is installed as accelerate sees it: its package importable and one of
+    its distributions installed. `find_spec` alone takes a directory of the package's name on sys.path (the
+    working directory, under `python -m` or in a notebook: a `./wandb/` left by a script run elsewhere, a
+    `TRACKIO_DIR` of `./trackio`) for the package; accelerate then dropped the tracker without a word, and the
+    run reported to nothing."""
+    from importlib.metadata import PackageNotFoundError, distribution  # here: 11 ms of start-up otherwise
+
+    package = TRACKER_PACKAGES[name]
+    if importlib.util.find_spec(package) is None:
+        return False
+    for name_of_distribution in TRACKER_DISTRIBUTIONS.get(name, (package,)):
+        try:
+            distribution(name_of_distribution)
+            return True
+        except PackageNotFoundError:
+            continue
+    return False
 
 
 def _check_grpo_settings(train: TrainConfig) -> None:
@@ -710,7 +732,7 @@ class TrainConfig(_Section):
     def _trackers_installed(cls, value: list[str]) -> list[str]:
         for name in value:
             package = TRACKER_PACKAGES[name]
-            if importlib.util.find_spec(package) is None:
+            if not tracker_installed(name):
                 raise ValueError(f"{name} is not installed; pip install {package} (or pip install 'finetune[{name}]')")
         return value
 

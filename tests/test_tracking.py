@@ -125,6 +125,26 @@ def test_a_tracker_that_is_not_installed_is_a_one_line_error_before_training(wor
     assert not (workdir / "runs").exists() and not (workdir / "adapters").exists()
 
 
+def test_a_directory_named_like_a_tracker_is_not_taken_for_it(workdir, monkeypatch, capsys):
+    """`python -m finetune` and a notebook put the working directory on sys.path, and a `trackio/` there (its data
+    under `TRACKIO_DIR=./trackio`; a `wandb/` wandb leaves) is a namespace package to `find_spec`: the check passed,
+    accelerate (which also asks for the installed distribution) dropped the tracker with a debug line, and the run
+    trained reporting to nothing. Now the one-line error of a tracker that is not installed."""
+    from importlib.metadata import PackageNotFoundError, distribution
+
+    try:
+        distribution("trackio")
+        pytest.skip("trackio is installed here: a directory cannot stand in for it")
+    except PackageNotFoundError:
+        pass
+    (workdir / "trackio").mkdir()
+    monkeypatch.syspath_prepend(str(workdir))
+    assert cli_main(["train", "recipe.yaml", "train.report_to=[tensorboard,trackio]"]) == 2
+    error = capsys.readouterr().err
+    assert error.count("\n") == 1 and "trackio is not installed; pip install trackio" in error
+    assert not (workdir / "runs").exists() and not (workdir / "adapters").exists()
+
+
 def test_a_tracker_that_fails_to_start_is_a_one_line_error(workdir, monkeypatch, capsys):
     """MLflow with a tracking URI of no store it knows: its exception came out as a traceback after the model
     had loaded; now one line naming train.report_to, exit 2, and no adapter."""
