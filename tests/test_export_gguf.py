@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 import torch
 from helpers import ALL_LINEAR, LIBRARY_ULPS, REORDERED_ULPS, assert_within_ulps, make_adapter
+from safetensors.torch import load_file, save_file
 
 from finetune.cli import main as cli_main
 from finetune.errors import ExportError
@@ -325,11 +326,35 @@ def test_an_adapter_for_another_base_shape_is_refused_in_one_line(exported, tmp_
     assert not list(tmp_path.glob("*.gguf*"))
 
 
+def test_a_base_of_the_same_shapes_but_other_weights_is_refused_unless_forced(
+    exported, tmp_path, tiny_base_dir, capsys
+):
+    """Shapes alone passed a `--base` of other heads (same weight shapes), whose q/k rows the export orders by its
+    heads: a wrong file, exit 0. The base is checked against the adapter's recorded fingerprint, as a merge is."""
+    other = tmp_path / "other"
+    shutil.copytree(tiny_base_dir, other)
+    weights = load_file(other / "model.safetensors")
+    save_file({name: tensor + 1 if name.endswith("q_proj.weight") else tensor for name, tensor in weights.items()},
+              other / "model.safetensors", metadata={"format": "pt"})  # fmt: skip
+    out = tmp_path / "lora.gguf"
+    argv = ["export", "gguf", "--adapter", str(exported["adapter"]), "--base", str(other), "--out", str(out)]
+    assert cli_main(argv) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert f"but --base {other} is sha256:" in line and line.endswith("pass --force (force=True)")
+    assert not out.exists()
+    with pytest.warns(UserWarning, match="applied anyway"):
+        assert cli_main([*argv, "--force"]) == 0
+    assert out.read_bytes() == exported["lora"].read_bytes()  # same shapes and heads: the same file
+    the_base = ["export", "gguf", "--adapter", str(exported["adapter"]), "--base", str(tiny_base_dir)]
+    assert cli_main([*the_base, "--out", str(tmp_path / "same.gguf")]) == 0  # the recorded base passes
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [(["--model", "embedded:tiny-llama", "--base", "somewhere"], "--base goes with --adapter"),
-     (["--adapter", "adapters/a", "--name", "mine"], "--name goes with --model")],
-    ids=["base-with-model", "name-with-adapter"],
+     (["--adapter", "adapters/a", "--name", "mine"], "--name goes with --model"),
+     (["--adapter", "adapters/a", "--force"], "--force goes with --base")],
+    ids=["base-with-model", "name-with-adapter", "force-without-base"],
 )  # fmt: skip
 def test_an_option_of_the_other_source_is_refused_not_ignored(tmp_path, capsys, argv, message):
     assert cli_main(["export", "gguf", *argv, "--out", str(tmp_path / "x.gguf")]) == 2

@@ -28,6 +28,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--dtype", choices=DTYPE_CHOICES, help="weight encoding (default: f16 for a model, f32 for an adapter)"
     )
     gguf.add_argument("--base", help="--adapter: the base model directory (default: the one the adapter records)")
+    gguf.add_argument(
+        "--force", action="store_true", help="--adapter: export over a --base other than the one it was trained on"
+    )
     gguf.add_argument("--name", help="--model: general.name in the file (default: the directory name)")
     gguf.set_defaults(handler=run_export_gguf)
 
@@ -35,7 +38,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run_export_gguf(args: argparse.Namespace) -> int:
     from finetune.errors import FinetuneError
 
-    for option, value, goes_with in (("--base", args.base, "--adapter"), ("--name", args.name, "--model")):
+    pairs = (
+        ("--base", args.base, "--adapter"),
+        ("--name", args.name, "--model"),
+        ("--force", args.force or None, "--base"),
+    )
+    for option, value, goes_with in pairs:
         if value is not None and getattr(args, goes_with.removeprefix("--")) is None:  # else ignored, unsaid
             raise FinetuneError(f"{option} goes with {goes_with}; leave it out or export with {goes_with}")
     if args.model is not None:
@@ -45,6 +53,6 @@ def run_export_gguf(args: argparse.Namespace) -> int:
     else:
         from finetune.export.gguf_lora import export_lora_gguf
 
-        report = export_lora_gguf(args.adapter, args.out, dtype=args.dtype or "f32", base=args.base)
+        report = export_lora_gguf(args.adapter, args.out, dtype=args.dtype or "f32", base=args.base, force=args.force)
     print(report.summary())
     return 0

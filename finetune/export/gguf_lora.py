@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from finetune.adapters.fit import check_fingerprint
 from finetune.adapters.lora import read_adapter
 from finetune.adapters.resolved_base import resolve_model_dir
 from finetune.adapters.tensor_index import TensorIndex
@@ -23,6 +24,7 @@ from finetune.errors import ExportError
 from finetune.export.gguf_file import PlannedTensor, file_type, tensor_dtype, write_gguf
 from finetune.export.gguf_model import ExportReport, check_dtype, fallback_notes
 from finetune.export.llama_layout import GGUF_ARCH, SUPPORTED_ARCHITECTURES, LlamaLayout, read_layout
+from finetune.fingerprint import fingerprint_model_dir
 
 
 def _lora_tensors(adapter, layout: LlamaLayout, alpha: float, dtype: str) -> list[PlannedTensor]:
@@ -74,7 +76,7 @@ def _check_base_shapes(adapter, base_dir: Path) -> None:
 
 
 def export_lora_gguf(
-    adapter_dir: str | Path, out: str | Path, *, dtype: str = "f32", base: str | None = None
+    adapter_dir: str | Path, out: str | Path, *, dtype: str = "f32", base: str | None = None, force: bool = False
 ) -> ExportReport:
     """Export a peft LoRA adapter to a GGUF LoRA adapter for llama.cpp.
 
@@ -82,11 +84,14 @@ def export_lora_gguf(
         adapter_dir: the adapter directory (adapter_config.json + adapter_model.safetensors).
         out: the .gguf file to write (must not exist).
         dtype: encoding of A and B (f32 keeps the adapter exact).
-        base: the base model directory, for its shape; default: the base the adapter records.
+        base: the base model directory, for its shape; default: the base the adapter records. One given is checked
+            against the fingerprint the adapter records, as `adapters merge` checks it.
+        force: export over a `base` of another fingerprint anyway.
 
     Raises:
         ExportError: the base is not a supported architecture; the adapter targets something llama.cpp
-            cannot apply a LoRA to. `AdapterError` for adapters `read_adapter` refuses (DoRA, saved modules).
+            cannot apply a LoRA to. `AdapterError` for adapters `read_adapter` refuses (DoRA, saved modules) and for
+            a `base` of another fingerprint than the adapter's (without `force`).
     """
     import gguf
 
@@ -110,6 +115,8 @@ def export_lora_gguf(
     alpha = float(adapter.config.get("lora_alpha", 8))
     tensors = _lora_tensors(adapter, layout, alpha, dtype)
     _check_base_shapes(adapter, base_dir)
+    if base is not None:  # shapes alone pass a base of other heads, whose q/k rows the export then orders wrongly
+        check_fingerprint(adapter, fingerprint_model_dir(base_dir), f"--base {base}", force=force)
 
     def add_metadata(writer) -> None:
         writer.add_type(gguf.GGUFType.ADAPTER)
