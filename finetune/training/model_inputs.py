@@ -7,7 +7,10 @@ same way (whether any token is masked). The collator knows which document each p
 forward gets one of two things built from it, neither of which asks the device anything:
 - under varlen attention (`finetune.training.varlen_attention`), the documents' boundaries;
 - under `sdpa` or `eager`, a 4D document mask (`finetune.training.document_mask`), which transformers uses
-  as given.
+  as given, for every layer: so sliding-window layers get it with their window (`layer_windows`), and a
+  family mixing sliding and full layers (Gemma 2/3, gpt-oss, Qwen2 with `use_sliding_window`) gets one mask
+  per layer type, the `{layer_type: mask}` mapping its forward takes in place of the masks it would build.
+  A layer type other than full and sliding attention (chunked, linear) gets the inputs unchanged.
 Other attention implementations (flash attention, which reads the documents from `position_ids`) and a
 mixture of experts returning its load-balancing loss (transformers' `load_balancing_loss_func` reads
 `attention_mask` as the (R, T) padding mask) get the inputs unchanged.
@@ -18,6 +21,7 @@ Example:
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import torch
@@ -40,13 +44,41 @@ def model_inputs(model: Any, batch: dict[str, Any]) -> dict[str, Any]:
         return inputs | boundary_inputs(batch, batch["input_ids"].device)
     router_loss = inner is not None and bool(getattr(inner.config, "output_router_logits", False))
     if documents is None or implementation not in MASKED_IMPLEMENTATIONS or router_loss:
-        if "attention_mask" in batch:
-            inputs["attention_mask"] = batch["attention_mask"]
-        return inputs
+        return _unchanged(batch, inputs)
     assert inner is not None
-    mask = document_mask(documents)
-    if implementation == "eager":
-        dtype: torch.dtype = inner.get_input_embeddings().weight.dtype  # type: ignore[assignment]
-        mask = additive(mask, dtype)
-    inputs["attention_mask"] = mask
+    windows = layer_windows(inner)
+    if windows is None:
+        return _unchanged(batch, inputs)
+    dtype: torch.dtype = inner.get_input_embeddings().weight.dtype  # type: ignore[assignment]
+    masks: dict[int | None, torch.Tensor] = {}
+    for window in set(windows.values()):
+        mask = document_mask(documents, window)
+        masks[window] = additive(mask, dtype) if implementation == "eager" else mask
+    if len(masks) == 1:
+        inputs["attention_mask"] = next(iter(masks.values()))
+    else:
+        inputs["attention_mask"] = {layer_type: masks[window] for layer_type, window in windows.items()}
     return inputs
+
+
+def _unchanged(batch: dict[str, Any], inputs: dict[str, Any]) -> dict[str, Any]:
+    """`inputs` with the batch's own 2D padding mask, if any: transformers builds the masks itself."""
+    if "attention_mask" in batch:
+        inputs["attention_mask"] = batch["attention_mask"]
+    return inputs
+
+
+def layer_windows(model: Any) -> dict[str, int | None] | None:
+    """The sliding window of each layer type of a transformers `model` (None: full attention), as its forward
+    applies them; None where it has a layer type this does not know. Without `layer_types`, every layer of a
+    model whose modeling module builds sliding masks (Mistral, Mixtral, Phi-3) uses `config.sliding_window`."""
+    config = model.config.get_text_config()
+    window = getattr(config, "sliding_window", None) or None
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is None:
+        module = sys.modules.get(type(model).__module__)
+        slides = module is not None and hasattr(module, "create_sliding_window_causal_mask")
+        return {"full_attention": window if slides else None}
+    if not set(layer_types) <= {"full_attention", "sliding_attention"}:
+        return None
+    return {kind: window if kind == "sliding_attention" else None for kind in set(layer_types)}
