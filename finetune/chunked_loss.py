@@ -43,18 +43,24 @@ def rows_per_chunk(vocab_size: int, logits_per_chunk: int = LOGITS_PER_CHUNK) ->
 
 
 def token_losses(
-    head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, chunk_rows: int | None = None
+    head: torch.nn.Module,
+    hidden: torch.Tensor,
+    targets: torch.Tensor,
+    chunk_rows: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """(N,) float32 cross-entropy of each row of `hidden` (N, H) through `head` against `targets` (N,).
 
     Every target must be a real token id (select the labelled positions first: no ignore index here).
+    `softcap`: the logits are capped first, `softcap * tanh(logits / softcap)` in the head's dtype, as Gemma 2's
+    forward caps them after its head (`final_logit_softcapping`); such chunks take the checkpointed path.
     """
     weight = getattr(head, "weight", None)
     vocab = weight.shape[0] if weight is not None else _vocab_of(head, hidden)
     rows = chunk_rows or rows_per_chunk(vocab)
     if hidden.shape[0] == 0:
         return hidden.new_zeros(0, dtype=torch.float32)
-    if type(head) is torch.nn.Linear and not head.weight.requires_grad:
+    if softcap is None and type(head) is torch.nn.Linear and not head.weight.requires_grad:
         # with or without a gradient (evaluation, reference passes): the same arithmetic, so that a policy equal to
         # its reference scores the same log-probabilities bit for bit (F.cross_entropy's differ in the last bits:
         # a DPO step from the reference logged rewards of 1e-5 and a reward accuracy of 0.125)
@@ -62,8 +68,8 @@ def token_losses(
         return LinearCrossEntropy.apply(hidden, head.weight.detach(), bias, targets, rows)
     pieces = list(zip(hidden.split(rows), targets.split(rows)))
     if not (torch.is_grad_enabled() and hidden.requires_grad):  # evaluation, reference passes: losses only
-        return torch.cat([_chunk_losses(head, h, t) for h, t in pieces])
-    return torch.cat([checkpoint(_chunk_losses, head, h, t, use_reentrant=False) for h, t in pieces])
+        return torch.cat([_chunk_losses(head, h, t, softcap) for h, t in pieces])
+    return torch.cat([checkpoint(_chunk_losses, head, h, t, softcap, use_reentrant=False) for h, t in pieces])
 
 
 def _vocab_of(head: torch.nn.Module, hidden: torch.Tensor) -> int:
@@ -74,8 +80,11 @@ def _vocab_of(head: torch.nn.Module, hidden: torch.Tensor) -> int:
         return int(head(hidden[:1]).shape[-1])
 
 
-def _chunk_losses(head: Any, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(head(hidden).float(), targets, reduction="none")
+def _chunk_losses(head: Any, hidden: torch.Tensor, targets: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    logits = head(hidden)
+    if softcap is not None:
+        logits = torch.tanh(logits / softcap) * softcap
+    return F.cross_entropy(logits.float(), targets, reduction="none")
 
 
 class LinearCrossEntropy(torch.autograd.Function):

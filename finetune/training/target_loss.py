@@ -7,6 +7,7 @@ the labels; `finetune.training.objectives.logprobs.collate_sequences`), so the f
 forward. A forward pre-hook on the output head takes the hidden states, selects the N labelled rows, computes
 their losses through `finetune.chunked_loss` (never the whole (N, V) logits) and hands the head zero rows:
 the loss is computed inside the model's forward, where DDP, FSDP and DeepSpeed have the head's weight at hand.
+A model that caps its logits after the head (Gemma 2) has the cap applied to each chunk (`final_logit_softcap`).
 The attention mask comes from the collator's document ids (`finetune.training.model_inputs`).
 
 Example:
@@ -23,7 +24,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 from finetune.chunked_loss import token_losses
-from finetune.scoring import output_head
+from finetune.scoring import output_head, transformers_model
 from finetune.training.model_inputs import model_inputs
 
 
@@ -48,6 +49,7 @@ def target_losses_and_aux(model: Any, batch: dict[str, torch.Tensor]) -> tuple[t
         selected = logits.reshape(-1, logits.size(-1)).index_select(0, index)
         return F.cross_entropy(selected.float(), targets, reduction="none"), getattr(outputs, "aux_loss", None)
     found: list[torch.Tensor] = []
+    softcap = final_logit_softcap(model)
 
     def losses_in_head(module: torch.nn.Module, args: tuple) -> tuple | None:
         if found:  # the loss calling the head on a chunk: let it through
@@ -55,7 +57,7 @@ def target_losses_and_aux(model: Any, batch: dict[str, torch.Tensor]) -> tuple[t
         hidden = args[0]  # (R, T, H)
         selected = hidden.reshape(-1, hidden.size(-1)).index_select(0, index)  # (N, H)
         found.append(selected)  # marks the call as taken while the chunks go through the head
-        found[0] = token_losses(module, selected, targets)
+        found[0] = token_losses(module, selected, targets, softcap=softcap)
         return (selected[:0], *args[1:])  # the head itself runs on no rows
 
     handle = head.register_forward_pre_hook(losses_in_head)
@@ -64,6 +66,15 @@ def target_losses_and_aux(model: Any, batch: dict[str, torch.Tensor]) -> tuple[t
     finally:
         handle.remove()
     return found[0], getattr(outputs, "aux_loss", None)
+
+
+def final_logit_softcap(model: Any) -> float | None:
+    """The cap a model puts on its output logits after the head (Gemma 2's `final_logit_softcapping`), which a loss
+    taken inside the head's hook must apply itself: without it, training, evaluation and the preference objectives'
+    log-probabilities were those of uncapped logits, while the model (and `generate`) uses capped ones."""
+    inner = transformers_model(model)
+    cap = getattr(inner.config.get_text_config(), "final_logit_softcapping", None) if inner is not None else None
+    return float(cap) if cap else None
 
 
 def _sharded(head: torch.nn.Module) -> bool:
