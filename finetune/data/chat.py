@@ -138,7 +138,9 @@ def _message(message: Any, at: str) -> dict[str, Any]:
         if calls is None and isinstance(message.get("function_call"), dict):
             calls = [message["function_call"]]  # OpenAI's older single-call field
         if calls:
-            out["tool_calls"] = [_tool_call(call, f"{at}.tool_calls[{i}]") for i, call in enumerate(_listed(calls))]
+            out["tool_calls"] = [
+                normalize_tool_call(call, f"{at}.tool_calls[{i}]") for i, call in enumerate(listed(calls))
+            ]
         elif content is None or not (out["content"].strip() or reasoning):  # its end token alone would be trained
             state = "missing" if "content" not in message else "None" if content is None else "empty"
             raise DataError(
@@ -151,11 +153,12 @@ def _message(message: Any, at: str) -> dict[str, Any]:
     return out
 
 
-def _listed(calls: Any) -> list[Any]:
+def listed(calls: Any) -> list[Any]:
+    """Tool calls as a list: one call given alone is a list of one."""
     return calls if isinstance(calls, list) else [calls]
 
 
-def _tool_call(call: Any, at: str) -> dict[str, Any]:
+def normalize_tool_call(call: Any, at: str) -> dict[str, Any]:
     """`{id?, type: function, function: {name, arguments: object}}` from the OpenAI or bare `{name, arguments}`."""
     if not isinstance(call, dict):
         raise DataError(f"{at} must be an object with function.name and function.arguments; fix the record")
@@ -262,7 +265,7 @@ def _from_sharegpt(turns: Any, where: str, tools: list[dict[str, Any]] | None) -
                     f"{where}: conversations[{index}] (function_call) is not valid JSON ({exc.msg}); its value must "
                     'be {"name": ..., "arguments": {...}}'
                 ) from None
-            messages.append({"role": "assistant", "content": None, "tool_calls": _listed(calls)})
+            messages.append({"role": "assistant", "content": None, "tool_calls": listed(calls)})
         else:
             messages.append({"role": _SHAREGPT_ROLES[speaker], "content": value})
     return normalize_messages(messages, where, tools, "conversations")

@@ -17,7 +17,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from finetune.adapters.fit import check_fingerprint
-from finetune.adapters.lora import read_adapter
+from finetune.adapters.lora import Adapter, read_adapter
 from finetune.adapters.resolved_base import resolve_model_dir
 from finetune.adapters.tensor_index import TensorIndex
 from finetune.errors import ExportError
@@ -75,6 +75,22 @@ def _check_base_shapes(adapter, base_dir: Path) -> None:
             )
 
 
+def _exportable(adapter_dir: str | Path) -> Adapter:
+    """The adapter, unless llama.cpp cannot apply it: DoRA and the like, or updates of expert tensors."""
+    adapter = read_adapter(adapter_dir)
+    if adapter.unmergeable is not None:
+        raise ExportError(
+            f"{adapter_dir}: {adapter.unmergeable.split(';')[0]}; llama.cpp's LoRA takes B·A updates only"
+        )
+    if any(lora.num_experts > 1 for lora in adapter.modules.values()):
+        raise ExportError(
+            f"{adapter_dir}: the adapter updates a mixture of experts' expert tensors; GGUF export takes dense "
+            f"{' and '.join(SUPPORTED_ARCHITECTURES)} bases only, as an adapter or merged, so serve it with "
+            "`finetune serve` (or merge it with `finetune adapters merge` for transformers) instead"
+        )
+    return adapter
+
+
 def export_lora_gguf(
     adapter_dir: str | Path, out: str | Path, *, dtype: str = "f32", base: str | None = None, force: bool = False
 ) -> ExportReport:
@@ -96,17 +112,7 @@ def export_lora_gguf(
     import gguf
 
     check_dtype(dtype)
-    adapter = read_adapter(adapter_dir)
-    if adapter.unmergeable is not None:
-        raise ExportError(
-            f"{adapter_dir}: {adapter.unmergeable.split(';')[0]}; llama.cpp's LoRA takes B·A updates only"
-        )
-    if any(lora.num_experts > 1 for lora in adapter.modules.values()):
-        raise ExportError(
-            f"{adapter_dir}: the adapter updates a mixture of experts' expert tensors; GGUF export takes dense "
-            f"{' and '.join(SUPPORTED_ARCHITECTURES)} bases only, as an adapter or merged, so serve it with "
-            "`finetune serve` (or merge it with `finetune adapters merge` for transformers) instead"
-        )
+    adapter = _exportable(adapter_dir)
     base_ref = base or adapter.base_path
     if not base_ref:
         raise ExportError(f"{adapter_dir}: the adapter records no base model; pass --base MODEL_DIR")

@@ -39,6 +39,7 @@ from finetune.errors import FinetuneError, ServeError
 from finetune.serve import protocol
 from finetune.serve.batcher import Batcher, Event, Failed, Finished, Piece, Sequence, internal_error
 from finetune.serve.engine import Engine
+from finetune.serve.replies import Reply
 from finetune.serve.sampling import SamplingParams
 
 logger = logging.getLogger("finetune.serve")
@@ -129,8 +130,8 @@ async def chat_completions(request: Request):
     engine = _state(request).engine
     body = protocol.parse_body(protocol.ChatCompletionRequest, await _read_body(request))
     engine.check_model(body.model)
-    messages = [message.as_template_input() for message in body.messages]
-    prompt = await run_in_threadpool(engine.encode_chat, messages)
+    messages = [message.as_record_message() for message in body.messages]
+    prompt = await run_in_threadpool(engine.encode_chat, messages, body.record_tools())
     return await _generate(request, body, [prompt], chat=True)
 
 
@@ -152,8 +153,10 @@ async def _generate(request: Request, body, prompts: list[list[int]], *, chat: b
     reply = _Reply(f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", body.model, int(time.time()))
     if body.stream:
         usage = body.stream_options is not None and body.stream_options.include_usage
-        chunks = reply.chat_chunks if chat else reply.completion_chunks
-        return _event_stream(chunks(events, sequences, usage), sequences)
+        if chat:
+            parse = lambda result: _read_reply(state.engine, result, _reads_tools(body))
+            return _event_stream(reply.chat_chunks(events, sequences, usage, parse), sequences)
+        return _event_stream(reply.completion_chunks(events, sequences, usage), sequences)
     try:
         results = await _collect_unless_gone(request, _collect(events, len(sequences)))
         if results is None:  # nobody to answer: the finally below takes the rows out of the batch
@@ -162,8 +165,30 @@ async def _generate(request: Request, body, prompts: list[list[int]], *, chat: b
         for sequence in sequences:  # the client may have gone: stop generating for it
             sequence.cancelled = True
     if chat:
-        return JSONResponse(protocol.chat_body(reply.id, body.model, reply.created, results[0], body.return_token_ids))
+        read = _read_reply(state.engine, results[0], _reads_tools(body))
+        return JSONResponse(
+            protocol.chat_body(reply.id, body.model, reply.created, results[0], body.return_token_ids, read)
+        )
     return JSONResponse(protocol.completion_body(reply.id, body.model, reply.created, results, body.return_token_ids))
+
+
+def _reads_tools(body: protocol.ChatCompletionRequest) -> bool:
+    """Whether the reply is read for tool calls: only where the request gave tools (as vLLM's `auto`)."""
+    return bool(body.tools) and body.tool_choice != "none"
+
+
+def _read_reply(engine: Engine, result: Finished, tools: bool) -> Reply | None:
+    """The reply of a chat completion read as tool calls and reasoning, or None (its text is the content). A
+    reply cut at `max_tokens` is not read: a call cut short is no call."""
+    if result.finish_reason != "stop":
+        return None
+    ids = result.token_ids
+    if ids and ids[-1] in engine.stop_token_ids:
+        text = engine.decode_raw(ids[:-1])
+    else:  # a stop sequence cut it: the text as cut
+        text = result.text
+    prompt_end = engine.decode_raw(result.prompt_token_ids[-8:])
+    return engine.reply_parser.parse(text, prompt_end, tools)
 
 
 async def load_lora_adapter(request: Request) -> PlainTextResponse:
@@ -205,7 +230,9 @@ class _Reply:
         if usage:
             yield protocol.usage_chunk(self.id, self.model, self.created, "text_completion", results)
 
-    async def chat_chunks(self, events, sequences, usage: bool) -> AsyncIterator[dict]:
+    async def chat_chunks(self, events, sequences, usage: bool, parse: Callable) -> AsyncIterator[dict]:
+        """The text as content deltas as it comes; the last chunk has the reply's tool calls and reasoning
+        (read once it is whole) and the finish reason."""
         yield protocol.chat_chunk(self.id, self.model, self.created, {"role": "assistant", "content": ""}, None)
         results = []
         async for event in _events(events, len(sequences)):
@@ -213,7 +240,9 @@ class _Reply:
                 yield protocol.chat_chunk(self.id, self.model, self.created, {"content": event.text}, None)
             else:
                 results.append(event)
-                yield protocol.chat_chunk(self.id, self.model, self.created, {}, event.finish_reason)
+                read = parse(event)
+                delta, finish = protocol.final_chat_delta(read), protocol.chat_finish_reason(event, read)
+                yield protocol.chat_chunk(self.id, self.model, self.created, delta, finish)
         if usage:
             yield protocol.usage_chunk(self.id, self.model, self.created, "chat.completion.chunk", results)
 

@@ -35,10 +35,12 @@ from finetune.adapters.fit import check_fingerprint
 from finetune.adapters.inmemory import LoadedModel
 from finetune.adapters.lora import Adapter, read_adapter
 from finetune.api import load_model
-from finetune.data.chat import developer_as_system, template_reads
-from finetune.errors import FinetuneError, ServeError
+from finetune.data.chat import ChatRecord, normalize_messages, normalize_tools
+from finetune.data.chat_turns import render_chat_prompt
+from finetune.errors import FinetuneError, ModelError, ServeError
 from finetune.generation.kvbatch import KVBatch
-from finetune.prompting import chat_prompt_ids, prompt_ids
+from finetune.prompting import prompt_ids
+from finetune.serve.replies import ReplyParser
 from finetune.serve.settings import BASE_ROW, ServeSettings
 
 
@@ -63,6 +65,7 @@ class Engine:
         tokenizer, config = loaded.tokenizer, loaded.model.config
         self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         self.stop_token_ids = _stop_token_ids(loaded.model, tokenizer)
+        self.reply_parser = ReplyParser.for_tokenizer(tokenizer)
         self.max_model_len = int(getattr(config, "max_position_embeddings", None) or tokenizer.model_max_length)
         for name, adapter in loaded.adapters.items():
             self._check_name(name)
@@ -135,16 +138,30 @@ class Engine:
         with self._tokenizer_lock:
             return prompt_ids(self.loaded.tokenizer, prompt)
 
-    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+    def encode_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """The prompt ids of a conversation in OpenAI's shape (tool calls, tool results, reasoning) with its
+        `tools`, as training renders the same conversation as a prompt (`finetune.data.formats`' rule for GRPO
+        and preference prompts: normalised, given to the template in the form it reads, generation prompt last).
+
+        Raises:
+            ServeError: (400, param `messages`) a malformed conversation or a template that cannot render it.
+        """
+        tokenizer = self.loaded.tokenizer
         try:
+            if getattr(tokenizer, "chat_template", None) is None:
+                raise ModelError("the base's tokenizer has no chat template; send plain text (a completion) instead")
+            schemas = normalize_tools(tools, "request", "tools")
+            chat = ChatRecord(normalize_messages(messages, "request", schemas), schemas)
             with self._tokenizer_lock:
-                template = getattr(self.loaded.tokenizer, "chat_template", None) or ""
-                reads = template_reads(template)  # as training read the template: `developer` may be `system`
-                return chat_prompt_ids(
-                    self.loaded.tokenizer, messages if reads.developer_role else developer_as_system(messages)
-                )
+                return render_chat_prompt(chat, tokenizer.get_chat_template(), tokenizer, "request")
         except FinetuneError as exc:
-            raise ServeError(str(exc), param="messages") from None
+            said = str(exc).replace("fix the record", "fix the request").replace("the record's tools", "the tools")
+            raise ServeError(said, param="messages") from None
+
+    def decode_raw(self, token_ids: list[int]) -> str:
+        """Text of tokens with special tokens kept: what a reply parser reads (Mistral's `[TOOL_CALLS]` is one)."""
+        with self._tokenizer_lock:
+            return cast(str, self.loaded.tokenizer.decode(token_ids, skip_special_tokens=False))
 
     def decode_text(self, token_ids: list[int]) -> str:
         """Text of generated tokens, as `finetune generate` prints it (special tokens skipped)."""

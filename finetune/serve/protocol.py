@@ -17,9 +17,11 @@ import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 from finetune.errors import ServeError
 from finetune.serve.batcher import Finished
+from finetune.serve.replies import Reply
 from finetune.strict_json import is_text
 
 MAX_STOP_SEQUENCES = 16
@@ -111,25 +113,78 @@ class TextPart(_Strict):
     text: str
 
 
+class FunctionCall(_Strict):
+    name: str = Field(min_length=1)
+    arguments: str
+    """JSON text, as OpenAI sends it (checked when the conversation is normalised: not JSON is a 400)."""
+
+
+class ToolCall(_Strict):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class FunctionSchema(_Strict):
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionSchema
+
+
+_ABSENT: Any = object()  # `content` not given (null is given)
+
+
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart]
-    """Required: without tool calls (which this server does not take) a message without content says nothing."""
+    content: str | list[TextPart] | None = Field(_ABSENT, validate_default=True)
+    """Null or absent only on an assistant turn that calls tools (checked with the training rules)."""
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
 
-    def as_template_input(self) -> dict[str, str]:
-        content = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content or [])
-        return {"role": self.role, "content": content}
+    @field_validator("content", mode="before")
+    @classmethod
+    def _content_unless_calling(cls, value: Any, info: Any) -> Any:
+        """Required but on an assistant turn (whose tool calls may say all): a message of another role
+        without content says nothing, and was rendered as an empty turn."""
+        if info.data.get("role") == "assistant":
+            return None if value is _ABSENT else value
+        if value is _ABSENT:
+            raise PydanticCustomError("missing", "Field required")
+        if value is None:
+            raise ValueError(UNION_FORMS["content"])
+        return value
+
+    def as_record_message(self) -> dict[str, Any]:
+        """The message in the OpenAI shape `finetune.data.chat.normalize_messages` reads (as training does)."""
+        content = self.content if not isinstance(self.content, list) else "".join(p.text for p in self.content)
+        message = self.model_dump(exclude_none=True, exclude={"content"})
+        return {**message, "content": content}
 
 
 class ChatCompletionRequest(_Generation):
-    """POST /v1/chat/completions: the conversation is rendered with the tokenizer's chat template."""
+    """POST /v1/chat/completions: the conversation (with its tools) is rendered as training renders it."""
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["auto", "none"] | None = None
+    """`none`: the reply is not read for tool calls (the tools are still in the prompt, as at training)."""
+    parallel_tool_calls: bool | None = None
 
     def token_budget(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def record_tools(self) -> list[dict[str, Any]] | None:
+        """The tools as a training record's `tools` column (None without any)."""
+        return [tool.model_dump(exclude_none=True) for tool in self.tools] if self.tools else None
 
 
 class LoadAdapterRequest(_Strict):
@@ -228,12 +283,15 @@ def completion_body(request_id: str, model: str, created: int, results: list[Fin
     }
 
 
-def chat_body(request_id: str, model: str, created: int, result: Finished, token_ids: bool) -> dict:
+def chat_body(
+    request_id: str, model: str, created: int, result: Finished, token_ids: bool, reply: Reply | None = None
+) -> dict:
+    """The chat completion; `reply` is the text read as tool calls and reasoning (None: the text as content)."""
     choice = {
         "index": 0,
-        "message": {"role": "assistant", "content": result.text},
+        "message": reply.message() if reply is not None else {"role": "assistant", "content": result.text},
         "logprobs": None,
-        "finish_reason": result.finish_reason,
+        "finish_reason": chat_finish_reason(result, reply),
         **_token_ids(result, token_ids),
     }
     return {
@@ -244,6 +302,24 @@ def chat_body(request_id: str, model: str, created: int, result: Finished, token
         "choices": [choice],
         "usage": usage_of([result]),
     }
+
+
+def chat_finish_reason(result: Finished, reply: Reply | None) -> str:
+    """`tool_calls` where the reply calls tools (as OpenAI says it), else why generation stopped."""
+    return "tool_calls" if reply is not None and reply.tool_calls else result.finish_reason
+
+
+def final_chat_delta(reply: Reply | None) -> dict:
+    """The last chunk's delta of a stream: its tool calls, indexed as OpenAI streams them (the text itself was
+    streamed as content, as generated), and its reasoning."""
+    if reply is None:
+        return {}
+    delta: dict[str, Any] = {}
+    if reply.reasoning is not None:
+        delta["reasoning_content"] = reply.reasoning
+    if reply.tool_calls:
+        delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(reply.tool_calls)]
+    return delta
 
 
 def completion_chunk(request_id: str, model: str, created: int, index: int, text: str, finish: str | None) -> dict:
