@@ -120,6 +120,34 @@ def test_weight_decay_leaves_trained_biases_and_norms_alone_as_the_hf_trainer_do
             assert torch.allclose(parameter, before[name] * (1 - 0.1 * 0.5)), name
 
 
+@pytest.mark.parametrize("optimizer", ["adamw", "adamw_8bit"])  # the rate on the device, and read on the host
+def test_the_logged_lr_is_the_rate_the_step_trained_at(workdir, optimizer):
+    """4 steps, linear, 2 of warmup: steps train at lr x 0, 1/2, 1, 1/2 (the HF Trainer logs these). The log
+    said 1/2, 1, 1/2, 0: the next step's rate, read after the schedule advanced. Step 1's weights do not move."""
+    import finetune.training.loop as loop
+
+    runs, moved = [], []
+    start_run = loop.start_run
+
+    def keep(*args, **kwargs):
+        runs.append(start_run(*args, **kwargs))
+        runs.append({n: p.detach().clone() for n, p in runs[0].peft_model.named_parameters() if p.requires_grad})
+        return runs[0]
+
+    def on_step(step: int, metrics: dict) -> None:
+        trained = {n: p for n, p in runs[0].peft_model.named_parameters() if p.requires_grad}
+        moved.append(any(not torch.equal(trained[n], runs[1][n]) for n in trained))
+
+    overrides = ["train.max_steps=4", "train.warmup_steps=2", "train.schedule=linear", "train.log_every_steps=1",
+                 f"train.optimizer={optimizer}", "data.validation=null"]  # fmt: skip
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(loop, "start_run", keep)
+        train("recipe.yaml", overrides, log=lambda line: None, on_step=on_step)
+    lines = [json.loads(line) for line in Path("runs/crates/metrics.jsonl").read_text().splitlines()]
+    assert [line["lr"] for line in lines if "loss" in line] == pytest.approx([0.0, 0.0025, 0.005, 0.0025])
+    assert moved[0] is False and moved[1] is True  # trained at 0: step 1 left the weights as they were
+
+
 def test_a_run_set_by_epochs_trains_each_document_that_many_times(workdir):
     """40 documents, 4 per micro-batch, 4 micro-batches per step: 1.5 epochs are 15 micro-batches, steps of 4, 4, 4
     and 3 (the last takes those left, as the HF Trainer's last accumulation does). Every step took 4 before, the

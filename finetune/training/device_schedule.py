@@ -83,8 +83,9 @@ class DeviceSchedule:
         return bad
 
     def lr(self) -> torch.Tensor:
-        """The first group's learning rate after the step just taken, as the host scheduler's `get_last_lr`
-        reports it (0-d float64 on the device: the table's value, not the float32 the optimizer reads)."""
+        """The first group's learning rate the next `step` trains at, as the host scheduler's `get_last_lr`
+        reports it (0-d float64 on the device: the table's value, not the float32 the optimizer reads). A new
+        tensor after each `step`, never changed in place: read before a step, it stays that step's rate."""
         return self.taken
 
     def sync_host(self) -> None:

@@ -256,15 +256,18 @@ def device_step(run: TrainingRun, inputs: StepInputs, schedule: DeviceSchedule |
         run.sharding.clip_grad_norm(run.accelerator, run.trainable_parameters, max_norm), device=sums.values.device
     )
     loss = sums.loss()
+    # the rate this step trains at, read before the schedule advances (as the HF Trainer logs it): read after,
+    # it was the next step's (warmup's first step logged lr/warmup where it trained at 0, the last logged 0)
     if schedule is not None:
-        skipped = schedule.step(run.optimizer, loss, grad_norm)
         lr = schedule.lr()
+        skipped = schedule.step(run.optimizer, loss, grad_norm)
     else:  # read on the host: bitsandbytes' optimizers, DeepSpeed, fp16
+        lr = torch.tensor(run.scheduler.get_last_lr()[0])
         finite = math.isfinite(float(loss)) and math.isfinite(float(grad_norm))
         if finite:  # a skipped step changes nothing: not the weights, not Adam's state, not the schedule
             run.optimizer.step()
             run.scheduler.step()
-        skipped, lr = torch.tensor(0.0 if finite else 1.0), torch.tensor(run.scheduler.get_last_lr()[0])
+        skipped = torch.tensor(0.0 if finite else 1.0)
     run.optimizer.zero_grad(set_to_none=True)
     tokens = run.accelerator.reduce(
         torch.tensor(inputs.tokens, dtype=torch.float64, device=sums.values.device), reduction="sum"
