@@ -91,6 +91,34 @@ def test_warmup_ratio_gives_the_hf_trainers_warmup_steps(tmp_path, ratio, steps)
     assert length.warmup_steps == expected
 
 
+@pytest.mark.parametrize(("schedule", "trainer_schedule"), [("linear", "linear"), ("constant", "constant_with_warmup")])
+def test_a_warmup_longer_than_the_run_rises_as_the_hf_trainers_does(tmp_path, schedule, trainer_schedule):
+    """`warmup_steps: 10` in a run of 6 steps: the rate rises by lr/10 a step, as the Trainer's. The warmup was cut
+    to the run's length, so it rose by lr/6 (0, 1/6, ..., 5/6 of lr against the Trainer's 0, 1/10, ..., 5/10)."""
+    from transformers import TrainingArguments, get_scheduler
+
+    from finetune.data.sampler import MicroBatchStream
+    from finetune.recipe import load_recipe
+    from finetune.training.run import make_scheduler, run_length
+
+    recipe = load_recipe("quickstart", ["train.max_steps=6", "train.warmup_steps=10", f"train.schedule={schedule}"])
+    length = run_length(recipe, MicroBatchStream(num_rows=40, micro_batch_size=4, seed=0))
+    rates = []
+    for make in (
+        lambda optimizer: make_scheduler(recipe, optimizer, length),
+        lambda optimizer: get_scheduler(
+            trainer_schedule,
+            optimizer,
+            num_warmup_steps=TrainingArguments(output_dir=str(tmp_path), warmup_steps=10).get_warmup_steps(6),
+            num_training_steps=6,
+        ),
+    ):
+        optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=recipe.train.lr)
+        scheduler = make(optimizer)
+        rates.append([scheduler.lr_lambdas[0](step) * recipe.train.lr for step in range(6)])
+    assert rates[0] == rates[1] and rates[0][1] == pytest.approx(recipe.train.lr / 10)
+
+
 def test_weight_decay_leaves_trained_biases_and_norms_alone_as_the_hf_trainer_does():
     """`lora.bias: all` trains the base's pretrained biases: weight decay, which pulls weights towards 0, must leave
     them alone (the Trainer's `get_decay_parameter_names`). With zero gradients an AdamW step is weight decay alone:

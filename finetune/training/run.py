@@ -120,7 +120,9 @@ def run_length(recipe: Recipe, stream: MicroBatchStream) -> RunLength:
         micro_batches = max(1, math.ceil(round(train.epochs * stream.micro_batches_per_epoch, 6)))
         total = math.ceil(micro_batches / train.grad_accum_steps) * (train.num_iterations or 1)
     warmup = train.warmup_steps or math.ceil(train.warmup_ratio * total)  # rounded up, as the HF Trainer does
-    return RunLength(stream.micro_batches_per_epoch, total, min(warmup, total), micro_batches)
+    # not cut to the run's length: a warmup of 10 steps in a run of 6 rises by lr/10 a step, as the Trainer's does
+    # (cut to 6, it rose by lr/6 and trained at other rates than the recipe and the Trainer say)
+    return RunLength(stream.micro_batches_per_epoch, total, warmup, micro_batches)
 
 
 def parameter_groups(recipe: Recipe, peft_model: Any) -> list[dict[str, Any]]:
