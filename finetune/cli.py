@@ -53,6 +53,21 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the console script; returns the process exit code."""
+    try:
+        try:
+            return _run(argv)
+        finally:  # SystemExit (`--help`) too: argparse's text waits in the buffer like a command's output
+            sys.stdout.flush()
+    except BrokenPipeError:  # `finetune ... | head`: the reader has gone; say nothing more
+        # Flushed here, not in the interpreter's teardown: there the rest of an output past the buffer's 8 KiB
+        # (`data preview --limit 20 | head -1`) met the closed pipe as "Exception ignored ... BrokenPipeError"
+        # and exit 120, and so did all of a small one whose reader had gone (`| grep -q`, `| true`).
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+
+
+def _run(argv: Sequence[str] | None) -> int:
+    """Parse `argv` and run its command: user errors as one line, Ctrl-C as 130."""
     parser = build_parser()
     args, extras = parser.parse_known_args(argv)
     if extras:  # `train R --nproc 2 k=v`: argparse stops collecting positionals at the first option
@@ -70,9 +85,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
-    except BrokenPipeError:  # `finetune ... | head`: the reader has gone; say nothing more
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 0
     except Exception as exc:
         line = None if args.verbose else broken_collective(exc)
         if line is None:

@@ -193,6 +193,25 @@ def test_a_missing_recipe_is_the_only_argument_named_as_required(command, capsys
     )
 
 
+@pytest.mark.parametrize("args", [["recipes", "list"], ["--help"]])
+def test_a_reader_gone_before_the_output_is_written_is_no_error(args):
+    """`finetune recipes list | grep -q x`: the pipe's reader has gone when the buffered output is written. That
+    write was the interpreter's, at exit: "Exception ignored ... BrokenPipeError" on stderr and exit 120 (as for
+    `data preview --limit 20 | head -1`, whose last 1 KiB past the 8 KiB buffer met the closed pipe)."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader has gone before the command writes
+    env = {key: value for key, value in os.environ.items() if key != "PYTHONUNBUFFERED"}
+    env["PYTHONPATH"] = str(REPO)
+    try:
+        result = subprocess.run(
+            [sys.executable, "-m", "finetune", *args], stdout=write_end, stderr=subprocess.PIPE, text=True, env=env,
+            timeout=120,
+        )  # fmt: skip
+    finally:
+        os.close(write_end)
+    assert (result.returncode, result.stderr) == (0, "")
+
+
 def test_version_is_the_packages(capsys):
     from finetune.version import __version__
 
