@@ -212,6 +212,41 @@ def test_a_reader_gone_before_the_output_is_written_is_no_error(args):
     assert (result.returncode, result.stderr) == (0, "")
 
 
+def _on_a_terminal(args: list[str], env: dict[str, str]) -> str:
+    """What `finetune *args` writes to its stdout when that is a terminal (a pseudo-terminal here)."""
+    import pty
+
+    controller, terminal = pty.openpty()
+    try:
+        result = subprocess.run(
+            [sys.executable, "-m", "finetune", *args], stdout=terminal, stderr=subprocess.PIPE, env=env, timeout=300
+        )
+        os.close(terminal)
+        assert result.returncode == 0, result.stderr
+        chunks = []
+        while True:
+            try:
+                chunk = os.read(controller, 65536)
+            except OSError:  # EIO: the terminal's last writer has closed it
+                break
+            if not chunk:
+                break
+            chunks.append(chunk)
+    finally:
+        os.close(controller)
+    return b"".join(chunks).decode()
+
+
+def test_data_preview_colours_a_terminal_unless_no_color_is_set(workdir):
+    """NO_COLOR (https://no-color.org) switches the green marks off on a terminal: they are `[[...]]` as in a pipe."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env.pop("NO_COLOR", None)
+    args = ["data", "preview", "recipe.yaml", "--limit", "1"]
+    assert "\033[32m" in _on_a_terminal(args, env)  # a terminal, or the test would prove nothing
+    plain = _on_a_terminal(args, {**env, "NO_COLOR": "1"})
+    assert "\033" not in plain and "[[" in plain and "(green)" not in plain
+
+
 def test_version_is_the_packages(capsys):
     from finetune.version import __version__
 

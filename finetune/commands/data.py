@@ -3,7 +3,7 @@
 Tokenizes the first N documents exactly as training does (template, label mask, and a record longer than
 max_seq_len split into the pieces training uses, or truncated, per `data.overlength`) with only the
 tokenizer loaded, no model: the check to make before spending GPU hours. The human view marks trained
-tokens (green on a terminal, `[[...]]` otherwise); `--json` prints one object per document,
+tokens (green on a terminal without NO_COLOR, `[[...]]` otherwise); `--json` prints one object per document,
 `{"record": 1, "piece": 1, "pieces": 1, "input_ids": [...], "labels": [...]}` with -100 where no loss
 is taken. Preference pairs show the prompt once and chosen | rejected side by side (`--json`:
 `{"record", "chosen": {"input_ids", "labels"}, "rejected": {...}}`); unpaired examples their label.
@@ -17,6 +17,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+
+from finetune.console import colour_wanted
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -51,7 +53,7 @@ def run_preview(args: argparse.Namespace) -> int:
             print(json.dumps({"record": d.record, "piece": d.piece, "pieces": d.pieces, "input_ids": d.input_ids,
                               "labels": d.labels, "dropped": d.dropped}))  # fmt: skip
         return 0
-    colour = sys.stdout.isatty()
+    colour = colour_wanted(sys.stdout)
     for number, document in enumerate(documents, start=1):
         if document.dropped:
             print(f"--- document {number}: record {document.record} is dropped by training: nothing to train on "
@@ -103,7 +105,7 @@ def _preview_preference(recipe, tokenizer, args: argparse.Namespace) -> int:
             else:
                 print(json.dumps({"record": record, **row}))
         return 0
-    colour = sys.stdout.isatty()
+    colour = colour_wanted(sys.stdout)
     width = shutil.get_terminal_size((120, 24)).columns
     for record, row in rows:
         if paired:
