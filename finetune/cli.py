@@ -72,7 +72,7 @@ def _run(argv: Sequence[str] | None) -> int:
     args, extras = parser.parse_known_args(argv)
     if extras:  # `train R --nproc 2 k=v`: argparse stops collecting positionals at the first option
         if not hasattr(args, "overrides") or any(arg.startswith("-") or "=" not in arg for arg in extras):
-            parser.error(f"unrecognized arguments: {' '.join(extras)}")
+            _command_parser(parser, args).error(f"unrecognized arguments: {' '.join(extras)}")
         args.overrides = [*args.overrides, *extras]
     configure_console(verbose=args.verbose)
     try:
@@ -91,6 +91,16 @@ def _run(argv: Sequence[str] | None) -> int:
             raise
         print(line, file=sys.stderr)  # a rank whose peer failed: that rank's own error says why
         return _ended(1)
+
+
+def _command_parser(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.ArgumentParser:
+    """The parser of the (sub)command `args` ran, so that an argument it does not take is named with that command's
+    `--help` (`finetune adapters info --help` lists its options; `finetune --help`, where the line sent users, only
+    the commands)."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction) and getattr(args, action.dest, None) in action.choices:
+            return _command_parser(action.choices[getattr(args, action.dest)], args)
+    return parser
 
 
 def _ended(code: int) -> int:

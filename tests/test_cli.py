@@ -180,6 +180,19 @@ def test_an_unknown_option_is_still_an_argument_error(workdir):
     assert exit_info.value.code == 2
 
 
+@pytest.mark.parametrize(
+    "args", [["validate", "recipe.yaml", "--bogus"], ["adapters", "info", "x", "--json"], ["recipes", "list", "x=1"]]
+)
+def test_an_unknown_argument_is_named_with_its_commands_help(args, capsys):
+    """The line points at the help that lists the command's options (it said `finetune: ...; see finetune --help`)."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(args)
+    command = "finetune " + " ".join(args[:2] if args[0] != "validate" else args[:1])
+    assert exit_info.value.code == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith(f"error: {command}: unrecognized arguments: ") and line.endswith(f"`{command} --help`")
+
+
 @pytest.mark.parametrize("command", [["train"], ["validate"], ["plan"], ["data", "preview"]])
 def test_a_missing_recipe_is_the_only_argument_named_as_required(command, capsys):
     """The recipe overrides are optional: argparse named them required beside the recipe ("the following arguments
