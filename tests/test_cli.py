@@ -111,6 +111,29 @@ def test_eval_perplexity_equals_a_plain_transformers_and_peft_loop(tmp_path, tin
         assert f"'{held_out}': finetune eval scores every record of --data" in capsys.readouterr().err
 
 
+def test_eval_json_holds_the_printed_figures(tmp_path, tiny_base_dir, capsys):
+    """`eval --json`: one JSON object on stdout, the figures of the human lines; without an adapter, "adapter" is
+    null."""
+    import json
+
+    (tmp_path / "held_out.jsonl").write_text(
+        "".join(json.dumps({"text": f"line {i} of text\n"}) + "\n" for i in range(5))
+    )
+    adapter = make_adapter(tiny_base_dir, tmp_path / "lively", seed=3, targets=ALL_LINEAR, magnitude=0.3)
+    argv = ["eval", "--base", str(tiny_base_dir), "--adapter", str(adapter), "--data", str(tmp_path / "held_out.jsonl")]
+    assert main(argv) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert main([*argv, "--json"]) == 0
+    figures = json.loads(capsys.readouterr().out)
+    assert lines[0] == (
+        f"base: perplexity {figures['base']['eval_ppl']:.4f} (loss {figures['base']['eval_loss']:.4f} over "
+        f"{figures['base']['eval_tokens']:,} tokens)"
+    )
+    assert lines[1].startswith(f"base + adapter: perplexity {figures['adapter']['eval_ppl']:.4f} ")
+    assert main([*argv[:3], *argv[5:], "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == {"base": figures["base"], "adapter": None}
+
+
 @pytest.mark.parametrize("chat", [False, True])
 def test_generate_prints_the_greedy_tokens_of_base_and_adapter(tmp_path, tiny_base_dir, capsys, chat):
     """An adapter on every linear layer with large weights: its tokens vary, depend on the whole prompt (BOS

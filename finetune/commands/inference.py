@@ -6,7 +6,7 @@ may be left out when the adapter's manifest names it. A greedy plain-text `gener
 (seconds of start-up on a small machine), and falls back to `load_model` for what it declines.
 
 Example:
-    finetune eval --adapter adapters/quickstart --data data/quickstart/valid.jsonl --format instruction
+    finetune eval --adapter adapters/quickstart --data data/quickstart/valid.jsonl --format instruction [--json]
     finetune generate --adapter adapters/quickstart "### Instruction:\\nWhat is ...\\n\\n### Response:\\n"
 """
 
@@ -47,6 +47,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     evaluate.add_argument("--format", default="text", choices=["text", "instruction", "chat"])
     evaluate.add_argument("--max-seq-len", type=positive_int, default=1024)
     evaluate.add_argument("--batch-size", type=positive_int, default=8)
+    evaluate.add_argument(
+        "--json", action="store_true", help='print {"base": {eval_ppl, eval_loss, eval_tokens}, "adapter": {...}}'
+    )
     evaluate.add_argument(
         "overrides", nargs="*", default=[], metavar="data.KEY=VALUE",
         help="any other setting of a recipe's data section, e.g. data.messages_field=conversations",
@@ -119,6 +122,13 @@ def run_eval(args: argparse.Namespace) -> int:
     if adapter is not None:
         loaded.use(None)
     base = perplexity()
+    if args.json:  # for scripts: the figures alone, warnings stay on stderr
+        if adapter is not None:
+            loaded.use(adapter)
+        from finetune import strict_json  # a perplexity past float range is null, not JSON's missing Infinity
+
+        print(strict_json.dumps({"base": base, "adapter": perplexity() if adapter is not None else None}))
+        return 0
     print(f"base: perplexity {base['eval_ppl']:.4f} (loss {base['eval_loss']:.4f} over {base['eval_tokens']:,} tokens)")
     if adapter is not None:
         loaded.use(adapter)
