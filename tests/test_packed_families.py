@@ -11,6 +11,7 @@ import random
 import pytest
 import torch
 import transformers
+from helpers import with_adapter
 
 from finetune.data.collate import collate_batch
 from finetune.training.objectives.logprobs import add_targets
@@ -46,16 +47,9 @@ FAMILIES = {
 
 
 def _lora_model(config, attention: str):
-    from peft import LoraConfig, get_peft_model
-
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attention, dtype=torch.float32)
-    model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear")).train()
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if "lora_B" in name:
-                parameter.normal_(std=0.1)
-    return model
+    return with_adapter(model).train()
 
 
 def _documents(sizes: list[int]) -> list[dict]:
