@@ -427,3 +427,133 @@ def test_a_grpo_adapter_is_listed_by_its_sampled_reward(tmp_path, tiny_base_dir)
                "base_eval_reward": -0.875, "step": 30, "reward": -0.4}  # fmt: skip
     write_manifest(path, read_manifest(path).model_copy(update={"metrics": metrics}))
     assert summarize(path).metrics == "eval_reward=-0.5 base_eval_reward=-0.875 step=30"
+
+
+def _human_info(text: str) -> dict:
+    """`adapters info`'s lines as the figures they state, to compare with `--json`."""
+    stated: dict = {"metrics": {}, "combined_from": [], "merged": []}
+    for line in text.splitlines():
+        key, _, value = line.partition(": ")
+        if key == "rank":
+            rank, alpha = value.split("  alpha: ")
+            stated["ranks"] = [int(r) for r in rank.split("/")]
+            stated["alpha"] = float(alpha.split()[0])
+            stated["rslora"], stated["dora"] = "rslora: True" in value, "dora: True" in value
+        elif key in ("combined from", "merged"):
+            name, weight, source = value.replace(" weight=", " ").replace(" from ", " ").split(" ")
+            stated[key.replace(" ", "_")].append((name, float(weight), source))
+        elif key.startswith("metric "):
+            stated["metrics"][key.removeprefix("metric ")] = value
+        else:
+            stated[key] = value
+    return stated
+
+
+def _info_both(target) -> tuple[dict, dict]:
+    """The human lines (parsed) and the `--json` object of one `adapters info`, each exit 0 and stdout only."""
+    result = [
+        subprocess.run([sys.executable, "-m", "finetune", "adapters", "info", str(target), *flags],
+                       cwd=REPO, capture_output=True, text=True, timeout=120)
+        for flags in ((), ("--json",))
+    ]  # fmt: skip
+    assert [r.returncode for r in result] == [0, 0] and "Traceback" not in result[1].stderr, result
+    return _human_info(result[0].stdout), json.loads(result[1].stdout)
+
+
+def test_info_json_of_an_adapter_states_the_human_lines_figures(tmp_path, tiny_base_dir):
+    """`info --json`: one object holding what the lines say (ranks of a rank_pattern, per-module alphas, base,
+    quantization, data, metrics), and what they leave out (modules_to_save, the recipe)."""
+    from finetune.manifest import DataInfo, read_manifest, write_manifest
+
+    path = make_adapter(tiny_base_dir, tmp_path / "legal", seed=3, r=2, alpha=8, targets=("q_proj", "v_proj"),
+                        rank_pattern={"layers.0.self_attn.q_proj": 6}, alpha_pattern={"q_proj": 32},
+                        modules_to_save=["lm_head"], quantization="4bit", base_dtype="bfloat16")  # fmt: skip
+    data = DataInfo(fingerprint="sha256:feed", sources=["train.jsonl", "more.jsonl"])
+    update = {"metrics": {"eval_ppl": 3.5, "eval_loss": float("nan"), "step": 30}, "data": data,
+              "recipe": {"model": {"quantization": "4bit", "quant_type": "nf4"}}, "created": "2026-01-02T03:04:05+00:00"}  # fmt: skip
+    write_manifest(path, read_manifest(path).model_copy(update=update))
+    human, info = _info_both(path)
+    assert info["kind"] == "adapter" and (info["name"], info["path"]) == (human["adapter"], human["path"]) == (
+        "legal",
+        str(path),
+    )
+    assert (
+        info["ranks"] == human["ranks"] == [2, 6]
+        and info["rank"] == 2
+        and info["rank_pattern"] == {"layers.0.self_attn.q_proj": 6}
+    )
+    assert info["alpha"] == human["alpha"] == 8 and info["alpha_pattern"] == {"q_proj": 32}
+    assert (info["rslora"], info["dora"]) == (human["rslora"], human["dora"]) == (False, False)
+    assert ",".join(info["targets"]) == human["targets"] == "q_proj,v_proj" and info["modules_to_save"] == ["lm_head"]
+    assert human["size"] == f"{info['size_bytes'] / 1024:.1f} KiB"
+    base = info["base"]
+    assert human["base"] == f"{base['id']} at {base['path']} ({base['fingerprint']})" and base[
+        "fingerprint"
+    ].startswith("sha256:")
+    assert (base["quantization"], base["dtype"]) == ("4bit", "bfloat16") and "trained on a 4bit base" in human
+    assert human["data"] == f"{info['data']['fingerprint']} {', '.join(info['data']['sources'])}"
+    assert info["metrics"] == {"eval_ppl": 3.5, "eval_loss": None, "step": 30}
+    assert human["metrics"] == {"eval_ppl": "3.5", "eval_loss": "None", "step": "30"}  # a NaN is written as null
+    assert info["recipe"] == update["recipe"] and info["created"] == human["created"]
+    assert info["combined_from"] is None and human["combined_from"] == []
+
+
+def test_info_json_of_a_combined_adapter_and_a_merged_model(tmp_path, tiny_base_dir, adapter_dirs):
+    """A combined adapter's inputs (once printed as a Python list of dicts: one readable line each now) and a
+    merged model's ledger and stored dtype, the same in the lines and in `--json`; no manifest, no fingerprint."""
+    legal, med = adapter_dirs["legal"], adapter_dirs["med"]
+    assert run("combine", legal, med, "--weights", "1,-0.5", "--out", tmp_path / "mix") == 0
+    human, info = _info_both(tmp_path / "mix")
+    assert human["combined_from"] == [("legal", 1.0, str(legal.resolve())), ("med", -0.5, str(med.resolve()))]
+    assert [(s["name"], s["weight"], s["path"]) for s in info["combined_from"]] == human["combined_from"]
+    assert all(len(s["sha256"]) == 64 for s in info["combined_from"]) and info["combine_method"] == "cat"
+    assert info["ranks"] == human["ranks"] == [4, 8, 12] and set(info["rank_pattern"].values()) == {4, 8}
+    merge = ("merge", "--base", tiny_base_dir, "--adapter", legal, "--adapter", f"{med}:0.5", "--dtype", "bfloat16")
+    assert run(*merge, "--out", tmp_path / "merged") == 0
+    human, info = _info_both(tmp_path / "merged")
+    assert info["kind"] == "merged_model" and human["merged model"] == info["path"] == str(tmp_path / "merged")
+    assert (
+        human["base"] == f"{info['base']['path']} ({info['base']['fingerprint']})"
+        and info["base"]["quantization"] == "none"
+    )
+    assert [(e["name"], e["weight"], e["path"]) for e in info["merged"]] == human["merged"]
+    assert human["merged"] == [("legal", 1.0, str(legal.resolve())), ("med", 0.5, str(med.resolve()))]
+    assert all(len(e["sha256"]) == 64 for e in info["merged"]) and (info["dtype"], info["dtypes"]) == (
+        "bfloat16",
+        ["bfloat16"],
+    )
+    plain = make_adapter(tiny_base_dir, tmp_path / "plain", seed=4, manifest=False)
+    human, info = _info_both(plain)
+    assert info["base"] == {"id": str(tiny_base_dir), "path": None, "revision": None, "fingerprint": None,
+                            "dtype": None, "quantization": None} and str(tiny_base_dir) in human["base"]  # fmt: skip
+    assert (info["recipe"], info["data"], info["metrics"], info["combined_from"]) == (None, None, {}, None)
+
+
+def test_info_json_piped_into_head_and_its_errors(tmp_path, adapter_dirs, capsys):
+    """`info --json | head -c 10` exits 0 without a word on stderr; a hand-edited combined_from and a truncated
+    merged shard are one line, exit 2, with and without --json."""
+    piped = subprocess.run(
+        ["bash", "-c", f'"{sys.executable}" -m finetune adapters info "{adapter_dirs["med"]}" --json | head -c 10; '
+                       'exit "${PIPESTATUS[0]}"'],
+        cwd=REPO, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert (piped.returncode, piped.stdout, piped.stderr) == (0, '{\n  "kind"', ""), piped
+    from finetune.manifest import read_manifest, write_manifest
+
+    odd = shutil.copytree(adapter_dirs["legal"], tmp_path / "odd")
+    write_manifest(odd, read_manifest(odd).model_copy(update={"combined_from": "legal and med"}))
+    for flags in ((), ("--json",)):
+        assert run("info", odd, *flags) == 2
+        (line,) = capsys.readouterr().err.strip().splitlines()
+        assert "combined_from is 'legal and med', not a list of {name, path, weight, sha256}" in line
+    old = [{"name": "legal", "path": "legal", "weight": 2}]  # combined before the sha256 was kept: still shown
+    write_manifest(odd, read_manifest(odd).model_copy(update={"combined_from": old}))
+    assert run("info", odd) == 0 and "combined from: legal weight=2 from legal" in capsys.readouterr().out
+    assert run("info", odd, "--json") == 0
+    assert json.loads(capsys.readouterr().out)["combined_from"] == [{**old[0], "sha256": None}]
+    (tmp_path / "merged").mkdir()
+    ledger = '{"base": {"path": "b"}, "adapters": {"legal": {"weight": 1}}}'
+    (tmp_path / "merged" / "config.json").write_text(json.dumps({"finetune_merged": ledger}))
+    (tmp_path / "merged" / "model.safetensors").write_bytes(b"x" * 100)  # a shard cut short
+    assert run("info", tmp_path / "merged", "--json") == 2
+    assert "model.safetensors: its header claims" in capsys.readouterr().err

@@ -3,9 +3,12 @@
 Listing reads only `adapter_config.json`, `manifest.json` and file sizes, never the weights, so it stays
 instant for a store of large adapters.
 
+`describe_json` is `describe` for scripts (`info --json`): the same figures, as numbers, lists and nulls.
+
 Example:
     print(format_table(list_store("adapters")))
     print(describe(resolve_adapter_path("legal", "adapters")))
+    describe_json("merged/legal")["merged"][0]["weight"]
 """
 
 from __future__ import annotations
@@ -16,9 +19,11 @@ from pathlib import Path
 from finetune import strict_json
 from finetune.adapters.ledger import read_ledger
 from finetune.adapters.lora import CONFIG_NAME, PICKLE_NAME, SAFETENSORS_NAME, read_adapter_config
+from finetune.adapters.resolved_base import resolve_model_dir
+from finetune.adapters.tensor_index import TensorIndex
 from finetune.atomic import SET_ASIDE_MARK, STAGING_MARK
 from finetune.errors import AdapterError
-from finetune.manifest import read_manifest
+from finetune.manifest import MANIFEST_NAME, Manifest, read_manifest
 from finetune.tensorfile import check_safetensors
 
 _SHOWN_METRICS = 3
@@ -220,7 +225,134 @@ def describe(path: str | Path) -> str:
             lines.append(f"metric {key}: {value}")
         if manifest.created:
             lines.append(f"created: {manifest.created}")
-        extra = manifest.model_extra or {}
-        if "combined_from" in extra:
-            lines.append(f"combined from: {extra['combined_from']}")
+        lines += [
+            f"combined from: {source['name']} weight={source['weight']:g} from {source['path']}"
+            for source in _combined_from(manifest, path)
+        ]
     return "\n".join(lines)
+
+
+def _combined_from(manifest: Manifest, path: Path) -> list[dict]:
+    """The inputs `finetune adapters combine` recorded in the manifest (name, path, weight, sha256 each), checked:
+    the key is free-form in the manifest, and a hand-edited one printed as a Python repr or failed in `{:g}`.
+    Adapters combined before the sha256 was kept have none: null, as the ledger's entries without one."""
+    recorded = (manifest.model_extra or {}).get("combined_from")
+    if recorded is None:
+        return []
+    if not isinstance(recorded, list) or not all(map(_is_combined_input, recorded)):
+        raise AdapterError(
+            f"{path / MANIFEST_NAME}: combined_from is {recorded!r}, not a list of {{name, path, weight, sha256}}; "
+            "fix that key or re-create the adapter with `finetune adapters combine`"
+        )
+    return [
+        {"name": s["name"], "path": s["path"], "weight": s["weight"], "sha256": s.get("sha256") or None}
+        for s in recorded
+    ]
+
+
+def _is_combined_input(source: object) -> bool:
+    return (
+        isinstance(source, dict)
+        and isinstance(source.get("name"), str)
+        and isinstance(source.get("path"), str)
+        and isinstance(source.get("weight"), (int, float))
+        and not isinstance(source.get("weight"), bool)
+        and isinstance(source.get("sha256", ""), (str, type(None)))
+    )
+
+
+def describe_json(path: str | Path) -> dict:
+    """`finetune adapters info --json`: what `describe` prints, as one object of numbers, lists and nulls.
+
+    `kind` says which of the two it is: "adapter" or "merged_model". A figure the human lines cannot state
+    (a base fingerprint without a manifest, a ledger entry's path when the ledger has none) is null, not "?"."""
+    path = Path(path)
+    if not (path / CONFIG_NAME).is_file():
+        return _merged_json(path)
+    summary = summarize(path)
+    config = _config(path)
+    manifest = read_manifest(path)
+    saved = config.get("modules_to_save") or []
+    return {
+        "kind": "adapter",
+        "name": summary.name,
+        "path": str(path),
+        "base": _base_json(manifest, config),
+        "rank": config.get("r"),
+        "ranks": list(summary.ranks),
+        "rank_pattern": dict(config.get("rank_pattern") or {}),
+        "alpha": config.get("lora_alpha"),
+        "alpha_pattern": dict(config.get("alpha_pattern") or {}),
+        "targets": summary.targets.split(","),
+        "rslora": bool(config.get("use_rslora")),
+        "dora": bool(config.get("use_dora")),
+        "modules_to_save": [saved] if isinstance(saved, str) else list(saved),
+        "size_bytes": summary.size_bytes,
+        **_provenance_json(manifest, path),
+    }
+
+
+def _base_json(manifest: Manifest | None, config: dict) -> dict:
+    """The base as the manifest records it; without one only the name peft wrote, nothing checkable."""
+    if manifest is None:
+        named = config.get("base_model_name_or_path") or None
+        return {"id": named, "path": None, "revision": None, "fingerprint": None, "dtype": None, "quantization": None}
+    base = manifest.base
+    return {
+        "id": base.id, "path": base.path, "revision": base.revision, "fingerprint": base.fingerprint,
+        "dtype": base.dtype, "quantization": base.quantization,
+    }  # fmt: skip
+
+
+def _provenance_json(manifest: Manifest | None, path: Path) -> dict:
+    """What made the adapter, from its manifest: recipe, data, metrics, versions, and a combination's inputs."""
+    if manifest is None:
+        return {"recipe": None, "data": None, "metrics": {}, "versions": {}, "created": None,
+                "combined_from": None, "combine_method": None}  # fmt: skip
+    extra = manifest.model_extra or {}
+    return {
+        "recipe": manifest.recipe,
+        "data": manifest.data.model_dump(mode="json") if manifest.data is not None else None,
+        "metrics": dict(manifest.metrics),
+        "versions": dict(manifest.versions),
+        "created": manifest.created or None,
+        "combined_from": _combined_from(manifest, path) if "combined_from" in extra else None,
+        "combine_method": extra.get("combine_method") if isinstance(extra.get("combine_method"), str) else None,
+    }
+
+
+def _merged_json(path: Path) -> dict:
+    """A merged model: its base, the ledger's adapters (sorted by name, as `describe` lists them) and the
+    floating-point dtype its safetensors files store (from their headers; null when they mix several)."""
+    ledger = read_ledger(path)
+    if ledger is None:
+        raise AdapterError(f"{path} is neither an adapter (no {CONFIG_NAME}) nor a merged model (no ledger)")
+    dtypes = _stored_dtypes(path)
+    return {
+        "kind": "merged_model",
+        "path": str(path),
+        "base": {
+            "path": ledger.base_path or None,
+            "fingerprint": ledger.base_fingerprint or None,
+            "quantization": ledger.base_quantization,
+        },  # fmt: skip
+        "dtype": dtypes[0] if len(dtypes) == 1 else None,
+        "dtypes": dtypes,
+        "merged": [
+            {
+                "name": name,
+                "weight": entry.weight,
+                "path": entry.path or None,
+                "sha256": entry.sha256 or None,
+                "scaling_sha256": entry.scaling or None,
+            }
+            for name, entry in sorted(ledger.entries.items())
+        ],  # fmt: skip
+    }
+
+
+def _stored_dtypes(model_dir: Path) -> list[str]:
+    """The floating-point dtypes (torch's names) of the tensors in `model_dir`'s safetensors files, each file
+    checked whole first by `resolve_model_dir` (a truncated shard is one line naming it, not a traceback)."""
+    dtypes = {header.torch_dtype for header in TensorIndex.of(resolve_model_dir(str(model_dir))).values()}
+    return sorted(str(d).removeprefix("torch.") for d in dtypes if d is not None and d.is_floating_point)

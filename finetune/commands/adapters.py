@@ -155,6 +155,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     info = sub.add_parser("info", help="show one adapter or merged model in detail")
     info.add_argument("adapter", help="adapter dir, merged model dir, or a name in --store")
     info.add_argument("--store", default="adapters")
+    info.add_argument(
+        "--json", action="store_true", help='one JSON object: "kind" is "adapter" or "merged_model" (see README)'
+    )
     info.set_defaults(handler=warnings_as_lines(_info))
 
 
@@ -217,7 +220,9 @@ def _list(args: argparse.Namespace) -> int:
 
 
 def _info(args: argparse.Namespace) -> int:
-    from finetune.adapters.store import describe, resolve_adapter_path
+    from finetune import strict_json  # a metric that is NaN or infinite is null, not JSON's missing NaN
+    from finetune.adapters.store import describe, describe_json, resolve_adapter_path
 
-    print(describe(resolve_adapter_path(args.adapter, args.store)))
+    path = resolve_adapter_path(args.adapter, args.store)
+    print(strict_json.dumps(describe_json(path), indent=2) if args.json else describe(path))
     return 0
