@@ -16,6 +16,7 @@ import warnings
 import httpx
 import pytest
 from helpers import TEST_SHAPE
+from openai.types.chat import ChatCompletionMessage
 from test_chat_tools import FAMILIES, MESSAGES, RECORD, TOOLS, TRL_TEMPLATES, family_tokenizer, trained_runs
 
 from finetune.data.chat import normalize_record
@@ -123,6 +124,9 @@ BAD = [
     ({"messages": [*PROMPT[:3], {**PROMPT[3], "tool_call_id": "nope"}]}, "messages", "answers tool_call_id 'nope'"),
     ({"messages": [*PROMPT[:2], {**PROMPT[2], "tool_calls": [{"function": {"name": "f", "arguments": {}}}]}]},
      "messages.2.tool_calls.0.function.arguments", "arguments"),
+    ({"messages": [*PROMPT[:2], {**PROMPT[2], "refusal": "I will not."}]}, "messages.2.refusal", "only null"),
+    ({"messages": [*PROMPT[:2], {**PROMPT[2], "annotations": [{"type": "url_citation"}]}]}, "messages.2.annotations",
+     "only null or []"),
 ]  # fmt: skip
 
 
@@ -133,6 +137,20 @@ def test_a_bad_tool_conversation_is_a_one_line_400_naming_the_field(served):
         assert response.status_code == 400, response.text
         error = response.json()["error"]
         assert error["param"] == param and fragment in error["message"] and "\n" not in error["message"], error
+
+
+def test_an_assistant_message_echoed_as_the_openai_client_dumps_it_is_taken(served):
+    """`messages.append(reply.message.model_dump())`: the openai client's message carries `refusal`, `audio`,
+    `function_call` and `annotations` as null (OpenAI's own assistant message fields); they were a 400."""
+    _, tokenizer, _, client = served
+    echoed = ChatCompletionMessage.model_validate(PROMPT[2]).model_dump()
+    assert {"refusal", "audio", "function_call", "annotations"} <= echoed.keys()
+    response = chat(client, [*PROMPT[:2], echoed, PROMPT[3]], tools=TOOLS)
+    assert response.status_code == 200, response.text
+    plain = chat(client, PROMPT, tools=TOOLS).json()["choices"][0]["prompt_token_ids"]
+    assert response.json()["choices"][0]["prompt_token_ids"] == plain  # the nulls change nothing in the prompt
+    empty_annotations = {**echoed, "annotations": []}
+    assert chat(client, [*PROMPT[:2], empty_annotations, PROMPT[3]], tools=TOOLS).status_code == 200
 
 
 REPLIES = [

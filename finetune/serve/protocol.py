@@ -148,6 +148,20 @@ class ChatMessage(_Strict):
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
     reasoning_content: str | None = None
+    refusal: None = None
+    audio: None = None
+    function_call: None = None
+    annotations: list[Any] | None = None
+
+    @field_validator("refusal", "audio", "function_call", "annotations", mode="before")
+    @classmethod
+    def _echoed_nulls(cls, value: Any, info: Any) -> Any:
+        """Fields of OpenAI's assistant message that a client echoes back as the server returned it (the
+        openai client's `message.model_dump()` has `refusal`, `audio`, `function_call` and `annotations`, all
+        null here): accepted when null (annotations: also empty), a 400 otherwise, since none is rendered."""
+        if value is None or (info.field_name == "annotations" and value == []):
+            return None
+        raise ValueError("this server supports only null" + (" or []" if info.field_name == "annotations" else ""))
 
     @field_validator("content", mode="before")
     @classmethod
