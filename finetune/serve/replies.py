@@ -7,7 +7,9 @@ for the tool-call format its chat template writes, recognised from the template'
 
 - Hermes / Qwen (`<tool_call>` in the template): `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`,
   any number of them;
-- Mistral (`[TOOL_CALLS]`): `[TOOL_CALLS] [{"name": ..., "arguments": {...}, "id": ...}]`;
+- Mistral (`[TOOL_CALLS]`): `[TOOL_CALLS] [{"name": ..., "arguments": {...}, "id": ...}]`; a call the model
+  wrote without an id gets 9 letters and digits, the only ids Mistral's template renders when the client sends
+  the call back (as vLLM's Mistral ids; an OpenAI-style `call_...` id made the next turn a 400);
 - Llama 3.1 / 3.2 (`"parameters"` in a `<|start_header_id|>` template): the whole reply is one
   `{"name": ..., "parameters": {...}}` (transformers' spec language has no "the whole text is JSON", so this
   one is read with `json.loads`).
@@ -29,7 +31,10 @@ from __future__ import annotations
 
 import json
 import re
+import secrets
+import string
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,6 +55,16 @@ MISTRAL = {**_START, "fields": {**_THINK, "tool_calls": {"open": "[TOOL_CALLS]",
 REASONING_ONLY = {**_START, "fields": {**_THINK, "content": {}}}  # fmt: skip
 _OPENED_THINK = re.compile(r"<think>\s*$")
 _PYTHON_TAG = "<|python_tag|>"
+_ALPHANUMERIC = string.ascii_letters + string.digits
+
+
+def openai_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def mistral_call_id() -> str:
+    """Mistral's template raises on any tool call id but 9 letters and digits."""
+    return "".join(secrets.choice(_ALPHANUMERIC) for _ in range(9))
 
 
 @dataclass(frozen=True)
@@ -78,6 +93,8 @@ class ReplyParser:
     family: str
     spec: dict[str, Any]
     json_call: bool = False
+    new_id: Callable[[], str] = openai_call_id
+    """The id of a call the model wrote without one."""
 
     @classmethod
     def for_tokenizer(cls, tokenizer: Any) -> ReplyParser:
@@ -91,7 +108,7 @@ class ReplyParser:
         if "<tool_call>" in template:
             return cls("hermes", HERMES)
         if "[TOOL_CALLS]" in template:
-            return cls("mistral", MISTRAL)
+            return cls("mistral", MISTRAL, new_id=mistral_call_id)
         if "<|start_header_id|>" in template and '"parameters"' in template:
             return cls("llama", REASONING_ONLY, json_call=True)
         return cls("reasoning only", REASONING_ONLY)
@@ -113,7 +130,7 @@ class ReplyParser:
         if tools and self.json_call and not calls and content:
             calls, content = _json_call(content)
         try:
-            made = tuple(_openai_call(call, index) for index, call in enumerate(listed(calls)))
+            made = tuple(_openai_call(call, index, self.new_id) for index, call in enumerate(listed(calls)))
         except DataError:
             return None
         if not made and reasoning is None:
@@ -132,9 +149,9 @@ def _json_call(content: str) -> tuple[list[Any], str | None]:
     return [], content
 
 
-def _openai_call(call: Any, index: int) -> dict[str, Any]:
+def _openai_call(call: Any, index: int, new_id: Callable[[], str]) -> dict[str, Any]:
     """One parsed call as OpenAI returns it: an id (the model's own where it wrote one), arguments as JSON text."""
     normal = normalize_tool_call(call, f"tool call {index}")
     arguments = json.dumps(normal["function"]["arguments"], ensure_ascii=False)
-    call_id = normal.get("id") or f"call_{uuid.uuid4().hex[:24]}"
+    call_id = normal.get("id") or new_id()
     return {"id": call_id, "type": "function", "function": {"name": normal["function"]["name"], "arguments": arguments}}
