@@ -204,7 +204,7 @@ def test_an_unknown_option_is_still_an_argument_error(workdir):
 
 
 @pytest.mark.parametrize(
-    "args", [["validate", "recipe.yaml", "--bogus"], ["adapters", "info", "x", "--json"], ["recipes", "list", "x=1"]]
+    "args", [["validate", "recipe.yaml", "--bogus"], ["adapters", "info", "x", "--bogus"], ["recipes", "list", "x=1"]]
 )
 def test_an_unknown_argument_is_named_with_its_commands_help(args, capsys):
     """The line points at the help that lists the command's options (it said `finetune: ...; see finetune --help`)."""

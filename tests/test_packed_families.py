@@ -95,5 +95,6 @@ def test_sliding_window_layers_keep_their_window_in_a_collated_batch(family, att
     expected_loss, expected_grads = _each_alone(model, documents)
     loss, grads = _collated(model, documents, packing)
     torch.testing.assert_close(loss, expected_loss, rtol=1e-6, atol=0)
-    for grad, expected in zip(grads, expected_grads, strict=True):
-        torch.testing.assert_close(grad, expected, rtol=1e-4, atol=1e-6)
+    for grad, expected in zip(grads, expected_grads, strict=True):  # float32 sums in another order: 1e-4 of the
+        # tensor's largest entry (a dropped window or cap was off by 20% to 160% of it)
+        assert (grad - expected).abs().max() <= 1e-4 * expected.abs().max(), (grad - expected).abs().max()
