@@ -387,6 +387,15 @@ CASES = [
         ("adapters", "combine", ADAPTER, ADAPTER, "--weights", "1,nan", "--out", "c"),
         ("--weights", "finite"),
     ),  # fmt: skip
+    # options a method does not read were silently unused (`cat --rank 2` kept every input's rank)
+    *(
+        Case(
+            f"combine-{method}-{option[2:]}",
+            ("adapters", "combine", ADAPTER, ADAPTER, "--method", method, option, value, "--out", "c"),
+            (f"{option} applies to --method", f"not {method}"),
+        )
+        for method, option, value in (("cat", "--rank", "2"), ("svd", "--density", "0.3"), ("ties", "--seed", "1"))
+    ),  # fmt: skip
     Case(
         "subtract-from-a-plain-base",
         ("adapters", "subtract", "--model", "base", "--adapter", "x", "--out", "m"),

@@ -131,8 +131,8 @@ def _register_combine(sub: argparse._SubParsersAction) -> None:
     combine.add_argument(
         "--rank", type=positive_int, default=None, help="rank of svd/ties/dare results (default: max input rank)"
     )
-    combine.add_argument("--density", type=float, default=0.5, help="fraction kept by ties/dare (default 0.5)")
-    combine.add_argument("--seed", type=int, default=0, help="dare's random drop seed")
+    combine.add_argument("--density", type=float, default=None, help="fraction kept by ties/dare (default 0.5)")
+    combine.add_argument("--seed", type=int, default=None, help="dare's random drop seed (default 0)")
     combine.add_argument("--out", required=True)
     combine.add_argument("--allow-pickle", action="store_true")
     combine.set_defaults(handler=warnings_as_lines(_combine))
@@ -196,15 +196,22 @@ def _swap(args: argparse.Namespace) -> int:
 
 def _combine(args: argparse.Namespace) -> int:
     from finetune.adapters.combine import combine_adapters, parse_weights
+    from finetune.errors import AdapterError
 
+    takes = {"--rank": ("svd", "ties", "dare"), "--density": ("ties", "dare"), "--seed": ("dare",)}
+    for option, methods in takes.items():  # else silently unused: the result is not what the command line says
+        if getattr(args, option.removeprefix("--")) is not None and args.method not in methods:
+            raise AdapterError(
+                f"{option} applies to --method {' or '.join(methods)}, not {args.method}; leave it out or choose one of those"
+            )
     report = combine_adapters(
         args.adapters,
         args.out,
         weights=parse_weights(args.weights, len(args.adapters)),
         method=args.method,
         rank=args.rank,
-        density=args.density,
-        seed=args.seed,
+        density=0.5 if args.density is None else args.density,
+        seed=args.seed or 0,
         allow_pickle=args.allow_pickle,
     )
     print(report.summary())
