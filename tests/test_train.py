@@ -119,6 +119,17 @@ def test_a_warmup_longer_than_the_run_rises_as_the_hf_trainers_does(tmp_path, sc
     assert rates[0] == rates[1] and rates[0][1] == pytest.approx(recipe.train.lr / 10)
 
 
+def test_evaluating_every_few_steps_without_held_out_data_says_it_evaluates_nothing(workdir):
+    """`train.eval_every_steps` beside no held-out data (every catalog recipe sets it; `data.validation=null` drops
+    the data) did nothing without a word: the log's first lines say so."""
+    logged: list[str] = []
+    overrides = ["train.max_steps=1", "train.eval_every_steps=1", "data.validation=null"]
+    train("recipe.yaml", overrides, log=logged.append)
+    assert "no held-out data (data.validation, data.validation_split): train.eval_every_steps=1 evaluates nothing" in (
+        logged
+    )
+
+
 def test_weight_decay_leaves_trained_biases_and_norms_alone_as_the_hf_trainer_does():
     """`lora.bias: all` trains the base's pretrained biases: weight decay, which pulls weights towards 0, must leave
     them alone (the Trainer's `get_decay_parameter_names`). With zero gradients an AdamW step is weight decay alone:

@@ -139,6 +139,11 @@ def _train(
         f"training {run.length.total_steps} steps ({run.length.micro_batches_per_epoch} micro-batches per epoch, "
         f"{recipe.train.grad_accum_steps} per step, {run.accelerator.num_processes} process(es))"
     )
+    if run.data.validation is None and recipe.train.eval_every_steps:  # else the setting silently did nothing
+        say(
+            f"no held-out data (data.validation, data.validation_split): train.eval_every_steps="
+            f"{recipe.train.eval_every_steps} evaluates nothing"
+        )
     finishing = False
     with graceful_stop(say, lambda: finishing) as stop:
         try:
