@@ -14,7 +14,12 @@ from helpers import LIBRARY_ULPS, REORDERED_ULPS, assert_within_ulps
 from finetune.data.collate import collate_batch
 from finetune.training.objectives.logprobs import add_targets
 from finetune.training.target_loss import target_losses
-from finetune.training.varlen_attention import VARLEN_ATTENTION, choose_attention, use_varlen_attention
+from finetune.training.varlen_attention import (
+    VARLEN_ATTENTION,
+    choose_attention,
+    unsupported_reason,
+    use_varlen_attention,
+)
 
 
 def _model(base_dir):
@@ -236,3 +241,27 @@ def test_bucketed_rows_come_in_few_widths_and_leave_the_losses_unchanged(tiny_ba
     wide = add_targets(collate_batch(documents, 0, packing=True, layout="bucketed_rows", document_index=True))
     losses, _ = _losses_and_grads(model, wide)
     assert_within_ulps(losses, plain, REORDERED_ULPS, what="token losses")  # each document attends alone either way
+
+
+def test_a_multimodal_models_sliding_window_is_read_from_its_text_config():
+    """Gemma 3 4B and up load as `Gemma3ForConditionalGeneration`, whose top config holds no `sliding_window`: varlen
+    attention (no window) was taken for it, and its sliding layers trained on whole documents."""
+    import transformers
+
+    text = dict(
+        vocab_size=64,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        intermediate_size=32,
+        sliding_window=4,
+        layer_types=["sliding_attention", "full_attention"],
+    )
+    vision = dict(hidden_size=16, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2, image_size=16,
+                  patch_size=8)  # fmt: skip
+    config = transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    assert getattr(model.config, "sliding_window", None) is None  # the case: only the text config has it
+    assert unsupported_reason(model, torch.device("cpu")) == "the model has sliding-window attention"

@@ -65,9 +65,11 @@ def varlen_kernel() -> Callable[..., Any] | None:
 
 def unsupported_reason(model: PreTrainedModel, device: torch.device) -> str | None:
     """Why varlen attention cannot run `model` here, or None. The kernel is causal and plain: no sliding
-    window, soft-capping, attention sinks or attention dropout, and (on CUDA) 16-bit activations."""
-    config = model.config
-    implementation = getattr(config, "_attn_implementation", None)
+    window, soft-capping, attention sinks or attention dropout, and (on CUDA) 16-bit activations. The attention's
+    settings are read from the text config: a multimodal model's top config (Gemma 3 4B and up) has none of them,
+    and its sliding-window layers passed as plain."""
+    implementation = getattr(model.config, "_attn_implementation", None)
+    config = model.config.get_text_config()
     if implementation not in ("sdpa", "eager", VARLEN_ATTENTION):
         return f"the model uses attn_implementation {implementation!r}"
     if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
