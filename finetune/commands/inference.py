@@ -122,17 +122,17 @@ def run_eval(args: argparse.Namespace) -> int:
     if adapter is not None:
         loaded.use(None)
     base = perplexity()
-    if args.json:  # for scripts: the figures alone, warnings stay on stderr
-        if adapter is not None:
-            loaded.use(adapter)
-        from finetune import strict_json  # a perplexity past float range is null, not JSON's missing Infinity
-
-        print(strict_json.dumps({"base": base, "adapter": perplexity() if adapter is not None else None}))
-        return 0
-    print(f"base: perplexity {base['eval_ppl']:.4f} (loss {base['eval_loss']:.4f} over {base['eval_tokens']:,} tokens)")
+    tuned = None
     if adapter is not None:
         loaded.use(adapter)
         tuned = perplexity()
+    if args.json:  # for scripts: the figures alone, warnings stay on stderr
+        from finetune import strict_json  # a perplexity past float range is null, not JSON's missing Infinity
+
+        print(strict_json.dumps({"base": base, "adapter": tuned}))
+        return 0
+    print(f"base: perplexity {base['eval_ppl']:.4f} (loss {base['eval_loss']:.4f} over {base['eval_tokens']:,} tokens)")
+    if tuned is not None:
         from finetune.report.runs import perplexity_change
 
         change = perplexity_change(base["eval_ppl"], tuned["eval_ppl"])
