@@ -314,9 +314,9 @@ def template_reads(template: str) -> TemplateReads:
     return TemplateReads(key, null_content, as_text, one_analysis, calls_without_text, "developer" in template)
 
 
-def developer_as_system(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The messages with OpenAI's `developer` role given as `system`, for a template that has no developer role:
-    training and `serve` give such a template the same messages."""
+def _developer_as_system(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The messages with OpenAI's `developer` role given as `system`, for a template that has no developer role
+    (`for_template`, through which training and `serve` both render)."""
     return [{**message, "role": "system"} if message.get("role") == "developer" else message for message in messages]
 
 
@@ -324,7 +324,7 @@ def for_template(messages: list[dict[str, Any]], reads: TemplateReads, reasoning
     """Normalised messages in the form a template reads (see `template_reads`); without reasoning when
     `reasoning` is False."""
     out = []
-    for message in messages if reads.developer_role else developer_as_system(messages):
+    for message in messages if reads.developer_role else _developer_as_system(messages):
         if message["role"] != "assistant":
             out.append(message)
             continue

@@ -30,7 +30,7 @@ import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 from finetune.data.chat import ChatRecord, for_template, null_content_as_empty, template_reads
 from finetune.errors import DataError
@@ -161,7 +161,7 @@ def _marked_turn_start(
     (gpt-oss drops a call's analysis once an answer follows) that is no prefix of `ids`, and the prompt's tool call
     would be trained with the completion. Where the prompt is a prefix, its generation prompt stays context, as
     before; the prompt's end is kept too for a turn the template renders no word of."""
-    shown, render = _renderer(chat, template, tokenizer, where, reasoning)
+    shown, render, _ = _renderer(chat, template, tokenizer, where, reasoning)
     prompt = ChatRecord(chat.messages[:train_from], chat.tools)
     after_prompt = common_prefix_length(render_chat_prompt(prompt, template, tokenizer, where, reasoning), ids)
     full = render(shown)
@@ -217,11 +217,17 @@ def tokens_of(tokenizer: Any, text: str, spans: list[tuple[int, int]]) -> tuple[
     return list(encoded["input_ids"]), flags
 
 
-def _renderer(
-    chat: ChatRecord, template: str, tokenizer: Any, where: str, reasoning: Reasoning
-) -> tuple[list[dict[str, Any]], Callable[..., str]]:
-    """The messages as the template reads them, and a function rendering a list of such messages to text (extra
-    keyword arguments go to the template) with the chat's tools and the reasoning mode's template arguments."""
+class _Renderer(NamedTuple):
+    shown: list[dict[str, Any]]
+    """The messages as the template reads them."""
+    render: Callable[..., str]
+    """Renders a list of such messages to text (extra keyword arguments go to the template)."""
+    template: str
+    """The template as `render` uses it (`null_content_as_empty` where the template tests for null content)."""
+
+
+def _renderer(chat: ChatRecord, template: str, tokenizer: Any, where: str, reasoning: Reasoning) -> _Renderer:
+    """How a conversation is rendered: with the chat's tools and the reasoning mode's template arguments."""
     reads = template_reads(template)
     rendered_with = null_content_as_empty(template) if reads.null_content else template
     kwargs = template_kwargs(reasoning)
@@ -229,7 +235,7 @@ def _renderer(
     def render(messages: list[dict[str, Any]], **extra: Any) -> str:
         return _apply(tokenizer, messages, chat.tools, rendered_with, where, {**kwargs, **extra, "tokenize": False})
 
-    return for_template(chat.messages, reads, reasoning != "none"), render
+    return _Renderer(for_template(chat.messages, reads, reasoning != "none"), render, rendered_with)
 
 
 def render_turns(
@@ -243,9 +249,8 @@ def render_turns(
     """The conversation's rendering and the character span each assistant turn from message `train_from`
     on trains (see the module docstring), in order; a turn the template renders nothing of has no span."""
     check_renders_tools(chat, template, where)
-    shown, render = _renderer(chat, template, tokenizer, where, reasoning)
+    shown, render, rendered_with = _renderer(chat, template, tokenizer, where, reasoning)
     full = render(shown)
-    rendered_with = null_content_as_empty(template) if template_reads(template).null_content else template
     marks = turn_marks(tokenizer, rendered_with, json.dumps(template_kwargs(reasoning), sort_keys=True))
     spans: list[tuple[int, int]] = []
     floor = _context_words_end(full, shown, train_from, render)
