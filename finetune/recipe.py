@@ -18,6 +18,7 @@ import difflib
 import importlib.util
 import json
 import re
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal, get_args
 
@@ -1038,25 +1039,28 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
 def _takes_text_only(path: list[str]) -> bool:
     """Whether the recipe field at `path` takes a string (or null) and nothing else. YAML reads an override's
     `2024`, `007` (octal 7) or `yes` as a number or a bool, which such a field refuses; the text was meant."""
-    model: type[BaseModel] | None = Recipe
-    for part in path[:-1]:
-        field = model.model_fields.get(part) if model else None
-        model = _section_type(field.annotation) if field else None
-    field = model.model_fields.get(path[-1]) if model else None
+    section = _section_at(path[:-1])
+    field = section.model_fields.get(path[-1]) if section else None
     kinds = set(get_args(field.annotation) or (field.annotation,)) - {type(None)} if field else set()
     return kinds == {str}
 
 
 def _section_fields(location: tuple[Any, ...]) -> list[str]:
     """The valid keys of the recipe section at `location` (used for 'did you mean')."""
+    section = _section_at(location)
+    return list(section.model_fields) if section else []
+
+
+def _section_at(location: Sequence[Any]) -> type[BaseModel] | None:
+    """The recipe section class at `location` (keys from the top; list indices skipped), None where it names none."""
     model: type[BaseModel] | None = Recipe
     for part in location:
         if isinstance(part, int):  # an item of a list of sections, e.g. data.train[0]
             continue
         if model is None or part not in model.model_fields:
-            return []
+            return None
         model = _section_type(model.model_fields[part].annotation)
-    return list(model.model_fields) if model else []
+    return model
 
 
 def _section_type(annotation: Any) -> type[BaseModel] | None:
