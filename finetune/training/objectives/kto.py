@@ -50,7 +50,8 @@ def mismatched(rows: list[dict[str, Any]], max_seq_len: int) -> list[dict[str, l
         prompt, start = row["prompt_length"], other["prompt_length"]
         input_ids = row["input_ids"][:prompt] + other["input_ids"][start:]
         labels = [IGNORE_INDEX] * prompt + other["labels"][start:]
-        labels[:1] = [IGNORE_INDEX] * len(labels[:1])
+        if labels:
+            labels[0] = IGNORE_INDEX
         sequences.append({"input_ids": input_ids[:max_seq_len], "labels": labels[:max_seq_len]})
     return sequences
 
