@@ -90,7 +90,6 @@ class ReplyParser:
     """How replies of one tokenizer are read: a transformers response spec, and whether a whole reply may be a
     Llama-style JSON call."""
 
-    family: str
     spec: dict[str, Any]
     json_call: bool = False
     new_id: Callable[[], str] = openai_call_id
@@ -100,18 +99,18 @@ class ReplyParser:
     def for_tokenizer(cls, tokenizer: Any) -> ReplyParser:
         own = getattr(tokenizer, "response_template", None)
         if isinstance(own, dict):
-            return cls("the tokenizer's response_template", own)
+            return cls(own)
         try:
             template = tokenizer.get_chat_template()
         except (ValueError, TypeError):
             template = ""
         if "<tool_call>" in template:
-            return cls("hermes", HERMES)
+            return cls(HERMES)
         if "[TOOL_CALLS]" in template:
-            return cls("mistral", MISTRAL, new_id=mistral_call_id)
+            return cls(MISTRAL, new_id=mistral_call_id)
         if "<|start_header_id|>" in template and '"parameters"' in template:
-            return cls("llama", REASONING_ONLY, json_call=True)
-        return cls("reasoning only", REASONING_ONLY)
+            return cls(REASONING_ONLY, json_call=True)
+        return cls(REASONING_ONLY)
 
     def parse(self, text: str, prompt_text: str = "", tools: bool = True) -> Reply | None:
         """`text` (the reply, special tokens kept) as a message, or None where it holds no tool call nor
