@@ -9,7 +9,7 @@ import random
 
 import pytest
 import torch
-from helpers import LIBRARY_ULPS, REORDERED_ULPS, assert_within_ulps
+from helpers import LIBRARY_ULPS, REORDERED_ULPS, TEST_SHAPE, assert_within_ulps
 
 from finetune.data.collate import collate_batch
 from finetune.training.objectives.logprobs import add_targets
@@ -248,17 +248,7 @@ def test_a_multimodal_models_sliding_window_is_read_from_its_text_config():
     attention (no window) was taken for it, and its sliding layers trained on whole documents."""
     import transformers
 
-    text = dict(
-        vocab_size=64,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        intermediate_size=32,
-        sliding_window=4,
-        layer_types=["sliding_attention", "full_attention"],
-    )
+    text = {**TEST_SHAPE, "vocab_size": 64, "sliding_window": 4, "layer_types": ["sliding_attention", "full_attention"]}
     vision = dict(hidden_size=16, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2, image_size=16,
                   patch_size=8)  # fmt: skip
     config = transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4)
