@@ -50,12 +50,13 @@ def prepare(workdir: Path, micro_batch_size: int, micro_batches: int) -> tuple[d
     from finetune.model import load_tokenizer
     from finetune.recipe import DataConfig
 
-    settings = argparse.Namespace(
-        steps=micro_batches, grad_accum=1, micro_batch_size=micro_batch_size, records=80, validation_records=8,
-        seq_len=512, vocab=32000, hidden=256, layers=4, untied=True, warmup_steps=0, loss_tail_steps=1,
-        lr=1e-3, precision="fp32", compile=False, threads=1, verbose=False, one_epoch=True, no_own_eval=True,
+    _, settings = train_throughput.parse_arguments(  # the bench's own defaults for whatever is not said here
+        ["--steps", str(micro_batches), "--grad-accum", "1", "--micro-batch-size", str(micro_batch_size),
+         "--records", "80", "--validation-records", "8", "--seq-len", "512", "--vocab", "32000", "--hidden", "256",
+         "--layers", "4", "--untied", "--warmup-steps", "0", "--lr", "1e-3", "--precision", "fp32", "--threads", "1",
+         "--one-epoch", "--no-own-eval"]
     )  # fmt: skip
-    spec = train_throughput.prepare(settings, workdir)
+    spec = train_throughput.prepare(settings, workdir, "cpu")
     tokenizer = load_tokenizer(spec["base_dir"])
     data_config = DataConfig.model_validate(
         {"train": [spec["train_path"]], "format": "instruction", "prompt_template": train_throughput.PROMPT_TEMPLATE,

@@ -255,3 +255,13 @@ def test_the_gpu_scripts_stop_at_once_without_a_cuda_device_saying_so(script):
         done.stderr.strip() == f"{script[:-3]}: FAILED: no CUDA device: torch.cuda.is_available() is False (or "
         "torch is missing); this needs a GPU"
     )
+
+
+def test_the_step_ablation_prepares_the_benchs_model_and_packed_micro_batches(tmp_path):
+    """bench/step_ablation.py built the bench's settings by hand and fell behind `train_throughput.prepare` (a
+    TypeError, then an AttributeError): it now takes them from the bench's own parser."""
+    from bench import step_ablation
+
+    spec, batches = step_ablation.prepare(tmp_path, micro_batch_size=2, micro_batches=1)
+    assert len(batches) == 1 and batches[0]["input_ids"].shape[0] >= 1
+    assert (tmp_path / "base" / "config.json").is_file() and spec["base_dir"]
