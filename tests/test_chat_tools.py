@@ -223,6 +223,27 @@ def test_glm_masks_are_trls_on_its_training_template_token_for_token():
     assert render_chat(chat, marked.chat_template, marked, "record 1") == (ids, ours)
 
 
+@pytest.mark.parametrize("reasoning", ["template", "every_turn", "none"])
+def test_a_template_that_renders_no_reasoning_is_named_with_the_records_it_costs(tmp_path, reasoning):
+    """The R1 distills' template cuts the reasoning from every turn: training says how many records lose theirs
+    (no mode trains it), and stays silent for a template that keeps it, or when no reasoning is asked for."""
+    by_name = {family.name: family for family in FAMILIES}
+    plain = {"messages": [{"role": "user", "content": QUESTION}, {"role": "assistant", "content": "Hello."}]}
+    (tmp_path / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in [WITHOUT_TOOLS, plain, WITHOUT_TOOLS]))
+    for name, template, expected in [
+        ("deepseek-r1-distill", None, reasoning != "none"),
+        ("deepseek-r1-distill", TRL_TEMPLATES / "deepseek_r1_distill_training.jinja", False),
+        ("qwen3", None, False),
+    ]:
+        config = DataConfig(train=[str(tmp_path / "chat.jsonl")], format="chat", reasoning=reasoning)
+        lines: list[str] = []
+        cache = tmp_path / f"cache-{name}-{template is None}"
+        build_datasets(config, family_tokenizer(by_name[name], template), cache_dir=cache, log=lines.append)
+        said = [line for line in lines if "renders no assistant reasoning" in line]
+        assert len(said) == expected, (name, template, lines)
+        assert all("the reasoning of 2 of 3 records is not trained" in line for line in said), said
+
+
 def test_every_turn_trains_each_turns_reasoning_once_and_none_trains_none(tmp_path, capsys):
     qwen3 = FAMILIES[0]
     tokenizer = family_tokenizer(qwen3)

@@ -194,6 +194,17 @@ def render_every_turn(
     ]
 
 
+@lru_cache(maxsize=32)
+def renders_reasoning(tokenizer: Any, template: str) -> bool:
+    """Whether `template` renders the reasoning of a conversation's last assistant turn. The DeepSeek-R1
+    distills' cuts everything up to `</think>` from every assistant turn, so no reasoning is ever trained
+    through it (trl ships a training variant that keeps it)."""
+    probe = ChatRecord(
+        [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a", "reasoning": _SENTINEL}]
+    )
+    return _SENTINEL in apply_template(tokenizer, probe, template, "a probe conversation", tokenize=False)
+
+
 def render_chat_prompt(
     chat: ChatRecord, template: str, tokenizer: Any, where: str, reasoning: Reasoning = "template"
 ) -> list[int]:

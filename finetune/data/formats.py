@@ -36,7 +36,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, overload
 
 from finetune.data.chat import ChatRecord, normalize_messages, normalize_record, normalize_tools
-from finetune.data.chat_turns import apply_template, render_chat, render_chat_prompt, render_every_turn
+from finetune.data.chat_turns import (
+    apply_template,
+    render_chat,
+    render_chat_prompt,
+    render_every_turn,
+    renders_reasoning,
+)
 from finetune.data.labels import IGNORE_INDEX
 from finetune.errors import DataError
 from finetune.prompting import with_bos, with_eos
@@ -56,6 +62,9 @@ class Document:
     labels: list[int]
     more: tuple[Document, ...] = ()
     """Further documents of the same record (`data.reasoning: every_turn` makes one per assistant turn)."""
+    reasoning_dropped: bool = False
+    """The record has assistant reasoning that the chat template renders in no turn (the DeepSeek-R1 distills'
+    drops it from every turn), so none of it is trained: counted for a log line, not refused."""
 
     def with_more(self) -> list[Document]:
         """This document and the further ones of its record, each on its own."""
@@ -194,8 +203,13 @@ def _encode_chat(records, config, tokenizer, locate) -> list[Document | None]:
             examples = [render_chat(chat, template, tokenizer, where, config.reasoning)]
         turns = [_document(input_ids, trained) for input_ids, trained in examples]
         kept = [document for document in turns if document is not None]
-        documents.append(Document(kept[0].input_ids, kept[0].labels, tuple(kept[1:])) if kept else None)
+        dropped = config.reasoning != "none" and _has_reasoning(chat) and not renders_reasoning(tokenizer, template)
+        documents.append(Document(kept[0].input_ids, kept[0].labels, tuple(kept[1:]), dropped) if kept else None)
     return documents
+
+
+def _has_reasoning(chat: ChatRecord) -> bool:
+    return any(message["role"] == "assistant" and message.get("reasoning") for message in chat.messages)
 
 
 def _document(input_ids: list[int], trained: list[bool]) -> Document | None:

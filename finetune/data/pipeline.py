@@ -309,6 +309,7 @@ def _encode_chunk(state: tuple[DataConfig, PreTrainedTokenizerBase], job: _Job) 
             fitted, cut = fit_to_length(document, config, chunk.where(offset))
             pieces, too_long, lost = pieces + fitted, too_long or cut, lost + (not fitted)
         tally.num_parts_dropped += lost if pieces else 0  # of a kept record (a dropped one is counted whole)
+        tally.num_reasoning_dropped += int(whole is not None and whole.reasoning_dropped)
         tally.count(whole, pieces, too_long, chunk.where(offset))
         for piece in pieces:
             columns["input_ids"].append(piece.input_ids)
@@ -407,6 +408,8 @@ class _Tally:
     """Where the first record dropped is, for the log line that counts them."""
     num_parts_dropped: int = 0
     """Documents of kept records (`data.reasoning: every_turn` makes one per turn) left with nothing to train on."""
+    num_reasoning_dropped: int = 0
+    """Records whose reasoning the chat template renders in no turn (see `Document.reasoning_dropped`)."""
 
     def count(self, document: Document | None, pieces: list[Document], too_long: bool, where: str) -> None:
         self.num_pieces += len(pieces) if too_long else 0
@@ -439,6 +442,13 @@ class _Tally:
             lines.append(
                 f"data: {self.num_parts_dropped} documents of kept records had nothing left to train on within max_seq_len="
                 f"{config.max_seq_len} and were dropped (data.reasoning=every_turn makes one per assistant turn)"
+            )
+        if self.num_reasoning_dropped:
+            lines.append(
+                f"data: the chat template renders no assistant reasoning (the DeepSeek-R1 distills' cuts it from every "
+                f"turn), so the reasoning of {self.num_reasoning_dropped} of {self.num_records} records is not trained; "
+                "give data.chat_template a template that keeps it (trl ships deepseek_r1_distill_training.jinja), or "
+                "set data.reasoning=none"
             )
         if self.num_too_long and config.overlength == "split":
             lines.append(
