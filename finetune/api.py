@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -44,8 +45,8 @@ def _adopt_or_own(base: ResolvedBase, adapters: list[Adapter], allow_pickle: boo
     """A merged checkpoint continues from the base its ledger records when that base and its adapters are at
     hand (appending those adapters to `adapters`); else it is a base of its own, with a warning."""
     ledger = base.ledger
-    if not ledger.entries:
-        return base
+    if not ledger.entries:  # a checkpoint everything was subtracted from, its recorded base gone: the weights at hand
+        return base if base.pristine_dir is not None else replace(base, pristine_dir=base.weights_dir)
     problem = None
     if ledger.base_quantization != "none":
         problem = f"its adapters were merged into a dequantized {ledger.base_quantization} base"

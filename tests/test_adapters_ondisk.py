@@ -385,3 +385,26 @@ def test_a_gpt2_adapter_on_conv1d_and_linear_layers_merges_as_peft_merges_it(tmp
     in_memory.merge("gpt2_lora")
     assert_tensors_equal(read_tensors(tmp_path / "merged"), expected)
     assert_tensors_equal(in_memory.model.state_dict(), expected)
+
+
+def test_a_merge_into_a_quantized_base_everything_was_subtracted_from_equals_a_fresh_merge(tmp_path, tiny_base_dir):
+    """Subtracting every adapter from a merge over a 4-bit base leaves its dequantized weights with an empty ledger
+    that records the base. Taken as a base of its own, a merge quantized those weights again (2.4e-4 away from a
+    fresh merge) and called itself exact; it must recompute from the recorded base, or say it cannot."""
+    pytest.importorskip("bitsandbytes")
+    base = tmp_path / "base"
+    shutil.copytree(tiny_base_dir, base)
+    adapter = make_adapter(
+        base, tmp_path / "q", seed=6, targets=("q_proj",), quantization="4bit", base_dtype="bfloat16"
+    )
+    merge_checkpoint(str(base), [AdapterSpec(str(adapter))], tmp_path / "merged", device="cpu")
+    subtract_checkpoint(str(tmp_path / "merged"), AdapterSpec("q"), tmp_path / "none", device="cpu")
+    report = merge_checkpoint(str(tmp_path / "none"), [AdapterSpec(str(adapter))], tmp_path / "again", device="cpu")
+    merge_checkpoint(str(base), [AdapterSpec(str(adapter))], tmp_path / "fresh", device="cpu")
+    assert report.exact
+    assert_tensors_equal(read_tensors(tmp_path / "fresh"), read_tensors(tmp_path / "again"))
+    shutil.rmtree(base)  # without the recorded base: fp32 arithmetic on the dequantized weights, said so
+    report = merge_checkpoint(str(tmp_path / "none"), [AdapterSpec(str(adapter))], tmp_path / "approx", device="cpu")
+    assert not report.exact and "is not available" in report.summary()
+    fresh, approx = read_tensors(tmp_path / "fresh"), read_tensors(tmp_path / "approx")
+    assert max((fresh[k] - approx[k]).abs().max().item() for k in fresh) <= report.max_drift_bound

@@ -173,8 +173,14 @@ def _fingerprint_of(model_dir: Path | None) -> str:
 def _find_pristine_base(
     weights_dir: Path | None, ledger: Ledger, pristine: str | None, force: bool
 ) -> tuple[Path | None, list[str]]:
-    """The base to recompute tensors from (checked against the ledger's fingerprint), or None, and notes on why."""
-    if not ledger.entries and pristine is None:
+    """The base to recompute tensors from (checked against the ledger's fingerprint), or None, and notes on why.
+
+    A checkpoint whose ledger holds no adapters is its own pristine base only when the ledger names it: one left by
+    subtracting every adapter records the base it came from, and holds that base as rounded to its dtype (or, over
+    a 4-/8-bit base, dequantized), not the base's values; taken as its own base, a later merge quantized those
+    dequantized weights again (up to 2.4e-4 away from a fresh merge on the tiny base) and reported itself exact.
+    """
+    if not ledger.entries and pristine is None and not _records_another_base(weights_dir, ledger):
         return weights_dir, []  # nothing merged: the weights are their own pristine base
     candidate = pristine or ledger.base_path
     try:
@@ -195,3 +201,10 @@ def _find_pristine_base(
                 raise AdapterError(message)
             notes.append("forced: " + message)
     return pristine_dir, notes
+
+
+def _records_another_base(weights_dir: Path | None, ledger: Ledger) -> bool:
+    """Whether the ledger names a base other than the weights themselves (a checkpoint written by a subtract)."""
+    if weights_dir is None or not ledger.base_path:
+        return False
+    return Path(ledger.base_path).resolve() != weights_dir.resolve()
