@@ -30,6 +30,7 @@ from finetune.serve.protocol import chat_body
 from finetune.serve.replies import ReplyParser
 from finetune.serve.server import ServerThread
 from finetune.serve.settings import ServeSettings
+from finetune.serve.textstream import TextStream
 
 pytestmark = pytest.mark.skipif(not TRL_TEMPLATES.is_dir(), reason="trl (the test extra) ships the templates")
 SERVED = ("qwen3", "qwen2.5", "llama-3.1", "mistral-v0.3")
@@ -99,6 +100,25 @@ def test_a_served_reply_in_the_familys_format_is_read_as_tool_calls(served):
         assert choice["message"]["reasoning_content"] == "I should call the tool."
     without = chat_body("chatcmpl-1", "tiny", 0, result, False, _read_reply(running.engine, result, tools=False))
     assert without["choices"][0]["finish_reason"] == "stop" and "tool_calls" not in without["choices"][0]["message"]
+
+
+def test_a_call_cut_off_by_a_stop_sequence_is_still_read_as_a_call(served):
+    """A stop sequence ends the reply after the call: its text (special tokens skipped, as streamed) lost Mistral's
+    `[TOOL_CALLS]` token, and the call came back as content."""
+    name, tokenizer, running, _ = served
+    ids = tokenizer(call_turn(name) + "\nEND\nmore", add_special_tokens=False)["input_ids"]
+    stream, generated = TextStream(running.engine.decode_text, ("\nEND",)), []
+    for token in ids:  # as the batcher feeds the tokens, up to the one that completes the stop sequence
+        generated.append(token)
+        stream.push(token)
+        if stream.stopped:
+            break
+    prompt = running.engine.encode_chat(PROMPT[:2], TOOLS)
+    result = Finished(0, stream.text, "stop", prompt, generated)
+    (choice,) = chat_body("c", "tiny", 0, result, False, _read_reply(running.engine, result, tools=True))["choices"]
+    assert choice["finish_reason"] == "tool_calls", choice
+    (call,) = choice["message"]["tool_calls"]
+    assert {"name": call["function"]["name"], "arguments": call["function"]["arguments"]} == PARIS
 
 
 def test_a_call_the_model_wrote_without_an_id_can_be_sent_back(served):

@@ -185,10 +185,25 @@ def _read_reply(engine: Engine, result: Finished, tools: bool) -> Reply | None:
     ids = result.token_ids
     if ids and ids[-1] in engine.stop_token_ids:
         text = engine.decode_raw(ids[:-1])
-    else:  # a stop sequence cut it: the text as cut
-        text = result.text
+    else:  # a stop sequence cut it
+        text = _raw_text_as_cut(engine, result)
     prompt_end = engine.decode_raw(result.prompt_token_ids[-8:])
     return engine.reply_parser.parse(text, prompt_end, tools)
+
+
+def _raw_text_as_cut(engine: Engine, result: Finished) -> str:
+    """The text of a reply a stop sequence cut, with its special tokens kept, cut where `result.text` was cut.
+
+    `result.text` skips special tokens (it is the reply as streamed): read as it is, a Mistral reply lost its
+    `[TOOL_CALLS]` token, and a call cut off by a stop sequence after it came back as plain text. What the cut
+    dropped (the stop sequence and what followed) is the end of the whole decoded text; it is taken off the raw
+    text, unless special tokens lie inside it (then the text as cut, as before)."""
+    whole = engine.decode_text(result.token_ids)
+    dropped = whole[len(result.text) :]
+    raw = engine.decode_raw(result.token_ids)
+    if not dropped or not whole.startswith(result.text) or not raw.endswith(dropped):
+        return result.text
+    return raw[: len(raw) - len(dropped)]
 
 
 async def load_lora_adapter(request: Request) -> PlainTextResponse:
