@@ -221,10 +221,26 @@ def test_what_does_not_parse_stays_the_text(text):
     assert ReplyParser.for_tokenizer(family_tokenizer(family("qwen3"))).parse(text) is None
 
 
+@pytest.mark.parametrize(
+    "text", UNREAD[:2] + ["<tool_call>\n<function=a>\n<parameter=x>\n1\n</parameter>\n</function>\n</tool_call>"]
+)
+def test_a_call_that_does_not_parse_stays_the_text_and_its_reasoning_is_still_read(text):
+    """With tools, a reply whose call did not parse came back whole as `content`, reasoning and `</think>`
+    included, where the same reply without tools had its reasoning read."""
+    qwen = ReplyParser.for_tokenizer(family_tokenizer(family("qwen3")))
+    reply = qwen.parse(f"<think>\nHm.\n</think>\n\n{text}", tools=True)
+    assert reply is not None and (reply.reasoning, reply.content, reply.tool_calls) == ("Hm.", text, ())
+    r1 = ReplyParser.for_tokenizer(family_tokenizer(family("deepseek-r1-distill-tools")))
+    reply = r1.parse(f"Hm.\n</think>\n\n{text}", prompt_text="<｜Assistant｜><think>\n", tools=True)
+    assert reply is not None and (reply.reasoning, reply.content) == ("Hm.", text)
+
+
 def test_an_xml_style_tool_call_in_a_tool_call_tag_stays_the_text():
     """GLM-4-MoE (and Qwen3.5's, Nemotron 3's) write XML-style calls inside `<tool_call>`: not read as Hermes."""
     glm = ReplyParser.for_tokenizer(family_tokenizer(family("glm-4-moe")))
-    assert glm.parse(call_turn("glm-4-moe").removesuffix("<|observation|>")) is None
+    reply = glm.parse(call_turn("glm-4-moe").removesuffix("<|observation|>"))
+    assert reply is not None and not reply.tool_calls and reply.reasoning == "I should call the tool."
+    assert reply.content is not None and reply.content.startswith("<tool_call>get_weather\n<arg_key>city")
 
 
 def test_reasoning_is_read_also_where_the_prompt_opened_it_and_in_every_family():

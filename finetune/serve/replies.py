@@ -115,26 +115,34 @@ class ReplyParser:
     def parse(self, text: str, prompt_text: str = "", tools: bool = True) -> Reply | None:
         """`text` (the reply, special tokens kept) as a message, or None where it holds no tool call nor
         reasoning that parses (the reply is then its text, as decoded for `content`); `prompt_text` tells
-        whether the generation prompt opened `<think>`. With `tools` False only reasoning is read."""
-        from transformers.utils.chat_parsing import parse_response
-
+        whether the generation prompt opened `<think>`. With `tools` False only reasoning is read. A call that
+        does not parse stays the reply's text, but the reasoning before it is still read: it leaked into
+        `content` only because a call after it was malformed (or in another family's format)."""
         opened = "<think>" if _OPENED_THINK.search(prompt_text) and "</think>" in text else ""
-        spec = self.spec if tools else REASONING_ONLY
-        try:
-            parsed = parse_response(opened + text, spec, prefix="")
-        except (ValueError, KeyError, TypeError):
-            return None
-        calls = parsed.get("tool_calls") or []
-        content, reasoning = parsed.get("content"), parsed.get("reasoning_content")
-        if tools and self.json_call and not calls and content:
-            calls, content = _json_call(content)
-        try:
-            made = tuple(_openai_call(call, index, self.new_id) for index, call in enumerate(listed(calls)))
-        except DataError:
-            return None
-        if not made and reasoning is None:
-            return None
-        return Reply(content or (None if made else ""), reasoning, made)
+        read = _read(opened + text, self.spec, self.json_call, self.new_id) if tools else None
+        return read or _read(opened + text, REASONING_ONLY, False, self.new_id)
+
+
+def _read(text: str, spec: dict[str, Any], json_call: bool, new_id: Callable[[], str]) -> Reply | None:
+    """`text` read with `spec` (and, where `json_call`, as one Llama-style JSON call); None where it does not
+    parse, or holds neither a call nor reasoning."""
+    from transformers.utils.chat_parsing import parse_response
+
+    try:
+        parsed = parse_response(text, spec, prefix="")
+    except (ValueError, KeyError, TypeError):
+        return None
+    calls = parsed.get("tool_calls") or []
+    content, reasoning = parsed.get("content"), parsed.get("reasoning_content")
+    if json_call and not calls and content:
+        calls, content = _json_call(content)
+    try:
+        made = tuple(_openai_call(call, index, new_id) for index, call in enumerate(listed(calls)))
+    except DataError:
+        return None
+    if not made and reasoning is None:
+        return None
+    return Reply(content or (None if made else ""), reasoning, made)
 
 
 def _json_call(content: str) -> tuple[list[Any], str | None]:
