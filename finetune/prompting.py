@@ -1,8 +1,9 @@
-"""Prompt text or chat messages -> the token ids a model continues from.
+"""Prompt text or chat messages -> the token ids a model continues from, and the tokens that end its reply.
 
 One rule for `finetune generate` and `finetune serve`, so that both feed a model the same tokens: text
 is encoded as training documents start (BOS where the tokenizer has one, then the text); messages are
-rendered by the tokenizer's chat template with the generation prompt appended.
+rendered by the tokenizer's chat template with the generation prompt appended. Both stop at the same
+tokens: the tokenizer's EOS and those of the model's generation config (a chat model's end of turn).
 
 Example:
     prompt_ids(tokenizer, "def add(a, b):")                          # [bos, ...]
@@ -45,6 +46,21 @@ def require_tokens(ids: list[int]) -> list[int]:
     if not ids:
         raise ModelError("the prompt is empty and this tokenizer has no BOS token to start it; give some prompt text")
     return ids
+
+
+def stop_token_ids(eos_id: int | None, configured: int | list[int] | None) -> frozenset[int]:
+    """The tokens that end a reply: the tokenizer's EOS and the generation config's `eos_token_id` (one id or a
+    list). Gemma's instruction models name `<eos>` as the tokenizer's EOS and end their turns with
+    `<end_of_turn>`, listed only in the generation config: `finetune generate` stopped at the first alone, and
+    printed the reply's end of turn followed by a made-up next turn, where `finetune serve` stopped."""
+    ids = {eos_id, *(configured if isinstance(configured, list) else [configured])}
+    return frozenset(i for i in ids if isinstance(i, int))
+
+
+def model_stop_token_ids(model: Any, tokenizer: Any) -> frozenset[int]:
+    """`stop_token_ids` of a loaded model and its tokenizer."""
+    configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    return stop_token_ids(tokenizer.eos_token_id, configured)
 
 
 def chat_prompt_ids(tokenizer, messages: list[dict[str, Any]]) -> list[int]:

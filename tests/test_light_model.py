@@ -50,7 +50,7 @@ def test_each_position_gives_the_logits_of_transformers_and_peft(tmp_path, famil
         assert_within_ulps(logits, expected, REORDERED_ULPS, what=f"position {len(ids)}")
         ids.append(int(expected.argmax()))
         logits = light.forward(ids[-1:], cache)
-    assert light.greedy([1, 17, 42], 12, eos_id=None) == greedy_ids(peft_model, [1, 17, 42], 12)
+    assert light.greedy([1, 17, 42], 12, stop_ids=frozenset()) == greedy_ids(peft_model, [1, 17, 42], 12)
 
 
 def _generate_recording_modules(*arguments: str) -> tuple[str, set[str]]:

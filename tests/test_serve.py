@@ -12,6 +12,7 @@ one token forever under greedy decoding, which would hide a wrong position or ca
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -691,3 +692,35 @@ def test_generate_refuses_a_prompt_that_is_not_utf8(serve_base, capsys):
     """Bytes that are not UTF-8 reach argv as lone surrogates; the tokenizer's TypeError was a traceback (exit 1)."""
     assert main(["generate", "--base", str(serve_base), "--max-new-tokens", "2", "hi \udcff"]) == 2
     assert "not valid UTF-8" in capsys.readouterr().err
+
+
+def test_generate_stops_where_serve_does_at_the_generation_configs_end_of_turn(serve_base, reference, tmp_path, capsys):
+    """Gemma's instruction models end a turn with `<end_of_turn>`, an EOS of the generation config but not the
+    tokenizer's: `finetune generate` (the light path for plain text, transformers' for --chat) stopped at the
+    tokenizer's EOS alone and printed on past the end of the turn, where `finetune serve` stopped."""
+    base = shutil.copytree(serve_base, tmp_path / "base")
+    tokenizer = reference.tokenizer
+    message = [{"role": "user", "content": PROMPTS[0]}]
+    generated = {False: greedy(reference, None, prompt_ids(tokenizer, PROMPTS[0])),
+                 True: greedy(reference, None, chat_prompt_ids(tokenizer, message))}  # fmt: skip
+    ends = {chat: next(t for i, t in enumerate(ids) if i >= 2 and t not in ids[:i]) for chat, ids in generated.items()}
+    config = json.loads((base / "generation_config.json").read_text())
+    config["eos_token_id"] = [tokenizer.eos_token_id, *ends.values()]
+    (base / "generation_config.json").write_text(json.dumps(config))
+    settings = ServeSettings(base=str(base), base_name=BASE_NAME, port=0, max_tokens_limit=MAX_TOKENS_LIMIT)
+    with ServerThread(settings) as running, httpx.Client(base_url=running.url, timeout=120) as client:
+        for chat, ids in generated.items():
+            cut = ids[: ids.index(next(t for t in ids if t in ends.values())) + 1]
+            expected = tokenizer.decode(cut, skip_special_tokens=True)  # serve leaves out the stop token's text:
+            answered = tokenizer.decode(cut[:-1], skip_special_tokens=True)  # both are "" for a special end of turn
+            command = ["generate", "--base", str(base), "--max-new-tokens", str(MAX_TOKENS), PROMPTS[0]]
+            assert main([*command, "--chat"] if chat else command) == 0
+            assert capsys.readouterr().out == expected + "\n"
+            body = {"model": BASE_NAME, "max_tokens": MAX_TOKENS, "temperature": 0}
+            if chat:
+                served = client.post("/v1/chat/completions", json={**body, "messages": message}).json()
+                assert served["choices"][0]["message"]["content"] == answered
+            else:
+                served = client.post("/v1/completions", json={**body, "prompt": PROMPTS[0]}).json()
+                assert served["choices"][0]["text"] == answered
+            assert served["choices"][0]["finish_reason"] == "stop" and len(cut) < MAX_TOKENS

@@ -189,7 +189,7 @@ def run_generate(args: argparse.Namespace) -> int:
             return 0
     import torch
 
-    from finetune.prompting import chat_prompt_ids, prompt_ids, require_tokens
+    from finetune.prompting import chat_prompt_ids, model_stop_token_ids, prompt_ids, require_tokens
 
     loaded, _ = _load(args)
     tokenizer = loaded.tokenizer
@@ -206,7 +206,7 @@ def run_generate(args: argparse.Namespace) -> int:
             attention_mask=torch.ones_like(input_ids),
             max_new_tokens=args.max_new_tokens,
             pad_token_id=tokenizer.pad_token_id,
-            eos_token_id=tokenizer.eos_token_id,
+            eos_token_id=sorted(model_stop_token_ids(loaded.model, tokenizer)) or None,
             **sampling,
         )
     print(tokenizer.decode(output[0, input_ids.shape[1] :], skip_special_tokens=True))

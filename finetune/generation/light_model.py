@@ -40,7 +40,7 @@ from finetune.adapters.lora import Adapter, LoraWeights, read_adapter, recorded_
 from finetune.adapters.resolved_base import resolve_base
 from finetune.fingerprint import weight_files
 from finetune.generation.lean_decoder import Layer, Norm, _Rotation, config_declined_because
-from finetune.prompting import require_tokens, with_bos
+from finetune.prompting import require_tokens, stop_token_ids, with_bos
 
 # generation_config.json keys that leave greedy decoding with an explicit EOS and max_new_tokens unchanged
 GREEDY_NEUTRAL = frozenset({
@@ -170,8 +170,8 @@ class LightModel:
             hidden = hidden + layer.down(F.silu(gate) * up)
         return self.head(self.final_norm(hidden[0, -1]))
 
-    def greedy(self, prompt: list[int], max_new_tokens: int, eos_id: int | None) -> list[int]:
-        """The greedy continuation of `prompt`, through the first `eos_id` (kept, as transformers keeps it)."""
+    def greedy(self, prompt: list[int], max_new_tokens: int, stop_ids: frozenset[int]) -> list[int]:
+        """The greedy continuation of `prompt`, through the first of `stop_ids` (kept, as transformers keeps it)."""
         cache: list[tuple[torch.Tensor, torch.Tensor]] = []
         generated: list[int] = []
         with torch.no_grad():
@@ -179,7 +179,7 @@ class LightModel:
             while len(generated) < max_new_tokens:
                 token = int(torch.argmax(logits))
                 generated.append(token)
-                if token == eos_id or len(generated) == max_new_tokens:
+                if token in stop_ids or len(generated) == max_new_tokens:
                     break
                 logits = self.forward([token], cache)
         return generated
@@ -207,7 +207,14 @@ def light_generate(
     except Declined:
         return None
     ids = require_tokens(with_bos(bos_id, tokenizer.encode(prompt, add_special_tokens=False).ids))  # as prompt_ids
-    return tokenizer.decode(model.greedy(ids, max_new_tokens, eos_id), skip_special_tokens=True)
+    stops = stop_token_ids(eos_id, _configured_eos(model_dir))  # as the transformers path stops
+    return tokenizer.decode(model.greedy(ids, max_new_tokens, stops), skip_special_tokens=True)
+
+
+def _configured_eos(model_dir: Path) -> int | list[int] | None:
+    """The `eos_token_id` of the base's generation_config.json (None without one)."""
+    generation = model_dir / "generation_config.json"
+    return json.loads(generation.read_text(encoding="utf-8")).get("eos_token_id") if generation.is_file() else None
 
 
 def _model_dir(base: str, device: str, adapter: Adapter | None, force: bool) -> Path:

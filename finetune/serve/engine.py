@@ -39,7 +39,7 @@ from finetune.data.chat import ChatRecord, normalize_messages, normalize_tools
 from finetune.data.chat_turns import render_chat_prompt
 from finetune.errors import FinetuneError, ModelError, ServeError
 from finetune.generation.kvbatch import KVBatch
-from finetune.prompting import prompt_ids
+from finetune.prompting import model_stop_token_ids, prompt_ids
 from finetune.serve.replies import ReplyParser
 from finetune.serve.settings import BASE_ROW, ServeSettings
 
@@ -64,7 +64,7 @@ class Engine:
         self._tokenizer_lock = threading.Lock()
         tokenizer, config = loaded.tokenizer, loaded.model.config
         self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-        self.stop_token_ids = _stop_token_ids(loaded.model, tokenizer)
+        self.stop_token_ids = model_stop_token_ids(loaded.model, tokenizer)
         self.reply_parser = ReplyParser.for_tokenizer(tokenizer)
         self.max_model_len = int(getattr(config, "max_position_embeddings", None) or tokenizer.model_max_length)
         for name, adapter in loaded.adapters.items():
@@ -306,11 +306,3 @@ def _check_per_row(adapter: Adapter) -> None:
             param="lora_path",
             code="adapter_unsupported",
         )
-
-
-def _stop_token_ids(model, tokenizer) -> frozenset[int]:
-    """EOS of the tokenizer (what `finetune generate` stops at) and of the generation config (e.g. end of turn)."""
-    ids = {tokenizer.eos_token_id}
-    configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    ids.update(configured if isinstance(configured, list) else [configured])
-    return frozenset(i for i in ids if i is not None)
