@@ -19,8 +19,8 @@ from helpers import TEST_SHAPE
 from openai.types.chat import ChatCompletionMessage
 from test_chat_tools import FAMILIES, MESSAGES, RECORD, TOOLS, TRL_TEMPLATES, family_tokenizer, trained_runs
 
-from finetune.data.chat import normalize_record
-from finetune.data.chat_turns import render_chat
+from finetune.data.chat import ChatRecord, normalize_messages, normalize_record
+from finetune.data.chat_turns import render_chat, render_chat_prompt
 from finetune.data.formats import encode_chat_prompt
 from finetune.embedded.tiny import build_tiny_llama
 from finetune.recipe import DataConfig
@@ -175,6 +175,31 @@ def test_a_bad_tool_conversation_is_a_one_line_400_naming_the_field(served):
         assert response.status_code == 400, response.text
         error = response.json()["error"]
         assert error["param"] == param and fragment in error["message"] and "\n" not in error["message"], error
+
+
+@pytest.mark.parametrize("content", ["", "\n\n"])
+def test_an_empty_reply_sent_back_in_the_history_is_rendered_as_the_template_renders_it(served, content):
+    """A reply of no text (the model ended its turn at once) or of blank text, sent back with the next question
+    as OpenAI's API takes it, was a 400 ("content is empty on an assistant turn"), a rule for trained turns."""
+    _, tokenizer, _, client = served
+    history = [PROMPT[1], {"role": "assistant", "content": content}, {"role": "user", "content": "And Rome?"}]
+    response = chat(client, history)
+    assert response.status_code == 200, response.text
+    expected = tokenizer.apply_chat_template(history, add_generation_prompt=True, tokenize=True, return_dict=False)
+    assert response.json()["choices"][0]["prompt_token_ids"] == list(expected)
+    assert chat(client, [PROMPT[1], {"role": "assistant", "content": None}]).status_code == 400  # as OpenAI's
+
+
+@pytest.mark.parametrize("name", ["deepseek-r1-distill", "deepseek-v3"])
+def test_an_empty_reply_is_a_turn_also_in_a_template_that_tests_for_null_content(name):
+    """DeepSeek's templates render tool calls where `content is none`, which reads `""` as null so that a call
+    turn (given `""` for null) renders: an empty turn without calls took that branch and rendered nothing."""
+    tokenizer = family_tokenizer(family(name))
+    history = [PROMPT[1], {"role": "assistant", "content": ""}, {"role": "user", "content": "And Rome?"}]
+    chat_record = ChatRecord(normalize_messages(history, "request", context_only=True))
+    ids = render_chat_prompt(chat_record, tokenizer.chat_template, tokenizer, "request")
+    expected = tokenizer.apply_chat_template(history, add_generation_prompt=True, tokenize=True, return_dict=False)
+    assert ids == list(expected) and tokenizer.decode(ids).count("<｜Assistant｜>") == 2
 
 
 def test_an_assistant_message_echoed_as_the_openai_client_dumps_it_is_taken(served):

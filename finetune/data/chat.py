@@ -83,12 +83,20 @@ def normalize_record(record: dict[str, Any], messages_field: str, where: str, to
 
 
 def normalize_messages(
-    messages: Any, where: str, tools: list[dict[str, Any]] | None = None, name: str = "messages"
+    messages: Any,
+    where: str,
+    tools: list[dict[str, Any]] | None = None,
+    name: str = "messages",
+    *,
+    context_only: bool = False,
 ) -> list[dict[str, Any]]:
     """A list of OpenAI-shape messages, normalised (see the module docstring) and checked.
 
     Used for a chat record's messages and for the prompt and completions of preference and prompt records,
-    so every path reads the same shapes. `name` is the field named in errors.
+    so every path reads the same shapes. `name` is the field named in errors. `context_only`: no turn of these
+    messages is trained (`finetune serve`'s request history), so an assistant turn may have an empty or blank
+    text, as OpenAI's API takes one: a reply of no text (an immediate end of turn) sent back with the next
+    question was a 400. Training refuses it, since the turn's end token alone would be trained.
     """
     if not isinstance(messages, list) or not messages:
         kind = "an empty list" if isinstance(messages, list) else f"{type(messages).__name__} {_preview(messages)}"
@@ -96,12 +104,12 @@ def normalize_messages(
         raise DataError(
             f"{where}: field {name!r} must be a non-empty list of {{role, content}} messages, got {kind}; {fix}"
         )
-    normalized = [_message(message, f"{where}: {name}[{index}]") for index, message in enumerate(messages)]
+    normalized = [_message(m, f"{where}: {name}[{index}]", context_only) for index, m in enumerate(messages)]
     check_tool_use(normalized, tools, where, name)
     return normalized
 
 
-def _message(message: Any, at: str) -> dict[str, Any]:
+def _message(message: Any, at: str, context_only: bool = False) -> dict[str, Any]:
     if not isinstance(message, dict):
         raise DataError(
             f"{at} must be an object with 'role' and 'content', got {type(message).__name__} {_preview(message)}; "
@@ -141,7 +149,8 @@ def _message(message: Any, at: str) -> dict[str, Any]:
             out["tool_calls"] = [
                 normalize_tool_call(call, f"{at}.tool_calls[{i}]") for i, call in enumerate(listed(calls))
             ]
-        elif content is None or not (out["content"].strip() or reasoning):  # its end token alone would be trained
+        elif content is None or not (context_only or out["content"].strip() or reasoning):  # else its end token
+            # alone would be trained
             state = "missing" if "content" not in message else "None" if content is None else "empty"
             raise DataError(
                 f"{at}.content is {state} on an assistant turn that calls no tools; give the reply's text (null or "
@@ -354,11 +363,16 @@ def null_content_as_empty(template: str) -> str:
     A tool-call turn without text is `content: null`, and such templates (DeepSeek's) render the calls only in
     their `is none` branch; but transformers drops the keys whose value is None before rendering, so the
     template would read a missing key. The turn is given `""` instead and the test reads it as null; a template
-    gives an empty text nothing else to render."""
+    gives an empty text nothing else to render. Only where the turn calls tools: an empty turn without calls (in
+    `finetune serve`'s request history) read as null went down the call branch, which rendered nothing of it,
+    and the conversation showed two user turns in a row."""
 
     def either(match: re.Match) -> str:
         value, negated = match.group(1), match.group(2)
-        return f"({value} is not none and {value} != '')" if negated else f"({value} is none or {value} == '')"
+        calls = "(message.tool_calls is defined and message.tool_calls)"  # an empty turn without calls stays a turn
+        if negated:
+            return f"({value} is not none and ({value} != '' or not {calls}))"
+        return f"({value} is none or ({value} == '' and {calls}))"
 
     return _NULL_TEST.sub(either, template)
 

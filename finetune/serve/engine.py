@@ -151,7 +151,7 @@ class Engine:
             if getattr(tokenizer, "chat_template", None) is None:
                 raise ModelError("the base's tokenizer has no chat template; send plain text (a completion) instead")
             schemas = normalize_tools(tools, "request", "tools")
-            chat = ChatRecord(normalize_messages(messages, "request", schemas), schemas)
+            chat = ChatRecord(normalize_messages(messages, "request", schemas, context_only=True), schemas)
             with self._tokenizer_lock:
                 return render_chat_prompt(chat, tokenizer.get_chat_template(), tokenizer, "request")
         except FinetuneError as exc:
