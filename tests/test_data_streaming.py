@@ -136,3 +136,21 @@ def test_unicode_line_separators_inside_records_are_text_not_line_breaks(tmp_pat
         chunks = list(sources.iter_records(raw, 10))
         assert [r["text"] for chunk in chunks for r in chunk.records] == expected, name
     assert chunks[0].where(1).endswith("line 3 (record 2)")
+
+
+def test_long_records_end_a_chunk_in_every_kind_of_source(tmp_path):
+    """`chunk_chars` bounds a chunk's text for records read whole too (Parquet rows, `.json` array items, saved
+    datasets): they counted 0 characters, so a chunk took `chunk_records` long documents whatever their size."""
+    import datasets
+    import pyarrow.parquet as pq
+
+    records = [{"text": f"{i} " + "word " * 2_000, "meta": {"tags": ["a" * 500]}} for i in range(9)]
+    (tmp_path / "a.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
+    (tmp_path / "a.json").write_text(json.dumps(records), encoding="utf-8")
+    pq.write_table(pa.Table.from_pylist(records), tmp_path / "a.parquet")
+    datasets.Dataset.from_list(records).save_to_disk(str(tmp_path / "saved"))
+    for name in ("a.jsonl", "a.json", "a.parquet", "saved"):
+        raw = sources.load_source(DataConfig(train=str(tmp_path / name)).train[0], "text")
+        chunks = list(sources.iter_records(raw, 1000, chunk_chars=25_000))
+        assert [len(chunk.records) for chunk in chunks] == [3, 3, 3], name  # 10,500 characters a record
+        assert [r for chunk in chunks for r in chunk.records] == records, name
