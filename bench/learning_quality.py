@@ -39,7 +39,8 @@ from finetune.training.run import make_optimizer, make_scheduler, start_run
 RESULTS = Path(__file__).parent / "results" / "learning_quality.json"
 QUICKSTART = "recipes/quickstart.yaml"
 LORA_ARMS = {
-    "lora-blocks": ["lora.train_lm_head=false", "lora.train_embed_tokens=false"],
+    # no head or embedding LoRA, so no rate of its own (a recipe's `train.embedding_lr` would be refused)
+    "lora-blocks": ["lora.train_lm_head=false", "lora.train_embed_tokens=false", "train.embedding_lr=null"],
     "lora+head": ["lora.train_lm_head=true", "lora.train_embed_tokens=false"],
     "lora+head+embeddings": ["lora.train_lm_head=true", "lora.train_embed_tokens=true"],
 }
@@ -95,7 +96,7 @@ def main() -> None:
     results: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="finetune-quality-") as scratch:
         for name, overrides in LORA_ARMS.items():
-            results[name] = run_arm(args.recipe, [*overrides, *common], Path(scratch) / name)
+            results[name] = run_arm(args.recipe, [*common, *overrides], Path(scratch) / name)  # the arm decides
             print(f"{name}: {results[name]}", flush=True)
         for lr in (float(x) for x in args.full_lrs.split(",")):
             results[f"full lr={lr:g}"] = run_arm(args.recipe, common, Path(scratch) / f"full-{lr:g}", full_lr=lr)

@@ -532,7 +532,8 @@ class TrainConfig(_Section):
     """Peak learning rate of the LoRA weights, reached at the end of warmup; `schedule` takes it from there."""
     embedding_lr: float | None = Field(None, gt=0)
     """Learning rate of the LoRA weights on `lm_head`/`embed_tokens` (`lora.train_lm_head`,
-    `lora.train_embed_tokens`); default `lr`. unsloth's continued-pretraining docs train them at a rate 10x
+    `lora.train_embed_tokens`, or a target list naming them); default `lr`. Refused where neither is trained, as it
+    would set nothing. unsloth's continued-pretraining docs train them at a rate 10x
     below the blocks' (5e-6 against 5e-5)."""
     schedule: Literal["cosine", "linear", "constant"] = "cosine"
     """The learning rate after warmup, as transformers' schedulers: `cosine` and `linear` decay to 0 at the last
@@ -815,6 +816,13 @@ class DeepSpeedConfig(_Section):
         return self
 
 
+EMBEDDING_LR_UNUSED = (
+    "train.embedding_lr applies to the LoRA on the output head and input embeddings, and this recipe trains neither; "
+    "remove train.embedding_lr or set lora.train_lm_head=true or lora.train_embed_tokens=true"
+)
+"""A set `train.embedding_lr` with nothing for it to apply to: refused by the recipe, or by the run for a list of
+targets that names neither (`finetune.training.run.parameter_groups`)."""
+
 ZERO3_STARTING_REFERENCE = (
     "the reference policy is the model the run starts from (lora.init_from, a pissa/olora init, or the base biases "
     "lora.bias trains), whose starting weights are swapped in for reference passes, and DeepSpeed ZeRO-3 partitions "
@@ -941,6 +949,18 @@ class Recipe(_Section):
         if wanted is None and data_format in OWN_ROW_FORMATS:
             used_by = " or ".join(name for name, fmt in OBJECTIVE_FORMATS.items() if fmt == data_format)
             raise ValueError(f"data.format {data_format} needs objective {used_by}; set train.objective to {used_by}")
+        return self
+
+    @model_validator(mode="after")
+    def _embedding_lr_has_weights(self) -> Recipe:
+        """`train.embedding_lr` is the rate of the LoRA on the output head and input embeddings; with neither
+        switched on and `all-linear` targets (which never take them) there is no such LoRA, and the run trained
+        as if the key were absent, without a word. A list of targets may name the head by the family's own
+        name, so that case is checked once the model is loaded (`finetune.training.run.parameter_groups`)."""
+        lora = self.lora
+        no_embedding_lora = not (lora.train_lm_head or lora.train_embed_tokens) and lora.target_modules == "all-linear"
+        if self.train.embedding_lr is not None and no_embedding_lora:
+            raise ValueError(EMBEDDING_LR_UNUSED)
         return self
 
     @model_validator(mode="after")

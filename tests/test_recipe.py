@@ -135,6 +135,12 @@ def test_overrides_apply_through_the_schema(tmp_path, override, check):
         ),
         (MINIMAL, ["distributed.strategy=deepspeed", "train.nonfinite_skips=2"], ["nonfinite_skips cannot be used"]),
         (MINIMAL, ["distributed.strategy=deepspeed", "train.optimizer=adamw_8bit"], ["adamw_8bit cannot be used"]),
+        # a rate for the head and embedding LoRA, with neither trained, set nothing without a word
+        (
+            MINIMAL,
+            ["train.embedding_lr=1e-5"],
+            ["train.embedding_lr applies to the LoRA on the output head", "lora.train_lm_head=true"],
+        ),
         # no infinite or NaN numbers (.inf passed gt=0, then training failed on it)
         (MINIMAL, ["train.epochs=.inf", "train.max_steps=null"], ["train.epochs: Input should be a finite number"]),
         # a run without a length passed validation and stopped on an assertion once the base and data had loaded
@@ -207,6 +213,12 @@ def test_quantization_as_a_string_or_the_mapping_qlora_users_write(tmp_path, qua
         model.bnb_4bit_compute_dtype,
     )
     assert found == expected
+
+
+def test_embedding_lr_passes_where_head_or_embedding_lora_may_be_trained(tmp_path):
+    """A switch on, or a list of targets (which may name the head by the family's name: checked by the run)."""
+    for switch in ("lora.train_lm_head=true", "lora.train_embed_tokens=true", "lora.target_modules=[q_proj,lm_head]"):
+        assert load_recipe(write(tmp_path, MINIMAL), ["train.embedding_lr=1e-5", switch]).train.embedding_lr == 1e-5
 
 
 def test_four_bit_settings_agreeing_with_the_mapping_or_left_at_their_defaults_pass(tmp_path):

@@ -159,6 +159,24 @@ def test_weight_decay_leaves_trained_biases_and_norms_alone_as_the_hf_trainer_do
             assert torch.allclose(parameter, before[name] * (1 - 0.1 * 0.5)), name
 
 
+def test_embedding_lr_with_targets_that_name_no_head_or_embedding_is_refused():
+    """`train.embedding_lr` beside a list of targets without the head or embeddings applied to nothing: refused
+    once the model says which modules those are; with `lm_head` in the list its LoRA trains at that rate."""
+    from finetune.model import wrap_with_lora
+    from finetune.recipe import recipe_from_dict
+    from finetune.training.run import parameter_groups
+
+    def groups(targets: list[str]) -> list[dict]:
+        recipe = recipe_from_dict({"data": {"train": "x.jsonl"}, "output": {"name": "x"},
+                                   "lora": {"r": 4, "target_modules": targets},
+                                   "train": {"lr": 0.1, "embedding_lr": 0.01}})  # fmt: skip
+        return parameter_groups(recipe, wrap_with_lora(tiny_model("llama"), recipe.lora))
+
+    with pytest.raises(RecipeError, match="train.embedding_lr applies to the LoRA on the output head"):
+        groups(["q_proj", "v_proj"])
+    assert [group["lr"] for group in groups(["q_proj", "lm_head"])] == [0.1, 0.01]
+
+
 @pytest.mark.parametrize("optimizer", ["adamw", "adamw_8bit"])  # the rate on the device, and read on the host
 def test_the_logged_lr_is_the_rate_the_step_trained_at(workdir, optimizer):
     """4 steps, linear, 2 of warmup: steps train at lr x 0, 1/2, 1, 1/2 (the HF Trainer logs these). The log
@@ -388,6 +406,23 @@ def test_resume_compares_settings_one_by_one_after_filling_those_added_since():
     )
     recorded["lora"]["since_removed"] = 3
     assert resume_mismatch(recorded, recipe) == "lora.since_removed is 3 in the checkpoint but unset now"
+
+
+def test_a_checkpoint_with_an_embedding_lr_that_applied_to_nothing_resumes_without_it():
+    """Before the recipe refused `train.embedding_lr` beside no head or embedding LoRA, such a run trained as if it
+    were absent; the recipe that resumes it must leave the rate out, and computes the same steps."""
+    from finetune.recipe import load_recipe
+    from finetune.training.recipe_digest import recipe_digest, resume_mismatch
+
+    recipe = load_recipe("quickstart")
+    assert not recipe.lora.train_lm_head and not recipe.lora.train_embed_tokens
+    recorded = recipe_digest(recipe)
+    recorded["train"]["embedding_lr"] = 1e-3
+    assert resume_mismatch(recorded, recipe) is None
+    recorded["lora"]["train_lm_head"] = True  # then the rate trained the head: a recipe without it differs
+    assert resume_mismatch(recorded, recipe) == "lora.train_lm_head is True in the checkpoint but False now"
+    with_head = load_recipe("quickstart", ["lora.train_lm_head=true"])
+    assert resume_mismatch(recorded, with_head) == "train.embedding_lr is 0.001 in the checkpoint but None now"
 
 
 def test_resume_without_a_checkpoint_is_an_error(workdir):

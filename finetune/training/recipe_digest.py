@@ -54,6 +54,7 @@ def resume_mismatch(recorded: dict[str, Any], recipe: Recipe) -> str | None:
     an upgrade that adds a setting resumes unless the recipe sets it to something else than its default.
     """
     current = recipe_digest(recipe)
+    recorded = _without_unused_embedding_lr(recorded)
     for section in SECTIONS:
         then = _flatten(_with_defaults(section, recorded.get(section, {})))
         now = _flatten(current[section])
@@ -62,6 +63,17 @@ def resume_mismatch(recorded: dict[str, Any], recipe: Recipe) -> str | None:
             if before != after:
                 return f"{section}.{key} is {_show(before)} in the checkpoint but {_show(after)} now"
     return None
+
+
+def _without_unused_embedding_lr(recorded: dict[str, Any]) -> dict[str, Any]:
+    """`recorded` less a `train.embedding_lr` that applied to nothing: a checkpoint written before the recipe
+    refused the rate beside no head or embedding LoRA (`Recipe._embedding_lr_has_weights`) trained as if it were
+    absent, so the recipe it must now be resumed with, which leaves it out, computes the same steps."""
+    lora, train = recorded.get("lora", {}), recorded.get("train", {})
+    switched_on = lora.get("train_lm_head") or lora.get("train_embed_tokens")
+    if train.get("embedding_lr") is None or switched_on or lora.get("target_modules", "all-linear") != "all-linear":
+        return recorded
+    return {**recorded, "train": {key: value for key, value in train.items() if key != "embedding_lr"}}
 
 
 class _Absent:

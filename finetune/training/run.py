@@ -52,7 +52,7 @@ from finetune.model import (
 )
 from finetune.plan.memory import describe_checkpointing
 from finetune.quantization import Quantization
-from finetune.recipe import Recipe
+from finetune.recipe import EMBEDDING_LR_UNUSED, Recipe
 from finetune.training import checkpoint as ckpt
 from finetune.training.checkpointing import checkpointed_layer_count, enable_checkpointing
 from finetune.training.deepspeed import DeepSpeedSharding, deepspeed_plugin, zero3_init_paused
@@ -127,7 +127,11 @@ def run_length(recipe: Recipe, stream: MicroBatchStream) -> RunLength:
 
 def parameter_groups(recipe: Recipe, peft_model: Any) -> list[dict[str, Any]]:
     """The trainable weights as optimizer groups: the blocks' LoRA at `train.lr`, the LoRA on the
-    embeddings and head at `train.embedding_lr` (when they are trained and it is set)."""
+    embeddings and head at `train.embedding_lr` (when they are trained and it is set).
+
+    Raises:
+        RecipeError: `train.embedding_lr` is set and no LoRA weights are on the embeddings or head.
+    """
     embedding_names = embedding_module_names(peft_model.get_base_model())
     blocks: list[torch.nn.Parameter] = []
     embeddings: list[torch.nn.Parameter] = []
@@ -136,6 +140,8 @@ def parameter_groups(recipe: Recipe, peft_model: Any) -> list[dict[str, Any]]:
             module = name.removeprefix(PEFT_PREFIX)
             on_embedding = any(module.startswith(embedding + ".") for embedding in embedding_names)
             (embeddings if on_embedding else blocks).append(parameter)
+    if recipe.train.embedding_lr is not None and not embeddings:  # a list of targets naming neither
+        raise RecipeError(EMBEDDING_LR_UNUSED)
     groups = [{"params": blocks, "lr": recipe.train.lr}]
     if embeddings:
         groups.append({"params": embeddings, "lr": recipe.train.embedding_lr or recipe.train.lr})
