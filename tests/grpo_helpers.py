@@ -22,6 +22,7 @@ def write_rewards(tmp_path: Path) -> Path:
         "def exits(prompts, completions, **kwargs):\n    import sys\n    sys.exit(3)\n"
         "def huge(prompts, completions, **kwargs):\n    return [1e300 for _ in completions]\n"
         "def lines(prompts, completions, **kwargs):\n    raise ValueError('shapes differ\\n  left: (2,)\\n  right: (3,)')\n"
+        "def scalar(prompts, completions, **kwargs):\n    import torch\n    return torch.tensor(1.0)\n"
         "def array(prompts, completions, **kwargs):\n"
         "    import numpy\n    return numpy.arange(len(completions), dtype=numpy.float64) / 2\n"
     )

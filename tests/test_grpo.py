@@ -91,6 +91,7 @@ def test_reward_functions_called_as_trl_calls_them(tmp_path, monkeypatch):
     [
         ("rewards.py:raises", r"reward function rewards.py:raises raised ValueError: no answer column \(on a batch"),
         ("rewards.py:short", "returned 1 values for 2 completions"),
+        ("rewards.py:scalar", "returned a Tensor for 2 completions"),
         ("rewards.py:exits", r"reward function rewards.py:exits raised SystemExit: 3 \(on a batch"),
         ("rewards.py:words", "returned 'high' for a completion of record 1"),
         ("rewards.py:missing", "defines no function 'missing'"),
@@ -104,6 +105,7 @@ def test_reward_functions_called_as_trl_calls_them(tmp_path, monkeypatch):
     ids=[
         "raises",
         "count",
+        "scalar-tensor",
         "sys-exit",
         "not-a-number",
         "no-function",

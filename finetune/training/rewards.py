@@ -267,7 +267,10 @@ def score(
             ) from None
         if hasattr(values, "tolist") and getattr(values, "ndim", None) == 1:  # a numpy array, as trl accepts
             values = values.tolist()
-        values = list(values) if isinstance(values, (list, tuple, torch.Tensor)) else values
+        # a 0-d tensor (one number for the whole batch) cannot be iterated: it is told as a wrong return, as a
+        # 0-d numpy array is, not left to raise a traceback
+        iterable = isinstance(values, (list, tuple)) or (isinstance(values, torch.Tensor) and values.ndim > 0)
+        values = list(values) if iterable else values
         if not isinstance(values, list) or len(values) != len(completions):
             got = f"{len(values)} values" if isinstance(values, list) else f"a {type(values).__name__}"
             raise RewardError(
