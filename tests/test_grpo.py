@@ -668,6 +668,28 @@ def test_a_completion_no_function_scored_is_left_out_of_the_reward_statistics(tm
     assert step["reward_std"] == pytest.approx(scored.std().item(), rel=1e-6)
 
 
+def test_the_reward_std_of_rewards_with_a_large_offset_is_trls(tmp_path, tiny_base_dir, monkeypatch):
+    """`reward_std` is the sample deviation of the step's rewards (trl's nanstd, which subtracts the mean first),
+    also when the rewards sit far from 0: taken as E[r²] - E[r]² in float32, 10,000 + k/8 rewards were logged
+    with a std ten times theirs (or 0, where the difference came out negative)."""
+    source = (
+        "import json\n"
+        "def offset(prompts, completions, **kwargs):\n"
+        "    values = [10000.0 + (len(c) % 5) / 8 for c in completions]\n"
+        "    with open('noted.jsonl', 'a') as f:\n        f.write(json.dumps(['offset', values]) + '\\n')\n"
+        "    return values\n"
+    )
+    noted = _train_noting(
+        tmp_path, tiny_base_dir, monkeypatch, "noted.py:offset", source, ONE_STEP_OF_TWO_MICRO_BATCHES
+    )
+    rewards = torch.tensor([v for _, values in noted for v in values], dtype=torch.float64)
+    assert len(rewards) == 8 and rewards.std() > 0
+    (step,) = _logged_steps(tmp_path)
+    assert step["reward"] == pytest.approx(rewards.mean().item(), rel=1e-9)
+    assert step["reward_std"] == pytest.approx(rewards.std().item(), rel=1e-5)
+    assert step["rewards/noted.py:offset"] == pytest.approx(rewards.mean().item(), rel=1e-9)
+
+
 @pytest.mark.slow
 def test_reward_functions_see_the_runs_length_and_epoch_as_trl_passes_them(tmp_path, tiny_base_dir, monkeypatch):
     """`trainer_state.max_steps` and `.epoch`, which reward functions read to shape rewards by progress: a run set

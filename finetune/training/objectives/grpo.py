@@ -331,7 +331,9 @@ class GRPO(MeasuredAgainstStart):
         nll = torch.zeros(scale.completions, device=logps.device).index_add(0, owner, -logps) / tokens.clamp(min=1)
         count = scale.completions * scale.step_completions.new_ones(())
         rewarded = ~torch.isnan(state["rewards"])  # trl 1.16 leaves a completion no function scored out (NaN)
-        rewards = torch.where(rewarded, state["rewards"], 0.0)
+        # float64: `reward_std` comes from Σr and Σr² (finish_summary), and in float32 their difference lost the
+        # spread of rewards with a large offset (10,000 ± 0.15 was logged with a std of 1.5, or 0)
+        rewards = torch.where(rewarded, state["rewards"].double(), 0.0)
         metrics = {
             "reward": rewards.sum(),
             "reward_sq": (rewards**2).sum(),
@@ -348,7 +350,7 @@ class GRPO(MeasuredAgainstStart):
         }
         for index, function in enumerate(self.reward_functions):
             scores = state["scores"][:, index]
-            metrics[f"rewards/{function.name}"] = torch.nansum(scores)
+            metrics[f"rewards/{function.name}"] = torch.nansum(scores.double())
             metrics[f"scored/{function.name}"] = (~torch.isnan(scores)).sum()
         if "kl" in parts:
             metrics["kl"] = (parts["kl"] * mask).sum() * per_token
