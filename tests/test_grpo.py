@@ -233,6 +233,27 @@ def test_advantages_as_trl_computes_them():
     assert float(nanstd(rewards)) == pytest.approx(float(rewards[~rewards.isnan()].std()))
 
 
+@pytest.mark.parametrize("scale", ["group", "batch", "none"])
+def test_advantages_and_zero_std_groups_of_sparse_rewards_are_trls(scale):
+    """Groups where no completion, one, some or all were scored (None is NaN): advantages and the share of
+    completions whose std is zero (`frac_reward_zero_std`) as trl 1.16 computes them, with trl's own `nanstd`.
+    A group with fewer than two scored completions has no std in trl (NaN, not zero); it was counted as zero."""
+    from trl.trainer.utils import nanstd as trls_nanstd
+
+    nan = float("nan")
+    rewards = torch.tensor([1.0, nan, nan, nan, nan, nan, nan, nan, 1.0, 2.0, 3.0, nan, 5.0, 5.0, 5.0, 5.0])
+    groups = rewards.view(-1, 4)
+    mean = torch.nanmean(groups, dim=1).repeat_interleave(4)
+    if scale == "batch":
+        std = trls_nanstd(rewards).expand_as(rewards)
+    else:
+        std = trls_nanstd(groups, dim=1).repeat_interleave(4)
+    expected = rewards - mean if scale == "none" else (rewards - mean) / (std + 1e-4)
+    advantages, ours = advantages_of(rewards, 4, scale)
+    torch.testing.assert_close(advantages, torch.nan_to_num(expected, nan=0.0))
+    assert torch.equal(torch.isclose(ours, torch.zeros_like(ours)), torch.isclose(std, torch.zeros_like(std)))
+
+
 def test_greedy_sampling_equals_decoding_each_prompt_alone(tiny_base_dir, tiny_tokenizer):
     """All prompts in one left-padded batch with a KV cache (in place, with room), a repeated prompt sharing
     its prefill, rows leaving as they stop: each row's tokens are those of a full forward per token on that

@@ -99,13 +99,15 @@ def evaluation_keys(seed: int, rows: list[dict[str, Any]]) -> list[str]:
 
 
 def nanstd(values: torch.Tensor, dim: int | None = None) -> torch.Tensor:
-    """The sample standard deviation (n − 1) over the non-NaN values, as trl's `nanstd`."""
+    """The sample standard deviation (n − 1) over the non-NaN values, as trl's `nanstd`: NaN where fewer than two
+    are not NaN (it was 0 there, so a group with one scored completion counted in `frac_reward_zero_std`, which
+    trl leaves it out of; the advantages are 0 either way)."""
     if dim is None:
         values, dim = values.reshape(-1), 0
     mean = torch.nanmean(values, dim=dim, keepdim=True)
     count = (~torch.isnan(values)).sum(dim=dim)
     variance = torch.nansum((values - mean) ** 2, dim=dim) / (count - 1).clamp(min=1)
-    return variance.sqrt()
+    return torch.where(count > 1, variance.sqrt(), torch.nan)
 
 
 def advantages_of(rewards: torch.Tensor, group_size: int, scale: str) -> tuple[torch.Tensor, torch.Tensor]:
