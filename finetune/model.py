@@ -317,14 +317,16 @@ def _lora_targets(config: LoraConfig, model: PreTrainedModel, moe: _MoeTargets) 
     extra = [
         name for name, wanted in ((lm_head, config.train_lm_head), (embed_tokens, config.train_embed_tokens)) if wanted
     ]
-    if not extra and not moe.experts:
+    if not extra and not moe.experts and not moe.linear_routers:
         return config.target_modules
     if config.target_modules == "all-linear":  # peft's `all-linear` leaves the head out and takes no additions
         head = lm_head.rsplit(".", 1)[-1]
         left_out = {head, *moe.moved_by_peft}
         blocks = [name for name in linear_module_names(model, skip=moe.skipped_linear) if name not in left_out]
     else:
-        blocks = list(config.target_modules)
+        blocks = list(config.target_modules) + [
+            name for name in moe.linear_routers if name not in config.target_modules
+        ]
     if not extra:
         return blocks
     # One regex (peft full-matches a string against each module name): the blocks' layers by their last name
@@ -350,6 +352,9 @@ class _MoeTargets:
         self.excluded_routers = sorted(self.frozen_routers & linear)
         # A router that is no plain nn.Linear (a module holding a weight) is reached as a parameter, like the experts.
         self.router_parameters = [n for n in router_names if n not in wrappable] if config.train_router else []
+        # A router that is a plain nn.Linear (JetMoE's `router.layer`, HunYuan-MoE's `gate.wg`) takes linear LoRA:
+        # `all-linear` reaches it by name; beside a list of target modules it is added by its full name.
+        self.linear_routers = [n for n in router_names if n in wrappable] if config.train_router else []
         self.skipped_linear = self.frozen_routers | set(self.router_parameters)
         """Linear layers `all-linear` leaves out (full names): the frozen routers and those reached as parameters."""
         # Dense layers (shared experts, dense MLPs) named as plain peft renames onto the experts when it loads an

@@ -588,3 +588,24 @@ def test_dora_on_the_expert_tensors_is_one_line_naming_the_fix():
         wrap_with_lora(model, LoraConfig(use_dora=True))
     peft_model = wrap_with_lora(model, LoraConfig(use_dora=True, target_modules=["q_proj", "v_proj"]))
     assert any("lora_magnitude_vector" in name for name, _ in peft_model.named_parameters())
+
+
+def test_routers_held_by_a_linear_one_level_down_stay_frozen_unless_train_router():
+    """HunYuan-MoE's router is `mlp.gate.wg` and JetMoE's `mlp.router.layer`: a plain nn.Linear inside the module
+    beside the experts. It was not recognised as a router, so `all-linear` trained it (README: routers stay frozen
+    unless `lora.train_router`), and `train_router` beside a list of target modules trained none."""
+    from transformers import HunYuanMoEV1Config
+
+    torch.manual_seed(0)
+    config = HunYuanMoEV1Config(**MOE_SHAPE, intermediate_size=32, num_experts=4, head_dim=16, moe_topk=2)
+    model = AutoModelForCausalLM.from_config(config)
+    assert routers(model, expert_tensors(model)) == ["model.layers.0.mlp.gate.wg", "model.layers.1.mlp.gate.wg"]
+
+    def trained_routers(lora: LoraConfig) -> set[str]:
+        peft_model = wrap_with_lora(AutoModelForCausalLM.from_config(config), lora)
+        return {n.split(".lora_")[0] for n, p in peft_model.named_parameters() if p.requires_grad and ".gate.wg." in n}
+
+    assert trained_routers(LoraConfig(r=4)) == set()
+    every = {"base_model.model.model.layers.0.mlp.gate.wg", "base_model.model.model.layers.1.mlp.gate.wg"}
+    assert trained_routers(LoraConfig(r=4, train_router=True)) == every
+    assert trained_routers(LoraConfig(r=4, target_modules=["q_proj"], train_router=True)) == every

@@ -84,7 +84,9 @@ def clean_name(name: str) -> str:
 
 
 def routers(model: torch.nn.Module, experts: list[ExpertTensor]) -> list[str]:
-    """Names of the routers: siblings of an experts module whose weight has one row per expert."""
+    """Names of the routers: siblings of an experts module whose weight has one row per expert, or whose only
+    weight is a submodule's with one row per expert (JetMoE's `router.layer`, HunYuan-MoE's `gate.wg`: an
+    `nn.Linear` that `all-linear` would otherwise train, and no router to `train_router`)."""
     names = {name: module for name, module in model.named_modules()}
     found: list[str] = []
     for owner in sorted({(e.owner, e.num_experts) for e in experts}):
@@ -93,11 +95,34 @@ def routers(model: torch.nn.Module, experts: list[ExpertTensor]) -> list[str]:
         if parent is None:
             continue
         for child_name, child in parent.named_children():
-            weight = getattr(unwrapped(child), "weight", None)
-            if child_name != own and isinstance(weight, torch.Tensor) and weight.dim() == 2:
-                if tuple(getattr(weight, "ds_shape", weight.shape))[0] == owner[1]:
-                    found.append(f"{parent_name}.{child_name}" if parent_name else child_name)
+            inner = _router_weight_holder(child, owner[1]) if child_name != own else None
+            if inner is not None:
+                name = ".".join(part for part in (parent_name, child_name, inner) if part)
+                found.append(name)
     return sorted(set(found))
+
+
+def _router_weight_holder(module: torch.nn.Module, experts: int) -> str | None:
+    """'' when `module`'s own weight has one row per expert; the name of the submodule holding its only weight
+    when that one does (peft's LoRA layers and wrappers looked through); None otherwise."""
+    if isinstance(getattr(unwrapped(module), "weight", None), torch.Tensor):
+        return "" if _rows(unwrapped(module).weight) == experts else None
+    holders = [
+        (name, weight)
+        for name, sub in module.named_modules()
+        if name and not any(part.startswith("lora_") or part == "base_layer" for part in name.split("."))
+        for weight in [getattr(unwrapped(sub), "weight", None)]
+        if isinstance(weight, torch.Tensor)
+    ]
+    if len(holders) == 1 and _rows(holders[0][1]) == experts:
+        return holders[0][0]
+    return None
+
+
+def _rows(weight: torch.Tensor) -> int | None:
+    """The rows of a 2D weight (its full shape under DeepSpeed ZeRO-3), None for another rank."""
+    shape = tuple(getattr(weight, "ds_shape", weight.shape))
+    return shape[0] if len(shape) == 2 else None
 
 
 def matches_target(name: str, targets: list[str]) -> bool:
