@@ -17,11 +17,12 @@ import httpx
 import pytest
 import torch
 from helpers import REORDERED_ULPS, ROUNDED_ULPS, assert_within_ulps
-from moe_helpers import FAMILIES, build_moe, merged_logits, moe_adapter
+from moe_helpers import FAMILIES, MOE_SHAPE, build_moe, merged_logits, moe_adapter
 
 import finetune
 from finetune.adapters.experts import expert_tensors, routers
 from finetune.cli import main
+from finetune.errors import AdapterError
 from finetune.prompting import prompt_ids
 from finetune.serve.server import ServerThread
 from finetune.serve.settings import BASE_ROW, ServeSettings
@@ -80,6 +81,67 @@ def test_rows_with_linear_and_expert_lora_and_something_merged_underneath(tmp_pa
         reference = expected[None if name == BASE_ROW else name][row]
         assert_within_ulps(logits[row], reference, REORDERED_ULPS, what=f"row {row} ({name})")
     assert m.merged == {"under": 0.5}
+
+
+def qwen2_moe(out: Path, tokenizer) -> Path:
+    """Qwen2-MoE: a shared expert (plain linear layers, which `all-linear` trains) fed the block's flattened tokens."""
+    from transformers import AutoModelForCausalLM, Qwen2MoeConfig
+
+    torch.manual_seed(0)
+    config = Qwen2MoeConfig(
+        **MOE_SHAPE, moe_intermediate_size=32, num_experts=4, shared_expert_intermediate_size=32, intermediate_size=64
+    )
+    config.pad_token_id, config.bos_token_id, config.eos_token_id = 0, 1, 2
+    AutoModelForCausalLM.from_config(config).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+@pytest.mark.parametrize("family", ["qwen2_moe", "deepseek_v3"])
+def test_rows_where_linear_layers_or_the_router_see_the_blocks_tokens(family, tmp_path, tiny_tokenizer):
+    """Qwen2-MoE's shared expert gets (batch·seq, hidden) tokens, and peft's per-row LoRA refused them ("Length of
+    `adapter_names` should be the same as the number of inputs"): every prefill `finetune serve` ran with an adapter
+    failed. DeepSeek-V3's router takes (batch, seq, hidden) and returns one row per token: rows of router LoRA
+    failed to be put back together. Each row now equals the model with its adapter merged."""
+    base_dir = qwen2_moe(tmp_path / "base", tiny_tokenizer) if family == "qwen2_moe" else None
+    base_dir = base_dir or build_moe(family, tmp_path / "base", tiny_tokenizer)
+    seeds = (("one", 1), ("two", 2))
+    m = load(base_dir, {n: moe_adapter(base_dir, tmp_path / n, seed=s, train_router=True) for n, s in seeds})
+    ids = torch.arange(3, 3 + 8 * len(ROWS)).reshape(len(ROWS), 8)
+    expected = merged_logits(m, [None, "one", "two"], ids)
+    m.attach("one"), m.attach("two")
+    with torch.no_grad():
+        logits = m.use_per_row()(input_ids=ids, adapter_names=ROWS).logits
+    for row, name in enumerate(ROWS):
+        reference = expected[None if name == BASE_ROW else name][row]
+        assert_within_ulps(logits[row], reference, REORDERED_ULPS, what=f"row {row} ({name})")
+
+
+def test_experts_that_take_tokens_in_their_own_order_refuse_rows_of_different_adapters(tmp_path, tiny_tokenizer):
+    """Llama 4's experts take every token once per expert (`repeat`), not row by row: grouped by row, each row's
+    experts computed with other rows' tokens, silently wrong. A mixed batch is refused in one line; one adapter for
+    the whole batch still equals the merged model."""
+    from transformers import AutoModelForCausalLM, Llama4TextConfig
+
+    torch.manual_seed(0)
+    config = Llama4TextConfig(
+        **MOE_SHAPE, intermediate_size=32, intermediate_size_mlp=64, num_local_experts=4, head_dim=16,
+        moe_layers=[0, 1], no_rope_layers=[1, 1],
+    )  # fmt: skip
+    config.pad_token_id, config.bos_token_id, config.eos_token_id = 0, 1, 2
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "base")
+    tiny_tokenizer.save_pretrained(tmp_path / "base")
+    m = load(tmp_path / "base", {"one": moe_adapter(tmp_path / "base", tmp_path / "one", seed=1)})
+    ids = torch.arange(3, 3 + 8 * len(ROWS)).reshape(len(ROWS), 8)
+    expected = merged_logits(m, ["one"], ids)["one"]
+    m.use("one")
+    with torch.no_grad():
+        assert_within_ulps(m.model(input_ids=ids).logits, expected, REORDERED_ULPS, what="the whole batch")
+    m.use(None)
+    m.attach("one")
+    with pytest.raises(AdapterError, match=r"experts \(Llama4TextExperts\) takes its tokens in an order of its own"):
+        with torch.no_grad():
+            m.use_per_row()(input_ids=ids, adapter_names=["one", BASE_ROW, "one", "one"])
 
 
 @pytest.fixture(scope="module")

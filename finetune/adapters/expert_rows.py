@@ -19,6 +19,11 @@ Rows map to tokens because every MoE block of transformers 5 flattens its input 
 tensors beside it: row r owns tokens r·seq to (r+1)·seq - 1, and the router's and an expert's output for a
 token depend on that token alone.
 
+Linear layers inside a mixture-of-experts block see those flattened tokens too (Qwen2-MoE's and Llama 4's
+shared expert, HunYuan-MoE's and JetMoE's routers are `nn.Linear`), and peft's per-row LoRA refuses an input
+whose first dimension is not the batch ("Length of `adapter_names` should be the same as the number of
+inputs"): their LoRA layers get a forward that repeats each row's adapter name for its tokens (`_per_token`).
+
 Cost: each forward computes, per adapter present in the batch, every expert tensor of that adapter once
 (round(W + ΔW) in fp32, as a merge does), which is what peft's unmerged path does too (a full W + ΔW per
 forward). For a large MoE served with one adapter, `finetune serve --merge` avoids it.
@@ -38,6 +43,7 @@ from typing import Any
 import torch
 
 from finetune.adapters.experts import BASE_LAYER, clean_name, unwrapped
+from finetune.errors import AdapterError
 
 BASE_ROW = "__base__"
 """peft's name for a row without an adapter."""
@@ -58,11 +64,16 @@ class ExpertRows:
         self._tensor_for = tensor_for
 
     def install(self, model: torch.nn.Module) -> int:
-        """Give every outermost parameter wrapper of `model` the per-row forward; returns how many have it."""
+        """Give every outermost parameter wrapper of `model` the per-row forward, and every linear LoRA layer
+        one that takes flattened tokens (`_per_token`); returns how many parameter wrappers have theirs."""
         installed = 0
         for name, module in model.named_modules():
-            if name.endswith(BASE_LAYER) or not is_parameter_wrapper(module):
+            if name.endswith(BASE_LAYER):
                 continue  # an inner wrapper is called by the outer one, which now bypasses it
+            if not is_parameter_wrapper(module):
+                if _is_linear_lora(module) and "forward" not in module.__dict__:
+                    module.forward = partial(_per_token, module.forward)
+                continue
             if "forward" not in module.__dict__:
                 module.forward = partial(self._forward, module, clean_name(name))
             installed += 1
@@ -87,6 +98,7 @@ class ExpertRows:
             (adapters,) = groups
             return self._run(experts, owner, targeted, adapters, hidden_states, args, kwargs)
         tokens = hidden_states.shape[0]
+        _check_row_major(experts, owner, tokens, args, kwargs)
         assert tokens % len(rows) == 0, f"{tokens} tokens cannot be {len(rows)} rows of equal length"
         per_row = tokens // len(rows)
         parts = []
@@ -116,6 +128,39 @@ class ExpertRows:
         return torch.func.functional_call(experts, tensors, (hidden_states, *args), kwargs, strict=False)
 
 
+def _check_row_major(module: torch.nn.Module, owner: str, tokens: int, args: Sequence[Any], kwargs: dict) -> None:
+    """AdapterError unless `module`'s tokens can be told apart by row: a router's (its input is the block's), or
+    experts given a per-token routing tensor beside them. Llama 4's experts take each token once per expert
+    (`repeat`) and JetMoE's take them sorted by expert with a list of counts: grouped by row, each row's
+    experts computed with other rows' tokens, silently."""
+    if all(parameter.dim() != 3 for parameter in module.parameters(recurse=False)):
+        return  # a router
+    if any(isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] == tokens for v in (*args, *kwargs.values())):
+        return
+    raise AdapterError(
+        f"{owner} ({type(module).__name__}) takes its tokens in an order of its own, not row by row, so rows of "
+        "different adapters (or base rows beside adapter rows) cannot share one forward on it; serve one adapter "
+        "merged (finetune serve --merge NAME), or apply one adapter to the whole batch (finetune generate --adapter)"
+    )
+
+
+def _is_linear_lora(module: torch.nn.Module) -> bool:
+    """peft's LoRA layer around a linear layer (plain or quantized: bitsandbytes' subclass nn.Linear)."""
+    return hasattr(module, "lora_A") and isinstance(getattr(module, "base_layer", None), torch.nn.Linear)
+
+
+def _per_token(forward: Callable[..., Any], x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+    """A linear LoRA layer's forward on tokens flattened row-major inside a mixture-of-experts block, (batch·seq,
+    hidden) rather than (batch, seq, hidden): each row's adapter name repeated for its tokens, as peft's per-row
+    LoRA needs one name per input."""
+    names = kwargs.get("adapter_names")
+    if names is not None and x.dim() == 2 and len(names) and x.shape[0] != len(names):
+        per_row, rest = divmod(x.shape[0], len(names))
+        assert rest == 0, f"{x.shape[0]} tokens cannot be {len(names)} rows of equal length"
+        kwargs["adapter_names"] = [name for name in names for _ in range(per_row)]
+    return forward(x, *args, **kwargs)
+
+
 def _targeted(wrapper: torch.nn.Module) -> list[str]:
     """The parameter names the chain of wrappers from `wrapper` inwards holds LoRA for."""
     names: list[str] = []
@@ -138,13 +183,16 @@ def _row_adapters(wrapper: torch.nn.Module, adapter_names: Sequence[str] | None)
 
 def _gathered(parts: list[tuple[torch.Tensor, Any]], tokens: int) -> Any:
     """The outputs of token groups put back in token order: a tensor, or a tuple of them (a router's logits,
-    weights and indices), each with one row per token."""
+    weights and indices), each with one row per token, or per token of rows it was given whole (DeepSeek-V3's
+    router takes (batch, seq, hidden) and returns (batch·seq, experts))."""
     first = parts[0][1]
     if isinstance(first, tuple):
         return tuple(_gathered([(index, part[i]) for index, part in parts], tokens) for i in range(len(first)))
-    output = first.new_empty((tokens, *first.shape[1:]))
+    per_input, rest = divmod(first.shape[0], len(parts[0][0]))
+    assert rest == 0 and per_input > 0, f"{first.shape[0]} outputs for {len(parts[0][0])} inputs"
+    output = first.new_empty((tokens * per_input, *first.shape[1:]))
     for index, part in parts:
-        output[index] = part
+        output[(index[:, None] * per_input + torch.arange(per_input, device=index.device)).flatten()] = part
     return output
 
 
