@@ -105,8 +105,9 @@ def routers(model: torch.nn.Module, experts: list[ExpertTensor]) -> list[str]:
 def _router_weight_holder(module: torch.nn.Module, experts: int) -> str | None:
     """'' when `module`'s own weight has one row per expert; the name of the submodule holding its only weight
     when that one does (peft's LoRA layers and wrappers looked through); None otherwise."""
-    if isinstance(getattr(unwrapped(module), "weight", None), torch.Tensor):
-        return "" if _rows(unwrapped(module).weight) == experts else None
+    own = getattr(unwrapped(module), "weight", None)
+    if isinstance(own, torch.Tensor):
+        return "" if _rows(own) == experts else None
     holders = [
         (name, weight)
         for name, sub in module.named_modules()
