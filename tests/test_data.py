@@ -917,3 +917,22 @@ def test_data_preview_shows_the_pieces_training_uses(tmp_path, tiny_tokenizer, t
     assert main(["data", "preview", "recipe.yaml", "data.format=instruction", "data.overlength=split"]) == 2
     (error,) = capsys.readouterr().err.strip().splitlines()
     assert "data.overlength=split applies to format text only" in error
+
+
+CHATML_TEMPLATE = (
+    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>' + '\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def test_a_turn_closer_the_vocabulary_lacks_is_refused_unless_eos_follows(tmp_path, tiny_tokenizer):
+    """ChatML on a base without `<|im_end|>` (a Llama or Mistral base): the closer was trained as several ordinary
+    tokens and the tuned model never stopped; with EOS after it, the model learns to stop on EOS."""
+    assert len(tiny_tokenizer("<|im_end|>", add_special_tokens=False)["input_ids"]) > 1
+    source = write_records(tmp_path / "chat.jsonl", [{"messages": CHAT}])
+    with pytest.raises(DataError, match=r"closes an assistant turn with '<\|im_end\|>', which this tokenizer has no"):
+        build(tmp_path, tiny_tokenizer, train=[source], format="chat", chat_template=CHATML_TEMPLATE)
+    with_eos = CHATML_TEMPLATE.replace("'<|im_end|>' +", "'<|im_end|>' + eos_token +")
+    bundle = build(tmp_path, tiny_tokenizer, train=[source], format="chat", chat_template=with_eos)
+    labels = [label for label in bundle.train[0]["labels"] if label != IGNORE_INDEX]
+    assert labels[-1] == tiny_tokenizer.eos_token_id

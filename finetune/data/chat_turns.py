@@ -68,6 +68,38 @@ def apply_template(
     return _apply(tokenizer, messages, chat.tools, template, where, {**template_kwargs(reasoning), **kwargs})
 
 
+@lru_cache(maxsize=64)
+def check_turn_closer(tokenizer: Any, template: str) -> None:
+    """Refuse a template whose assistant turn closes with a marker this tokenizer has no token for (ChatML's
+    `<|im_end|>` given as `data.chat_template` to a Llama or Mistral base), where no token such as EOS follows
+    it: the marker would be trained as several ordinary tokens, and generation, which stops on a token (EOS,
+    the generation config's), would never stop.
+
+    Raises:
+        DataError: the turn ends with no single token; the message says how to fix the template.
+    """
+    answered = [{"role": "user", "content": "ft-probe"}, {"role": "assistant", "content": _SENTINEL}]
+    try:
+        text = _apply(tokenizer, answered, None, template, "the chat template", {"tokenize": False})
+    except DataError:  # a template that refuses the probe: its records are checked as they are rendered
+        return
+    rest = text[text.find(_SENTINEL) + len(_SENTINEL) :].lstrip()
+    candidates = sorted({*_KNOWN_CLOSERS, tokenizer.eos_token or ""} - {""}, key=len, reverse=True)
+    chain = []
+    while (closer := next((c for c in candidates if rest.startswith(c)), None)) is not None:
+        chain.append(closer)
+        rest = rest[len(closer) :]
+    single = [c for c in chain if len(tokenizer(c, add_special_tokens=False)["input_ids"]) == 1]
+    if chain and not single:
+        pieces = len(tokenizer(chain[0], add_special_tokens=False)["input_ids"])
+        raise DataError(
+            f"the chat template closes an assistant turn with {chain[0]!r}, which this tokenizer has no token for "
+            f"(it reads it as {pieces} ordinary tokens), so the tuned model could never stop on it; close the turn "
+            f"with the tokenizer's EOS in data.chat_template ({{{{ eos_token }}}}, here {tokenizer.eos_token!r}), "
+            "or use a base whose tokenizer has the template's special tokens"
+        )
+
+
 def check_renders_tools(chat: ChatRecord, template: str, where: str) -> None:
     """A record with tool calls or results needs a template that renders them: one that never mentions tools
     (Phi-3.5's and Phi-4's, Gemma's) would drop those turns without a word, and train what is left."""

@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any, Literal, overload
 from finetune.data.chat import ChatRecord, normalize_messages, normalize_record, normalize_tools
 from finetune.data.chat_turns import (
     apply_template,
+    check_turn_closer,
     render_chat,
     render_chat_prompt,
     render_every_turn,
@@ -222,16 +223,17 @@ def _document(input_ids: list[int], trained: list[bool]) -> Document | None:
 
 
 def chat_template_of(config: DataConfig, tokenizer: PreTrainedTokenizerBase) -> str:
-    """The Jinja template chat records are rendered with: `data.chat_template`, else the tokenizer's."""
-    if config.chat_template is not None:
-        return config.chat_template
+    """The Jinja template chat records are rendered with: `data.chat_template`, else the tokenizer's; refused
+    where its assistant turns end with no token the tuned model can stop on (`check_turn_closer`)."""
     try:
-        return tokenizer.get_chat_template()
+        template = config.chat_template if config.chat_template is not None else tokenizer.get_chat_template()
     except ValueError:
         raise DataError(
             "data.format is chat but the tokenizer has no chat template; set data.chat_template "
             "to a Jinja template (with {% generation %} around assistant turns)"
         ) from None
+    check_turn_closer(tokenizer, template)
+    return template
 
 
 def encode_chat_prompt(
