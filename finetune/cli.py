@@ -18,7 +18,7 @@ from typing import NoReturn
 
 from finetune.console import configure_console
 from finetune.errors import FinetuneError
-from finetune.launched import broken_collective, end_if_launched, is_first_rank
+from finetune.launched import broken_collective, end_if_launched, is_first_rank, say_once
 from finetune.version import __version__
 
 COMMAND_MODULES = ("train", "plan", "inference", "adapters", "recipes", "data", "serve", "export", "report")
@@ -80,16 +80,16 @@ def _run(argv: Sequence[str] | None) -> int:
     except FinetuneError as exc:
         exit_code = getattr(exc, "exit_code", None)  # an interrupted run: 128 + the signal, the same on every rank
         if exit_code is None or is_first_rank():
-            print(f"error: {exc}", file=sys.stderr)
+            say_once(f"error: {exc}")  # once, though every rank of a launch finds the same fault
         return _ended(exit_code if exit_code is not None else EXIT_USER_ERROR)
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt:  # Ctrl-C before training's own handler: every rank of a launch gets it
+        say_once("interrupted")
+        return _ended(130)
     except Exception as exc:
         line = None if args.verbose else broken_collective(exc)
         if line is None:
             raise
-        print(line, file=sys.stderr)  # a rank whose peer failed: that rank's own error says why
+        say_once(line)  # a rank whose peer failed: that rank's own error says why
         return _ended(1)
 
 

@@ -7,10 +7,12 @@ the training stack (`generate`, `eval` and `serve` never import it).
 Example:
     if already_launched(): ...                       # a rank: train here, do not launch again
     line = broken_collective(error)                 # None, or "error: rank 1 stopped: the process group broke ..."
+    say_once("error: lora.target_modules ...")      # printed by the first rank to say it, not by every rank
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import sys
 import traceback
@@ -38,6 +40,32 @@ def is_first_rank() -> bool:
     """True in a process that is not a launched rank, or is rank 0: the one that speaks for a run all ranks
     end alike (an interrupted run's checkpoint line, once, not once per rank)."""
     return os.environ.get("RANK", "0") == "0"
+
+
+SAID_DIR_ENV = "FINETUNE_SAID_LINES"
+"""A directory the launching `finetune train --nproc N` makes for its ranks (and removes): one empty file per line
+a rank has said, named by the line's digest."""
+
+
+def say_once(line: str) -> None:
+    """Print `line` to stderr unless another rank of this launch printed the very same line.
+
+    Errors that every rank finds alike after the launch (LoRA targets that match nothing, a checkpoint of another
+    recipe, a NaN step, Ctrl-C during loading) were printed once per rank: N identical lines, now and then run
+    together into one. The first rank to claim the line's file (`O_EXCL`: exactly one wins) prints it; a line only
+    one rank says (out of memory on one GPU) is still said. Outside a launch, or launched by `accelerate launch`
+    directly (no directory), every line is printed."""
+    said = os.environ.get(SAID_DIR_ENV)
+    if said and already_launched():
+        digest = hashlib.sha256(line.encode()).hexdigest()[:32]
+        try:
+            os.close(os.open(os.path.join(said, digest), os.O_WRONLY | os.O_CREAT | os.O_EXCL))
+        except FileExistsError:
+            return
+        except OSError:
+            pass  # the directory is gone or unwritable: say it rather than lose it
+    sys.stderr.write(line + "\n")  # one write: `print` writes the newline apart, and ranks' lines ran together
+    sys.stderr.flush()
 
 
 _COLLECTIVE_CODE = ("/torch/distributed/", "/torch/nn/parallel/", "/deepspeed/comm/")

@@ -77,3 +77,16 @@ def test_a_bad_record_under_two_ranks_ends_in_its_one_line_error_and_exit_2(work
     assert [line for line in lines if line.startswith("error: train.jsonl line 41 (record 41): no field 'output'")]
     assert all(line.startswith(("error: ", "[W")) for line in lines), result.stderr[-3000:]
     assert "Traceback" not in result.stderr and "ChildFailedError" not in result.stderr
+
+
+@pytest.mark.slow
+def test_an_error_every_rank_finds_is_printed_once(workdir):
+    """LoRA targets that match nothing are found by each rank after the launch (the base is loaded there): the line
+    was printed once per rank, and two ranks' lines now and then ran together into one."""
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    command = [sys.executable, "-m", "finetune", "train", "recipe.yaml", "lora.target_modules=[nothing_here]",
+               "--nproc", "2", "--cpu"]  # fmt: skip
+    result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert result.stderr.count("error:") == 1, result.stderr[-3000:]
+    assert "error: lora.target_modules ['nothing_here'] match no module of the base model" in result.stderr

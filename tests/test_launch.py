@@ -168,6 +168,34 @@ def test_run_launched_sets_accelerate_use_cpu_and_returns_the_exit_status(monkey
     assert run_launched([sys.executable, "-c", script], use_cpu=use_cpu) == {"true": 11, "unset": 12}[expected]
 
 
+def test_ranks_of_one_launch_say_a_line_they_share_once_and_their_own_lines_each(monkeypatch):
+    """Four ranks (real processes, as `run_launched` starts them) each end with the same error and one of their own:
+    the shared one used to be printed once per rank, now and then run together into one line."""
+    monkeypatch.delenv("ACCELERATE_USE_CPU", raising=False)
+    rank = (
+        "import os, sys\n"
+        "from finetune.launched import say_once\n"
+        "for r in range(4):\n"
+        "    if os.fork() == 0:\n"
+        "        os.environ['RANK'] = str(r)\n"
+        "        say_once('error: lora.target_modules match no module')\n"
+        "        say_once(f'error: rank {r} is out of memory')\n"
+        "        os._exit(0)\n"
+        "for _ in range(4): os.wait()\n"
+    )
+    env_path = str(Path(__file__).resolve().parents[1])
+    script = f"import sys; sys.path.insert(0, {env_path!r}); exec({rank!r})"
+    command = [sys.executable, "-c", f"from finetune.training.launch import run_launched; import sys; "
+               f"sys.exit(run_launched([sys.executable, '-c', {script!r}], use_cpu=False))"]  # fmt: skip
+    result = subprocess.run(
+        command, capture_output=True, text=True, timeout=60, env={**os.environ, "PYTHONPATH": env_path}
+    )
+    lines = result.stderr.splitlines()
+    assert result.returncode == 0 and lines.count("error: lora.target_modules match no module") == 1, result.stderr
+    assert sorted(line for line in lines if "memory" in line) == [f"error: rank {r} is out of memory" for r in range(4)]
+    assert len(lines) == 5, result.stderr
+
+
 def test_more_processes_than_gpus_is_refused_saying_what_fits():
     """Two ranks on one GPU share it over NCCL and hung past 150 s on an H100: refused before any launch."""
     with pytest.raises(FinetuneError, match=r"--nproc 2 .* but 1 GPU\(s\) are visible; use --nproc 1, or add --cpu"):

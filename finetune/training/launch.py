@@ -14,13 +14,16 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 from collections.abc import Sequence
 
 from finetune.errors import FinetuneError
+from finetune.launched import SAID_DIR_ENV
 
 
 def hide_gpus() -> None:
@@ -95,12 +98,18 @@ def run_launched(command: list[str], *, use_cpu: bool, deepspeed: bool = False) 
     env = dict(os.environ)
     if use_cpu and not deepspeed:
         env["ACCELERATE_USE_CPU"] = "true"
+    said = tempfile.mkdtemp(prefix="finetune-said-")  # where the ranks claim the error lines they say (`say_once`)
+    env[SAID_DIR_ENV] = said
     # The launcher runs in a session of its own and hears SIGINT/SIGTERM only through this process, once each:
     # a Ctrl-C (sent to the whole foreground group) or a SIGTERM to this process alone (a supervisor, `kill`) both
     # reach the ranks, which checkpoint and stop; this process waits for them and returns their status. Left to
     # `subprocess.call`, a SIGTERM killed this process alone (the ranks trained on, orphaned) and a Ctrl-C
     # SIGKILLed the launcher and returned at once while the ranks were still writing their checkpoint.
-    process = subprocess.Popen(command, env=env, start_new_session=True)
+    try:
+        process = subprocess.Popen(command, env=env, start_new_session=True)
+    except BaseException:
+        shutil.rmtree(said, ignore_errors=True)
+        raise
 
     def forward(signal_number: int, frame: object) -> None:
         with contextlib.suppress(ProcessLookupError):
@@ -112,6 +121,7 @@ def run_launched(command: list[str], *, use_cpu: bool, deepspeed: bool = False) 
     finally:
         for number, handler in previous.items():
             signal.signal(number, handler)
+        shutil.rmtree(said, ignore_errors=True)
 
 
 def launch_quietly(argv: Sequence[str]) -> int:
