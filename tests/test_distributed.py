@@ -90,3 +90,32 @@ def test_an_error_every_rank_finds_is_printed_once(workdir):
     assert result.returncode == 2, result.stderr[-3000:]
     assert result.stderr.count("error:") == 1, result.stderr[-3000:]
     assert "error: lora.target_modules ['nothing_here'] match no module of the base model" in result.stderr
+
+
+@pytest.mark.parametrize("max_batches", [None, 1, 2, 5])
+@pytest.mark.parametrize("processes", [1, 2, 3])
+def test_the_ranks_evaluate_the_rows_one_process_evaluates(processes, max_batches):
+    """`train.eval_max_batches` is the first N micro-batches of the held-out data: taken per rank, two ranks
+    evaluated twice the rows one process did (other held-out figures for the same model)."""
+    from finetune.training.sharding import lockstep_batches
+
+    expected = [row for batch, _ in lockstep_batches(11, 3, 0, 1, max_batches) for row in batch]
+    shares = [lockstep_batches(11, 3, rank, processes, max_batches) for rank in range(processes)]
+    counted = sorted(row for share in shares for batch, kept in share if kept for row in batch)
+    assert counted == expected
+    assert len({len(share) for share in shares}) == 1  # every rank runs as many forwards (a collective under FSDP)
+
+
+@pytest.mark.slow
+def test_held_out_figures_under_two_ranks_are_one_process_figures_with_eval_max_batches(workdir):
+    common = ["train.max_steps=1", "train.micro_batch_size=3", "train.eval_max_batches=1"]
+    train("recipe.yaml", [*common, "output.name=single"], log=lambda line: None)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    command = [sys.executable, "-m", "finetune", "train", "recipe.yaml", *common, "output.name=ranks", "--nproc", "2"]
+    result = subprocess.run([*command, "--cpu"], capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    single, ranks = ({**json.loads(Path(f"adapters/{name}/manifest.json").read_text())["metrics"]}
+                     for name in ("single", "ranks"))  # fmt: skip
+    assert ranks["eval_tokens"] == single["eval_tokens"] and ranks["base_eval_loss"] == pytest.approx(
+        single["base_eval_loss"], abs=1e-6
+    )

@@ -174,11 +174,16 @@ def lockstep_batches(
     Every process gets the same number of batches, because a sharded model's forward is a collective that
     a rank with nothing left to run would hang: a process whose share ran out repeats row 0, not counted
     (its outputs are discarded). Each row is counted by exactly one process.
+
+    `max_batches` keeps the rows of the first `max_batches` micro-batches of one process, shared out as the others
+    are: the same rows and so the same figures on any number of processes (taken per process, N ranks evaluated N
+    times the rows one process did, and other held-out figures).
     """
+    if max_batches is not None:
+        num_rows = min(num_rows, max_batches * micro_batch_size)
     indices = list(range(rank, num_rows, processes))
     batches = [indices[i : i + micro_batch_size] for i in range(0, len(indices), micro_batch_size)]
     most = math.ceil(math.ceil(num_rows / processes) / micro_batch_size)
-    most = min(most, max_batches or most)
     return [(batches[n], True) if n < len(batches) else ([0], False) for n in range(most)]
 
 
