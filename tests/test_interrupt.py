@@ -242,3 +242,57 @@ def test_a_signal_on_a_saving_step_writes_its_checkpoint_once(workdir, monkeypat
         train("recipe.yaml", overrides, log=lambda message: None, on_step=sigterm_at_step_1)
     assert written == [2]
     assert [p.name for p in list_checkpoints(workdir / "runs" / "long")] == ["checkpoint-000002"]
+
+
+TOKENIZING = """
+import sys
+from finetune.data.workers import ordered_map
+
+def chunk(state, item):  # a worker's result: bigger than a pipe holds, so workers are often caught writing it
+    return b"x" * 20_000_000
+
+print("started", flush=True)
+for result in ordered_map(chunk, range(100_000), state=None, num_proc=2):
+    pass
+"""
+
+
+@pytest.mark.parametrize("how", ["SIGTERM to the process", "Ctrl-C to its group"])
+def test_a_signal_while_workers_tokenize_ends_the_process_and_its_workers_without_a_word(tmp_path, how):
+    """Before training installs its handler: SIGTERM left the workers writing into a pipe nobody read (a
+    BrokenPipeError traceback from each), and Ctrl-C interrupted them mid-write (a KeyboardInterrupt traceback
+    from each) and the process then hung, its pool waiting for the rest of a result that never came."""
+    stderr = tmp_path / "stderr.txt"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    with open(stderr, "w") as err:
+        process = subprocess.Popen([sys.executable, "-c", TOKENIZING], stdout=subprocess.PIPE, stderr=err,
+                                   text=True, env=env, start_new_session=True)  # fmt: skip
+    try:
+        assert process.stdout.readline() == "started\n"
+        time.sleep(1.0)
+        if how == "Ctrl-C to its group":
+            os.killpg(process.pid, signal.SIGINT)
+        else:
+            process.send_signal(signal.SIGTERM)
+        returncode = process.wait(timeout=30)
+        process.stdout.read()  # EOF once every worker has ended too (they hold the pipe)
+    finally:
+        with_workers = _live_processes_of_group(process.pid)
+        if with_workers:
+            os.killpg(process.pid, signal.SIGKILL)
+    assert with_workers == []
+    if how == "SIGTERM to the process":
+        assert returncode == -signal.SIGTERM and stderr.read_text() == ""
+    else:  # the parent's own KeyboardInterrupt (the CLI says "interrupted"), and no worker's
+        assert returncode == -signal.SIGINT and "ForkPoolWorker" not in stderr.read_text()
+
+
+def _live_processes_of_group(group: int) -> list[str]:
+    """The processes of `group` still running after a moment (killed workers may stay zombies until reaped)."""
+    deadline = time.monotonic() + 10
+    while True:
+        listing = subprocess.run(["ps", "-o", "pid=,stat=", "-g", str(group)], capture_output=True, text=True).stdout
+        live = [line.split()[0] for line in listing.splitlines() if not line.split()[1].startswith("Z")]
+        if not live or time.monotonic() > deadline:
+            return live
+        time.sleep(0.1)

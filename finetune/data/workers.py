@@ -26,11 +26,15 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
+import signal
+import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
+from signal import SIG_DFL
 from typing import Any, TypeVar
 
 Item = TypeVar("Item")
@@ -105,8 +109,38 @@ def _call(function: Callable[[Any, Any], Any], item: Any) -> Any:
 
 
 def _start_worker(state: Any) -> None:
+    """Hold `state`. Ctrl-C (sent to the whole foreground group) is the parent's to act on: it terminates the
+    pool, where each worker had printed a KeyboardInterrupt traceback of its own. SIGTERM is the pool's way of
+    ending a worker, whatever handler the parent had when it forked."""
     global _worker_state
     _worker_state = state
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+@contextmanager
+def _workers_end_with_parent(pool: Any) -> Iterator[None]:
+    """While the pool works, a SIGTERM to the parent alone (a supervisor's stop before training installs its own
+    handler) SIGKILLs the workers and then ends the parent by SIGTERM, as it would have ended anyway. Left alone,
+    the workers wrote their results into a pipe nobody read any more and each printed a BrokenPipeError traceback
+    under the ended command. A handler the caller installed is kept, and nothing is installed off the main thread.
+    """
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) is not SIG_DFL:
+        yield
+        return
+
+    def end(signal_number: int, frame: Any) -> None:
+        for process in list(getattr(pool, "_pool", [])):
+            with contextlib.suppress(OSError, TypeError):
+                os.kill(process.pid, signal.SIGKILL)
+        signal.signal(signal_number, signal.SIG_DFL)
+        os.kill(os.getpid(), signal_number)
+
+    signal.signal(signal.SIGTERM, end)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 @contextmanager
@@ -124,7 +158,8 @@ def _pool(num_proc: int, state: Any) -> Iterator[Any]:
         else:
             os.environ["TOKENIZERS_PARALLELISM"] = saved
     try:
-        yield pool
+        with _workers_end_with_parent(pool):
+            yield pool
     finally:
         pool.terminate()
         pool.join()
