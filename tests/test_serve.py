@@ -724,3 +724,45 @@ def test_generate_stops_where_serve_does_at_the_generation_configs_end_of_turn(s
                 served = client.post("/v1/completions", json={**body, "prompt": PROMPTS[0]}).json()
                 assert served["choices"][0]["text"] == answered
             assert served["choices"][0]["finish_reason"] == "stop" and len(cut) < MAX_TOKENS
+
+
+END_OF_TURN_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}{{ '<|' + message['role'] + '|>\n' + message['content'] }}"
+    "{% if message['role'] == 'assistant' %}{{ '<|im_end|>' }}{% else %}{{ eos_token }}{% endif %}{{ '\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}"
+)
+
+
+def test_a_chat_reply_ends_at_its_templates_end_of_turn(serve_base, tmp_path, capsys):
+    """A base fine-tuned for chat with its tokenizer's template (a Llama 3.1 or Qwen2.5 base) has the template's
+    end of turn in neither the tokenizer's EOS nor the generation config: `generate --chat` and serve's chat
+    replies ran on to the token limit. Here a base whose head writes `<|im_end|>` first (its row points along
+    the prompt's last hidden state) must stop there, with an empty reply, in both."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(serve_base)
+    tokenizer.add_tokens(["<|im_end|>"], special_tokens=True)
+    tokenizer.chat_template = END_OF_TURN_TEMPLATE
+    closer = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    model = AutoModelForCausalLM.from_pretrained(serve_base, dtype=torch.float32)
+    if closer >= model.config.vocab_size:
+        model.resize_token_embeddings(len(tokenizer))
+    message = [{"role": "user", "content": PROMPTS[0]}]
+    with torch.no_grad():
+        last = model.model(torch.tensor([chat_prompt_ids(tokenizer, message)])).last_hidden_state[0, -1]
+        model.lm_head.weight[closer] = 50 * last / last.norm()  # tied: the embedding's row, never in the prompt
+    model.save_pretrained(tmp_path / "base")
+    tokenizer.save_pretrained(tmp_path / "base")
+    assert closer not in (tokenizer.eos_token_id, model.generation_config.eos_token_id)
+
+    command = ["generate", "--base", str(tmp_path / "base"), "--max-new-tokens", str(MAX_TOKENS), "--chat"]
+    assert main([*command, PROMPTS[0]]) == 0
+    assert capsys.readouterr().out == "\n"
+    settings = ServeSettings(
+        base=str(tmp_path / "base"), base_name=BASE_NAME, port=0, max_tokens_limit=MAX_TOKENS_LIMIT
+    )
+    with ServerThread(settings) as running, httpx.Client(base_url=running.url, timeout=120) as client:
+        body = {"model": BASE_NAME, "max_tokens": MAX_TOKENS, "temperature": 0, "messages": message}
+        served = client.post("/v1/chat/completions", json=body).json()
+    assert served["choices"][0]["finish_reason"] == "stop", served
+    assert served["choices"][0]["message"]["content"] == "" and served["usage"]["completion_tokens"] == 1

@@ -189,12 +189,15 @@ def run_generate(args: argparse.Namespace) -> int:
             return 0
     import torch
 
+    from finetune.data.chat_turns import turn_closer_ids
     from finetune.prompting import chat_prompt_ids, model_stop_token_ids, prompt_ids, require_tokens
 
     loaded, _ = _load(args)
     tokenizer = loaded.tokenizer
+    closers: frozenset[int] = frozenset()  # a chat reply also ends at its template's end of turn
     if args.chat:
         ids = chat_prompt_ids(tokenizer, [{"role": "user", "content": args.prompt}])
+        closers = turn_closer_ids(tokenizer, tokenizer.get_chat_template())
     else:
         ids = require_tokens(prompt_ids(tokenizer, args.prompt))
     input_ids = torch.tensor([ids], device=loaded.device)
@@ -206,7 +209,7 @@ def run_generate(args: argparse.Namespace) -> int:
             attention_mask=torch.ones_like(input_ids),
             max_new_tokens=args.max_new_tokens,
             pad_token_id=tokenizer.pad_token_id,
-            eos_token_id=sorted(model_stop_token_ids(loaded.model, tokenizer)) or None,
+            eos_token_id=sorted(model_stop_token_ids(loaded.model, tokenizer) | closers) or None,
             **sampling,
         )
     print(tokenizer.decode(output[0, input_ids.shape[1] :], skip_special_tokens=True))

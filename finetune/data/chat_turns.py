@@ -68,36 +68,57 @@ def apply_template(
     return _apply(tokenizer, messages, chat.tools, template, where, {**template_kwargs(reasoning), **kwargs})
 
 
-@lru_cache(maxsize=64)
-def check_turn_closer(tokenizer: Any, template: str) -> None:
-    """Refuse a template whose assistant turn closes with a marker this tokenizer has no token for (ChatML's
-    `<|im_end|>` given as `data.chat_template` to a Llama or Mistral base), where no token such as EOS follows
-    it: the marker would be trained as several ordinary tokens, and generation, which stops on a token (EOS,
-    the generation config's), would never stop.
-
-    Raises:
-        DataError: the turn ends with no single token; the message says how to fix the template.
-    """
+def _turn_closers(tokenizer: Any, template: str) -> list[str]:
+    """The closing markers right after an assistant turn's words in `template`'s rendering of a one-question
+    conversation (known closers and the tokenizer's EOS, in order); [] where there are none or the template
+    refuses the probe (its records are then checked as they are rendered)."""
     answered = [{"role": "user", "content": "ft-probe"}, {"role": "assistant", "content": _SENTINEL}]
     try:
         text = _apply(tokenizer, answered, None, template, "the chat template", {"tokenize": False})
-    except DataError:  # a template that refuses the probe: its records are checked as they are rendered
-        return
+    except DataError:
+        return []
     rest = text[text.find(_SENTINEL) + len(_SENTINEL) :].lstrip()
     candidates = sorted({*_KNOWN_CLOSERS, tokenizer.eos_token or ""} - {""}, key=len, reverse=True)
     chain = []
     while (closer := next((c for c in candidates if rest.startswith(c)), None)) is not None:
         chain.append(closer)
         rest = rest[len(closer) :]
-    single = [c for c in chain if len(tokenizer(c, add_special_tokens=False)["input_ids"]) == 1]
-    if chain and not single:
-        pieces = len(tokenizer(chain[0], add_special_tokens=False)["input_ids"])
+    return chain
+
+
+def _token_ids(tokenizer: Any, text: str) -> list[int]:
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+@lru_cache(maxsize=64)
+def check_turn_closer(tokenizer: Any, template: str) -> None:
+    """Refuse a template whose assistant turn closes with a marker this tokenizer has no token for (ChatML's
+    `<|im_end|>` given as `data.chat_template` to a Llama or Mistral base), where no token such as EOS follows
+    it: the marker would be trained as several ordinary tokens, and generation, which stops on a token (EOS,
+    the generation config's, `turn_closer_ids`), would never stop.
+
+    Raises:
+        DataError: the turn ends with no single token; the message says how to fix the template.
+    """
+    chain = _turn_closers(tokenizer, template)
+    if chain and not turn_closer_ids(tokenizer, template):
+        pieces = len(_token_ids(tokenizer, chain[0]))
         raise DataError(
             f"the chat template closes an assistant turn with {chain[0]!r}, which this tokenizer has no token for "
             f"(it reads it as {pieces} ordinary tokens), so the tuned model could never stop on it; close the turn "
             f"with the tokenizer's EOS in data.chat_template ({{{{ eos_token }}}}, here {tokenizer.eos_token!r}), "
             "or use a base whose tokenizer has the template's special tokens"
         )
+
+
+@lru_cache(maxsize=64)
+def turn_closer_ids(tokenizer: Any, template: str) -> frozenset[int]:
+    """The single tokens that close an assistant turn of `template` (`<|im_end|>`, `<|eot_id|>`, `<|return|>`):
+    where a chat reply ends. A base fine-tuned for chat with its tokenizer's template (a Llama 3.1 or Qwen2.5
+    base) lists none of them as EOS, in the tokenizer or the generation config, so chat generation stopped only
+    at the token limit; `generate --chat` and `serve`'s chat replies stop at them too."""
+    pieces = (_token_ids(tokenizer, closer) for closer in _turn_closers(tokenizer, template))
+    return frozenset(ids[0] for ids in pieces if len(ids) == 1)
 
 
 def check_renders_tools(chat: ChatRecord, template: str, where: str) -> None:

@@ -145,8 +145,9 @@ async def _generate(request: Request, body, prompts: list[list[int]], *, chat: b
     stop = body.stop_sequences()
     events: asyncio.Queue[Event] = asyncio.Queue()
     emit = _threadsafe_put(asyncio.get_running_loop(), events)
+    stop_ids = state.engine.turn_closer_ids if chat else frozenset()
     sequences = [
-        Sequence(body.model, p, n, sampling, emit, stop=stop, index=i, stream=body.stream)
+        Sequence(body.model, p, n, sampling, emit, stop=stop, stop_ids=stop_ids, index=i, stream=body.stream)
         for i, (p, n) in enumerate(zip(prompts, lengths))
     ]
     state.batcher.submit(sequences)
@@ -183,7 +184,7 @@ def _read_reply(engine: Engine, result: Finished, tools: bool) -> Reply | None:
     if result.finish_reason != "stop":
         return None
     ids = result.token_ids
-    if ids and ids[-1] in engine.stop_token_ids:
+    if ids and (ids[-1] in engine.stop_token_ids or ids[-1] in engine.turn_closer_ids):
         text = engine.decode_raw(ids[:-1])
     else:  # a stop sequence cut it
         text = _raw_text_as_cut(engine, result)

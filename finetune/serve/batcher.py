@@ -81,6 +81,8 @@ class Sequence:
     sampling: SamplingParams
     emit: Callable[[Event], None]
     stop: tuple[str, ...] = ()
+    stop_ids: frozenset[int] = frozenset()
+    """Tokens that end this sequence besides the engine's `stop_token_ids` (a chat reply's end of turn)."""
     index: int = 0
     stream: bool = False
     cancelled: bool = False  # set by the request handler when its client went away
@@ -357,7 +359,7 @@ class Batcher:
             if sequence.cancelled:
                 continue
             sequence.generated.append(token)
-            if token in self.engine.stop_token_ids:
+            if token in self.engine.stop_token_ids or token in sequence.stop_ids:
                 self._finish(sequence, "stop")
                 continue
             piece = sequence.decoded.push(token)
