@@ -20,6 +20,7 @@ import pytest
 from PIL import Image
 
 from finetune.cli import main as cli_main
+from finetune.errors import FinetuneError
 from finetune.report import read_run, write_report
 from finetune.report.plots import BASE_SUFFIX, FIGURE_NAMES, START_SUFFIX, make_figures
 
@@ -120,6 +121,32 @@ def test_an_unfinished_run_is_reported_from_its_metrics_alone(trained_runs, tmp_
     run = read_run(run_dir)
     assert run.manifest is None and run.series("loss")[1][0] == 9.5 and run.series("loss")[0] == [2, 4, 6, 8]
     assert "not written yet (run unfinished?)" in files.html.read_text()
+
+
+def test_a_fresh_run_over_a_finished_one_leaves_no_run_record_to_report_as_its_own(trained_runs, tmp_path):
+    """`output.overwrite` deleted an earlier run's checkpoints, metrics and report but kept its run.json: killed,
+    the new run was reported with the old run's adapter, recipe and held-out figures beside its own curves. Without
+    `output.overwrite` a directory holding only a run record is an earlier run in the way, like its metrics."""
+    from finetune.recipe import load_recipe
+    from finetune.training.run import start_run_dir_afresh
+
+    run_dir, adapter_dir = tmp_path / "runs" / "a", tmp_path / "adapters" / "a"
+    shutil.copytree(trained_runs["a"], run_dir)
+    overrides = [f"output.run_dir={run_dir}", f"output.dir={adapter_dir}"]
+    recipe = load_recipe(trained_runs["root"] / "a.yaml", [*overrides, "output.overwrite=true"])
+    start_run_dir_afresh(recipe)
+    assert sorted(path.name for path in run_dir.iterdir()) == []
+    (run_dir / "metrics.jsonl").write_text('{"step": 2, "loss": 3.0}\n')  # the new run, killed after step 2
+    run = read_run(run_dir)
+    assert run.manifest is None and run.adapter_dir is None
+    assert "not written yet (run unfinished?)" in write_report([run_dir]).html.read_text()
+
+    (run_dir / "metrics.jsonl").unlink()
+    shutil.rmtree(run_dir / "plots")
+    (run_dir / "report.html").unlink()
+    shutil.copy(trained_runs["a"] / "run.json", run_dir / "run.json")
+    with pytest.raises(FinetuneError, match="holds an earlier run's checkpoints or metrics"):
+        start_run_dir_afresh(load_recipe(trained_runs["root"] / "a.yaml", overrides))
 
 
 def test_a_directory_without_metrics_is_a_one_line_error(tmp_path, capsys):

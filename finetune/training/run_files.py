@@ -24,7 +24,11 @@ PREFIX = "checkpoint-"
 STATE_FILE = "trainer_state.json"
 START_FILE = "initial-adapter.safetensors"
 """The trainable weights as a run started, where its LoRA initialisation changed the base (PiSSA, OLoRA)."""
-RUN_FILES = ("metrics.jsonl", "report.html", "plots", "tensorboard", START_FILE)
+RUN_RECORD_FILE = "run.json"
+"""What a finished run produced (`finetune.report.runs.RUN_RECORD_NAME`), written when it ends: left from an earlier run,
+`finetune report` of a new one that was killed read it as the new run's and tabled the old run's adapter, recipe and
+held-out figures beside the new run's curves."""
+RUN_FILES = ("metrics.jsonl", "report.html", "plots", "tensorboard", START_FILE, RUN_RECORD_FILE)
 """What a run writes into its run directory besides its checkpoints."""
 
 
