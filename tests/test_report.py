@@ -160,11 +160,14 @@ def test_a_directory_without_metrics_is_a_one_line_error(tmp_path, capsys):
     "damaged, torn_tail",
     [(b'{"step": 1, "loss": 2.0}\n\xff\xfe garbage\n{"step": 2, "loss": 1.0}\n', False),  # not UTF-8, line 2
      (b'{"step": 1, "loss": 2.0}\n{"step": Infinity, "loss": 1.0}\n{"step": 2, "loss": 1.0}\n', False),
+     (b'{"step": 1, "loss": 2.0}\n{"step": 2.5, "loss": 1.0}\n{"step": 3, "loss": 1.0}\n', False),  # not a step
+     (b'{"step": 1, "loss": 2.0}\n{"step": "2", "loss": 1.0}\n{"step": 3, "loss": 1.0}\n', False),
      (b'{"step": 1, "loss": 2.0}\n{"step": 2, "lo\xc3', True)],  # a torn last line, cut inside a character
 )  # fmt: skip
 def test_a_damaged_metrics_line_is_a_one_line_error_naming_it(tmp_path, capsys, damaged, torn_tail):
-    """Bytes that are not UTF-8 or a step of Infinity were a UnicodeDecodeError or OverflowError traceback;
-    they are a bad record like any other (and a torn last line is still skipped)."""
+    """Bytes that are not UTF-8 or a step of Infinity were a UnicodeDecodeError or OverflowError traceback, and a
+    step of 2.5 a ValueError one from the run table; they are a bad record like any other (and a torn last line is
+    still skipped)."""
     (tmp_path / "metrics.jsonl").write_bytes(damaged)
     code = cli_main(["report", str(tmp_path)])
     error = capsys.readouterr().err

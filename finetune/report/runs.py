@@ -86,14 +86,25 @@ def _read_records(path: Path) -> tuple[dict[int, dict], dict[int, dict]]:
             continue
         try:
             record = json.loads(line.decode("utf-8"))
-            step = int(record["step"])
+            step = _whole_step(record["step"])
         except (ValueError, KeyError, TypeError, OverflowError):  # UnicodeDecodeError is a ValueError
             if number == len(lines):
                 break
             raise ReportError(f"{path}:{number} is not a metrics record; fix or delete that line") from None
         target = evals if "eval_loss" in record else train
-        target[step] = record
+        target[step] = {**record, "step": step}
     return train, evals
+
+
+def _whole_step(value: object) -> int:
+    """A record's step as an int: `2.0` is step 2, but `2.5` (or `true`) is no step. `int()` alone took 2.5 for 2 and
+    kept the float in the record, and the run table's `{step:d}` then failed with a ValueError traceback."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"step {value!r} is not a number")
+    step = int(value)  # OverflowError for Infinity, ValueError for NaN
+    if step != value:
+        raise ValueError(f"step {value!r} is not a whole number")
+    return step
 
 
 def read_run(run_dir: str | Path) -> RunHistory:
