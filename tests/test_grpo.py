@@ -725,3 +725,45 @@ def test_reward_functions_see_the_runs_length_and_epoch_as_trl_passes_them(tmp_p
     overrides = ["train.max_steps=null", "train.epochs=1", "data.validation=null"]
     seen = _train_noting(tmp_path, tiny_base_dir, monkeypatch, "noted.py:noted", source, overrides)
     assert seen == [[step, 4, step / 4] for step in range(4)]  # 8 prompts, 2 per step
+
+
+def test_tokens_seen_counts_every_sequence_a_step_trains_on(tmp_path, tiny_base_dir, tiny_tokenizer, monkeypatch):
+    """`tokens_seen` (and so `tokens_per_s` and the report's throughput) counts the prompt + completion tokens of
+    every sequence the step trained on, as trl's `num_tokens` counts them: each prompt `num_generations` times, and
+    each completion's sampled tokens. It had counted each prompt's tokens once and no completion token (18 tokens
+    for a step of 8 sequences of about 20), a throughput 5-10x too low. A `num_iterations` step trains on the same
+    sequences again and counts them again (trl counts them once, at generation)."""
+    source = (
+        "import json\n"
+        "def lengths(prompts, completions, completion_ids, **kwargs):\n"
+        "    with open('noted.jsonl', 'a') as f:\n"
+        "        f.write(json.dumps([prompts, [len(ids) for ids in completion_ids]]) + '\\n')\n"
+        "    return [float(len(ids)) for ids in completion_ids]\n"
+    )
+    overrides = [*ONE_STEP_OF_TWO_MICRO_BATCHES, "train.max_steps=2", "train.num_iterations=2"]
+    ((prompts, lengths),) = _train_noting(tmp_path, tiny_base_dir, monkeypatch, "noted.py:lengths", source, overrides)
+    assert len(prompts) == len(lengths) == 8  # 2 prompts x 4 completions, generated once for both steps
+    prompt_tokens = [1 + len(tiny_tokenizer(prompt, add_special_tokens=False)["input_ids"]) for prompt in prompts]
+    step_tokens = sum(prompt_tokens) + sum(lengths)
+    steps = [line for line in _logged_steps(tmp_path) if "tokens_seen" in line]
+    assert [line["tokens_seen"] for line in steps] == [step_tokens, 2 * step_tokens]
+    assert all(line["tokens_per_s"] == pytest.approx(step_tokens / line["step_s"], rel=1e-6) for line in steps)
+
+
+@pytest.mark.parametrize("layout", ["rows", "one_sequence", "bucketed_rows"])
+def test_a_steps_trained_tokens_are_its_sequences_counted_without_reading_the_device(tiny_tokenizer, layout):
+    """Whatever the padding of the layout (bucketed rows pad to 128), the count is the sequences' own tokens, and
+    taking it waits for nothing (the loop reads a step's values once per logging interval)."""
+    from finetune.training.host_sync import HostSyncDetector
+    from finetune.training.objectives.base import CollateOptions
+    from finetune.training.objectives.grpo import GRPO, GRPOSettings
+
+    settings = GRPOSettings(2, SampleSettings(8), LossSettings("dapo", 0.2, 0.2, 0.0, 8), 1, "group", False, (1.0,))
+    objective = GRPO(CollateOptions(tiny_tokenizer.pad_token_id, True, layout), settings, tiny_tokenizer, [])
+    prompts, completions = [[1, 40, 41], [1, 40, 41], [1, 42]], [[50, 51, 2], [52], [53, 54, 55, 56]]
+    states = [objective._sequences(prompts[:2], completions[:2], [False] * 2, torch.device("cpu")),
+              objective._sequences(prompts[2:], completions[2:], [True], torch.device("cpu"))]  # fmt: skip
+    with HostSyncDetector() as detector:
+        tokens = objective.trained_tokens(states)
+    assert detector.found == [], detector.describe()
+    assert int(tokens) == sum(len(p) + len(c) for p, c in zip(prompts, completions)) == 16

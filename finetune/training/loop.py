@@ -227,7 +227,8 @@ def run_steps(run: TrainingRun, stop: StopRequest, on_step: StepCallback) -> dic
 
 class StepInputs(NamedTuple):
     """What the host prepares for one optimizer step: its micro-batches on the device, each unit's count over
-    the step and the processes (on the device), the documents' tokens (this process), and the epoch."""
+    the step and the processes (on the device), the documents' tokens (this process; an objective that counts
+    its own, `StepSums.tokens`, replaces them), and the epoch."""
 
     batches: list[dict[str, torch.Tensor]]
     counts: dict[str, torch.Tensor]
@@ -274,10 +275,9 @@ def device_step(run: TrainingRun, inputs: StepInputs, schedule: DeviceSchedule |
             run.scheduler.step()
         skipped = torch.tensor(0.0 if finite else 1.0)
     run.optimizer.zero_grad(set_to_none=True)
-    tokens = run.accelerator.reduce(
-        torch.tensor(inputs.tokens, dtype=torch.float64, device=sums.values.device), reduction="sum"
-    )
     device = sums.values.device
+    local = sums.tokens if sums.tokens is not None else torch.tensor(inputs.tokens, dtype=torch.float64)
+    tokens = run.accelerator.reduce(local.to(device, torch.float64), reduction="sum")
     extra = torch.stack([grad_norm.to(device, torch.float64), skipped.to(device, torch.float64),
                          lr.to(device, torch.float64), tokens])  # fmt: skip
     names = [*sums.names, *(f"count/{unit}" for unit in sums.count_units), "grad_norm", "skipped", "lr", "tokens"]
@@ -399,6 +399,9 @@ class StepSums(NamedTuple):
     count_units: tuple[str, ...]
     counts: torch.Tensor
     objective: Objective
+    tokens: torch.Tensor | None = None
+    """This process's tokens the step trained on, where the objective counts them itself (`trained_tokens`: GRPO's
+    sampled sequences, unknown before the step); None: the documents' tokens the host counted (`StepInputs`)."""
 
     def loss(self) -> torch.Tensor:
         """Σ_u sum_u / N_u, a 0-d tensor on the device (what the backward took the gradient of)."""
@@ -472,7 +475,9 @@ def step_sums(
     names = sorted(sums)
     totals = accelerator.reduce(torch.stack([sums[name] for name in names]), reduction="sum")
     unit_counts = torch.stack([counts[unit] for unit in objective.count_units])
-    return StepSums(names, totals, tuple(objective.count_units), unit_counts, objective)
+    trained_tokens = getattr(objective, "trained_tokens", None)
+    tokens = trained_tokens(prepared) if trained_tokens is not None else None
+    return StepSums(names, totals, tuple(objective.count_units), unit_counts, objective, tokens)
 
 
 def _step_counts(objective: Objective, micro_batches: list[dict[str, torch.Tensor]], accelerator: Any) -> dict:

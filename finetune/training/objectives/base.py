@@ -12,6 +12,8 @@ per optimizer step of G micro-batches on P processes:
 3. `terms(models, batch, prepared)` per micro-batch: Σ of the loss over each unit's members, and metric
    sums. The loop backpropagates Σ_u sum_u · P / N_u (DDP averages gradients over processes, hence · P):
    the gradient of Σ_u mean_u over the whole step, however it is split into micro-batches and processes.
+   An objective whose step trains on tokens the host cannot count before it (GRPO's sampled completions)
+   says how many with `trained_tokens(prepared)`, a tensor on the device, for `tokens_seen`.
 4. `summarise`: one more all-reduce of every sum, then loss = Σ_u sum_u / N_u and each metric's mean over
    its unit (`metric_units`); `ppl` = exp(mean `nll`) where the objective reports an NLL.
 

@@ -301,6 +301,15 @@ class GRPO(MeasuredAgainstStart):
                     with self.reference_policy(models):
                         state["ref_logps"] = self.token_logps(models.peft, state)[0]
 
+    def trained_tokens(self, prepared: list[dict]) -> torch.Tensor:
+        """This process's tokens of the step, for `tokens_seen` and `tokens_per_s`: prompt + completion of every
+        sequence the step trains on (each prompt `num_generations` times, each completion up to its first stop
+        token), as trl's `num_tokens`, and again on a `num_iterations` step that trains on them again. The loop's
+        own count, the prompt records' tokens, left the completions out. Counted on the device from the
+        sequences' layout (padding is -1), so nothing is read back in the step."""
+        laid_out = [state[f"{SEQUENCE_PREFIX}document_index"] >= 0 for state in prepared]
+        return torch.stack([positions.sum() for positions in laid_out]).sum()
+
     # ---- the loss -----------------------------------------------------------------------------------
     def token_logps(self, model: Any, state: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """(N,) log π of each completion token at the sampling temperature, and (N,) the entropy there."""
