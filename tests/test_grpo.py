@@ -767,3 +767,24 @@ def test_a_steps_trained_tokens_are_its_sequences_counted_without_reading_the_de
         tokens = objective.trained_tokens(states)
     assert detector.found == [], detector.describe()
     assert int(tokens) == sum(len(p) + len(c) for p, c in zip(prompts, completions)) == 16
+
+
+@pytest.mark.parametrize("column", ["completions", "prompts", "trainer_state"])
+def test_a_column_named_as_a_reward_functions_argument_is_refused_at_loading(
+    tmp_path, tiny_base_dir, capsys, monkeypatch, column
+):
+    """A column reward functions would get twice (its name is one of their own arguments) is refused when the data
+    loads, in one line naming the column and the record. It had failed the first step's scoring with a TypeError
+    told as the reward function's (`finetune_reward_<digits>.good() got multiple values for keyword argument`)."""
+    from finetune.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    recipe = write_grpo_run(tmp_path, tiny_base_dir, "rewards.py:good")
+    records = [{"prompt": f"def f{i}(a, b):", "answer": str(i), **({column: "x"} if i == 2 else {})} for i in range(8)]
+    (tmp_path / "prompts.jsonl").write_text("".join(json.dumps(record) + "\n" for record in records))
+    for command in (["data", "preview"], ["train"]):
+        assert main([*command, str(recipe)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err[-1].startswith(f"error: prompts.jsonl line 3 (record 3): column '{column}' has the name of an"), err
+        assert "rename the column" in err[-1] and "reward function rewards.py" not in err[-1]
+    assert not (tmp_path / "adapters").exists()

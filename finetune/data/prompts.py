@@ -33,6 +33,10 @@ PROMPT_FEATURES = datasets.Features(
     {"input_ids": datasets.Sequence(datasets.Value("int32")), "columns": datasets.Value("string")}
 )
 """Columns of a `prompt` row: the prompt's token ids and the whole record as JSON (for the reward functions)."""
+REWARD_ARGUMENTS = ("prompts", "completions", "trainer_state", "log_extra", "log_metric")
+"""What reward functions are passed besides the columns (`finetune.training.rewards.score`; `completion_ids`, a
+column trl drops as it drops `prompt` and `completion`, aside). A column of one of these names would be passed
+twice: the call failed with a TypeError that blamed the function and showed an internal module name."""
 
 
 def prompt_token_ids(prompt: Any, config: DataConfig, tokenizer: Any, where: str, tools: Any = None) -> list[int]:
@@ -57,8 +61,9 @@ def encode_prompt_records(
     """Encode a batch of records of one source into rows of `PROMPT_FEATURES`.
 
     Raises:
-        DataError: no `prompt` field, a prompt of another type, a field that is not JSON data, or (overlength
-            `error`) a prompt longer than max_seq_len.
+        DataError: no `prompt` field, a prompt of another type, a field that is not JSON data, a field named as
+            an argument reward functions are passed (`REWARD_ARGUMENTS`), or (overlength `error`) a prompt longer
+            than max_seq_len.
     """
     encoded = []
     for index, record in enumerate(records):
@@ -66,6 +71,7 @@ def encode_prompt_records(
         if "prompt" not in record:
             fields = ", ".join(sorted(record)) or "none"
             raise DataError(f"{where}: no field 'prompt' (fields: {fields}); data.format prompt reads `prompt`")
+        _refuse_reward_arguments(record, where)
         ids = prompt_token_ids(record["prompt"], config, tokenizer, where, record.get(config.tools_field))
         too_long = len(ids) > config.max_seq_len
         if too_long and config.overlength == "error":
@@ -80,6 +86,18 @@ def encode_prompt_records(
         kept = _keep_the_end(ids, config.max_seq_len, getattr(tokenizer, "bos_token_id", None))
         encoded.append(EncodedRecord({"input_ids": kept, "columns": columns}, len(ids), len(kept), too_long, False))
     return encoded
+
+
+def _refuse_reward_arguments(record: dict[str, Any], where: str) -> None:
+    """Refuse a column named as an argument reward functions get (`REWARD_ARGUMENTS`), at loading rather than
+    at the first step's scoring, where it was told as the reward function's own error."""
+    taken = [name for name in REWARD_ARGUMENTS if name in record]
+    if taken:
+        raise DataError(
+            f"{where}: column '{taken[0]}' has the name of an argument reward functions are passed ("
+            f"{', '.join(REWARD_ARGUMENTS)}), so it cannot reach them as a column; rename the column in the data "
+            f"(e.g. '{taken[0]}_column') and read it under that name"
+        )
 
 
 def _keep_the_end(ids: list[int], limit: int, bos: int | None) -> list[int]:
