@@ -71,8 +71,14 @@ def test_rows_with_linear_and_expert_lora_and_something_merged_underneath(tmp_pa
     base_dir = build_moe("qwen3_moe", tmp_path / "base", tiny_tokenizer)
     seeds = {"one": 1, "two": 2, "under": 3}
     m = load(base_dir, {n: moe_adapter(base_dir, tmp_path / n, seed=s) for n, s in seeds.items()})
-    ids = torch.arange(3, 3 + 8 * len(ROWS)).reshape(len(ROWS), 8)
     m.merge("under", 0.5)
+    assert_rows_equal_their_merges(m)
+    assert m.merged == {"under": 0.5}
+
+
+def assert_rows_equal_their_merges(m) -> None:
+    """One forward of `ROWS` (the base, `one`, `two`) per row: each row equals the model with its adapter merged."""
+    ids = torch.arange(3, 3 + 8 * len(ROWS)).reshape(len(ROWS), 8)
     expected = merged_logits(m, [None, "one", "two"], ids)
     m.attach("one"), m.attach("two")
     with torch.no_grad():
@@ -80,7 +86,6 @@ def test_rows_with_linear_and_expert_lora_and_something_merged_underneath(tmp_pa
     for row, name in enumerate(ROWS):
         reference = expected[None if name == BASE_ROW else name][row]
         assert_within_ulps(logits[row], reference, REORDERED_ULPS, what=f"row {row} ({name})")
-    assert m.merged == {"under": 0.5}
 
 
 def qwen2_moe(out: Path, tokenizer) -> Path:
@@ -107,14 +112,7 @@ def test_rows_where_linear_layers_or_the_router_see_the_blocks_tokens(family, tm
     base_dir = base_dir or build_moe(family, tmp_path / "base", tiny_tokenizer)
     seeds = (("one", 1), ("two", 2))
     m = load(base_dir, {n: moe_adapter(base_dir, tmp_path / n, seed=s, train_router=True) for n, s in seeds})
-    ids = torch.arange(3, 3 + 8 * len(ROWS)).reshape(len(ROWS), 8)
-    expected = merged_logits(m, [None, "one", "two"], ids)
-    m.attach("one"), m.attach("two")
-    with torch.no_grad():
-        logits = m.use_per_row()(input_ids=ids, adapter_names=ROWS).logits
-    for row, name in enumerate(ROWS):
-        reference = expected[None if name == BASE_ROW else name][row]
-        assert_within_ulps(logits[row], reference, REORDERED_ULPS, what=f"row {row} ({name})")
+    assert_rows_equal_their_merges(m)
 
 
 def test_experts_that_take_tokens_in_their_own_order_refuse_rows_of_different_adapters(tmp_path, tiny_tokenizer):

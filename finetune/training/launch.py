@@ -146,10 +146,14 @@ def launch_quietly(argv: Sequence[str]) -> int:
     try:
         accelerate_launch(launch_command_parser().parse_args(list(argv)))
     except ChildFailedError as failed:
-        for rank, failure in sorted(failed.failures.items()):
-            if failure.exitcode < 0:  # a signal: that rank could print nothing of its own
-                print(f"error: rank {rank} was ended by {failure.signal_name()} (pid {failure.pid})", file=sys.stderr)
         codes = [failure.exitcode for failure in failed.failures.values()]
+        for rank, failure in sorted(failed.failures.items()):
+            # a signal: that rank could print nothing of its own; but a SIGTERM beside a rank that failed with its
+            # own error is the launcher stopping the others for it (an error every rank finds, said once, came
+            # with "rank 1 was ended by SIGTERM" when rank 0 got there first)
+            for_another = failure.signal_name() == "SIGTERM" and any(code > 0 for code in codes)
+            if failure.exitcode < 0 and not for_another:
+                print(f"error: rank {rank} was ended by {failure.signal_name()} (pid {failure.pid})", file=sys.stderr)
         return 2 if 2 in codes else next((code for code in codes if code > 0), 1)
     except SignalException as stopped:  # SIGINT/SIGTERM: handed on to the ranks, which said what they did
         return 128 + int(stopped.sigval)
