@@ -788,3 +788,26 @@ def test_a_column_named_as_a_reward_functions_argument_is_refused_at_loading(
         assert err[-1].startswith(f"error: prompts.jsonl line 3 (record 3): column '{column}' has the name of an"), err
         assert "rename the column" in err[-1] and "reward function rewards.py" not in err[-1]
     assert not (tmp_path / "adapters").exists()
+
+
+def test_completions_also_stop_at_the_chat_templates_end_of_turn(tmp_path, tiny_base_dir, tiny_tokenizer, monkeypatch):
+    """A base tuned with its own template (a Qwen2.5 or Llama 3.1 base) lists the template's end of turn in neither
+    EOS: GRPO's completions of chat prompts ran on to max_completion_length. The objective now stops at it."""
+    import copy
+
+    from finetune.training.objectives import objective_for
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "r.py").write_text("def f(completions, **kw):\n    return [0.0] * len(completions)\n")
+    tokenizer = copy.deepcopy(tiny_tokenizer)
+    tokenizer.add_tokens(["<|im_end|>"], special_tokens=True)
+    chatml = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+              "'<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")  # fmt: skip
+    recipe = {"model": {"base": str(tiny_base_dir)}, "data": {"train": "prompts.jsonl", "format": "prompt"},
+              "train": {"objective": "grpo", "reward_functions": ["r.py:f"]}, "output": {"name": "grpo-test"}}  # fmt: skip
+    (tmp_path / "recipe.yaml").write_text(json.dumps(recipe))
+    assert objective_for(load_recipe(tmp_path / "recipe.yaml"), tokenizer).turn_closers == {tokenizer.eos_token_id}
+    recipe["data"]["chat_template"] = chatml
+    (tmp_path / "recipe.yaml").write_text(json.dumps(recipe))
+    closers = objective_for(load_recipe(tmp_path / "recipe.yaml"), tokenizer).turn_closers
+    assert closers == {tokenizer.convert_tokens_to_ids("<|im_end|>")} and tokenizer.eos_token_id not in closers

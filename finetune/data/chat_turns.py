@@ -121,6 +121,17 @@ def turn_closer_ids(tokenizer: Any, template: str) -> frozenset[int]:
     return frozenset(ids[0] for ids in pieces if len(ids) == 1)
 
 
+def chat_turn_closer_ids(tokenizer: Any, template: str | None = None) -> frozenset[int]:
+    """`turn_closer_ids` of `template`, else of the tokenizer's own chat template; none where there is neither
+    (`serve`'s chat replies and GRPO's completions stop at them)."""
+    if template is None:
+        try:
+            template = tokenizer.get_chat_template()
+        except ValueError:
+            return frozenset()
+    return turn_closer_ids(tokenizer, template)
+
+
 def check_renders_tools(chat: ChatRecord, template: str, where: str) -> None:
     """A record with tool calls or results needs a template that renders them: one that never mentions tools
     (Phi-3.5's and Phi-4's, Gemma's) would drop those turns without a word, and train what is left."""

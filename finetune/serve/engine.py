@@ -36,7 +36,7 @@ from finetune.adapters.inmemory import LoadedModel
 from finetune.adapters.lora import Adapter, read_adapter
 from finetune.api import load_model
 from finetune.data.chat import ChatRecord, normalize_messages, normalize_tools
-from finetune.data.chat_turns import render_chat_prompt, turn_closer_ids
+from finetune.data.chat_turns import chat_turn_closer_ids, render_chat_prompt
 from finetune.errors import FinetuneError, ModelError, ServeError
 from finetune.generation.kvbatch import KVBatch
 from finetune.prompting import model_stop_token_ids, prompt_ids
@@ -65,7 +65,7 @@ class Engine:
         tokenizer, config = loaded.tokenizer, loaded.model.config
         self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         self.stop_token_ids = model_stop_token_ids(loaded.model, tokenizer)
-        self.turn_closer_ids = _turn_closer_ids(tokenizer)
+        self.turn_closer_ids = chat_turn_closer_ids(tokenizer)
         """Where a chat reply also ends: the template's end of turn (`chat_turns.turn_closer_ids`)."""
         self.reply_parser = ReplyParser.for_tokenizer(tokenizer)
         self.max_model_len = int(getattr(config, "max_position_embeddings", None) or tokenizer.model_max_length)
@@ -308,12 +308,3 @@ def _check_per_row(adapter: Adapter) -> None:
             param="lora_path",
             code="adapter_unsupported",
         )
-
-
-def _turn_closer_ids(tokenizer: Any) -> frozenset[int]:
-    """The tokens that close an assistant turn of the tokenizer's chat template (none without one)."""
-    try:
-        template = tokenizer.get_chat_template()
-    except ValueError:
-        return frozenset()
-    return turn_closer_ids(tokenizer, template)

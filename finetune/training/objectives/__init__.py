@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from finetune.data.chat_turns import chat_turn_closer_ids
 from finetune.data.collate import Layout
 from finetune.generation.sample import SampleSettings
 from finetune.recipe import Recipe
@@ -64,7 +65,14 @@ def objective_for(recipe: Recipe, tokenizer: Any, varlen: bool = False) -> Objec
         return KTO(options, beta=train.beta, desirable_weight=train.desirable_weight,
                    undesirable_weight=train.undesirable_weight)  # fmt: skip
     if train.objective == "grpo":
-        return GRPO(options, grpo_settings(recipe), tokenizer, load_reward_functions(train.reward_functions or []))
+        rewards = load_reward_functions(train.reward_functions or [])
+        return GRPO(
+            options,
+            grpo_settings(recipe),
+            tokenizer,
+            rewards,
+            chat_turn_closer_ids(tokenizer, recipe.data.chat_template),
+        )
     return SFT(options)
 
 

@@ -41,6 +41,7 @@ from finetune.data.labels import IGNORE_INDEX
 from finetune.device import to_device
 from finetune.errors import RewardWarning
 from finetune.generation.sample import SampleSettings, sample_completions
+from finetune.prompting import model_stop_token_ids
 from finetune.training.objectives.base import CollateOptions, Models, Terms
 from finetune.training.objectives.grpo_loss import LossScale, LossSettings, loss_sum, per_token_loss
 from finetune.training.objectives.logprobs import collate_sequences, logits_at
@@ -144,12 +145,15 @@ class GRPO(MeasuredAgainstStart):
         settings: GRPOSettings,
         tokenizer: Any,
         reward_functions: list[RewardFunction],
+        turn_closers: frozenset[int] = frozenset(),
     ):
         self.options, self.settings, self.tokenizer = options, settings, tokenizer
         self.reward_functions = reward_functions
         self.max_steps, self.steps_per_epoch = 0, 0.0
         """The run's length, for the `trainer_state` reward functions read (`set_run_length`)."""
-        self.stop_ids = frozenset(_stop_ids(tokenizer))
+        self.turn_closers = turn_closers
+        """The chat template's end of turn, where a completion also stops: a base tuned with its own template (a
+        Qwen2.5 or Llama 3.1 base) lists it in neither EOS, and its completions ran to `max_completion_length`."""
         self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         names = ["reward", "reward_std", "frac_reward_zero_std", "completion_length", "truncated_share",
                  "clip_ratio", "entropy", "nll", "generate_s", "reward_s"]  # fmt: skip
@@ -204,7 +208,7 @@ class GRPO(MeasuredAgainstStart):
         rows = [row for batch in batches for row in batch["rows"]]
         prompts = [row["input_ids"] for row in rows for _ in range(group)]
         started = time.perf_counter()
-        stops = self.stop_ids | _configured_stops(models.peft)
+        stops = model_stop_token_ids(models.peft, self.tokenizer) | self.turn_closers
         uniforms = None
         if settings.sample.temperature:  # greedy decoding draws nothing
             if reduce:
@@ -387,18 +391,6 @@ class GRPO(MeasuredAgainstStart):
             if share is not None and f"rewards/{function.name}" in result:
                 total = result[f"rewards/{function.name}"]
                 result[f"rewards/{function.name}"] = total / share if share > 0 else math.nan
-
-
-def _stop_ids(tokenizer: Any) -> set[int]:
-    """The tokenizer's EOS."""
-    return {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
-
-
-def _configured_stops(model: Any) -> frozenset[int]:
-    """The EOS ids of the model's generation config (e.g. a chat model's end of turn), as trl also stops at."""
-    configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    ids = configured if isinstance(configured, list) else [configured]
-    return frozenset(i for i in ids if i is not None)
 
 
 def _preview(prompt: Any) -> str:
