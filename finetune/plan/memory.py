@@ -258,7 +258,40 @@ def layer_activation_bytes_per_token(
         per_token += shape.num_heads * tokens_per_row * score_bytes
     elif device == "cpu":  # the CPU's SDPA kernel keeps the document mask, made additive, in each layer
         per_token += tokens_per_row * _compute_bytes(recipe)
-    return per_token
+    return per_token + dora_bytes_per_token(recipe, shape)
+
+
+def dora_bytes_per_token(recipe: Recipe, shape: ModelShape) -> int:
+    """What peft's DoRA (`lora.use_dora`) keeps per token and decoder layer on top of LoRA.
+
+    peft 0.21's `DoraLinearLayer.forward` returns `(m / ‖W + ΔW‖ - 1) · base + m / ‖W + ΔW‖ · lora · scaling`: each
+    product keeps its tensor factor for the magnitude's gradient, the base layer's output and `lora_B`'s, both
+    (tokens, out) in the compute dtype (the float32 factors are (1, out) per module). So 2 x out elements per
+    token and DoRA layer; traced exact on a Llama layer (d 1024, i 2816, all-linear: 36,864 bytes per token
+    more in bf16, 73,728 in float32; tests/test_plan_activations.py). The weight norm is detached and the
+    LoRA product it is computed from leaves the graph: see `dora_transient_bytes`."""
+    return 2 * shape.dora_outputs * _compute_bytes(recipe)
+
+
+def dora_transient_bytes(recipe: Recipe, shape: ModelShape) -> int:
+    """The largest weight-sized transient of one DoRA layer's forward, freed before the next layer runs.
+
+    Each forward computes ΔW as `lora_B(lora_A(eye))` from an (in, in) identity in the LoRA weights' float32
+    (4·in² bytes), which autocast copies into 16 bits for the matmul (2·in² more), giving an (in, out) product in
+    the compute dtype; then `W + scaling · ΔW` for the norm, two more (in, out) while the identity's 16-bit copy
+    is still held by ΔW's graph (and, on a quantized base, W dequantized). In float32 the identity itself is what
+    the graph holds. The larger of the two
+    moments, for the widest DoRA layer (the down projection's in is the MLP's width: 1.2 GiB on Llama 3.1 8B in
+    bf16)."""
+    compute = _compute_bytes(recipe)
+    eye_copy = compute if compute != 4 else 0  # the 16-bit copy autocast makes of the float32 identity
+    dequantized = 1 if recipe.model.quantization != "none" else 0  # W, dequantized for the norm
+    largest = 0
+    for n_in, n_out in shape.dora_linears:
+        building = (4 + eye_copy) * n_in * n_in + compute * n_in * n_out
+        norming = (eye_copy or 4) * n_in * n_in + (3 + dequantized) * compute * n_in * n_out
+        largest = max(largest, building, norming)
+    return largest
 
 
 def _dense_bytes_per_token(
@@ -338,6 +371,30 @@ def activation_bytes(
     kept_whole = f" + {layers - checkpointed} layers whole" if whole else ""
     note = f"checkpointed: {inputs}{kept_whole}; 1 layer recomputed later ({one_layer / GiB:.2f} GiB)"
     return int(kept + excess), note
+
+
+def dora_transient_part(
+    recipe: Recipe, shape: ModelShape, impl: Implementation, device: Literal["cpu", "cuda"]
+) -> Part | None:
+    """DoRA's weight-sized transient (`dora_transient_bytes`) where it rises above the step's peak as the other parts
+    count it: in the forward, beside every uncheckpointed layer's activations but before the logits; and, with
+    checkpointing, in the recomputed layer's forward beside the activations it rebuilds (the logits are freed by
+    then). None without DoRA, 0 bytes where the logits or the recomputed layer's activations are the larger."""
+    transient = dora_transient_bytes(recipe, shape)
+    if not transient:
+        return None
+    one_layer = layer_activation_bytes_per_token(recipe, shape, recipe.data.max_seq_len, device) * micro_batch_tokens(
+        recipe
+    )
+    checkpointed = recipe.train.checkpointed_layers(shape.num_layers)
+    whole = (shape.num_layers - checkpointed) * one_layer
+    logits = logits_bytes(recipe, shape, impl)
+    planned = max(whole, one_layer - logits) + logits if checkpointed else whole + logits  # activations + logits
+    forward = whole + transient  # the last layer's forward, its own activations about to be kept
+    recomputed = one_layer + transient if checkpointed else 0
+    over = int(max(0, forward - planned, recomputed - planned))
+    return Part("dora", over, "device", f"DoRA's (in, in) identity and ΔW per layer: {transient / GiB:.2f} GiB at once"
+                + ("" if over else ", under the peak"))  # fmt: skip
 
 
 def folded_experts_part(recipe: Recipe, shape: ModelShape) -> Part:
@@ -511,6 +568,9 @@ def _estimate(
     if nproc > 1 and recipe.distributed.strategy == "ddp":  # DDP's flat gradient buckets, a copy of the gradients
         plan.parts.append(Part("ddp buckets", shape.lora_params * impl.lora_bytes, "device", "all-reduce buffers"))
     activations, note = activation_bytes(recipe, shape, impl, device)
+    if shape.dora_outputs:
+        dora_bytes = dora_bytes_per_token(recipe.for_device(device), shape)
+        note += f", DoRA's {dora_bytes:,} bytes more per token and layer counted"
     plan.parts.append(Part("activations", activations, "device", note))
     if shape.folded_expert_params:
         plan.parts.append(folded_experts_part(recipe, shape))
@@ -525,6 +585,9 @@ def _estimate(
     chunks = f"chunks of {rows} of {tokens} tokens" if rows < tokens else f"{tokens} tokens"
     plan.parts.append(Part("logits", logits_bytes(recipe, shape, impl), "device",
                            f"{chunks} x {shape.vocab_size:,} vocabulary"))  # fmt: skip
+    dora = dora_transient_part(recipe, shape, impl, device)
+    if dora is not None:
+        plan.parts.append(dora)
     sampling = sampling_weights_part(recipe, shape, how, device_bytes)
     for extra in (reference_part(recipe), generation_part(recipe, shape), sampling):
         if extra is not None:

@@ -75,6 +75,12 @@ class ModelShape:
     """Per token, how many rows those norms normalise (each keeps one float32 rsqrt per row)."""
     softcapped_attention: bool = False
     """Attention scores pass through `cap·tanh(s / cap)` (Gemma 2): eager attention keeps one more (heads, T, T)."""
+    dora_outputs: int = 0
+    """`lora.use_dora`: the output features of a decoder layer's DoRA-wrapped linear layers, summed (averaged over
+    the layers): peft's DoRA keeps two tensors of that width per token for backward."""
+    dora_linears: tuple[tuple[int, int], ...] = ()
+    """`lora.use_dora`: the distinct (in, out) features of the decoder layers' DoRA-wrapped linear layers, whose
+    forward builds an in x in identity and an (in, out) LoRA product each time (a transient, not kept)."""
 
     @property
     def base_params(self) -> int:
@@ -116,6 +122,7 @@ def model_shape(config: Any, lora: LoraConfig) -> ModelShape:
         peft_model = wrap_with_lora(model, lora)
     lora_params = sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
     expert_lora, folded = _expert_lora(peft_model)
+    dora = _dora_linears(peft_model)
     return ModelShape(
         **_moe_widths(text, model, experts),
         hidden_size=text.hidden_size,
@@ -136,7 +143,20 @@ def model_shape(config: Any, lora: LoraConfig) -> ModelShape:
         softcapped_attention=bool(getattr(text, "attn_logit_softcapping", None)),
         expert_lora_params=expert_lora,
         folded_expert_params=folded,
+        dora_outputs=sum(out for _, out in dora) // len(layers),
+        dora_linears=tuple(sorted(set(dora))),
     )
+
+
+def _dora_linears(peft_model: torch.nn.Module) -> list[tuple[int, int]]:
+    """(in, out) features of every DoRA-wrapped linear layer inside the decoder layers (one entry per layer)."""
+    found = []
+    for layer in decoder_layers(peft_model):
+        for module in layer.modules():
+            base = getattr(module, "base_layer", None)
+            if getattr(module, "lora_magnitude_vector", None) and isinstance(base, torch.nn.Linear):
+                found.append((base.in_features, base.out_features))
+    return found
 
 
 def _moe_widths(text: Any, model: torch.nn.Module, experts: list[ExpertTensor]) -> dict[str, Any]:
