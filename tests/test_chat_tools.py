@@ -175,9 +175,38 @@ def test_tool_calls_and_reasoning_train_exactly_the_assistant_turns(family, tmp_
     rendered = tokenizer.decode(document["input_ids"])
     untrained = [SYSTEM, QUESTION, RESULT, DESCRIPTION] if family.record is None else [SYSTEM, QUESTION]
     for text in untrained:
-        if family.name != "mistral-v0.3" or text != SYSTEM:  # Mistral's puts the system prompt in the last user turn
-            assert text in rendered, text
+        assert text in rendered, text  # Mistral's system prompt too (`test_a_system_prompt_the_template_...`)
         assert all(text not in run for run in runs), text
+
+
+def test_a_system_prompt_the_template_leaves_out_of_answered_conversations_is_folded_into_the_first_user_turn(
+    tmp_path, capsys
+):
+    """Mistral v0.3's own template writes the system prompt into the last user turn only when that turn ends the
+    conversation (at inference), so every training conversation, which ends with an answer, lost it without a
+    word: the model was tuned without the prompt it is then given. It is folded into the first user turn, as for
+    Gemma 2; a prompt (generation prompt at the end) is rendered by the template itself, as at inference."""
+    mistral = next(f for f in FAMILIES if f.name == "mistral-v0.3")
+    tokenizer = family_tokenizer(mistral)
+    chat = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTION},
+            {"role": "assistant", "content": "Sunny."}, {"role": "user", "content": "Tomorrow?"},
+            {"role": "assistant", "content": "Rain."}]  # fmt: skip
+    folded = f"<s>[INST] {SYSTEM}\n\n{QUESTION}[/INST] Sunny.</s>[INST] Tomorrow?[/INST] Rain.</s>"
+    (document,) = preview_json(tmp_path, tokenizer, {"messages": chat}, capsys)
+    assert tokenizer.decode(document["input_ids"]) == folded
+    assert trained_runs(document["input_ids"], document["labels"], tokenizer) == [" Sunny.</s>", " Rain.</s>"]
+    every_turn = preview_json(tmp_path, tokenizer, {"messages": chat}, capsys, "data.reasoning=every_turn")
+    assert [tokenizer.decode(d["input_ids"]) for d in every_turn] == [folded[: folded.index("[INST] Tomorrow")], folded]
+    # A preference pair: the prompt's system message shows before its question, untrained.
+    pair = {"prompt": chat[:2], "chosen": [chat[2]], "rejected": [{"role": "assistant", "content": "Snow."}]}
+    (tmp_path / "pairs.jsonl").write_text(json.dumps(pair) + "\n")
+    config = DataConfig(train=str(tmp_path / "pairs.jsonl"), format="preference", max_seq_len=256)
+    ((_, row),) = preview_records(config, tokenizer, limit=1)
+    assert tokenizer.decode(row["chosen_input_ids"]) == folded[: folded.index("[INST] Tomorrow")]
+    assert trained_runs(row["rejected_input_ids"], row["rejected_labels"], tokenizer) == [" Snow.</s>"]
+    # A prompt is the template's own rendering: the system prompt with the last user turn, as at inference.
+    prompt = encode_chat_prompt(chat[:4], config, tokenizer, "a prompt")
+    assert tokenizer.decode(prompt) == f"<s>[INST] {QUESTION}[/INST] Sunny.</s>[INST] {SYSTEM}\n\nTomorrow?[/INST]"
 
 
 # trl's training templates wrap the header's newline (Qwen) or the whole `<|start|>assistant` header

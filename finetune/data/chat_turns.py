@@ -62,6 +62,7 @@ def apply_template(
     tools. A template that refuses a leading system message (Gemma 2, Mistral's) gets it folded into the
     first user turn, as Gemma 3's own template does."""
     check_renders_tools(chat, template, where)
+    chat, _ = with_system_shown(chat, template, tokenizer)
     reads = template_reads(template)
     messages = for_template(chat.messages, reads, reasoning != "none")
     template = null_content_as_empty(template) if reads.null_content else template
@@ -150,13 +151,51 @@ def _apply(tokenizer, messages, tools, template: str, where: str, kwargs: dict[s
         return tokenizer.apply_chat_template(messages, tools=tools, chat_template=template, **kwargs)
     except TemplateError as exc:
         if len(messages) > 1 and messages[0]["role"] == "system" and messages[1]["role"] == "user":
-            system, first, *rest = messages
-            folded = [{**first, "content": f"{system['content']}\n\n{first['content']}"}, *rest]
-            return _apply(tokenizer, folded, tools, template, where, kwargs)
+            return _apply(tokenizer, _fold_system(messages), tools, template, where, kwargs)
         raise DataError(
             f"{where}: the chat template cannot render this conversation ({exc}); "
             + (_missing_field(str(exc), messages, tools) or "fix the messages or data.chat_template")
         ) from None
+
+
+def _fold_system(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The messages with the leading system message's content put before the first user turn's, as Gemma 3's
+    template folds it."""
+    system, first, *rest = messages
+    return [{**first, "content": f"{system['content']}\n\n{first['content']}"}, *rest]
+
+
+@lru_cache(maxsize=32)
+def drops_system(tokenizer: Any, template: str) -> bool:
+    """Whether `template` renders no word of a leading system message in a conversation that ends with an
+    answer. Mistral v0.3's own template writes the system prompt into the last user turn only when that turn
+    ends the conversation (`loop.last`): at inference, never in a training conversation."""
+    probe = [
+        {"role": "system", "content": _SENTINEL},
+        {"role": "user", "content": "ft-probe"},
+        {"role": "assistant", "content": "ft-answer"},
+    ]
+    try:
+        text = _apply(tokenizer, probe, None, template, "the chat template", {"tokenize": False})
+    except DataError:
+        return False
+    return _SENTINEL not in text
+
+
+def with_system_shown(chat: ChatRecord, template: str, tokenizer: Any, train_from: int = 0) -> tuple[ChatRecord, int]:
+    """The conversation with its leading system message folded into the first user turn where the template would
+    leave it out of this conversation (`drops_system`: one that ends with an answer), and `train_from` moved
+    with the messages; else both as given. Without it every record trained without its system prompt, which
+    the model is then given at inference."""
+    messages = chat.messages
+    leading = messages[0]["role"] if messages else None
+    if leading == "developer" and "developer" in template:  # gpt-oss's own role, rendered as such
+        return chat, train_from
+    if leading not in ("system", "developer") or len(messages) < 3 or messages[1]["role"] != "user":
+        return chat, train_from
+    if messages[-1]["role"] == "user" or not drops_system(tokenizer, template):  # a prompt shows it, as at inference
+        return chat, train_from
+    return ChatRecord(_fold_system(messages), chat.tools), max(train_from - 1, 0)
 
 
 def _missing_field(message: str, messages: list[dict], tools: list[dict] | None) -> str | None:
@@ -194,6 +233,7 @@ def render_chat(
     located in the whole rendering, not after a separately rendered prompt (with `{% generation %}` marks
     too: `_marked_turn_start`).
     """
+    chat, train_from = with_system_shown(chat, template, tokenizer, train_from)
     if has_generation_marks(template):
         out = apply_template(
             tokenizer, chat, template, where, reasoning,
