@@ -202,13 +202,28 @@ def _check_quantized_as_asked(model: PreTrainedModel, config: ModelConfig) -> No
         )
 
 
-SINK_ATTENTION_FAMILIES = {"gpt_oss"}
-"""Families whose attention has sinks, which sdpa cannot compute (transformers refuses sdpa for them)."""
+def sdpa_refused(model_type: str | None) -> bool:
+    """Whether transformers refuses sdpa for the causal LM class of `model_type` (`_supports_sdpa = False`):
+    gpt-oss (attention sinks), Gemma 2 (attention logit soft-capping), and any family it marks so later."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    class_name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type or "")
+    if not isinstance(class_name, str):
+        return False
+    import transformers
+
+    try:
+        model_class = getattr(transformers, class_name)
+    except (AttributeError, ImportError):  # a class this install cannot import: its load says why
+        return False
+    return getattr(model_class, "_supports_sdpa", True) is False
 
 
 def attention_for(config: ModelConfig, files: str) -> str:
     """The attention implementation to load with: the recipe's, except that a recipe which does not choose one
-    gets `eager` for a family sdpa cannot run (gpt-oss), instead of a load that fails."""
+    gets `eager` for a family transformers runs no sdpa for (`sdpa_refused`), instead of a load that fails.
+    `eval`, `generate` and `serve` choose none: a Gemma 2 adapter could be trained (its recipe says eager) but
+    never evaluated, sampled or served."""
     chosen = "attn_implementation" in config.model_fields_set
     config_file = Path(files) / "config.json"
     if chosen or config.attn_implementation != "sdpa" or not config_file.is_file():
@@ -217,7 +232,7 @@ def attention_for(config: ModelConfig, files: str) -> str:
         model_type = json.loads(config_file.read_text(encoding="utf-8")).get("model_type")
     except ValueError:
         return config.attn_implementation
-    return "eager" if model_type in SINK_ATTENTION_FAMILIES else config.attn_implementation
+    return "eager" if sdpa_refused(model_type) else config.attn_implementation
 
 
 def load_tokenizer_for(config: ModelConfig) -> PreTrainedTokenizerBase:

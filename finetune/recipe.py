@@ -75,7 +75,8 @@ class ModelConfig(_Section):
     """Dtype the frozen base weights are loaded in. LoRA weights are always trained in float32. `auto`
     (`Recipe.for_device`): bfloat16 on a GPU and on a CPU with bf16 units, float32 on other CPUs."""
     attn_implementation: Literal["eager", "sdpa", "flash_attention_2", "flex_attention"] = "sdpa"
-    """Attention kernel; packing isolates documents in all of them (position ids restart per document)."""
+    """Attention kernel; packing isolates documents in all of them (position ids restart per document). Left
+    unset, a family transformers runs no sdpa for (gpt-oss, Gemma 2) loads with `eager` (`model.attention_for`)."""
     trust_remote_code: bool = False
     """Run modelling code shipped with a hub model. Off by default: it executes arbitrary Python."""
     check_updates: bool = False

@@ -238,3 +238,18 @@ def test_the_head_on_labelled_positions_only_gives_the_full_logits_loss_and_grad
     for got, expected in zip(selected[2], full[2]):
         assert_within_ulps(got, expected, REORDERED_ULPS, what="gradient")
     assert model(**inputs, use_cache=False).logits.shape[:2] == batch["input_ids"].shape  # the hook is gone
+
+
+@pytest.mark.parametrize("name", ["gemma-2"])
+def test_a_base_transformers_runs_no_sdpa_for_loads_eager_in_eval_and_generate(name, tmp_path, capsys):
+    """Gemma 2's class refuses sdpa (`_supports_sdpa = False`: attention logit soft-capping). Its catalog recipe
+    sets `attn_implementation: eager`, but `eval`, `generate` and `serve` choose none, so they loaded with the
+    default sdpa and failed: the adapter trained could never be evaluated or sampled."""
+    from finetune.cli import main
+
+    family = next(f for f in FAMILIES if f.name == name)
+    base = build_family(family, tmp_path / "base")
+    (tmp_path / "chats.jsonl").write_text(json.dumps({"messages": CHAT}) + "\n")
+    assert main(["eval", "--base", str(base), "--data", str(tmp_path / "chats.jsonl"), "--format", "chat"]) == 0
+    assert "base: perplexity" in capsys.readouterr().out
+    assert main(["generate", "--base", str(base), "--chat", "Crate 3?", "--max-new-tokens", "2"]) == 0
