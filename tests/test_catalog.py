@@ -14,6 +14,7 @@ A failing recipe names itself (`test_catalog.py::test_recipe[qwen3-4b-chat]`). F
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import pytest
@@ -170,3 +171,17 @@ def test_catalog_memory_line_is_what_finetune_plan_says(entry):
     plan = estimate(recipe, model_shape(config, recipe.lora), device="cuda", nproc=1)
     batch = f"at batch {recipe.train.micro_batch_size}, {recipe.data.max_seq_len} tokens"
     assert entry.memory.startswith(f"{plan.peak_bytes / GiB:.1f} GiB {batch}")
+
+
+@pytest.mark.parametrize("name", sorted(MOE_RECIPES))
+def test_a_moe_recipe_says_whether_training_adds_its_base_s_load_balancing_loss(name):
+    """The MoE recipes said the load-balancing loss "is added as the config weighs it", but their bases'
+    config.json (gpt-oss-20b's, Qwen3-30B-A3B's) set `output_router_logits` false, and training adds it only where
+    that is true (`finetune.scoring.router_aux_coef`): a 2-step run on a tiny gpt-oss with that config logs no
+    `router_aux`. A recipe's comments must say what its base does."""
+    (entry,) = [entry for entry in catalog_entries() if entry.name == name]
+    config, _ = find_model_config(entry.base)
+    text = entry.path.read_text().replace("\n# ", " ").lower()
+    says_added = re.search(r"(?<!no )load-balancing loss is added", text) is not None
+    says_not_added = "no load-balancing loss is added" in text
+    assert (says_added, says_not_added) == (config.output_router_logits, not config.output_router_logits), text
