@@ -51,10 +51,9 @@ from finetune.data.sources import source_content_hash
 from finetune.recipe import DataConfig, SourceConfig
 
 # 11: a system prompt the template leaves out of answered conversations folded into the first user turn
-# (Mistral v0.3); 10: prompt records with a column named as a reward function's argument (`completions`) refused; 9: a note on
-# records whose reasoning the template renders in no turn; 8: chat masks after blank or context
-# tool results, `developer` as `system`; 7: BOS/EOS never doubled where the text already has them; 6: lines
-# split at CR/LF only
+# (Mistral v0.3); 10: prompt records with a column named as a reward function's argument refused; 9: a note on
+# records whose reasoning the template renders in no turn; 8: chat masks after blank or context tool results,
+# `developer` as `system`; 7: BOS/EOS never doubled where the text already has them; 6: lines split at CR/LF only
 PIPELINE_VERSION = 11
 """Bump when the rows this package produces change for the same inputs; old cache entries are then unused."""
 
