@@ -3,7 +3,9 @@
 It resolves the base (`finetune.adapters.resolved_base`: directly, from an adapter's manifest, or from
 the ledger of a merged checkpoint, whose merges it then continues exactly from the recorded base), loads
 it on the device asked for (a GPU when there is one), checks every adapter against the base's
-fingerprint, and hands over to `finetune.adapters.inmemory.LoadedModel`.
+fingerprint, loads the tokenizer each adapter carries (the one its run trained with, checked to share the
+base's vocabulary), and hands over to `finetune.adapters.inmemory.LoadedModel`, whose `tokenizer` is then the
+adapter in use's (its chat template) or the base's.
 
 This module is the inference half of the Python API: it imports nothing of training (no loop,
 objectives, sharding, trackers or deepspeed), so `generate`, `eval` and `serve` start without them.
@@ -32,7 +34,7 @@ from finetune.adapters.lora import Adapter, read_adapter, recorded_quantization
 from finetune.adapters.resolved_base import ResolvedBase, resolve_base
 from finetune.errors import AdapterError, AdapterWarning
 from finetune.fingerprint import fingerprint_model
-from finetune.model import load_base
+from finetune.model import load_adapter_tokenizer, load_base
 from finetune.quantization import METHODS, Quantization
 
 __all__ = ["load_model"]
@@ -134,6 +136,14 @@ def _load_resolved(
     return LoadedModel(model, tokenizer, resolved, requantize=requantize)
 
 
+def _add_adapters(loaded: LoadedModel, read: list[Adapter], where: str, force: bool, trust_remote_code: bool) -> None:
+    """Add each adapter with the tokenizer it carries, after checking it was trained on this base."""
+    for adapter in read:
+        check_fingerprint(adapter, loaded.base.fingerprint, where, force=force)  # maybe taken from the weights
+        tokenizer = load_adapter_tokenizer(adapter.path, loaded.base_tokenizer, trust_remote_code=trust_remote_code)
+        loaded.add_adapter(adapter, tokenizer)
+
+
 def load_model(
     base: str | Path,
     adapters: Mapping[str, str | Path] | Sequence[str | Path] | None = None,
@@ -187,10 +197,7 @@ def load_model(
         resolved, dtype=dtype, requantize=requantize, attn_implementation=attn_implementation,
         trust_remote_code=trust_remote_code,
     )  # fmt: skip
-    where = str(resolved.pristine_dir or resolved.source)
-    for adapter in read:
-        check_fingerprint(adapter, loaded.base.fingerprint, where, force=force)  # maybe taken from the weights
-        loaded.add_adapter(adapter)
+    _add_adapters(loaded, read, str(resolved.pristine_dir or resolved.source), force, trust_remote_code)
     if use_first is not None:
         loaded.use(use_first)
     return loaded

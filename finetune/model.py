@@ -32,6 +32,7 @@ from finetune.adapters.experts import (
     unwrapped,
 )
 from finetune.adapters.quantized import keep_float_kernels
+from finetune.adapters.tokenizer_files import carries_tokenizer
 from finetune.embedded.cache import resolve_base_id
 from finetune.errors import ModelError
 from finetune.paths import local_model_dir
@@ -241,6 +242,40 @@ def load_tokenizer_for(config: ModelConfig) -> PreTrainedTokenizerBase:
     return load_tokenizer(
         files_to_load(source, config), revision=config.revision, trust_remote_code=config.trust_remote_code
     )
+
+
+def load_adapter_tokenizer(
+    adapter_dir: Path, base_tokenizer: PreTrainedTokenizerBase, *, trust_remote_code: bool = False
+) -> PreTrainedTokenizerBase | None:
+    """The tokenizer a training run saved beside its adapter (with the chat template it trained with), or None
+    where the adapter carries none (the base's then serves it, as before adapters carried one).
+
+    Raises:
+        ModelError: it cannot be loaded, or its vocabulary is not the base's (`check_same_vocabulary`).
+    """
+    if not carries_tokenizer(adapter_dir):
+        return None
+    tokenizer = load_tokenizer(str(adapter_dir), trust_remote_code=trust_remote_code)
+    check_same_vocabulary(tokenizer, base_tokenizer, adapter_dir)
+    return tokenizer
+
+
+def check_same_vocabulary(
+    tokenizer: PreTrainedTokenizerBase, base_tokenizer: PreTrainedTokenizerBase, adapter_dir: Path
+) -> None:
+    """Refuse an adapter's tokenizer whose token ids mean other tokens than the base's: another size, or a
+    special token (BOS, EOS, a turn marker...) at another id. The base's model was trained on the base's ids,
+    and one server batches, pads and stops every model with them. A tokenizer that differs in its chat template
+    or in which token it calls EOS (a base's and its instruct variant's, both holding `<|eot_id|>` at one id) agrees."""
+    where = f"adapter {adapter_dir}'s tokenizer"
+    fix = f"delete the tokenizer files from {adapter_dir} to use the base's, or load it on the base it was trained on"
+    if len(tokenizer) != len(base_tokenizer):
+        raise ModelError(f"{where} has {len(tokenizer):,} tokens but the base's has {len(base_tokenizer):,}; {fix}")
+    specials = sorted(set(tokenizer.all_special_tokens) | set(base_tokenizer.all_special_tokens))
+    for token in specials:
+        ids = tokenizer.convert_tokens_to_ids(token), base_tokenizer.convert_tokens_to_ids(token)
+        if ids[0] != ids[1]:
+            raise ModelError(f"{where} has special token {token!r} at id {ids[0]} but the base's at {ids[1]}; {fix}")
 
 
 def _check_vocabulary_fits(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, tokenizer_source: str) -> None:

@@ -72,7 +72,10 @@ def chat_prompt_ids(tokenizer, messages: list[dict[str, Any]]) -> list[int]:
     from jinja2 import TemplateError
 
     if getattr(tokenizer, "chat_template", None) is None:
-        raise ModelError("the base's tokenizer has no chat template; send plain text (a completion) instead")
+        raise ModelError(
+            "the tokenizer (the adapter's where it carries one, else the base's) has no chat template; send plain "
+            "text (a completion) instead, or use an adapter trained with data.chat_template"
+        )
     try:
         rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)
     except TemplateError as exc:

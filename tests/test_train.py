@@ -234,7 +234,10 @@ def test_train_writes_a_complete_adapter_that_plain_peft_loads(workdir):
     adapter_dir, metrics = train("recipe.yaml")
     assert adapter_dir == Path("adapters/crates")
     files = sorted(p.name for p in adapter_dir.iterdir())
-    assert files == ["README.md", "adapter_config.json", "adapter_model.safetensors", "manifest.json", "recipe.yaml"]
+    assert files == [
+        "README.md", "adapter_config.json", "adapter_model.safetensors", "chat_template.jinja", "manifest.json",
+        "recipe.yaml", "tokenizer.json", "tokenizer_config.json",
+    ]  # fmt: skip  # the run's tokenizer with its chat template, as trl saves it
     assert not [p for p in Path("adapters").iterdir() if p.name.startswith(".")]  # no temp leftovers
 
     manifest = json.loads((adapter_dir / "manifest.json").read_text())

@@ -43,6 +43,7 @@ from finetune.adapters.lora import (
     recorded_quantization,
 )
 from finetune.adapters.model_dir import staging_dir
+from finetune.adapters.tokenizer_files import copy_tokenizer, shared_tokenizer_dir
 from finetune.errors import AdapterError
 from finetune.manifest import Manifest, library_versions, now_iso, write_manifest
 
@@ -338,6 +339,9 @@ def _write(out, config: dict, tensors: dict, adapters: list[Adapter], weights: l
     with staging_dir(out) as tmp:
         (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         save_file(tensors, str(tmp / SAFETENSORS_NAME), metadata={"format": "pt"})
+        tokenizer = shared_tokenizer_dir(adapters, f"the combined adapter {Path(out).name}")
+        if tokenizer is not None:  # the chat template the inputs trained with goes on with their sum
+            copy_tokenizer(tokenizer, tmp)
         manifest = next((a.manifest for a in adapters if a.manifest is not None), None)
         if manifest is not None:
             combined = Manifest(

@@ -53,6 +53,7 @@ from finetune.adapters.pristine import PristineWeights, quantization_roundtrip
 from finetune.adapters.result import ArithmeticResult
 from finetune.adapters.tensor_index import TensorIndex
 from finetune.adapters.tied import TIE_KEY, stored_aliases
+from finetune.adapters.tokenizer_files import carries_tokenizer, copy_tokenizer, shared_tokenizer_dir
 
 
 def inexact_weights(source: Ledger, target: Ledger) -> dict[str, float]:
@@ -207,6 +208,7 @@ def write_target(operation: DiskOperation, out: str | Path, kind: str) -> Arithm
         if len(read_index.files) > 1 or (read_dir / INDEX_NAME).is_file():
             write_index(tmp, weight_map, total_bytes)
         copy_side_files(operation.source_dir, tmp)
+        _pass_tokenizer_on(operation, tmp)
         config = json.loads((operation.source_dir / "config.json").read_text())
         if writer.aliases:  # the base ties weights: the output does too, unless an update touches one of them
             config[TIE_KEY] = not writer.untied
@@ -221,6 +223,18 @@ def write_target(operation: DiskOperation, out: str | Path, kind: str) -> Arithm
         kind, operation.target_ledger.weights, writer.rewritten, time.perf_counter() - started, notes, out,
         len(read_index.files), writer.exact, writer.max_drift_bound,
     )  # fmt: skip
+
+
+def _pass_tokenizer_on(operation: DiskOperation, out_dir: Path) -> None:
+    """The output's tokenizer: its merged adapters' where they carry one (the tokenizer their runs trained with,
+    `tokenizer_files`), else the pristine base's (an adapter taken out takes its tokenizer with it), else the
+    source's as copied."""
+    merged = [operation.adapters[n] for n in operation.target_ledger.entries if n in operation.adapters]
+    source = shared_tokenizer_dir(merged, "the output")
+    if source is None and operation.pristine_dir is not None and carries_tokenizer(operation.pristine_dir):
+        source = operation.pristine_dir
+    if source is not None:
+        copy_tokenizer(source, out_dir)
 
 
 def _names_to_untie(aliases: dict[str, str], terms: dict) -> dict[str, list[str]]:

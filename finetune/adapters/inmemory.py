@@ -52,6 +52,7 @@ from finetune.adapters.pristine import PristineWeights
 from finetune.adapters.resolved_base import ResolvedBase
 from finetune.adapters.result import ArithmeticResult
 from finetune.adapters.tied import TIE_KEY, tied_parameter_names
+from finetune.adapters.tokenizer_files import copy_tokenizer, shared_tokenizer_dir
 from finetune.errors import AdapterError, AdapterWarning
 from finetune.fingerprint import base_state_items
 from finetune.peft_import import bitsandbytes_hidden, import_peft
@@ -67,7 +68,8 @@ class LoadedModel:
 
     Attributes:
         model: the transformers model (usable with `generate`); merges change its weights in place.
-        tokenizer: the base's tokenizer.
+        tokenizer: the tokenizer of the adapter in `use` where it carries one (saved by its training run, with the
+            chat template it trained with), else the base's (`base_tokenizer`); `tokenizer_for(name)` for any.
         adapters: name -> `Adapter` (fp32 A/B per module).
         base: the resolved base (`resolve_base`): its source, pristine directory, ledger, quantization,
             dtype (that of merged tensors; the compute dtype for quantized layers) and device.
@@ -82,7 +84,8 @@ class LoadedModel:
         requantize: bool = False,
     ):
         self.model = model
-        self.tokenizer = tokenizer
+        self.base_tokenizer = tokenizer
+        self._tokenizers: dict[str, PreTrainedTokenizerBase] = {}  # adapter -> the tokenizer it carries
         self.base = base
         self.requantize = requantize
         self.adapters: dict[str, Adapter] = {}
@@ -123,6 +126,15 @@ class LoadedModel:
         """Where the model's weights are, where inputs go, and where every merge is computed."""
         return self.base.device
 
+    @property
+    def tokenizer(self) -> PreTrainedTokenizerBase:
+        """The tokenizer of the adapter in `use` (its own where it carries one), else the base's."""
+        return self.tokenizer_for(self._active)
+
+    def tokenizer_for(self, name: str | None) -> PreTrainedTokenizerBase:
+        """The tokenizer adapter `name` was trained with where it carries one, else the base's (None: the base)."""
+        return self._tokenizers.get(name, self.base_tokenizer) if name is not None else self.base_tokenizer
+
     # ---- state -------------------------------------------------------------------------------------
     @property
     def merged(self) -> dict[str, float]:
@@ -149,13 +161,16 @@ class LoadedModel:
         return dict(self._requantization_errors)
 
     # ---- adapters ----------------------------------------------------------------------------------
-    def add_adapter(self, adapter: Adapter) -> None:
-        """Make `adapter` available under `adapter.name`, after checking that it fits this base."""
+    def add_adapter(self, adapter: Adapter, tokenizer: PreTrainedTokenizerBase | None = None) -> None:
+        """Make `adapter` available under `adapter.name`, after checking that it fits this base; `tokenizer`: the
+        one it carries (`finetune.model.load_adapter_tokenizer`, checked against the base's), None: the base's."""
         if adapter.name in self.adapters:
             raise AdapterError(f"an adapter named {adapter.name!r} is already loaded; give the new one another name")
         adapter = bind_layouts(bind_experts(adapter, self.model), self.model)
         self._check_fits(adapter)
         self.adapters[adapter.name] = adapter
+        if tokenizer is not None:
+            self._tokenizers[adapter.name] = tokenizer
 
     def _check_fits(self, adapter: Adapter) -> None:
         check_fits(adapter, self._weight_shape, base=self.base_source)
@@ -463,6 +478,7 @@ class LoadedModel:
                 else:
                     self._peft.delete_adapter(name)
         del self.adapters[name]
+        self._tokenizers.pop(name, None)
 
     # ---- saving ------------------------------------------------------------------------------------
     def merged_state(self) -> dict[str, torch.Tensor]:
@@ -507,10 +523,19 @@ class LoadedModel:
                 write_index(tmp, weight_map, sum(t.numel() * t.element_size() for t in state.values()))
             if self.base_dir is not None:
                 copy_side_files(self.base_dir, tmp)
-            if self.tokenizer is not None:
-                self.tokenizer.save_pretrained(tmp)
+            self._save_tokenizer(tmp)
             write_config(tmp, self.model.config.to_dict(), self._ledger, self.dtype)
         return Path(out_dir)
+
+    def _save_tokenizer(self, out_dir: Path) -> None:
+        """The merged adapters' tokenizer where they carry one (`tokenizer_files.shared_tokenizer_dir`), else the
+        base's: a model merged from an adapter trained with `data.chat_template` chats with that template."""
+        merged = [self.adapters[name] for name in self._ledger.entries if name in self.adapters]
+        source = shared_tokenizer_dir(merged, "the merged model")
+        if source is not None:
+            copy_tokenizer(source, out_dir)
+        elif self.base_tokenizer is not None:
+            self.base_tokenizer.save_pretrained(out_dir)
 
 
 def _tuner(peft: PeftModel) -> BaseTuner:

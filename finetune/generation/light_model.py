@@ -9,7 +9,8 @@ time for the command, most of it imports (AMD EPYC, 2026-11-27). A one-shot comm
 classes compute, op for op in float32: RMSNorm as theirs, each projection as peft's unmerged LoRA
 (`base(x) + B(A(x)) * scaling`), rotary embeddings with transformers' inverse frequencies, SDPA attention
 (causal over the prompt, then one token at a time over the cache). `light_generate` decodes greedily with
-the tokenizer's own `tokenizer.json` (the `tokenizers` library, which transformers' fast tokenizers wrap).
+the tokenizer's own `tokenizer.json` (the `tokenizers` library, which transformers' fast tokenizers wrap); an
+adapter that carries a tokenizer of its own other than the base's is left to the transformers path.
 
 It declines (returns None, and the command takes the transformers path) for anything it does not
 reproduce exactly: sampling and chat prompts (transformers' logits processors and chat-template rendering),
@@ -38,6 +39,7 @@ import torch.nn.functional as F
 from finetune.adapters.fit import check_fingerprint, check_fits
 from finetune.adapters.lora import Adapter, LoraWeights, read_adapter, recorded_quantization
 from finetune.adapters.resolved_base import resolve_base
+from finetune.adapters.tokenizer_files import carries_tokenizer
 from finetune.fingerprint import weight_files
 from finetune.generation.lean_decoder import Layer, Norm, _Rotation, config_declined_because
 from finetune.prompting import require_tokens, stop_token_ids, with_bos
@@ -202,7 +204,7 @@ def light_generate(
         base = lead.base_path
     try:
         model_dir = _model_dir(base, device, lead, force)
-        tokenizer, bos_id, eos_id = _tokenizer(model_dir)
+        tokenizer, bos_id, eos_id = _tokenizer_for(model_dir, lead)
         model = LightModel.load(model_dir, lead)
     except Declined:
         return None
@@ -343,6 +345,19 @@ def _tokenizer(model_dir: Path) -> tuple[Any, int | None, int | None]:
     tokenizer = Tokenizer.from_file(str(tokenizer_file))
     bos_id, eos_id = (_token_id(tokenizer, settings.get(key)) for key in ("bos_token", "eos_token"))
     return tokenizer, bos_id, eos_id
+
+
+def _tokenizer_for(model_dir: Path, adapter: Adapter | None) -> tuple[Any, int | None, int | None]:
+    """`_tokenizer` of the base, which an adapter's own tokenizer (saved by its run) must encode as: where the
+    adapter carries one that differs (another `tokenizer.json`, BOS or EOS), the transformers path loads it, with
+    `finetune.model`'s check that its vocabulary is the base's (Declined)."""
+    base = _tokenizer(model_dir)
+    if adapter is None or not carries_tokenizer(adapter.path):
+        return base
+    own = _tokenizer(adapter.path)
+    if own[0].to_str() != base[0].to_str() or own[1:] != base[1:]:
+        raise Declined("the adapter carries a tokenizer other than the base's")
+    return base
 
 
 def _token_id(tokenizer: Any, token: str | dict[str, Any] | None) -> int | None:

@@ -122,7 +122,7 @@ async def completions(request: Request):
     engine = _state(request).engine
     body = protocol.parse_body(protocol.CompletionRequest, await _read_body(request))
     engine.check_model(body.model)
-    prompts = await run_in_threadpool(lambda: [engine.encode_completion(p) for p in body.prompts()])
+    prompts = await run_in_threadpool(lambda: [engine.encode_completion(p, body.model) for p in body.prompts()])
     return await _generate(request, body, prompts, chat=False)
 
 
@@ -131,7 +131,7 @@ async def chat_completions(request: Request):
     body = protocol.parse_body(protocol.ChatCompletionRequest, await _read_body(request))
     engine.check_model(body.model)
     messages = [message.as_record_message() for message in body.messages]
-    prompt = await run_in_threadpool(engine.encode_chat, messages, body.record_tools())
+    prompt = await run_in_threadpool(engine.encode_chat, messages, body.record_tools(), body.model)
     return await _generate(request, body, [prompt], chat=True)
 
 
@@ -145,7 +145,7 @@ async def _generate(request: Request, body, prompts: list[list[int]], *, chat: b
     stop = body.stop_sequences()
     events: asyncio.Queue[Event] = asyncio.Queue()
     emit = _threadsafe_put(asyncio.get_running_loop(), events)
-    stop_ids = state.engine.turn_closer_ids if chat else frozenset()
+    stop_ids = state.engine.stop_ids(body.model, chat)
     sequences = [
         Sequence(body.model, p, n, sampling, emit, stop=stop, stop_ids=stop_ids, index=i, stream=body.stream)
         for i, (p, n) in enumerate(zip(prompts, lengths))
@@ -155,7 +155,7 @@ async def _generate(request: Request, body, prompts: list[list[int]], *, chat: b
     if body.stream:
         usage = body.stream_options is not None and body.stream_options.include_usage
         if chat:
-            parse = lambda result: _read_reply(state.engine, result, _reads_tools(body))
+            parse = lambda result: _read_reply(state.engine, result, _reads_tools(body), body.model)
             return _event_stream(reply.chat_chunks(events, sequences, usage, parse), sequences)
         return _event_stream(reply.completion_chunks(events, sequences, usage), sequences)
     try:
@@ -166,7 +166,7 @@ async def _generate(request: Request, body, prompts: list[list[int]], *, chat: b
         for sequence in sequences:  # the client may have gone: stop generating for it
             sequence.cancelled = True
     if chat:
-        read = _read_reply(state.engine, results[0], _reads_tools(body))
+        read = _read_reply(state.engine, results[0], _reads_tools(body), body.model)
         return JSONResponse(
             protocol.chat_body(reply.id, body.model, reply.created, results[0], body.return_token_ids, read)
         )
@@ -178,30 +178,30 @@ def _reads_tools(body: protocol.ChatCompletionRequest) -> bool:
     return bool(body.tools) and body.tool_choice != "none"
 
 
-def _read_reply(engine: Engine, result: Finished, tools: bool) -> Reply | None:
-    """The reply of a chat completion read as tool calls and reasoning, or None (its text is the content). A
-    reply cut at `max_tokens` is not read: a call cut short is no call."""
+def _read_reply(engine: Engine, result: Finished, tools: bool, model: str | None = None) -> Reply | None:
+    """The reply of a chat completion of `model` read as tool calls and reasoning (by its tokenizer), or None
+    (its text is the content). A reply cut at `max_tokens` is not read: a call cut short is no call."""
     if result.finish_reason != "stop":
         return None
     ids = result.token_ids
-    if ids and (ids[-1] in engine.stop_token_ids or ids[-1] in engine.turn_closer_ids):
-        text = engine.decode_raw(ids[:-1])
+    if ids and (ids[-1] in engine.stop_token_ids or ids[-1] in engine.stop_ids(model, chat=True)):
+        text = engine.decode_raw(ids[:-1], model)
     else:  # a stop sequence cut it
-        text = _raw_text_as_cut(engine, result)
-    prompt_end = engine.decode_raw(result.prompt_token_ids[-8:])
-    return engine.reply_parser.parse(text, prompt_end, tools)
+        text = _raw_text_as_cut(engine, result, model)
+    prompt_end = engine.decode_raw(result.prompt_token_ids[-8:], model)
+    return engine.tokens(model).reply_parser.parse(text, prompt_end, tools)
 
 
-def _raw_text_as_cut(engine: Engine, result: Finished) -> str:
+def _raw_text_as_cut(engine: Engine, result: Finished, model: str | None = None) -> str:
     """The text of a reply a stop sequence cut, with its special tokens kept, cut where `result.text` was cut.
 
     `result.text` skips special tokens (it is the reply as streamed): read as it is, a Mistral reply lost its
     `[TOOL_CALLS]` token, and a call cut off by a stop sequence after it came back as plain text. What the cut
     dropped (the stop sequence and what followed) is the end of the whole decoded text; it is taken off the raw
     text, unless special tokens lie inside it (then the text as cut, as before)."""
-    whole = engine.decode_text(result.token_ids)
+    whole = engine.decode_text(result.token_ids, model)
     dropped = whole[len(result.text) :]
-    raw = engine.decode_raw(result.token_ids)
+    raw = engine.decode_raw(result.token_ids, model)
     if not dropped or not whole.startswith(result.text) or not raw.endswith(dropped):
         return result.text
     return raw[: len(raw) - len(dropped)]

@@ -82,7 +82,8 @@ class Sequence:
     emit: Callable[[Event], None]
     stop: tuple[str, ...] = ()
     stop_ids: frozenset[int] = frozenset()
-    """Tokens that end this sequence besides the engine's `stop_token_ids` (a chat reply's end of turn)."""
+    """Tokens that end this sequence besides the engine's `stop_token_ids` (a chat reply's end of turn, an adapter's
+    own EOS: `Engine.stop_ids`)."""
     index: int = 0
     stream: bool = False
     cancelled: bool = False  # set by the request handler when its client went away
@@ -302,7 +303,8 @@ class Batcher:
             prompts, models = [s.prompt_ids for s in sequences], [s.model for s in sequences]
             batch = KVBatch.from_prompts(prompts, models, self._pad_id, self.engine.device)
             for sequence in sequences:
-                sequence.text = TextStream(self.engine.decode_text, sequence.stop)
+                decode = lambda ids, model=sequence.model: self.engine.decode_text(ids, model)  # its tokenizer's
+                sequence.text = TextStream(decode, sequence.stop)
                 sequence.generator = make_generator(sequence.sampling)
             tokens = self._sample(sequences, self.engine.prefill(batch))
             self.stats.record_forward(batch.models, prefill=True)

@@ -39,6 +39,7 @@ from finetune.data.chat import ChatRecord, normalize_messages, normalize_tools
 from finetune.data.chat_turns import chat_turn_closer_ids, render_chat_prompt
 from finetune.errors import FinetuneError, ModelError, ServeError
 from finetune.generation.kvbatch import KVBatch
+from finetune.model import load_adapter_tokenizer
 from finetune.prompting import model_stop_token_ids, prompt_ids
 from finetune.serve.replies import ReplyParser
 from finetune.serve.settings import BASE_ROW, ServeSettings
@@ -62,12 +63,15 @@ class Engine:
         self.merged = merged
         self.created = int(time.time())
         self._tokenizer_lock = threading.Lock()
-        tokenizer, config = loaded.tokenizer, loaded.model.config
+        tokenizer, config = loaded.base_tokenizer, loaded.model.config
         self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-        self.stop_token_ids = model_stop_token_ids(loaded.model, tokenizer)
-        self.turn_closer_ids = chat_turn_closer_ids(tokenizer)
-        """Where a chat reply also ends: the template's end of turn (`chat_turns.turn_closer_ids`)."""
-        self.reply_parser = ReplyParser.for_tokenizer(tokenizer)
+        self._base_tokens = ModelTokens.of(loaded.model, tokenizer, frozenset())
+        self._tokens: dict[str, ModelTokens] = {}
+        self.stop_token_ids = self._base_tokens.stop_token_ids
+        """Where every row ends: the model's and the base tokenizer's EOS (`prompting.model_stop_token_ids`)."""
+        self.turn_closer_ids = self._base_tokens.turn_closer_ids
+        """Where a base chat reply also ends: the template's end of turn (`chat_turns.turn_closer_ids`)."""
+        self.reply_parser = self._base_tokens.reply_parser
         self.max_model_len = int(getattr(config, "max_position_embeddings", None) or tokenizer.model_max_length)
         for name, adapter in loaded.adapters.items():
             self._check_name(name)
@@ -125,33 +129,61 @@ class Engine:
             code="model_not_found",
         )
 
+    def tokens(self, model: str | None = None) -> ModelTokens:
+        """What requests for `model` are encoded, stopped, decoded and read with: the tokenizer of the adapter it
+        names where that adapter carries one (its run's, with the chat template it trained with), else the base's
+        (None: the base). Their vocabularies are one (`finetune.model.check_same_vocabulary`), so rows of every
+        model share a batch, its padding and its logits."""
+        tokenizer = self.loaded.tokenizer_for(None if model == self.base_name else model)
+        if tokenizer is self.loaded.base_tokenizer:
+            return self._base_tokens
+        assert model is not None, "the base's tokenizer is the base's tokens"
+        known = self._tokens.get(model)
+        if known is None or known.tokenizer is not tokenizer:  # the name may be reloaded from another adapter
+            known = self._tokens[model] = ModelTokens.of(self.loaded.model, tokenizer, self.stop_token_ids)
+        return known
+
+    def stop_ids(self, model: str | None, chat: bool) -> frozenset[int]:
+        """What ends a row of `model` besides the engine's `stop_token_ids`: its tokenizer's own EOS (an
+        adapter's that is not the base's) and, for a chat reply, its template's end of turn."""
+        tokens = self.tokens(model)
+        return tokens.extra_stop_ids | (tokens.turn_closer_ids if chat else frozenset())
+
     # ---- prompts -----------------------------------------------------------------------------------
     # A fast tokenizer is one Rust object: two threads encoding, or one encoding while another decodes,
     # can fail with "RuntimeError: Already borrowed" (transformers #47085, vLLM #40949). One lock serialises them.
-    def encode_completion(self, prompt: str | list[int]) -> list[int]:
-        """A text prompt's token ids, or token ids given as the prompt, checked against the vocabulary."""
+    def encode_completion(self, prompt: str | list[int], model: str | None = None) -> list[int]:
+        """A text prompt's token ids (by `model`'s tokenizer), or token ids given as the prompt, checked against
+        the vocabulary."""
+        tokenizer = self.tokens(model).tokenizer
         if isinstance(prompt, list):
-            vocabulary = len(self.loaded.tokenizer)
+            vocabulary = len(tokenizer)
             outside = next((token for token in prompt if not 0 <= token < vocabulary), None)
             if outside is not None:
                 raise ServeError(f"prompt: token id {outside} is not in the vocabulary (0 to {vocabulary - 1})",
                                  param="prompt")  # fmt: skip
             return list(prompt)
         with self._tokenizer_lock:
-            return prompt_ids(self.loaded.tokenizer, prompt)
+            return prompt_ids(tokenizer, prompt)
 
-    def encode_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
+    def encode_chat(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None, model: str | None = None
+    ) -> list[int]:
         """The prompt ids of a conversation in OpenAI's shape (tool calls, tool results, reasoning) with its
         `tools`, as training renders the same conversation as a prompt (`finetune.data.formats`' rule for GRPO
-        and preference prompts: normalised, given to the template in the form it reads, generation prompt last).
+        and preference prompts: normalised, given to the template in the form it reads, generation prompt last),
+        with `model`'s chat template (an adapter's own where it carries a tokenizer, else the base's).
 
         Raises:
             ServeError: (400, param `messages`) a malformed conversation or a template that cannot render it.
         """
-        tokenizer = self.loaded.tokenizer
+        tokenizer = self.tokens(model).tokenizer
         try:
             if getattr(tokenizer, "chat_template", None) is None:
-                raise ModelError("the base's tokenizer has no chat template; send plain text (a completion) instead")
+                raise ModelError(
+                    f"the tokenizer of {model or self.base_name!r} has no chat template; send plain text (a "
+                    "completion) instead, or serve an adapter trained with data.chat_template"
+                )
             schemas = normalize_tools(tools, "request", "tools")
             chat = ChatRecord(normalize_messages(messages, "request", schemas, context_only=True), schemas)
             with self._tokenizer_lock:
@@ -160,15 +192,17 @@ class Engine:
             said = str(exc).replace("fix the record", "fix the request").replace("the record's tools", "the tools")
             raise ServeError(said, param="messages") from None
 
-    def decode_raw(self, token_ids: list[int]) -> str:
+    def decode_raw(self, token_ids: list[int], model: str | None = None) -> str:
         """Text of tokens with special tokens kept: what a reply parser reads (Mistral's `[TOOL_CALLS]` is one)."""
+        tokenizer = self.tokens(model).tokenizer
         with self._tokenizer_lock:
-            return cast(str, self.loaded.tokenizer.decode(token_ids, skip_special_tokens=False))
+            return cast(str, tokenizer.decode(token_ids, skip_special_tokens=False))
 
-    def decode_text(self, token_ids: list[int]) -> str:
+    def decode_text(self, token_ids: list[int], model: str | None = None) -> str:
         """Text of generated tokens, as `finetune generate` prints it (special tokens skipped)."""
+        tokenizer = self.tokens(model).tokenizer
         with self._tokenizer_lock:
-            text = self.loaded.tokenizer.decode(token_ids, skip_special_tokens=True)
+            text = tokenizer.decode(token_ids, skip_special_tokens=True)
         return cast(str, text)  # transformers types decode as str | list[str]; one sequence gives a str
 
     def check_length(self, prompt_tokens: int, max_tokens: int | None, default: int | None, limit: int) -> int:
@@ -225,12 +259,13 @@ class Engine:
         return output.logits[:, -1].float()
 
     # ---- adapters at runtime -----------------------------------------------------------------------
-    def read_new_adapter(self, name: str, path: str) -> Adapter | None:
-        """Read and check an adapter to load (handler thread). None: `name` is loaded from `path` already,
-        which in merged mode means "swap it back in".
+    def read_new_adapter(self, name: str, path: str) -> NewAdapter | None:
+        """Read and check an adapter to load, and the tokenizer it carries (handler thread). None: `name` is loaded
+        from `path` already, which in merged mode means "swap it back in".
 
         Raises:
             ServeError: the name clashes. AdapterError: unreadable, not safetensors, or another base.
+            ModelError: its tokenizer's vocabulary is not the base's (`finetune.model.check_same_vocabulary`).
         """
         self._check_name(name)
         known = self.loaded.adapters.get(name)
@@ -247,12 +282,12 @@ class Engine:
         check_fingerprint(adapter, self.loaded.ledger.base_fingerprint, self.base_name, force=False)
         if self.merged is None:
             _check_per_row(adapter)
-        return adapter
+        return NewAdapter(adapter, load_adapter_tokenizer(adapter.path, self.loaded.base_tokenizer))
 
-    def install(self, name: str, adapter: Adapter | None) -> str:
+    def install(self, name: str, adapter: NewAdapter | None) -> str:
         """Add `adapter` (worker thread): attach it, or in merged mode swap it in. Returns what happened."""
         if adapter is not None:
-            self.loaded.add_adapter(adapter)
+            self.loaded.add_adapter(adapter.adapter, adapter.tokenizer)
         try:
             if self.merged is None:
                 self.loaded.attach(name)
@@ -294,6 +329,34 @@ class Engine:
                 param="lora_name",
                 code="name_clash",
             )
+
+
+@dataclass(frozen=True)
+class NewAdapter:
+    """An adapter read for `/v1/load_lora_adapter`, and the tokenizer it carries (None: it serves with the base's)."""
+
+    adapter: Adapter
+    tokenizer: Any
+
+
+@dataclass(frozen=True)
+class ModelTokens:
+    """What one served model's text goes through: its tokenizer and what follows from it."""
+
+    tokenizer: Any
+    stop_token_ids: frozenset[int]
+    """Where its replies end (`prompting.model_stop_token_ids`)."""
+    extra_stop_ids: frozenset[int]
+    """Those of `stop_token_ids` that the engine's (the base's) are not: a row of this model carries them."""
+    turn_closer_ids: frozenset[int]
+    """Where its chat replies also end: its template's end of turn (`chat_turns.turn_closer_ids`)."""
+    reply_parser: ReplyParser
+
+    @classmethod
+    def of(cls, model: Any, tokenizer: Any, base_stops: frozenset[int]) -> ModelTokens:
+        stops = frozenset(model_stop_token_ids(model, tokenizer))
+        parser = ReplyParser.for_tokenizer(tokenizer)
+        return cls(tokenizer, stops, stops - base_stops, chat_turn_closer_ids(tokenizer), parser)
 
 
 def _check_per_row(adapter: Adapter) -> None:

@@ -1,8 +1,9 @@
 """The end of a training run: the summary metrics, the manifest, and the adapter directory, written whole.
 
 The adapter is saved by peft into a staging directory beside `adapters/<name>/` together with the
-resolved recipe and the manifest, and renamed into place only when all of it is written
-(`finetune.atomic`): a run that fails or is killed never leaves a partial adapter.
+resolved recipe, the manifest and the tokenizer the run used (with its chat template), and renamed into
+place only when all of it is written (`finetune.atomic`): a run that fails or is killed never leaves a
+partial adapter.
 
 Example:
     adapter_dir, metrics = finish_run(run, {**last_step_metrics, **final_eval}, say=print)
@@ -69,7 +70,7 @@ def peak_memory_bytes() -> int:
 
 def write_adapter(run: TrainingRun, metrics: dict[str, Any], weights: dict[str, torch.Tensor]) -> Path:
     """Write `adapters/<name>/` whole: peft's files (of `weights`, the whole trained tensors as
-    `StateIO.trainable_state` gathers them), the resolved recipe and the manifest."""
+    `StateIO.trainable_state` gathers them), the resolved recipe, the manifest and the run's tokenizer."""
     recipe = run.recipe
     manifest = build_manifest(
         recipe,
@@ -89,7 +90,22 @@ def write_adapter(run: TrainingRun, metrics: dict[str, Any], weights: dict[str, 
         plain_lora_config(recipe, staging / "adapter_config.json")
         (staging / "recipe.yaml").write_text(yaml.safe_dump(recipe_to_dict(recipe), sort_keys=False))
         write_manifest(staging, manifest)
+        save_tokenizer(run.tokenizer, recipe.data.chat_template, staging)
     return adapter_dir
+
+
+def save_tokenizer(tokenizer: Any, chat_template: str | None, out_dir: Path) -> None:
+    """Save the run's tokenizer into the adapter directory, with the chat template the run rendered with
+    (`data.chat_template` where set, which the tokenizer object itself does not hold), as trl's trainers save
+    theirs: `finetune generate --chat`, `serve` and `AutoTokenizer.from_pretrained(adapter)` then prompt as
+    training did, where the base's tokenizer has another template or none, or the run used `model.tokenizer`."""
+    own = tokenizer.chat_template
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
+    try:
+        tokenizer.save_pretrained(out_dir)
+    finally:
+        tokenizer.chat_template = own  # the run's object as it was: the data pipeline passes the template itself
 
 
 def finish_run(run: TrainingRun, last: dict[str, float], say: Callable[[str], None]) -> tuple[Path, dict[str, Any]]:
