@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import re
 import sys
 from collections.abc import Iterator
@@ -643,5 +644,14 @@ def _dense_layers_named(peft_model: torch.nn.Module, names: frozenset[str]) -> d
 def describe_trainable(model: torch.nn.Module) -> str:
     """'trainable 65,536 of 1,300,000 parameters (5.04%)' for the log."""
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    total = sum(p.numel() for p in model.parameters())
+    total = sum(_weights_held(p) for p in model.parameters())
     return f"trainable {trainable:,} of {total:,} parameters ({100 * trainable / max(total, 1):.2f}%)"
+
+
+def _weights_held(parameter: torch.nn.Parameter) -> int:
+    """How many weights a parameter holds: a bitsandbytes 4-bit weight packs two in each byte of its storage, whose
+    `numel` is the bytes (a QLoRA run's log counted the tiny Llama's 1,144,960 parameters as 743,552); the shape
+    it unpacks to is in its quantization state."""
+    state = getattr(parameter, "quant_state", None)
+    shape = getattr(state, "shape", None)
+    return math.prod(shape) if shape is not None else parameter.numel()

@@ -783,3 +783,17 @@ def test_an_evaluation_line_starts_a_line_of_its_own_under_the_progress_bar(tmp_
     before = console[: console.index("step 2: eval loss")]
     # what precedes it on its line: nothing, or the blanks with which the bar was cleared
     assert before.rstrip("\r").rsplit("\r", 1)[-1].rsplit("\n", 1)[-1].strip() == "", repr(before[-120:])
+
+
+@pytest.mark.parametrize("bits", ["4bit", "8bit"])
+def test_the_log_counts_a_quantized_base_s_parameters_as_the_dense_base_s(tiny_base_dir, bits):
+    """A bitsandbytes 4-bit weight packs two weights in each byte its storage counts: the log of a QLoRA run gave
+    the base about 60% of its parameters, and the trainable share was inflated accordingly."""
+    pytest.importorskip("bitsandbytes")
+    from finetune.model import describe_trainable, load_base, wrap_with_lora
+    from finetune.quantization import Quantization
+
+    lora = LoraConfig(r=4)
+    dense, _, _ = load_base(str(tiny_base_dir))
+    quantized, _, _ = load_base(str(tiny_base_dir), quantization=Quantization(bits))  # type: ignore[arg-type]
+    assert describe_trainable(wrap_with_lora(quantized, lora)) == describe_trainable(wrap_with_lora(dense, lora))
