@@ -189,7 +189,7 @@ def run_generate(args: argparse.Namespace) -> int:
             return 0
     import torch
 
-    from finetune.data.chat_turns import turn_closer_ids
+    from finetune.data.chat_turns import chat_turn_closer_ids
     from finetune.prompting import chat_prompt_ids, model_stop_token_ids, prompt_ids, require_tokens
 
     loaded, _ = _load(args)
@@ -197,7 +197,7 @@ def run_generate(args: argparse.Namespace) -> int:
     closers: frozenset[int] = frozenset()  # a chat reply also ends at its template's end of turn
     if args.chat:
         ids = chat_prompt_ids(tokenizer, [{"role": "user", "content": args.prompt}])
-        closers = turn_closer_ids(tokenizer, tokenizer.get_chat_template())
+        closers = chat_turn_closer_ids(tokenizer)
     else:
         ids = require_tokens(prompt_ids(tokenizer, args.prompt))
     input_ids = torch.tensor([ids], device=loaded.device)

@@ -73,10 +73,10 @@ def _turn_closers(tokenizer: Any, template: str) -> list[str]:
     """The closing markers right after an assistant turn's words in `template`'s rendering of a one-question
     conversation (known closers and the tokenizer's EOS, in order); [] where there are none or the template
     refuses the probe (its records are then checked as they are rendered)."""
-    answered = [{"role": "user", "content": "ft-probe"}, {"role": "assistant", "content": _SENTINEL}]
-    try:
-        text = _apply(tokenizer, answered, None, template, "the chat template", {"tokenize": False})
-    except DataError:
+    text = _probe(
+        tokenizer, template, [{"role": "user", "content": "ft-probe"}, {"role": "assistant", "content": _SENTINEL}]
+    )
+    if text is None:
         return []
     rest = text[text.find(_SENTINEL) + len(_SENTINEL) :].lstrip()
     candidates = sorted({*_KNOWN_CLOSERS, tokenizer.eos_token or ""} - {""}, key=len, reverse=True)
@@ -85,6 +85,15 @@ def _turn_closers(tokenizer: Any, template: str) -> list[str]:
         chain.append(closer)
         rest = rest[len(closer) :]
     return chain
+
+
+def _probe(tokenizer: Any, template: str, messages: list[dict[str, Any]]) -> str | None:
+    """`template`'s text of a probe conversation, or None where the template refuses it (what it reads of real
+    records is then checked as they are rendered)."""
+    try:
+        return _apply(tokenizer, messages, None, template, "the chat template", {"tokenize": False})
+    except DataError:
+        return None
 
 
 def _token_ids(tokenizer: Any, text: str) -> list[int]:
@@ -175,11 +184,8 @@ def drops_system(tokenizer: Any, template: str) -> bool:
         {"role": "user", "content": "ft-probe"},
         {"role": "assistant", "content": "ft-answer"},
     ]
-    try:
-        text = _apply(tokenizer, probe, None, template, "the chat template", {"tokenize": False})
-    except DataError:
-        return False
-    return _SENTINEL not in text
+    text = _probe(tokenizer, template, probe)
+    return text is not None and _SENTINEL not in text
 
 
 def with_system_shown(chat: ChatRecord, template: str, tokenizer: Any, train_from: int = 0) -> tuple[ChatRecord, int]:

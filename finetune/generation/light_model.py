@@ -209,14 +209,14 @@ def light_generate(
     except Declined:
         return None
     ids = require_tokens(with_bos(bos_id, tokenizer.encode(prompt, add_special_tokens=False).ids))  # as prompt_ids
-    stops = stop_token_ids(eos_id, _configured_eos(model_dir))  # as the transformers path stops
+    stops = stop_token_ids(eos_id, _generation_config(model_dir).get("eos_token_id"))  # as the transformers path
     return tokenizer.decode(model.greedy(ids, max_new_tokens, stops), skip_special_tokens=True)
 
 
-def _configured_eos(model_dir: Path) -> int | list[int] | None:
-    """The `eos_token_id` of the base's generation_config.json (None without one)."""
+def _generation_config(model_dir: Path) -> dict[str, Any]:
+    """The base's generation_config.json ({} without one)."""
     generation = model_dir / "generation_config.json"
-    return json.loads(generation.read_text(encoding="utf-8")).get("eos_token_id") if generation.is_file() else None
+    return json.loads(generation.read_text(encoding="utf-8")) if generation.is_file() else {}
 
 
 def _model_dir(base: str, device: str, adapter: Adapter | None, force: bool) -> Path:
@@ -248,8 +248,7 @@ def _read_config(model_dir: Path) -> Any:
     if getattr(config, "pretraining_tp", 1) != 1:
         raise Declined("tensor-parallel slicing")
     _rope_theta(config)  # raises for scaled rotary embeddings
-    generation = model_dir / "generation_config.json"
-    if generation.is_file() and set(json.loads(generation.read_text(encoding="utf-8"))) - GREEDY_NEUTRAL:
+    if set(_generation_config(model_dir)) - GREEDY_NEUTRAL:
         raise Declined("generation settings that change greedy decoding")
     return config
 

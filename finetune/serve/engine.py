@@ -69,9 +69,6 @@ class Engine:
         self._tokens: dict[str, ModelTokens] = {}
         self.stop_token_ids = self._base_tokens.stop_token_ids
         """Where every row ends: the model's and the base tokenizer's EOS (`prompting.model_stop_token_ids`)."""
-        self.turn_closer_ids = self._base_tokens.turn_closer_ids
-        """Where a base chat reply also ends: the template's end of turn (`chat_turns.turn_closer_ids`)."""
-        self.reply_parser = self._base_tokens.reply_parser
         self.max_model_len = int(getattr(config, "max_position_embeddings", None) or tokenizer.model_max_length)
         for name, adapter in loaded.adapters.items():
             self._check_name(name)
