@@ -282,6 +282,23 @@ def test_train_writes_a_complete_adapter_that_plain_peft_loads(workdir):
     assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
 
 
+def test_train_gives_the_caller_its_random_generators_back(workdir):
+    """A notebook seeds its own generators; a run seeds them with `train.seed` and draws from them while it trains,
+    and must leave the caller's where they were (it reset all three to the same state after every run)."""
+    import random
+
+    import numpy as np
+
+    def draws() -> tuple[list[float], float, list[float]]:
+        return torch.rand(3).tolist(), random.random(), np.random.rand(3).tolist()
+
+    torch.manual_seed(1234), random.seed(1234), np.random.seed(1234)
+    expected = draws()
+    torch.manual_seed(1234), random.seed(1234), np.random.seed(1234)
+    train("recipe.yaml", ["train.max_steps=2"], log=lambda message: None)
+    assert draws() == expected
+
+
 def test_resume_ends_with_the_same_adapter_bit_for_bit(workdir):
     overrides = ["train.save_every_steps=3", "train.keep_checkpoints=5"]
     uninterrupted, _ = train("recipe.yaml", overrides)

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import math
 import os
+import random
 import sys
 import time
 from collections.abc import Iterator, Sequence
@@ -99,12 +100,37 @@ def train(
     """
     recipe = load_recipe(recipe_or_path, list(overrides))
     try:
-        return _train(recipe, resume=resume, log=log, progress=progress, on_step=on_step)
+        with callers_random_state_kept():
+            return _train(recipe, resume=resume, log=log, progress=progress, on_step=on_step)
     except (MemoryError, RuntimeError) as error:  # torch.OutOfMemoryError is a RuntimeError
         if not is_out_of_memory(error):
             raise
         line = out_of_memory_line(recipe, error)
     raise TrainingError(line)  # outside the handler: nothing keeps the failed step's frames and tensors
+
+
+@contextmanager
+def callers_random_state_kept() -> Iterator[None]:
+    """Give the caller back the global RNGs (torch's CPU and CUDA ones, Python's `random`, numpy's) as they were.
+
+    A run seeds them all with `train.seed` (accelerate's `set_seed`, right before LoRA initialises) and draws
+    from them while it trains. From the Python API that reset the notebook's own generators: after
+    `torch.manual_seed(0); finetune.train(...)`, `torch.rand`, `random.random()` and `np.random.rand()` gave what
+    the recipe's seed and the run's draws left, the same after every run, whatever the caller had seeded.
+    """
+    import numpy as np
+
+    torch_state, python_state, numpy_state = torch.get_rng_state(), random.getstate(), np.random.get_state()
+    # CUDA's only where already initialised: initialising it here would touch every device before the run chose one
+    cuda_states = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+    try:
+        yield
+    finally:
+        torch.set_rng_state(torch_state)
+        random.setstate(python_state)
+        np.random.set_state(numpy_state)
+        if cuda_states is not None:
+            torch.cuda.set_rng_state_all(cuda_states)
 
 
 def _train(
