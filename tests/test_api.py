@@ -58,6 +58,18 @@ def test_load_model_from_an_adapter_finds_its_base_and_uses_it(tiny_base_dir, ad
     assert output[0, input_ids.shape[1] :].tolist() == base_expected
 
 
+def test_switching_an_adapter_on_leaves_the_callers_random_generator_alone(tiny_base_dir, adapter_dirs):
+    """peft draws the new LoRA layers' initial weights before loading the saved ones over them; a first `use`
+    moved the caller's seeded generator, so a notebook's seeded sampling differed before and after it."""
+    m = finetune.load_model(str(tiny_base_dir), {"legal": adapter_dirs["legal"], "med": adapter_dirs["med"]})
+    torch.manual_seed(7)
+    expected = torch.rand(4)
+    torch.manual_seed(7)
+    m.use("legal")  # peft made here
+    m.attach("med")  # a second adapter loaded into it
+    assert torch.equal(torch.rand(4), expected)
+
+
 def test_fingerprint_mismatch_in_memory_names_both_and_force_overrides(
     tmp_path, tiny_base_dir, tiny_tokenizer, adapter_dirs, capsys
 ):

@@ -370,8 +370,11 @@ class LoadedModel:
         if self._ledger.entries and self._quantized_base():
             raise AdapterError("on a quantized base use() needs nothing merged; subtract the merged adapters first")
         peft = import_peft()
-        # bitsandbytes hidden: a no-op on a quantized base, which loaded it already
-        with warnings.catch_warnings(), bitsandbytes_hidden(), peft_target_rewrite_off():
+        # bitsandbytes hidden: a no-op on a quantized base, which loaded it already. peft initialises the new LoRA
+        # layers at random before it loads the saved weights over them: drawn from the caller's global generators,
+        # a first use() moved a notebook's seeded RNG (the same seed then sampled differently before and after it)
+        rng_kept = torch.random.fork_rng([self.device] if self.device.type == "cuda" else [], device_type="cuda")
+        with warnings.catch_warnings(), bitsandbytes_hidden(), peft_target_rewrite_off(), rng_kept:
             warnings.simplefilter("ignore")
             if self._peft is None:
                 self._peft = peft.PeftModel.from_pretrained(
