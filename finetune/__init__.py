@@ -50,3 +50,9 @@ def __getattr__(name: str) -> Any:
 
         return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'finetune' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    """The module's names with the lazy ones (PEP 562): `dir(finetune)`, and so a notebook's tab completion of
+    `finetune.`, listed neither `train` nor `load_model` until each had been used once."""
+    return sorted(set(globals()) | set(_LAZY))

@@ -90,6 +90,17 @@ def test_help_loads_neither_torch_nor_the_recipe_schema():
     assert sorted(m for m in modules if m.split(".")[0] in heavy or m == "finetune.recipe") == []
 
 
+def test_dir_lists_the_lazy_api_without_importing_it():
+    """A notebook's tab completion of `finetune.` reads `dir(finetune)`: it must offer `train` and `load_model`
+    (exported lazily, PEP 562) before they were first used, and listing them must not import torch."""
+    code = "import json, sys, finetune; print(json.dumps([dir(finetune), 'torch' in sys.modules]))"
+    completed = subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": str(REPO)},
+                               capture_output=True, text=True, timeout=120, check=True)  # fmt: skip
+    names, torch_imported = json.loads(completed.stdout)
+    assert {"train", "load_model", "load_recipe", "Recipe", "RecipeError", "__version__"} <= set(names)
+    assert not torch_imported
+
+
 def test_importing_the_api_loads_no_training(tmp_path):
     code = "import json, sys, finetune.api; print(json.dumps(sorted(sys.modules)))"
     completed = subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": str(REPO)},
