@@ -1141,7 +1141,7 @@ def recipe_from_dict(data: dict[str, Any], source: str = "recipe") -> Recipe:
         raise RecipeError(format_validation_error(exc, source)) from None
 
 
-def load_recipe(path: str | Path | Recipe, overrides: list[str] | tuple[str, ...] = ()) -> Recipe:
+def load_recipe(path: str | Path | Recipe, overrides: Sequence[str] = ()) -> Recipe:
     """Read a recipe file, apply `key=value` overrides, validate once.
 
     Args:
@@ -1149,6 +1149,10 @@ def load_recipe(path: str | Path | Recipe, overrides: list[str] | tuple[str, ...
             apply to a copy of it).
         overrides: dotted `key=value` strings, e.g. `["train.lr=1e-4", "lora.target_modules=[q_proj,v_proj]"]`.
     """
+    if isinstance(overrides, str):  # a sequence of one-letter strings: "override 't' is not key=value"
+        raise RecipeError(
+            f"overrides must be a list of key=value strings, not the string {overrides!r}; write [{overrides!r}]"
+        )
     if isinstance(path, Recipe):
         # unset keys stay unset: a default may depend on the base (`finetune.model.attention_for`)
         data, source = path.model_dump(exclude_unset=True), "recipe"

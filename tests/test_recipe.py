@@ -283,6 +283,18 @@ def test_override_values_parse_as_yaml():
     assert parse_override("a=") == (["a"], "")
 
 
+def test_overrides_given_as_one_string_are_refused_saying_to_make_a_list(tmp_path):
+    """`train(path, "lora.r=16")`, as a notebook user types it: a string is a sequence of one-letter strings,
+    and the error named the override 'l'."""
+    from finetune.training.loop import train
+
+    path = write(tmp_path, MINIMAL)
+    for call in (lambda: load_recipe(path, "lora.r=16"), lambda: train(path, "lora.r=16")):
+        with pytest.raises(RecipeError, match=r"overrides must be a list .* write \['lora.r=16'\]$"):
+            call()
+    assert load_recipe(path, ("lora.r=16",)).lora.r == 16  # any sequence of strings is taken
+
+
 def test_recipe_object_with_overrides_is_copied(tmp_path):
     recipe = load_recipe(write(tmp_path, MINIMAL))
     changed = load_recipe(recipe, ["lora.r=32"])

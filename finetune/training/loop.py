@@ -98,7 +98,7 @@ def train(
             (one line naming the settings that lower the peak: `out_of_memory`); no adapter is written.
         TrainingInterrupted: SIGINT/SIGTERM; a checkpoint of the last finished step was written.
     """
-    recipe = load_recipe(recipe_or_path, list(overrides))
+    recipe = load_recipe(recipe_or_path, overrides)
     try:
         with callers_random_state_kept():
             return _train(recipe, resume=resume, log=log, progress=progress, on_step=on_step)
