@@ -58,6 +58,17 @@ def test_load_model_from_an_adapter_finds_its_base_and_uses_it(tiny_base_dir, ad
     assert output[0, input_ids.shape[1] :].tolist() == base_expected
 
 
+def test_repr_names_the_base_and_the_adapters_state(tiny_base_dir, adapter_dirs):
+    """A notebook shows a LoadedModel by its repr: the base, and which adapters are in use and merged."""
+    m = finetune.load_model(str(tiny_base_dir), {"legal": adapter_dirs["legal"], "med": adapter_dirs["med"]})
+    m.use("legal")
+    m.merge("med", 0.5)
+    assert repr(m) == (
+        f"LoadedModel(base={str(tiny_base_dir)!r}, device='cpu', dtype=torch.float32, "
+        "adapters=['legal', 'med'], active='legal', merged={'med': 0.5})"
+    )
+
+
 def test_switching_an_adapter_on_leaves_the_callers_random_generator_alone(tiny_base_dir, adapter_dirs):
     """peft draws the new LoRA layers' initial weights before loading the saved ones over them; a first `use`
     moved the caller's seeded generator, so a notebook's seeded sampling differed before and after it."""

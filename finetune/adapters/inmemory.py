@@ -105,6 +105,13 @@ class LoadedModel:
         self._expert_rows = ExpertRows(self._row_tensor)
         self._routers = set(routers(model, expert_tensors(model)))  # LoRA on them is a plain update of their weight
 
+    def __repr__(self) -> str:
+        """What a notebook wants to see of it: the base, where and in what dtype, the adapters and their state."""
+        return (
+            f"LoadedModel(base={self.base_source!r}, device={str(self.device)!r}, dtype={self.dtype}, "
+            f"adapters={sorted(self.adapters)}, active={self._active!r}, merged={self.merged})"
+        )
+
     @property
     def base_source(self) -> str:
         """The directory or hub id the model was loaded from."""
