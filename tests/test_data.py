@@ -925,6 +925,22 @@ CHATML_TEMPLATE = (
 )
 
 
+def test_a_tokenizer_changed_in_place_between_builds_masks_as_one_loaded_so(tmp_path, tiny_tokenizer):
+    """A tokenizer given a new EOS in place (a notebook adding a special token) after a build in the same process:
+    the template's probes were cached by the tokenizer object, so the new EOS closing each assistant turn went
+    untrained, and those rows were cached under the fingerprint a fresh process computes and loads."""
+    source = write_records(tmp_path / "chat.jsonl", [{"messages": CHAT}])
+    config = {"train": [source], "format": "chat", "chat_template": UNMARKED_CHAT_TEMPLATE}
+    changed, fresh = copy.deepcopy(tiny_tokenizer), copy.deepcopy(tiny_tokenizer)
+    build(tmp_path, changed, **config)  # probes the template with `changed` as it is now
+    for tokenizer in (changed, fresh):
+        tokenizer.add_special_tokens({"eos_token": "<|halt|>"})
+    after = build(tmp_path, changed, **config)
+    expected = build(tmp_path / "fresh", fresh, **config)
+    assert after.train[0] == expected.train[0]
+    assert changed.eos_token_id in after.train[0]["labels"]
+
+
 def test_a_turn_closer_the_vocabulary_lacks_is_refused_unless_eos_follows(tmp_path, tiny_tokenizer):
     """ChatML on a base without `<|im_end|>` (a Llama or Mistral base): the closer was trained as several ordinary
     tokens and the tuned model never stopped; with EOS after it, the model learns to stop on EOS."""

@@ -29,8 +29,8 @@ import json
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from functools import lru_cache
-from typing import Any, Literal, NamedTuple
+from functools import lru_cache, wraps
+from typing import Any, Literal, NamedTuple, TypeVar
 
 from finetune.data.chat import ChatRecord, for_template, null_content_as_empty, template_reads
 from finetune.errors import DataError
@@ -42,6 +42,37 @@ _KNOWN_CLOSERS = (
     "<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<|call|>", "<|return|>", "<end_of_turn>", "</s>",
     "<|endoftext|>", "<｜end▁of▁sentence｜>", "<｜tool▁call▁end｜>", "<｜tool▁calls▁end｜>", "<|END_OF_TURN_TOKEN|>",
 )  # fmt: skip
+
+
+_Result = TypeVar("_Result")
+
+
+def _tokenizer_state(tokenizer: Any) -> tuple[Any, ...]:
+    """What of a tokenizer the probes below read that a caller can change in place: its size (added tokens) and
+    its special tokens (`add_special_tokens({"eos_token": ...})` keeps the object and changes both)."""
+    return len(tokenizer), repr(sorted(tokenizer.special_tokens_map.items())), tuple(tokenizer.all_special_tokens)
+
+
+def _per_tokenizer_state(maxsize: int) -> Callable[[Callable[..., _Result]], Callable[..., _Result]]:
+    """`lru_cache` for a probe of `(tokenizer, ...)`, keyed by the tokenizer's `_tokenizer_state` too.
+
+    Keyed by the tokenizer object alone, a tokenizer changed in place between two builds in one process (a
+    notebook adding a special token as EOS) was probed as it had been: the new EOS went untrained, and the rows,
+    whose data fingerprint does see the change, were cached under it for every later run to load.
+    """
+
+    def decorate(probe: Callable[..., _Result]) -> Callable[..., _Result]:
+        @lru_cache(maxsize=maxsize)
+        def cached(tokenizer: Any, state: tuple[Any, ...], *args: Any) -> _Result:
+            return probe(tokenizer, *args)
+
+        @wraps(probe)
+        def call(tokenizer: Any, *args: Any) -> _Result:
+            return cached(tokenizer, _tokenizer_state(tokenizer), *args)
+
+        return call
+
+    return decorate
 
 
 def has_generation_marks(template: str) -> bool:
@@ -100,7 +131,7 @@ def _token_ids(tokenizer: Any, text: str) -> list[int]:
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
-@lru_cache(maxsize=64)
+@_per_tokenizer_state(maxsize=64)
 def check_turn_closer(tokenizer: Any, template: str) -> None:
     """Refuse a template whose assistant turn closes with a marker this tokenizer has no token for (ChatML's
     `<|im_end|>` given as `data.chat_template` to a Llama or Mistral base), where no token such as EOS follows
@@ -121,7 +152,7 @@ def check_turn_closer(tokenizer: Any, template: str) -> None:
         )
 
 
-@lru_cache(maxsize=64)
+@_per_tokenizer_state(maxsize=64)
 def turn_closer_ids(tokenizer: Any, template: str) -> frozenset[int]:
     """The single tokens that close an assistant turn of `template` (`<|im_end|>`, `<|eot_id|>`, `<|return|>`):
     where a chat reply ends. A base fine-tuned for chat with its tokenizer's template (a Llama 3.1 or Qwen2.5
@@ -174,7 +205,7 @@ def _fold_system(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [{**first, "content": f"{system['content']}\n\n{first['content']}"}, *rest]
 
 
-@lru_cache(maxsize=32)
+@_per_tokenizer_state(maxsize=32)
 def drops_system(tokenizer: Any, template: str) -> bool:
     """Whether `template` renders no word of a leading system message in a conversation that ends with an
     answer. Mistral v0.3's own template writes the system prompt into the last user turn only when that turn
@@ -304,7 +335,7 @@ def render_every_turn(
     ]
 
 
-@lru_cache(maxsize=32)
+@_per_tokenizer_state(maxsize=32)
 def renders_reasoning(tokenizer: Any, template: str) -> bool:
     """Whether `template` renders the reasoning of a conversation's last assistant turn. The DeepSeek-R1
     distills' cuts everything up to `</think>` from every assistant turn, so no reasoning is ever trained
@@ -599,7 +630,7 @@ class TurnMarks:
         return min(hits, default=len(full))
 
 
-@lru_cache(maxsize=64)
+@_per_tokenizer_state(maxsize=64)
 def turn_marks(tokenizer: Any, template: str, kwargs_json: str = "{}") -> TurnMarks:
     """The template's `TurnMarks`, probed once per tokenizer, template and template variables (as JSON).
 
