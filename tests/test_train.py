@@ -249,6 +249,8 @@ def test_train_writes_a_complete_adapter_that_plain_peft_loads(workdir):
 
     # Plain peft, from nothing but the adapter directory, reproduces the eval loss training reported.
     config = json.loads((adapter_dir / "adapter_config.json").read_text())
+    # in one order whatever the process's string hashing (peft writes its set's): equal runs, equal files
+    assert len(config["target_modules"]) > 2 and config["target_modules"] == sorted(config["target_modules"])
     base = AutoModelForCausalLM.from_pretrained(config["base_model_name_or_path"])
     model = PeftModel.from_pretrained(base, adapter_dir).eval()
     from transformers import AutoTokenizer

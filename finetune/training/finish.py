@@ -12,6 +12,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -88,10 +89,20 @@ def write_adapter(run: TrainingRun, metrics: dict[str, Any], weights: dict[str, 
             staging, safe_serialization=True, save_embedding_layers=False, state_dict=as_plain_lora(recipe, weights)
         )
         plain_lora_config(recipe, staging / "adapter_config.json")
+        sort_target_modules(staging / "adapter_config.json")
         (staging / "recipe.yaml").write_text(yaml.safe_dump(recipe_to_dict(recipe), sort_keys=False))
         write_manifest(staging, manifest)
         save_tokenizer(run.tokenizer, recipe.data.chat_template, staging)
     return adapter_dir
+
+
+def sort_target_modules(config_file: Path) -> None:
+    """Write `target_modules` sorted: peft keeps them as a set and writes the set's order, which changes with each
+    process's string hashing, so two runs of one recipe wrote equal weights but different adapter_config.json."""
+    config = json.loads(config_file.read_text(encoding="utf-8"))
+    if isinstance(config.get("target_modules"), list):
+        config["target_modules"] = sorted(config["target_modules"])
+        config_file.write_text(json.dumps(config, indent=2, sort_keys=True), encoding="utf-8")
 
 
 def save_tokenizer(tokenizer: Any, chat_template: str | None, out_dir: Path) -> None:
