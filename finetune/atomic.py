@@ -182,10 +182,13 @@ def _make_parent(final: Path) -> None:
 
 
 def _os_error_of(exc: BaseException) -> tuple[int | None, str]:
-    """(errno, reason) of an I/O failure: an `OSError`, or safetensors' Rust error carrying "(os error N)"."""
+    """(errno, reason) of an I/O failure: an `OSError`, or a Rust library's error carrying "(os error N)":
+    safetensors' `SafetensorError`, or tokenizers', a plain `Exception` ("No space left on device (os error 28)"
+    from `tokenizer.save_pretrained`, the last file of a trained adapter: a traceback and exit 1, not one line)."""
     if isinstance(exc, OSError):
         return exc.errno, exc.strerror or str(exc)
-    match = _RUST_OS_ERROR.search(str(exc)) if type(exc).__name__ == "SafetensorError" else None
+    rust = type(exc).__name__ == "SafetensorError" or type(exc) is Exception
+    match = _RUST_OS_ERROR.search(str(exc)) if rust else None
     if match is None:
         return None, ""
     number = int(match.group(1))
