@@ -19,6 +19,7 @@ import os
 import shutil
 from pathlib import Path
 
+from finetune.atomic import atomic_file
 from finetune.errors import RecipeError
 
 CATALOG_DIR = Path(__file__).resolve().parent / "recipes"
@@ -55,11 +56,10 @@ def copy_recipe(name: str, destination: Path | str) -> Path:
     as_directory = str(destination).endswith(("/", os.sep))  # Path() drops the slash that says so
     destination = Path(destination)
     target = destination / source.name if as_directory or destination.is_dir() else destination
-    if target.exists():
-        raise RecipeError(f"{target} already exists; choose another destination or delete it first")
-    try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(source, target)
+    hint = "choose another destination or delete it first"
+    try:  # through a staging file: a full disk left an empty mine.yaml, which the next copy refused as existing
+        with atomic_file(target, replace=False, error=RecipeError, hint=hint) as staging:
+            shutil.copyfile(source, staging)
     except OSError as exc:
         raise RecipeError(f"cannot write {target}: {exc.strerror or exc}; choose another destination") from None
     return target

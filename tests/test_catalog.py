@@ -185,3 +185,35 @@ def test_a_moe_recipe_says_whether_training_adds_its_base_s_load_balancing_loss(
     says_added = re.search(r"(?<!no )load-balancing loss is added", text) is not None
     says_not_added = "no load-balancing loss is added" in text
     assert (says_added, says_not_added) == (config.output_router_logits, not config.output_router_logits), text
+
+
+def _files_of_at_most_1_kib() -> None:
+    """In the child: files may not grow past 1 KiB (a full disk, for a writer), and the limit is an error."""
+    import resource
+    import signal
+
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 10, 1 << 10))
+
+
+def test_recipes_copy_onto_a_full_disk_leaves_no_file_in_the_way(tmp_path):
+    """A copy cut short left the part it had written at the destination (on a full disk, an empty mine.yaml):
+    `finetune train mine.yaml` read a part of the recipe, and the copy run again refused it as existing."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    copy = [sys.executable, "-m", "finetune", "recipes", "copy", "quickstart-grpo", "mine.yaml"]
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    full = subprocess.run(
+        copy, cwd=tmp_path, env=env, capture_output=True, text=True, preexec_fn=_files_of_at_most_1_kib
+    )
+    assert full.returncode == 2, full.stderr
+    assert full.stderr.startswith("error: cannot write mine.yaml: File too large;") and full.stderr.count("\n") == 1
+    assert list(tmp_path.iterdir()) == []
+    again = subprocess.run(copy, cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert again.returncode == 0, again.stderr
+    assert (tmp_path / "mine.yaml").read_text() == (
+        Path(env["PYTHONPATH"]) / "recipes" / "quickstart-grpo.yaml"
+    ).read_text()
