@@ -144,7 +144,7 @@ def atomic_directory(
     final = Path(final)
     if final.exists() and not replace:
         raise error(f"{final} already exists; {hint}")
-    with _unwritable_as(error, final):
+    with unwritable_as(error, final):
         _make_parent(final)
         remove_stale_staging(final)
         staging = staging_path(final)
@@ -162,8 +162,9 @@ def atomic_directory(
 
 
 @contextlib.contextmanager
-def _unwritable_as(error: type[FinetuneError], final: Path) -> Iterator[None]:
-    """An OSError preparing to write `final` raised as `error`, one line saying what to do."""
+def unwritable_as(error: type[FinetuneError], final: Path) -> Iterator[None]:
+    """An OSError preparing to write `final` (or appending to it: metrics.jsonl) raised as `error`, one line saying
+    what to do."""
     try:
         yield
     except OSError as exc:
@@ -223,7 +224,7 @@ def atomic_file(
     if final.exists() and not replace:
         raise error(f"{final} already exists; {hint}")
     staging = staging_path(final)
-    with _unwritable_as(error, final):  # checked before the block runs: one line, not its traceback
+    with unwritable_as(error, final):  # checked before the block runs: one line, not its traceback
         _make_parent(final)
         remove_dead_writers_staging(final)
         staging.touch()

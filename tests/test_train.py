@@ -763,6 +763,20 @@ def test_a_run_resumed_at_its_last_step_logs_its_final_evaluation_once(tmp_path)
     assert written == records
 
 
+def test_a_full_disk_under_metrics_jsonl_is_one_output_error(tmp_path):
+    """metrics.jsonl is appended to at every logged step, outside any staging directory: a full disk there ended
+    `finetune train` with OSError's traceback and exit 1. /dev/full is a real file that is always full."""
+    from finetune.errors import OutputError
+    from finetune.training.progress import TrainingLog
+
+    log = TrainingLog(tmp_path, total_steps=3, first_step=0, log_every_steps=1, say=lambda line: None, show_bar=False)
+    (tmp_path / "metrics.jsonl").symlink_to("/dev/full")  # after the log is open: reading /dev/full never ends
+    with pytest.raises(OutputError, match=r"metrics.jsonl: No space left on device; free disk space") as caught:
+        log.log_eval(1, {"eval_loss": 2.0, "eval_ppl": 7.4})
+    log.close()
+    assert "\n" not in str(caught.value)
+
+
 def test_a_callback_that_changes_its_metrics_changes_nothing_of_the_run(workdir):
     """`on_step` got the loop's own dict, the one kept as the run's last metrics: a callback that cleared it (or
     added its own keys) left an adapter whose manifest, checkpoint and `TrainResult.metrics` had no loss."""

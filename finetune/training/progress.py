@@ -24,7 +24,8 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from finetune import strict_json
-from finetune.atomic import atomic_file
+from finetune.atomic import atomic_file, unwritable_as
+from finetune.errors import OutputError
 from finetune.training.objectives.base import describe_rewards
 
 StepCallback = Callable[[int, dict[str, float]], None]
@@ -160,8 +161,10 @@ class TrainingLog:
     def _write(self, step: int, values: dict[str, float]) -> None:
         if self.run_dir is None:
             return
-        with open(self.run_dir / "metrics.jsonl", "a") as handle:
-            handle.write(strict_json.dumps({"step": step, **values}) + "\n")
+        path = self.run_dir / "metrics.jsonl"
+        with unwritable_as(OutputError, path):  # a full disk mid-run: one line, not a traceback and exit 1
+            with open(path, "a") as handle:
+                handle.write(strict_json.dumps({"step": step, **values}) + "\n")
         if self._record is not None:
             self._record(step, values)
 
