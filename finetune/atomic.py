@@ -26,7 +26,7 @@ import errno
 import os
 import re
 import shutil
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from pathlib import Path
 
 from finetune.errors import FinetuneError, OutputError
@@ -42,6 +42,10 @@ _USER_FIXABLE_ERRNOS = {
     errno.EPERM: "the directory does not allow writing (read-only or immutable); write somewhere else",
     errno.EFBIG: "the file size limit or free space was reached (nothing was left behind); free space and run again",
 }
+
+
+# What only a write fails with: a block that also reads can convert these and leave the rest to its reader
+WRITE_FAILURES = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS})
 
 
 def staging_path(final: Path) -> Path:
@@ -162,14 +166,23 @@ def atomic_directory(
 
 
 @contextlib.contextmanager
-def unwritable_as(error: type[FinetuneError], final: Path) -> Iterator[None]:
+def unwritable_as(
+    error: type[FinetuneError], final: Path, *, elsewhere: str = "", only: Collection[int] | None = None
+) -> Iterator[None]:
     """An OSError preparing to write `final` (or appending to it: metrics.jsonl) raised as `error`, one line saying
-    what to do."""
+    what to do; `elsewhere` is added where no path of the user's names the place (the tokenized-data cache).
+    `only`: the errnos converted, where the block also reads (the user's data: their errors are not the writer's).
+
+    The reason is the errno's own words: pyarrow's is "Error writing bytes to file. Detail: [errno 28] ..."."""
     try:
         yield
     except OSError as exc:
-        fix = _USER_FIXABLE_ERRNOS.get(exc.errno or 0, "check the path and its permissions")
-        raise error(f"cannot write {final}: {exc.strerror or exc}; {fix}") from None
+        number = exc.errno or 0
+        if only is not None and number not in only:
+            raise
+        fix = _USER_FIXABLE_ERRNOS.get(number, "check the path and its permissions")
+        reason = os.strerror(number) if number in _USER_FIXABLE_ERRNOS else exc.strerror or exc
+        raise error(f"cannot write {final}: {reason}; {fix}{elsewhere}") from None
 
 
 def _make_parent(final: Path) -> None:

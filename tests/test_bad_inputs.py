@@ -622,7 +622,7 @@ def test_a_bad_number_or_choice_is_refused_before_anything_loads(argv, fragment,
 
 
 def run_cli(args: list[str], cwd: Path, **popen) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = popen.pop("env", None) or {**os.environ, "PYTHONPATH": str(REPO)}
     return subprocess.run(
         [sys.executable, "-m", "finetune", *args],
         cwd=cwd,
@@ -659,6 +659,25 @@ def test_a_full_disk_during_a_merge_is_one_line_and_leaves_nothing(bad_input_wor
     result = run_cli([*MERGE, ADAPTER, "--out", "merged"], work, preexec_fn=_limit_file_size)
     assert_one_line_error(result.returncode, result.stderr, ("merged", "nothing was left behind"))
     assert_nothing_half_written(work, before)
+
+
+def _limit_file_size_to_8_kib() -> None:
+    """In the child: files may not grow past 8 KiB: the tokenized rows of `recipe.yaml` (about 30 KiB) do not fit."""
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (8 << 10, 8 << 10))
+
+
+def test_a_full_disk_while_tokenized_rows_are_cached_is_one_line_and_leaves_nothing(bad_input_workdir, tmp_path):
+    """The tokenized-data cache (`$HF_DATASETS_CACHE/finetune`) is the first thing `finetune train` writes: a full
+    disk there came out as pyarrow's OSError traceback, exit 1."""
+    cache = tmp_path / "datasets-cache"
+    result = run_cli(["train", "recipe.yaml"], bad_input_workdir, preexec_fn=_limit_file_size_to_8_kib,
+                     env={**os.environ, "PYTHONPATH": str(REPO), "HF_DATASETS_CACHE": str(cache)})  # fmt: skip
+    line = assert_one_line_error(
+        result.returncode, result.stderr, (f"cannot write {cache / 'finetune'}: File too large",)
+    )
+    assert line.endswith("(or set HF_DATASETS_CACHE to move the tokenized-data cache)"), line
+    assert [p.name for p in (cache / "finetune").iterdir()] == []
 
 
 LIMIT_MEMORY = """

@@ -46,8 +46,9 @@ from typing import Any
 import datasets
 from transformers import PreTrainedTokenizerBase
 
-from finetune.atomic import process_alive
+from finetune.atomic import WRITE_FAILURES, process_alive, unwritable_as
 from finetune.data.sources import source_content_hash
+from finetune.errors import OutputError
 from finetune.recipe import DataConfig, SourceConfig
 
 # 11: a system prompt the template leaves out of answered conversations folded into the first user turn
@@ -199,6 +200,17 @@ def store(cache_root: Path, fingerprint: str, build: Build, inputs: dict[str, An
     `build` runs inside the staging directory, so rows stream to disk as they are made and are never
     held in memory whole; if it raises, the staging directory is removed and nothing is cached.
     """
+    with unwritable_as(OutputError, cache_root, elsewhere=_ELSEWHERE):  # read-only, no permission: one line
+        cache_root.mkdir(parents=True, exist_ok=True)
+    # a full disk while rows are written: one line, not pyarrow's traceback (the build's own reads keep their errors)
+    with unwritable_as(OutputError, cache_root, elsewhere=_ELSEWHERE, only=WRITE_FAILURES):
+        return _store(cache_root, fingerprint, build, inputs)
+
+
+_ELSEWHERE = " (or set HF_DATASETS_CACHE to move the tokenized-data cache)"
+
+
+def _store(cache_root: Path, fingerprint: str, build: Build, inputs: dict[str, Any]) -> Path:
     path = _entry_dir(cache_root, fingerprint)
     cache_root.mkdir(parents=True, exist_ok=True)
     remove_abandoned_staging(cache_root)
