@@ -185,6 +185,18 @@ def unwritable_as(
         raise error(f"cannot write {final}: {reason}; {fix}{elsewhere}") from None
 
 
+def check_writable(final: Path, error: type[FinetuneError]) -> None:
+    """Refuse now, as `error`, a place `final` could not be written into later: its directory cannot be made (a
+    file on the way) or takes no new entry (a read-only filesystem, no permission). A training run that found it
+    only when it wrote its adapter had spent its whole time for nothing. A full disk cannot be foreseen."""
+    final = Path(final)
+    with unwritable_as(error, final):
+        _make_parent(final)
+        probe = staging_path(final)
+        probe.mkdir()
+        probe.rmdir()
+
+
 def _make_parent(final: Path) -> None:
     """Create `final`'s directory; a file on the way is named (mkdir says only "File exists")."""
     for parent in (final.parent, *final.parent.parents):

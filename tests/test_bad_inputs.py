@@ -600,6 +600,27 @@ def test_bad_input_is_one_line_and_exit_2(case, bad_input_workdir, capsys):
 
 
 @pytest.mark.parametrize(
+    ("override", "fragment"),
+    [("output.dir=notes.md/adapters", "cannot write notes.md/adapters: notes.md is a file, not a directory"),
+     ("output.run_dir=notes.md/runs", "cannot write notes.md/runs/metrics.jsonl: notes.md is a file"),
+     ("output.dir=locked/adapters", "cannot write locked/adapters")],
+    ids=["adapter-under-a-file", "run-dir-under-a-file", "read-only-adapter-dir"],
+)  # fmt: skip
+def test_an_unwritable_output_place_is_refused_before_training(override, fragment, bad_input_workdir, capsys):
+    """A place the adapter or the run's files cannot be written to was found when the run wrote them: after the
+    whole training (a read-only filesystem, a misspelled path through a file), which was then lost."""
+    work = bad_input_workdir
+    (work / "notes.md").write_text("notes")
+    if "locked" in override:
+        _immutable(work / "locked")
+    capsys.readouterr()
+    exit_code = main(["train", "recipe.yaml", override])
+    output = capsys.readouterr()
+    assert_one_line_error(exit_code, output.err, (fragment,))
+    assert not list(work.rglob("metrics.jsonl")) and "step 1" not in output.out + output.err  # nothing trained
+
+
+@pytest.mark.parametrize(
     ("argv", "fragment"),
     [(["adapters", "merge", "--base", "b", "--adapter", "a", "--dtype", "int8", "--out", "m"], "--dtype"),
      (["adapters", "combine", "a", "b", "--method", "svd", "--rank", "-2", "--out", "c"], "--rank: -2 must be"),

@@ -70,6 +70,7 @@ from finetune.training.recipe_digest import recipe_digest, resume_mismatch
 from finetune.training.regional_compile import compile_layers
 from finetune.training.run_files import (
     adapter_taken,
+    check_places_writable,
     check_process_count,
     checkpoint_path,
     checkpoint_step,
@@ -414,6 +415,7 @@ def start_run_dir_afresh(recipe: Recipe) -> None:
 def start_run(recipe: Recipe, *, resume: bool, say: Say) -> TrainingRun:
     """Build everything the loop needs; with `resume`, continue from the newest checkpoint."""
     recipe = recipe.for_device("cuda" if torch.cuda.is_available() else "cpu")
+    check_places_writable(recipe)
     if not resume:
         start_run_dir_afresh(recipe)
     resume_from = resume_checkpoint(recipe.output.run_path) if resume else None

@@ -17,7 +17,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from finetune.errors import CheckpointError, RecipeError
+from finetune.atomic import check_writable
+from finetune.errors import CheckpointError, OutputError, RecipeError
 from finetune.recipe import Recipe
 
 PREFIX = "checkpoint-"
@@ -28,7 +29,8 @@ RUN_RECORD_FILE = "run.json"
 """What a finished run produced (`finetune.report.runs.RUN_RECORD_NAME`), written when it ends: left from an earlier run,
 `finetune report` of a new one that was killed read it as the new run's and tabled the old run's adapter, recipe and
 held-out figures beside the new run's curves."""
-RUN_FILES = ("metrics.jsonl", "report.html", "plots", "tensorboard", START_FILE, RUN_RECORD_FILE)
+METRICS_FILE = "metrics.jsonl"
+RUN_FILES = (METRICS_FILE, "report.html", "plots", "tensorboard", START_FILE, RUN_RECORD_FILE)
 """What a run writes into its run directory besides its checkpoints."""
 
 
@@ -94,8 +96,16 @@ def earlier_run_error(run_dir: Path) -> RecipeError:
     )
 
 
+def check_places_writable(recipe: Recipe) -> None:
+    """The adapter's directory and the run directory (checkpoints, metrics) take new files: found at the end, a
+    read-only or misspelled place (a file on the way) cost the whole run."""
+    check_writable(recipe.output.adapter_dir, OutputError)
+    check_writable(recipe.output.run_path / METRICS_FILE, OutputError)
+
+
 def check_before_launch(recipe: Recipe, *, resume: bool, processes: int) -> None:
     """Refuse, once, what every one of `processes` ranks would refuse alike at its start."""
+    check_places_writable(recipe)
     run_dir = recipe.output.run_path
     if resume:
         path = resume_checkpoint(run_dir)
