@@ -663,6 +663,24 @@ def test_a_pissa_or_olora_adapter_is_written_as_an_update_of_the_base_on_disk(wo
     assert tuned_loss < base_loss - 0.02
 
 
+def test_a_pissa_adapter_with_lora_on_the_input_embeddings_is_one_rank_2r_adapter(workdir, capsys):
+    """The input embeddings' LoRA is no PiSSA factor (peft starts it at A = 0 and leaves the embedding's base as it
+    is), so the conversion to rank 2r passed it by: the written adapter said r=8 and held an embedding LoRA of rank 4,
+    refused by every reader ("lora_A has rank 4 but adapter_config.json says r=8") and by peft's loader. Now it is
+    padded to 2r with zeros, and the adapter read back gives the run's held-out loss."""
+    from finetune.adapters.lora import read_adapter
+    from finetune.cli import main
+
+    overrides = ["lora.init=pissa", "lora.train_embed_tokens=true", "lora.target_modules=[q_proj]", "lora.dropout=0"]
+    _, metrics = train("recipe.yaml", [*overrides, "train.max_steps=2", "train.report_to=[]"], log=lambda line: None)
+    adapter = read_adapter("adapters/crates")
+    assert {lora.rank for lora in adapter.modules.values()} == {8} and "model.embed_tokens" in adapter.modules
+    assert main(["eval", "--adapter", "adapters/crates", "--data", "valid.jsonl", "--format", "instruction",
+                 "--max-seq-len", "128", "--json"]) == 0  # fmt: skip
+    evaluated = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert evaluated["adapter"]["eval_loss"] == pytest.approx(metrics["eval_loss"], abs=2e-3)
+
+
 def test_resume_at_the_last_step_never_takes_an_earlier_runs_adapter_for_its_own(workdir, monkeypatch):
     """Killed between its last checkpoint and its adapter (in the final evaluation, say), an `output.overwrite` run
     whose adapter directory still holds an earlier run's adapter: --resume must write this run's adapter (it used

@@ -8,6 +8,11 @@ doubling alpha (×√2 with rsLoRA, whose scale is alpha/√r). That is peft's o
 trained A and B alone, the adapter was read by everything but peft's loader (finetune's merge, `generate`, GGUF
 export) as an update of W, not of W_res: another model.
 
+LoRA on the input embeddings (`lora.train_embed_tokens`) is no part of that: peft starts an embedding's LoRA as it
+always does (A = 0) and leaves its base weight as it is, so its update is s·B·A already. It is padded to rank 2r
+with zeros, the rank the written config gives every module: left at r, every reader of the adapter refused it
+("lora_A has rank 4 but adapter_config.json says r=8"), peft's loader with a size mismatch.
+
 The start (A₀, B₀) is kept in the run directory when the adapter is created, so a resumed run converts with it.
 
 Example:
@@ -61,6 +66,10 @@ def as_plain_lora(recipe: Recipe, weights: dict[str, torch.Tensor]) -> dict[str,
             plain[name] = torch.cat([tensor, start[name].to(tensor.dtype)], dim=0)
         elif ".lora_B." in name:
             plain[name] = torch.cat([tensor, -start[name].to(tensor.dtype)], dim=1)
+        elif ".lora_embedding_A." in name:  # (r, vocab): an embedding's base was not rewritten, see above
+            plain[name] = torch.cat([tensor, torch.zeros_like(tensor)], dim=0)
+        elif ".lora_embedding_B." in name:  # (dim, r)
+            plain[name] = torch.cat([tensor, torch.zeros_like(tensor)], dim=1)
     return plain
 
 
