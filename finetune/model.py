@@ -426,6 +426,29 @@ def _returns_its_product(linear: torch.nn.Module) -> bool:
     return type(linear).forward is torch.nn.Linear.forward or type(linear).__name__ in ("Linear8bitLt", "Linear4bit")
 
 
+def _check_tied_head_init(config: LoraConfig, model: PreTrainedModel) -> None:
+    """Refuse PiSSA/OLoRA on an output head tied to the input embeddings.
+
+    Those inits take the adapter's start out of the weight of each layer they adapt (W_res = W - s·B₀A₀); a tied
+    head's weight is the embeddings' too, so the run trained (and evaluated) on rewritten embeddings, which the
+    written adapter, an update of the head alone (`finetune.training.mutated_start`), does not carry: re-evaluated,
+    an OLoRA run's adapter measured loss 14.3 where the run had 10.0, without a word.
+    """
+    if config.init not in ("pissa", "olora"):
+        return
+    embed_tokens, lm_head = embedding_module_names(model)
+    head, embeddings = model.get_output_embeddings(), model.get_input_embeddings()
+    if head is None or embeddings is None or head.weight is not embeddings.weight:
+        return
+    targets = config.target_modules if isinstance(config.target_modules, list) else []
+    if config.train_lm_head or any(lm_head == t or lm_head.endswith("." + t) for t in targets):
+        raise ModelError(
+            f"lora.init {config.init} rewrites the weight of every layer it adapts, and this base's output head "
+            f"({lm_head}) shares its weight with the input embeddings ({embed_tokens}), which training would then "
+            "change too; leave the head out (lora.train_lm_head: false), or use lora.init: default or gaussian"
+        )
+
+
 def peft_lora_config(config: LoraConfig, model: PreTrainedModel) -> PeftLoraConfig:
     """Translate the recipe's `lora` section into a `peft.LoraConfig` for `model`."""
     import_peft()  # peft's first import hides bitsandbytes
@@ -440,6 +463,7 @@ def peft_lora_config(config: LoraConfig, model: PreTrainedModel) -> PeftLoraConf
         "olora": "olora",
     }
     init = inits[config.init]
+    _check_tied_head_init(config, model)
     moe = _MoeTargets(config, model)
     target_parameters = moe.target_parameters
     if config.use_dora and target_parameters:  # peft raised a traceback once the base (and the data) had loaded

@@ -848,3 +848,22 @@ def test_the_log_counts_a_quantized_base_s_parameters_as_the_dense_base_s(tiny_b
     dense, _, _ = load_base(str(tiny_base_dir))
     quantized, _, _ = load_base(str(tiny_base_dir), quantization=Quantization(bits))  # type: ignore[arg-type]
     assert describe_trainable(wrap_with_lora(quantized, lora)) == describe_trainable(wrap_with_lora(dense, lora))
+
+
+@pytest.mark.parametrize("lora", [dict(init="olora", train_lm_head=True, target_modules=["q_proj"]),
+                                  dict(init="pissa", target_modules=["q_proj", "lm_head"])])  # fmt: skip
+def test_pissa_or_olora_on_a_head_tied_to_the_embeddings_is_refused(tiny_base_dir, lora):
+    """PiSSA/OLoRA rewrite the weight of each layer they adapt; the tiny base's head is its embeddings' weight, so
+    the run trained on rewritten embeddings that the written adapter (an update of the head) does not carry: an
+    OLoRA run's adapter, re-evaluated, measured loss 14.3 where the run had reported 10.0. Refused before peft
+    rewrites anything."""
+    from transformers import AutoModelForCausalLM
+
+    from finetune.model import wrap_with_lora
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_base_dir)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    before = model.lm_head.weight.detach().clone()
+    with pytest.raises(ModelError, match=r"lora.init (olora|pissa) rewrites .* shares its weight with the input emb"):
+        wrap_with_lora(model, LoraConfig(**lora))
+    assert torch.equal(model.lm_head.weight, before)
