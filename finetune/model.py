@@ -496,9 +496,7 @@ def wrap_with_lora(model: PreTrainedModel, config: LoraConfig):
     if _upcasts_unquantized(model):
         with _experts_kept_in_their_dtype(model):
             model = peft.prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
-    # bitsandbytes hidden: a no-op on a quantized base, which loaded it already
-    with bitsandbytes_hidden(), peft_target_rewrite_off():
-        peft_model = peft.get_peft_model(model, lora_config)
+    peft_model = _injected(peft, model, lora_config, config)
     use_uniform_dropout(peft_model, config.dropout)
     cast_lora_inputs_unless_autocast(peft_model)
     # LoRA weights train in float32 even on a 16-bit base: Adam updates are too small for bf16.
@@ -506,6 +504,32 @@ def wrap_with_lora(model: PreTrainedModel, config: LoraConfig):
         if parameter.requires_grad and parameter.dtype != torch.float32:
             parameter.data = parameter.data.float()
     return peft_model
+
+
+def _injected(peft: Any, model: PreTrainedModel, lora_config: PeftLoraConfig, config: LoraConfig):
+    """peft's `get_peft_model`, its `NoMatchingPeftModuleError` said in one line.
+
+    The recipe's target names are checked to exist before (`_check_targets`), so what matches nothing here is
+    `lora.exclude_modules` taking out every targeted module (`target_modules: [q_proj]` with `exclude_modules:
+    [q_proj]`): peft raised it as a traceback, after the base had loaded.
+    """
+    try:
+        # bitsandbytes hidden: a no-op on a quantized base, which loaded it already
+        with bitsandbytes_hidden(), peft_target_rewrite_off():
+            return peft.get_peft_model(model, lora_config)
+    except ValueError as exc:
+        if type(exc).__name__ != "NoMatchingPeftModuleError":
+            raise
+        targets = config.target_modules if isinstance(config.target_modules, str) else list(config.target_modules)
+        excluded = (
+            f"lora.exclude_modules {config.exclude_modules} takes out every module of "
+            if config.exclude_modules
+            else ""
+        )
+        raise ModelError(
+            f"{excluded}lora.target_modules {targets}: no module is left to put LoRA on; exclude fewer modules or "
+            "target others"
+        ) from None
 
 
 def _upcasts_unquantized(model: PreTrainedModel) -> bool:

@@ -867,3 +867,18 @@ def test_pissa_or_olora_on_a_head_tied_to_the_embeddings_is_refused(tiny_base_di
     with pytest.raises(ModelError, match=r"lora.init (olora|pissa) rewrites .* shares its weight with the input emb"):
         wrap_with_lora(model, LoraConfig(**lora))
     assert torch.equal(model.lm_head.weight, before)
+
+
+@pytest.mark.parametrize("lora", [dict(target_modules=["q_proj"], exclude_modules=["q_proj"]),
+                                  dict(exclude_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                                        "down_proj"])])  # fmt: skip
+def test_exclude_modules_that_leave_nothing_to_adapt_is_a_one_line_error(tiny_base_dir, lora):
+    """Every targeted module excluded: peft's NoMatchingPeftModuleError came out of `finetune train` as a traceback
+    (exit 1) once the base had loaded; now a ModelError naming both keys (one line, exit 2)."""
+    from transformers import AutoModelForCausalLM
+
+    from finetune.model import wrap_with_lora
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_base_dir)
+    with pytest.raises(ModelError, match=r"lora.exclude_modules \[.*q_proj.*\] takes out every module of lora.target"):
+        wrap_with_lora(model, LoraConfig(**lora))
