@@ -97,9 +97,8 @@ def make_adapter(
     from finetune.manifest import BaseInfo, Manifest, write_manifest
 
     model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
-    config = LoraConfig(
-        r=r, lora_alpha=alpha, target_modules=list(targets), use_rslora=use_rslora, lora_dropout=0.0, **lora_options
-    )
+    lora_options.setdefault("target_modules", list(targets))  # or a regex of the test's own
+    config = LoraConfig(r=r, lora_alpha=alpha, use_rslora=use_rslora, lora_dropout=0.0, **lora_options)
     peft_model = get_peft_model(model, config)
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():

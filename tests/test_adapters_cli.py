@@ -557,3 +557,20 @@ def test_info_json_piped_into_head_and_its_errors(tmp_path, adapter_dirs, capsys
     (tmp_path / "merged" / "model.safetensors").write_bytes(b"x" * 100)  # a shard cut short
     assert run("info", tmp_path / "merged", "--json") == 2
     assert "model.safetensors: its header claims" in capsys.readouterr().err
+
+
+def test_list_and_info_name_the_layers_the_adapter_holds_lora_for(tmp_path, tiny_base_dir, capsys):
+    """`targets` came from peft's `target_modules`, which says what was asked: a recipe's `exclude_modules: [down_proj]`
+    left down_proj in it (listed, though the adapter has no LoRA there), and `train_lm_head` makes it a regex,
+    which `list` and `info` printed as the targets (`info --json`: a one-element list holding the regex). Now the
+    layers are read from the weights file's header."""
+    make_adapter(tiny_base_dir, tmp_path / "store" / "excluded", seed=1, targets=("q_proj", "down_proj"),
+                 exclude_modules=["down_proj"])  # fmt: skip
+    make_adapter(
+        tiny_base_dir, tmp_path / "store" / "head", seed=2, targets=(), target_modules=r"(?:.*\.)?(?:v_proj)|lm_head"
+    )
+    assert run("list", str(tmp_path / "store"), "--json") == 0
+    listed = {a["name"]: a["targets"] for a in json.loads(capsys.readouterr().out)}
+    assert listed == {"excluded": ["q_proj"], "head": ["lm_head", "v_proj"]}
+    assert run("info", str(tmp_path / "store" / "head")) == 0
+    assert "targets: lm_head,v_proj\n" in capsys.readouterr().out

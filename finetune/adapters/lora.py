@@ -331,6 +331,14 @@ def _num_experts(path: Path, config: dict, module: str, rows: int) -> int:
     return rows // rank
 
 
+def lora_module(key: str) -> str | None:
+    """The module a saved tensor holds a LoRA A or B of (`base_model.model.x.q_proj.lora_A.weight` -> `x.q_proj`,
+    embeddings' `lora_embedding_A` too), None for any other tensor (`finetune adapters list` reads names only)."""
+    module_key = key.removeprefix(PEFT_PREFIX)
+    match = _LORA_KEY.match(module_key) or _EMBEDDING_LORA_KEY.match(module_key)
+    return match["module"] if match else None
+
+
 def _read_tensors(path: Path, allow_pickle: bool) -> tuple[dict[str, torch.Tensor], str]:
     """The adapter file's tensors and the sha256 of the file."""
     safetensors_file, pickle_file = path / SAFETENSORS_NAME, path / PICKLE_NAME

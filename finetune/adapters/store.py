@@ -1,7 +1,7 @@
 """The adapter store: list the adapters in a directory and describe one adapter or merged model.
 
-Listing reads only `adapter_config.json`, `manifest.json` and file sizes, never the weights, so it stays
-instant for a store of large adapters.
+Listing reads only `adapter_config.json`, `manifest.json`, file sizes and the weights file's header (the names
+of the tensors, never their data), so it stays instant for a store of large adapters.
 
 `describe_json` is `describe` for scripts (`info --json`): the same figures, as numbers, lists and nulls.
 
@@ -16,9 +16,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from safetensors import safe_open
+
 from finetune import strict_json
+from finetune.adapters.experts import clean_name, matches_target
 from finetune.adapters.ledger import read_ledger
-from finetune.adapters.lora import CONFIG_NAME, PICKLE_NAME, SAFETENSORS_NAME, read_adapter_config
+from finetune.adapters.lora import CONFIG_NAME, PICKLE_NAME, SAFETENSORS_NAME, lora_module, read_adapter_config
 from finetune.adapters.resolved_base import resolve_model_dir
 from finetune.adapters.tensor_index import TensorIndex
 from finetune.atomic import SET_ASIDE_MARK, STAGING_MARK
@@ -56,16 +59,38 @@ def _rank(config: dict) -> str:
     return "/".join(str(r) for r in sorted(ranks, key=lambda r: (isinstance(r, str), 0 if isinstance(r, str) else r)))
 
 
-def _targets(config: dict, adapter_dir: Path) -> str:
-    """The linear layers' names, then the raw parameters (a mixture of experts' expert tensors, routers) if any."""
+def _targets(config: dict, adapter_dir: Path, weights: Path) -> str:
+    """The linear layers' names, then the raw parameters (a mixture of experts' expert tensors, routers) if any.
+
+    The layers are those the weights file holds LoRA for, where it is safetensors: peft's `target_modules` says
+    what was asked, not what was adapted. With LoRA on the head or embeddings (`train_lm_head`) it is a regex, which
+    was listed as the targets, and it keeps names `exclude_modules` took out (`down_proj` was listed for an adapter
+    without any). A pickle file's names cannot be read without loading it: there, `target_modules` as written.
+    """
     targets = config.get("target_modules")
     parameters = config.get("target_parameters") or []
     if not targets and not parameters:
         raise AdapterError(
             f"{adapter_dir / CONFIG_NAME} has no target_modules, so it adapts nothing; re-save the adapter with peft"
         )
-    modules = [targets] if isinstance(targets, str) else sorted({t.rsplit(".", 1)[-1] for t in targets or []})
+    modules = _adapted_layers(weights, parameters)
+    if modules is None:
+        modules = [targets] if isinstance(targets, str) else sorted({t.rsplit(".", 1)[-1] for t in targets or []})
     return ",".join([*modules, *sorted({".".join(p.split(".")[-2:]) for p in parameters})])
+
+
+def _adapted_layers(weights: Path, parameters: list[str]) -> list[str] | None:
+    """The last name parts of the layers a safetensors weights file holds LoRA A/B for, from its header (peft's
+    wrappers of `parameters` left out: those are listed as parameters); None for a pickle file."""
+    if weights.name != SAFETENSORS_NAME:
+        return None
+    with safe_open(str(weights), "pt") as handle:
+        keys = list(handle.keys())
+    names = set()
+    for module in (clean_name(m) for m in map(lora_module, keys) if m is not None):
+        if not any(matches_target(f"{module}.{t.rpartition('.')[2]}", [t]) for t in parameters):
+            names.add(module.rsplit(".", 1)[-1])
+    return sorted(names)
 
 
 def _weights_file(adapter_dir: Path) -> Path | None:
@@ -109,7 +134,7 @@ def summarize(adapter_dir: Path) -> AdapterSummary:
         path=adapter_dir,
         base=base,
         rank=rank,
-        targets=_targets(config, adapter_dir),
+        targets=_targets(config, adapter_dir, weights),
         size_bytes=weights.stat().st_size,
         metrics=_format_metrics(manifest.metrics) if manifest is not None else "",
         ranks=tuple(int(r) for r in rank.split("/") if r.isdigit()),
