@@ -174,7 +174,10 @@ def load_base_from_config(
             f"cannot load base model {config.base!r}: {first}{_not_cached_hint(source, config.revision)}"
         ) from None
     _check_quantized_as_asked(model, config)
-    model.config._name_or_path = source  # adapters record the hub id, not this machine's cache path
+    # Adapters record the hub id, not this machine's cache path: the model card reads the config's name, and peft's
+    # `get_peft_model` the model's own `name_or_path` (adapter_config.json's `base_model_name_or_path`, which
+    # `AutoPeftModelForCausalLM` and other tools load the base from).
+    model.config._name_or_path = model.name_or_path = source
     keep_float_kernels(model)  # a 4-bit base computes with the same weights in every mode (see there)
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer_for(config)
     _check_vocabulary_fits(model, tokenizer, config.tokenizer or config.base)

@@ -233,6 +233,31 @@ def test_a_cached_hub_model_loads_without_asking_the_hub(tmp_path, tiny_base_dir
     hub.close()
 
 
+def test_an_adapter_trained_on_a_cached_hub_model_records_the_hub_id_for_peft(tmp_path, tiny_base_dir, monkeypatch):
+    """adapter_config.json's `base_model_name_or_path` (what `AutoPeftModelForCausalLM` and other tools load the base
+    from) is the hub id the recipe named, as plain peft writes it, not this machine's snapshot directory (it was,
+    while the model card peft writes beside it already named the hub id)."""
+    from huggingface_hub import constants
+    from peft import PeftModel
+
+    from finetune.model import load_base, wrap_with_lora
+    from finetune.recipe import LoraConfig
+
+    revision = "0123456789abcdef0123456789abcdef01234567"
+    repo = tmp_path / "hub" / "models--local--tiny"
+    shutil.copytree(tiny_base_dir, repo / "snapshots" / revision)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(revision)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    model, _, _ = load_base("local/tiny")
+    peft_model = wrap_with_lora(model, LoraConfig(r=2, alpha=4, target_modules=["q_proj"]))
+    assert isinstance(peft_model, PeftModel)
+    peft_model.save_pretrained(tmp_path / "adapter")
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == "local/tiny"
+    assert "base_model:adapter:local/tiny" in (tmp_path / "adapter" / "README.md").read_text()
+
+
 # ---- endurance ------------------------------------------------------------------------------------------
 
 
