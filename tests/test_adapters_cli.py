@@ -182,6 +182,30 @@ def test_an_adapter_without_its_weights_file_is_a_problem_row_not_a_whole_adapte
     assert len(capsys.readouterr().err.strip().splitlines()) == 1
 
 
+def test_an_adapter_of_another_peft_method_is_a_problem_row_and_info_refuses_it(tmp_path, tiny_base_dir, capsys):
+    """IA3 and prefix-tuning adapters saved by plain peft: listed as a LoRA of rank "?" and alpha None (IA3), or as
+    having "no target_modules ... re-save it with peft" (prefix tuning), where every command that uses them refuses
+    them as not LoRA. Now the listing and `info` say what they are, as the commands do."""
+    from peft import IA3Config, PrefixTuningConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    store = tmp_path / "store"
+    configs = {
+        "ia3": IA3Config(target_modules=["q_proj", "down_proj"], feedforward_modules=["down_proj"]),
+        "prefix": PrefixTuningConfig(num_virtual_tokens=2, task_type="CAUSAL_LM"),
+    }
+    for name, config in configs.items():
+        get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_base_dir), config).save_pretrained(store / name)
+    assert run("list", store, "--json") == 0
+    rows = {row["name"]: row["problem"] for row in json.loads(capsys.readouterr().out)}
+    assert "peft_type 'IA3' is not LoRA" in rows["ia3"]
+    assert "peft_type 'PREFIX_TUNING' is not LoRA" in rows["prefix"]
+    for name in configs:
+        assert run("info", store / name) == 2
+        (line,) = capsys.readouterr().err.strip().splitlines()
+        assert "is not LoRA; finetune takes LoRA adapters only" in line
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [

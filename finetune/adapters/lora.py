@@ -420,6 +420,20 @@ def read_adapter_config(config_file: Path) -> dict:
     return config
 
 
+def check_lora_type(path: Path, config: dict) -> None:
+    """Refuse an adapter of another peft method (IA3, LoHa, prefix tuning, ...): every finetune command, the store's
+    listing included, reads its config as LoRA's, where its rank, alpha and targets mean something else or nothing.
+
+    Raises:
+        AdapterError: `peft_type` is set and is not "LORA" (peft writes it; a config without one is read as LoRA).
+    """
+    if config.get("peft_type", "LORA") != "LORA":
+        raise AdapterError(
+            f"{path}: peft_type {config.get('peft_type')!r} is not LoRA; finetune takes LoRA adapters only (load this "
+            "one with peft's PeftModel.from_pretrained)"
+        )
+
+
 def read_adapter(path: str | Path, name: str | None = None, *, allow_pickle: bool = False) -> Adapter:
     """Read and check an adapter directory.
 
@@ -436,10 +450,7 @@ def read_adapter(path: str | Path, name: str | None = None, *, allow_pickle: boo
     if not config_file.is_file():
         raise AdapterError(f"{path} is not an adapter directory (no {CONFIG_NAME}); give a directory written by peft")
     config = read_adapter_config(config_file)
-    if config.get("peft_type", "LORA") != "LORA":
-        raise AdapterError(
-            f"{path}: peft_type {config.get('peft_type')!r} is not LoRA; only LoRA adapters can be merged"
-        )
+    check_lora_type(path, config)
     for key, why in _UNSUPPORTED_CONFIG.items():
         if config.get(key):
             raise AdapterError(f"{path}: {key} is set: {why}")

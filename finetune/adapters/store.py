@@ -21,7 +21,14 @@ from safetensors import safe_open
 from finetune import strict_json
 from finetune.adapters.experts import clean_name, matches_target
 from finetune.adapters.ledger import read_ledger
-from finetune.adapters.lora import CONFIG_NAME, PICKLE_NAME, SAFETENSORS_NAME, lora_module, read_adapter_config
+from finetune.adapters.lora import (
+    CONFIG_NAME,
+    PICKLE_NAME,
+    SAFETENSORS_NAME,
+    check_lora_type,
+    lora_module,
+    read_adapter_config,
+)
 from finetune.adapters.resolved_base import resolve_model_dir
 from finetune.adapters.tensor_index import TensorIndex
 from finetune.atomic import SET_ASIDE_MARK, STAGING_MARK
@@ -50,7 +57,11 @@ class AdapterSummary:
 
 
 def _config(adapter_dir: Path) -> dict:
-    return read_adapter_config(adapter_dir / CONFIG_NAME)
+    """The adapter's config, refused (one line, a problem row in the listing) when it is not LoRA's: an IA3 or LoHa
+    adapter was described as a LoRA of rank "?" and alpha None, a prefix-tuning one as having no target_modules."""
+    config = read_adapter_config(adapter_dir / CONFIG_NAME)
+    check_lora_type(adapter_dir, config)
+    return config
 
 
 def _rank(config: dict) -> str:
