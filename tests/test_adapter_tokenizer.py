@@ -16,7 +16,7 @@ import httpx
 import pytest
 import torch
 import yaml
-from helpers import greedy_ids
+from helpers import greedy_ids, make_adapter
 from transformers import AutoTokenizer
 
 from finetune.adapters.combine import combine_adapters
@@ -170,6 +170,27 @@ def test_a_tokenizer_of_another_vocabulary_is_refused_in_one_line(chat_run, tmp_
         assert main(["generate", "--adapter", str(other), *chat, "hello"]) == 2
         errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error: ")]
         assert len(errors) == 1 and "delete the tokenizer files" in errors[0], errors
+
+
+def test_an_on_disk_merge_refuses_to_pass_on_a_tokenizer_the_base_has_no_rows_for(tiny_base_dir, tmp_path, capsys):
+    """A plain-peft adapter whose directory holds its run's tokenizer with two tokens added (and the base not resized,
+    LoRA on q_proj alone): generate and eval refuse that tokenizer, but `adapters merge` gave it to the merged model,
+    whose embedding has the base's rows (an index error in transformers on the new tokens). Refused in one line now,
+    before anything is written; with the base's own tokenizer the merge passes it on as before."""
+    adapter = make_adapter(tiny_base_dir, tmp_path / "added", seed=1, manifest=False)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_base_dir)
+    tokenizer.save_pretrained(adapter)
+    out = tmp_path / "merged"
+    assert main(["adapters", "merge", "--base", str(tiny_base_dir), "--adapter", str(adapter), "--out", str(out)]) == 0
+    assert len(AutoTokenizer.from_pretrained(out)) == len(tokenizer)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|tool|>", "<|end_tool|>"]})
+    tokenizer.save_pretrained(adapter)
+    capsys.readouterr()
+    out = tmp_path / "merged-added"
+    assert main(["adapters", "merge", "--base", str(tiny_base_dir), "--adapter", str(adapter), "--out", str(out)]) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and f"has {len(tokenizer)} tokens but the base's has" in errors[0], errors
+    assert not out.exists()
 
 
 def test_adapters_with_different_tokenizers_pass_none_on(chat_run, tmp_path):

@@ -53,7 +53,12 @@ from finetune.adapters.pristine import PristineWeights, quantization_roundtrip
 from finetune.adapters.result import ArithmeticResult
 from finetune.adapters.tensor_index import TensorIndex
 from finetune.adapters.tied import TIE_KEY, stored_aliases
-from finetune.adapters.tokenizer_files import carries_tokenizer, copy_tokenizer, shared_tokenizer_dir
+from finetune.adapters.tokenizer_files import (
+    carries_tokenizer,
+    check_vocabulary_files,
+    copy_tokenizer,
+    shared_tokenizer_dir,
+)
 
 
 def inexact_weights(source: Ledger, target: Ledger) -> dict[str, float]:
@@ -196,6 +201,7 @@ def write_target(operation: DiskOperation, out: str | Path, kind: str) -> Arithm
     read_index = TensorIndex.of(read_dir)
     writer = _ShardWriter(operation, read_index)
     writer.check(operation.adapters, read_dir)
+    tokenizer = _tokenizer_to_pass_on(operation)  # checked before anything is written
     with staging_dir(out) as tmp:
         weight_map: dict[str, str] = {}
         total_bytes = 0
@@ -208,7 +214,8 @@ def write_target(operation: DiskOperation, out: str | Path, kind: str) -> Arithm
         if len(read_index.files) > 1 or (read_dir / INDEX_NAME).is_file():
             write_index(tmp, weight_map, total_bytes)
         copy_side_files(operation.source_dir, tmp)
-        _pass_tokenizer_on(operation, tmp)
+        if tokenizer is not None:
+            copy_tokenizer(tokenizer, tmp)
         config = json.loads((operation.source_dir / "config.json").read_text())
         if writer.aliases:  # the base ties weights: the output does too, unless an update touches one of them
             config[TIE_KEY] = not writer.untied
@@ -225,16 +232,22 @@ def write_target(operation: DiskOperation, out: str | Path, kind: str) -> Arithm
     )  # fmt: skip
 
 
-def _pass_tokenizer_on(operation: DiskOperation, out_dir: Path) -> None:
+def _tokenizer_to_pass_on(operation: DiskOperation) -> Path | None:
     """The output's tokenizer: its merged adapters' where they carry one (the tokenizer their runs trained with,
-    `tokenizer_files`), else the pristine base's (an adapter taken out takes its tokenizer with it), else the
-    source's as copied."""
+    `tokenizer_files`), if its vocabulary is the base's; else the pristine base's (an adapter taken out takes its
+    tokenizer with it); else None, the source's as copied."""
     merged = [operation.adapters[n] for n in operation.target_ledger.entries if n in operation.adapters]
     source = shared_tokenizer_dir(merged, "the output")
-    if source is None and operation.pristine_dir is not None and carries_tokenizer(operation.pristine_dir):
-        source = operation.pristine_dir
     if source is not None:
-        copy_tokenizer(source, out_dir)
+        base_dir = next(
+            (d for d in (operation.pristine_dir, operation.source_dir) if d is not None and carries_tokenizer(d)), None
+        )
+        if base_dir is not None:
+            check_vocabulary_files(source, base_dir, "the output")
+        return source
+    if operation.pristine_dir is not None and carries_tokenizer(operation.pristine_dir):
+        return operation.pristine_dir
+    return None
 
 
 def _names_to_untie(aliases: dict[str, str], terms: dict) -> dict[str, list[str]]:

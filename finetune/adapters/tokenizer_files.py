@@ -8,7 +8,9 @@ directory carries its merged adapters' tokenizer, a combined adapter its inputs'
 files differ have no one tokenizer to pass on; the output then keeps the base's, with a warning.
 
 Loading (the tokenizer object, and the check that its vocabulary is the base's) is `finetune.model`'s part;
-this module only reads and copies files, so that the on-disk arithmetic loads no tokenizer.
+this module only reads and copies files, so that the on-disk arithmetic loads no transformers tokenizer. What
+an on-disk merge passes on is checked here from the files (`check_vocabulary_files`, the `tokenizers` library
+reading tokenizer.json): the merged model's embedding has the base's rows, whatever tokenizer it carries.
 
 Example:
     source = shared_tokenizer_dir([legal, med], "the merged model")   # None: no adapter carries one
@@ -22,9 +24,10 @@ import shutil
 import warnings
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 from finetune.adapters.lora import Adapter
-from finetune.errors import AdapterWarning
+from finetune.errors import AdapterError, AdapterWarning
 
 TOKENIZER_CONFIG = "tokenizer_config.json"
 """The file that marks a directory as holding a tokenizer (what `from_pretrained` reads first)."""
@@ -86,3 +89,44 @@ def copy_tokenizer(source: Path, out_dir: Path) -> None:
     for name in _contents(Path(source)):
         (out_dir / name).parent.mkdir(exist_ok=True)
         shutil.copy2(Path(source) / name, out_dir / name)
+
+
+TOKENIZER_JSON = "tokenizer.json"
+
+
+def _tokenizer(directory: Path) -> Any:
+    """The `tokenizers.Tokenizer` of the tokenizer.json in `directory`; None without one (a slow tokenizer's files
+    alone: nothing to compare here, `finetune.model.check_same_vocabulary` checks it where it is loaded)."""
+    if not (directory / TOKENIZER_JSON).is_file():
+        return None
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(directory / TOKENIZER_JSON))
+
+
+def _specials(tokenizer: Any) -> set[str]:
+    return {token.content for token in tokenizer.get_added_tokens_decoder().values() if token.special}
+
+
+def check_vocabulary_files(carried: Path, base_dir: Path, output: str) -> None:
+    """Refuse to give `output` the tokenizer `carried` (an adapter's) where its ids are not the base's: another
+    number of tokens, or a special token of either at another id, the test `finetune.model.check_same_vocabulary`
+    makes where an adapter is loaded. An on-disk merge copied it unchecked, and the merged model then held a
+    tokenizer whose ids its embedding has no rows for (an index error in transformers).
+
+    Raises:
+        AdapterError: the vocabularies differ (both read from their tokenizer.json files).
+    """
+    ours, base = _tokenizer(Path(carried)), _tokenizer(Path(base_dir))
+    if ours is None or base is None:
+        return
+    fix = f"delete the tokenizer files from {carried} to give {output} the base's, or merge into the base it was trained on"
+    sizes = ours.get_vocab_size(with_added_tokens=True), base.get_vocab_size(with_added_tokens=True)
+    if sizes[0] != sizes[1]:
+        raise AdapterError(f"the tokenizer of {carried} has {sizes[0]:,} tokens but the base's has {sizes[1]:,}; {fix}")
+    for token in sorted(_specials(ours) | _specials(base)):
+        ids = ours.token_to_id(token), base.token_to_id(token)
+        if ids[0] != ids[1]:
+            raise AdapterError(
+                f"the tokenizer of {carried} has special token {token!r} at id {ids[0]} but the base's at {ids[1]}; {fix}"
+            )
