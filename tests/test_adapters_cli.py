@@ -598,3 +598,14 @@ def test_list_and_info_name_the_layers_the_adapter_holds_lora_for(tmp_path, tiny
     assert listed == {"excluded": ["q_proj"], "head": ["lm_head", "v_proj"]}
     assert run("info", str(tmp_path / "store" / "head")) == 0
     assert "targets: lm_head,v_proj\n" in capsys.readouterr().out
+
+
+def test_a_directory_holding_named_adapters_says_which_to_give(tmp_path, tiny_base_dir, adapter_dirs, capsys):
+    """peft saves an adapter not named "default" under its name (`save_pretrained(out)` of "legal" writes
+    out/legal/): given `out`, every command said only that it is no adapter, not where the adapter is."""
+    out = tmp_path / "out"
+    shutil.copytree(adapter_dirs["legal"], out / "legal")
+    assert run("info", out) == 2
+    assert f"it holds adapters in its subdirectories ({out / 'legal'}): give one of them" in capsys.readouterr().err
+    with pytest.raises(AdapterError, match=r"no adapter_config.json\); it holds adapters in its subdirectories"):
+        read_adapter(out)

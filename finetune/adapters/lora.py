@@ -434,6 +434,16 @@ def check_lora_type(path: Path, config: dict) -> None:
         )
 
 
+def nested_adapters_hint(path: Path, otherwise: str) -> str:
+    """How to fix a directory that is not an adapter: peft saves an adapter not named "default" in a subdirectory
+    of its name (`save_pretrained(out)` of adapter "legal" writes out/legal/), so name the ones it holds."""
+    inside = sorted(p for p in path.iterdir() if (p / CONFIG_NAME).is_file()) if path.is_dir() else []
+    if not inside:
+        return otherwise
+    shown = ", ".join(str(p) for p in inside[:5]) + (", ..." if len(inside) > 5 else "")
+    return f"it holds adapters in its subdirectories ({shown}): give one of them"
+
+
 def read_adapter(path: str | Path, name: str | None = None, *, allow_pickle: bool = False) -> Adapter:
     """Read and check an adapter directory.
 
@@ -448,7 +458,9 @@ def read_adapter(path: str | Path, name: str | None = None, *, allow_pickle: boo
     path = Path(path)
     config_file = path / CONFIG_NAME
     if not config_file.is_file():
-        raise AdapterError(f"{path} is not an adapter directory (no {CONFIG_NAME}); give a directory written by peft")
+        raise AdapterError(
+            f"{path} is not an adapter directory (no {CONFIG_NAME}); {nested_adapters_hint(path, 'give a directory written by peft')}"
+        )
     config = read_adapter_config(config_file)
     check_lora_type(path, config)
     for key, why in _UNSUPPORTED_CONFIG.items():

@@ -27,6 +27,7 @@ from finetune.adapters.lora import (
     SAFETENSORS_NAME,
     check_lora_type,
     lora_module,
+    nested_adapters_hint,
     read_adapter_config,
 )
 from finetune.adapters.resolved_base import resolve_model_dir
@@ -226,13 +227,18 @@ def _alpha(config: dict) -> str:
     return f"{config.get('lora_alpha')}" + (f" ({per_module})" if per_module else "")
 
 
+def _neither_error(path: Path) -> AdapterError:
+    hint = nested_adapters_hint(path, "give an adapter directory or a model merged by finetune")
+    return AdapterError(f"{path} is neither an adapter (no {CONFIG_NAME}) nor a merged model (no ledger); {hint}")
+
+
 def describe(path: str | Path) -> str:
     """A human-readable description of an adapter directory or of a merged model's ledger."""
     path = Path(path)
     if not (path / CONFIG_NAME).is_file():
         ledger = read_ledger(path)
         if ledger is None:
-            raise AdapterError(f"{path} is neither an adapter (no {CONFIG_NAME}) nor a merged model (no ledger)")
+            raise _neither_error(path)
         lines = [f"merged model: {path}", f"base: {ledger.base_path} ({ledger.base_fingerprint})"]
         if ledger.base_quantization != "none":
             lines.append(f"base quantization (dequantized): {ledger.base_quantization}")
@@ -362,7 +368,7 @@ def _merged_json(path: Path) -> dict:
     floating-point dtype its safetensors files store (from their headers; null when they mix several)."""
     ledger = read_ledger(path)
     if ledger is None:
-        raise AdapterError(f"{path} is neither an adapter (no {CONFIG_NAME}) nor a merged model (no ledger)")
+        raise _neither_error(path)
     dtypes = _stored_dtypes(path)
     return {
         "kind": "merged_model",
