@@ -24,6 +24,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -100,13 +101,14 @@ def _file_entries(path: Path) -> dict[str, list]:
         for name in handle.keys():
             entries[name] = _entry(handle.get_tensor(name))
     _memory_cache[key] = entries
+    tmp = cache_file.with_suffix(f".tmp{os.getpid()}")
     try:
         cache_file.parent.mkdir(parents=True, exist_ok=True)
-        tmp = cache_file.with_suffix(f".tmp{os.getpid()}")
         tmp.write_text(json.dumps({"key": list(key), "entries": entries}))
         tmp.replace(cache_file)
-    except OSError:
-        pass  # a read-only home only costs re-hashing next time
+    except OSError:  # a read-only home only costs re-hashing next time; a full one left the part written
+        with contextlib.suppress(OSError):  # (on a read-only home nothing was written)
+            tmp.unlink(missing_ok=True)
     return entries
 
 

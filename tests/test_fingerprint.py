@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,6 +17,8 @@ from transformers import AutoModelForCausalLM
 from finetune import fingerprint
 from finetune.embedded.tiny import build_tiny_llama
 from finetune.fingerprint import fingerprint_model, fingerprint_model_dir
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(autouse=True)
@@ -77,3 +83,22 @@ def test_large_tensors_hash_like_small_ones(monkeypatch):
 def test_directory_without_weights_is_an_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="no \\*.safetensors"):
         fingerprint_model_dir(tmp_path)
+
+
+FINGERPRINT_ON_A_FULL_DISK = """
+import resource, signal, sys
+from finetune.fingerprint import fingerprint_model_dir
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (256, 256))  # the cache entry (a line per tensor) stops midway
+print(fingerprint_model_dir(sys.argv[1]))
+"""
+
+
+def test_a_full_disk_under_the_fingerprint_cache_leaves_no_part_written(tmp_path, tiny_base_dir):
+    """The per-file cache entry is written to a `.tmp<pid>` file and renamed; a full disk (a write failing midway)
+    left that part behind at every run, never read and never removed. The fingerprint is still computed."""
+    env = {**os.environ, "FINETUNE_HOME": str(tmp_path / "home"), "PYTHONPATH": str(REPO)}
+    result = subprocess.run([sys.executable, "-c", FINGERPRINT_ON_A_FULL_DISK, str(tiny_base_dir)], env=env,
+                            capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert result.returncode == 0 and result.stdout.startswith("sha256:"), result.stderr
+    assert [p.name for p in (tmp_path / "home").rglob("*") if p.is_file()] == []
