@@ -579,7 +579,8 @@ class TrainConfig(_Section):
     """`torch.compile` each decoder layer (`finetune.training.regional_compile`): the first steps of each shape
     compile (about 40 s for a 1B Llama on an H100, 80 s for a tiny model on a loaded 2-core CPU), later ones
     run the compiled layers. `auto` (`compiles`): on for an unquantized base on CUDA where no layer is checkpointed
-    (measured on a bf16 one), off on the CPU, for a 4-bit or 8-bit base and with gradient checkpointing."""
+    (measured on a bf16 one), off on the CPU, for a 4-bit or 8-bit base, with gradient checkpointing, for GRPO and
+    with `liger_kernels`."""
     liger_kernels: bool = False
     """On CUDA, Liger Kernel's Triton RMSNorm, RoPE and SwiGLU in the base's layers (`pip install
     'finetune[liger]'`; `finetune.training.liger_kernels`): fewer, fused elementwise kernels per step. Not used
