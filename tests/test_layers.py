@@ -20,7 +20,6 @@ LAYERS: list[set[str]] = [
         "atomic",
         "launched",
         "tensorfile",
-        "catalog",
         "quantization",
         "device",
         "cpu_features",
@@ -29,6 +28,7 @@ LAYERS: list[set[str]] = [
         "peft_import",
         "chunked_loss",
     },
+    {"catalog"},  # copies a recipe through `atomic`
     {"recipe", "embedded"},
     {"manifest", "data"},
     {"adapters"},
