@@ -375,3 +375,24 @@ def test_eval_says_when_text_records_were_split_into_pieces(tmp_path, tiny_base_
                 "text before it; raise --max-seq-len to score them whole"
             ]
     assert figures["1024"] != figures["32"]  # the warning is about a figure that did change
+
+
+def test_eval_refuses_an_adapter_that_is_no_adapter_directory(tmp_path, tiny_base_dir, capsys):
+    """`--adapter` alone went to `load_model` as "a base or an adapter": a base's directory given there was scored as
+    the base with no adapter line (exit 0, "adapter": null under --json), and a mistyped path failed as a base model
+    that could not be downloaded. Both are now one line naming --adapter, exit 2; a real adapter still scores."""
+    import json
+
+    from helpers import instruction_records
+
+    data = tmp_path / "held_out.jsonl"
+    data.write_text("".join(json.dumps(record) + "\n" for record in instruction_records(2)))
+    argv = ["eval", "--data", str(data), "--format", "instruction", "--json"]
+    for given in (str(tiny_base_dir), str(tmp_path / "no-such-adapter")):
+        assert main([*argv, "--adapter", given]) == 2
+        out, err = capsys.readouterr()
+        assert out == "" and err.startswith(f"error: --adapter {given}: not an adapter directory")
+    make_adapter(tiny_base_dir, tmp_path / "adapter", seed=0)
+    assert main([*argv, "--adapter", str(tmp_path / "adapter")]) == 0
+    figures = json.loads(capsys.readouterr().out)
+    assert figures["adapter"]["eval_tokens"] == figures["base"]["eval_tokens"] > 0

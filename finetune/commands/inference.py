@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from finetune.commands.numbers import non_negative_float, positive_int
 from finetune.commands.warning_lines import warnings_as_lines
@@ -74,6 +75,7 @@ def _load(args: argparse.Namespace):
         raise FinetuneError("give --base, --adapter, or both")
     options = dict(dtype=args.dtype, force=args.force, device=args.device)
     if args.base is None:
+        _require_adapter_directory(args.adapter)
         loaded = load_model(args.adapter, **options)
         return loaded, loaded.active
     adapters = {ADAPTER_NAME: args.adapter} if args.adapter else None
@@ -81,6 +83,18 @@ def _load(args: argparse.Namespace):
     if args.adapter:
         loaded.use(ADAPTER_NAME)
     return loaded, (ADAPTER_NAME if args.adapter else None)
+
+
+def _require_adapter_directory(path: str) -> None:
+    """Refuse an --adapter that is no adapter directory. `load_model` takes a lone path as a base or an adapter, so
+    a base's directory or hub id given as --adapter loaded the base alone: `eval` printed its figure with no
+    adapter line ("adapter": null under --json, exit 0), and a path that does not exist failed as a base model
+    that could not be downloaded."""
+    from finetune.adapters.lora import CONFIG_NAME, nested_adapters_hint
+
+    if not (Path(path) / CONFIG_NAME).is_file():
+        hint = nested_adapters_hint(Path(path), "give the directory a run wrote its adapter to, or the base as --base")
+        raise FinetuneError(f"--adapter {path}: not an adapter directory (no {CONFIG_NAME}); {hint}")
 
 
 def _coverage_warnings(stats: dict, max_seq_len: int) -> list[str]:
