@@ -340,7 +340,10 @@ def test_eval_says_which_records_its_figure_leaves_out(tmp_path, tiny_base_dir, 
         out, err = capsys.readouterr()
         lengths.append(int(out.split(" over ")[1].split()[0].replace(",", "")))
         warnings = [line for line in err.splitlines() if line.startswith("warning: ")]
-        dropped = "warning: 1 of 5 records had nothing to score (an empty response or text, or a prompt filling "
+        dropped = (
+            "warning: 1 of 5 records had nothing to score (an empty response or text, no assistant turn, or a prompt "
+            "filling "
+        )
         assert warnings[-1].startswith(dropped + f"--max-seq-len={max_seq_len})")
         if max_seq_len == "75":
             assert warnings[0].startswith(
@@ -396,3 +399,24 @@ def test_eval_refuses_an_adapter_that_is_no_adapter_directory(tmp_path, tiny_bas
     assert main([*argv, "--adapter", str(tmp_path / "adapter")]) == 0
     figures = json.loads(capsys.readouterr().out)
     assert figures["adapter"]["eval_tokens"] == figures["base"]["eval_tokens"] > 0
+
+
+def test_eval_names_a_chat_record_without_an_assistant_turn_among_the_dropped(tmp_path, tiny_base_dir, capsys):
+    """A chat record with no assistant turn has nothing to score; the warning listed only an empty response or text
+    and a prompt filling --max-seq-len, neither of which it was (the all-dropped error and the training log name it)."""
+    import json
+
+    chats = [
+        {
+            "messages": [
+                {"role": "user", "content": "Hello there."},
+                {"role": "assistant", "content": "Hi, how are you?"},
+            ]
+        },
+        {"messages": [{"role": "user", "content": "Anyone?"}]},
+    ]
+    (tmp_path / "chats.jsonl").write_text("".join(json.dumps(chat) + "\n" for chat in chats))
+    argv = ["eval", "--base", str(tiny_base_dir), "--data", str(tmp_path / "chats.jsonl"), "--format", "chat"]
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    assert "warning: 1 of 2 records had nothing to score (an empty response or text, no assistant turn, " in err

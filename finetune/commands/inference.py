@@ -117,8 +117,8 @@ def _coverage_warnings(stats: dict, max_seq_len: int) -> list[str]:
         )
     if stats.get("num_dropped"):
         lines.append(
-            f"warning: {stats['num_dropped']} of {total} records had nothing to score (an empty response or text, or "
-            f"a prompt filling --max-seq-len={max_seq_len}) and are not in the figure"
+            f"warning: {stats['num_dropped']} of {total} records had nothing to score (an empty response or text, no "
+            f"assistant turn, or a prompt filling --max-seq-len={max_seq_len}) and are not in the figure"
         )
     return lines
 
