@@ -188,11 +188,14 @@ def unwritable_as(
 def check_writable(final: Path, error: type[FinetuneError]) -> None:
     """Refuse now, as `error`, a place `final` could not be written into later: its directory cannot be made (a
     file on the way) or takes no new entry (a read-only filesystem, no permission). A training run that found it
-    only when it wrote its adapter had spent its whole time for nothing. A full disk cannot be foreseen."""
+    only when it wrote its adapter had spent its whole time for nothing. A full disk cannot be foreseen. No
+    directory is made: a run refused later (bad data) leaves none."""
     final = Path(final)
+    existing = next(p for p in (final.parent, *final.parent.parents) if p.exists())  # "/" or "." at the last
     with unwritable_as(error, final):
-        _make_parent(final)
-        probe = staging_path(final)
+        if not existing.is_dir():
+            raise OSError(errno.ENOTDIR, f"{existing} is a file, not a directory")
+        probe = existing / staging_path(final).name  # made and removed at once: nothing is left of the check
         probe.mkdir()
         probe.rmdir()
 
