@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import struct
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -155,7 +156,7 @@ def test_a_tracker_that_fails_to_start_is_a_one_line_error(workdir, monkeypatch,
     assert not (workdir / "adapters").exists()
 
 
-def _interrupted_and_resumed(name: str, report_to: str) -> Path:
+def _interrupted_and_resumed(name: str, report_to: str, between: Callable[[Path], None] | None = None) -> Path:
     """A run of 4 steps with a checkpoint at step 2, interrupted once step 3 was logged (before the adapter), then
     resumed from step 2: its trackers first saw steps 1-3, the resumed process trains 3 and 4 again."""
     import finetune
@@ -169,6 +170,8 @@ def _interrupted_and_resumed(name: str, report_to: str) -> Path:
 
     with pytest.raises(KeyboardInterrupt):
         finetune.train("recipe.yaml", overrides, log=lambda line: None, on_step=stop_at_4)
+    if between is not None:
+        between(Path("runs") / name)
     finetune.train("recipe.yaml", overrides, log=lambda line: None, resume=True)
     return Path("runs") / name
 
@@ -183,6 +186,26 @@ def test_a_resumed_runs_tensorboard_holds_each_step_once(workdir):
     events = EventAccumulator(str(run_dir / "tensorboard")).Reload()
     recorded = {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
     _assert_series_equal(recorded, _expected_series(run_dir))
+
+
+def test_a_run_resumed_in_the_same_second_still_purges_the_steps_trained_again(workdir):
+    """TensorBoard reads event files in name order, `...tfevents.<second>.<host>.<pid>.<n>`: a run resumed in the
+    same second and process as the one it resumes sorted first once n gained a digit (`.10` before `.9`), and the
+    steps trained again showed twice ([1, 2, 3, 3, 4, 4], seen in a suite run). Here the interrupted run's file is
+    given the next second, as such a file sorts: the resumed writer waits until its own sorts after it."""
+    import time
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    def sorted_last(run_dir: Path) -> None:
+        (earlier,) = (run_dir / "tensorboard").glob("events.out.tfevents.*")
+        parts = earlier.name.split(".")
+        parts[3] = f"{int(time.time()) + 1:010d}"
+        earlier.rename(earlier.with_name(".".join(parts)))
+
+    run_dir = _interrupted_and_resumed("tb", "[tensorboard]", between=sorted_last)
+    events = EventAccumulator(str(run_dir / "tensorboard")).Reload()
+    assert [e.step for e in events.Scalars("loss")] == [1, 2, 3, 4]
 
 
 def test_a_resumed_runs_mlflow_and_wandb_runs_hold_each_step_once(workdir, monkeypatch):

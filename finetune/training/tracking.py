@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -54,10 +55,27 @@ def log_with(recipe: Recipe, resumed_at: int = 0) -> list[Any] | None:
     if not recipe.train.report_to:
         return None
     purge = {"purge_step": resumed_at + 1} if resumed_at else {}
+    if resumed_at and "tensorboard" in recipe.train.report_to:
+        after_earlier_event_files(recipe.output.run_path / "tensorboard")
     return [
         TensorBoardTracker("tensorboard", str(recipe.output.run_path), **purge) if name == "tensorboard" else name
         for name in recipe.train.report_to
     ]
+
+
+def after_earlier_event_files(log_dir: Path) -> None:
+    """Wait, where needed, until the next writer's event file sorts after those in `log_dir`.
+
+    TensorBoard reads a run's event files in name order, `events.out.tfevents.<second>.<host>.<pid>.<n>`, n counting
+    the writers this process has made: a run resumed in the same second and process as the one it resumes (the
+    Python API, a short run) sorted first once n gained a digit (`.10` before `.9`), so the purge of the steps trained
+    again was read before those steps, which then showed twice. At most a second's wait, and only then.
+    """
+    seconds = [
+        int(part) for part in (p.name.split(".")[3] for p in log_dir.glob("events.out.tfevents.*")) if part.isdigit()
+    ]
+    if seconds and max(seconds) >= int(time.time()):
+        time.sleep(max(seconds) + 1 - time.time())
 
 
 def flat_config(values: Mapping[str, Any], prefix: str = "") -> dict[str, str | int | float | bool]:
