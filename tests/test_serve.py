@@ -12,6 +12,7 @@ one token forever under greedy decoding, which would hide a wrong position or ca
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import re
@@ -21,6 +22,7 @@ import subprocess
 import sys
 import time
 import warnings
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -379,6 +381,29 @@ def test_load_refusals(client, reference, serve_adapters, tmp_path, name, adapte
     assert_error(response, status, fragment)
     if name not in ("legal", BASE_NAME):  # served before: still there, unchanged
         assert name not in [card["id"] for card in client.get("/v1/models").json()["data"]]
+    assert_still_serves(client, reference)
+
+
+def test_unloading_an_adapter_frees_the_tokens_of_the_tokenizer_it_carried(
+    server, client, reference, serve_adapters, tmp_path
+):
+    """Each unload gives back what the engine built for the adapter's own tokenizer (`Engine.tokens`: tokenizer,
+    stops, reply parser): kept after the unload, loading and unloading under fresh names grew the server by one
+    tokenizer a name, without bound. (`chat_turns`' probes keep the last few tokenizers they saw, a bounded cache.)"""
+    from transformers import AutoTokenizer
+
+    carried = shutil.copytree(serve_adapters["code"], tmp_path / "carried")
+    AutoTokenizer.from_pretrained(reference.base_source).save_pretrained(carried)
+    for cycle in range(2):
+        name = f"carried-{cycle}"
+        loaded = client.post("/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(carried)})
+        assert loaded.status_code == 200, loaded.text
+        assert len(complete(client, name, PROMPTS[0])["token_ids"]) == MAX_TOKENS
+        tokens = weakref.ref(server.engine.tokens(name))
+        assert tokens().tokenizer is not server.engine.loaded.base_tokenizer
+        assert client.post("/v1/unload_lora_adapter", json={"lora_name": name}).status_code == 200
+        gc.collect()
+        assert tokens() is None, f"the tokens of {name}'s tokenizer outlived its unload"
     assert_still_serves(client, reference)
 
 

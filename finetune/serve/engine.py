@@ -314,9 +314,12 @@ class Engine:
             )
 
     def remove(self, name: str) -> str:
-        """Unload adapter `name` (worker thread, with no row of it running)."""
+        """Unload adapter `name` (worker thread, with no row of it running), and forget its `ModelTokens`: kept,
+        every name ever loaded held its tokenizer (and reply parser) until the server stopped, so a server that
+        loads and unloads adapters under fresh names grew by one tokenizer per name."""
         self.check_removable(name)
         self.loaded.remove_adapter(name)
+        self._tokens.pop(name, None)
         return f"Success: LoRA adapter '{name}' removed successfully."
 
     def _check_name(self, name: str) -> None:
