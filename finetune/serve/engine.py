@@ -33,11 +33,11 @@ import torch
 
 from finetune.adapters.fit import check_fingerprint
 from finetune.adapters.inmemory import LoadedModel
-from finetune.adapters.lora import Adapter, read_adapter
+from finetune.adapters.lora import Adapter, read_adapter, validate_adapter_name
 from finetune.api import load_model
 from finetune.data.chat import ChatRecord, normalize_messages, normalize_tools
 from finetune.data.chat_turns import chat_turn_closer_ids, render_chat_prompt
-from finetune.errors import FinetuneError, ModelError, ServeError
+from finetune.errors import AdapterError, FinetuneError, ModelError, ServeError
 from finetune.generation.kvbatch import KVBatch
 from finetune.model import load_adapter_tokenizer
 from finetune.prompting import model_stop_token_ids, prompt_ids
@@ -323,6 +323,14 @@ class Engine:
         return f"Success: LoRA adapter '{name}' removed successfully."
 
     def _check_name(self, name: str) -> None:
+        """ServeError (400) for a `lora_name` that cannot name an adapter here. Checked before the adapter is read:
+        `read_adapter` names an adapter by its manifest when given no name, so `"lora_name": ""` loaded it under
+        its manifest's name and then failed to attach "" (a 400 that left an adapter listed in /v1/models whose
+        every request was a 500, failing the rows that shared its prefill)."""
+        try:
+            validate_adapter_name(name)
+        except AdapterError as exc:
+            raise ServeError(str(exc), param="lora_name", code="invalid_name") from None
         if name == self.base_name:
             raise ServeError(
                 f"adapter name {name!r} is the base model's name; choose another (or rename the base with --base-name)",
