@@ -72,12 +72,15 @@ def serve_adapters(tmp_path_factory, serve_base, tiny_base_dir) -> dict[str, Pat
         "code": make_adapter(serve_base, root / "code", seed=13, targets=("v_proj", "up_proj"), magnitude=0.4),
         "foreign": make_adapter(tiny_base_dir, root / "foreign", seed=14),  # same shapes, other weights
     }
+    untargeted = shutil.copytree(adapters["code"], root / "untargeted")  # weights on modules its config omits
+    config = json.loads((untargeted / "adapter_config.json").read_text())
+    (untargeted / "adapter_config.json").write_text(json.dumps({**config, "target_modules": ["v_proj"]}))
     pickled = shutil.copytree(adapters["code"], root / "pickled")
     from safetensors.torch import load_file
 
     torch.save(load_file(pickled / "adapter_model.safetensors"), pickled / "adapter_model.bin")
     (pickled / "adapter_model.safetensors").unlink()
-    return {**adapters, "pickled": pickled}
+    return {**adapters, "pickled": pickled, "untargeted": untargeted}
 
 
 @pytest.fixture(scope="module")
@@ -369,6 +372,8 @@ def test_load_and_unload_at_runtime(client, reference, serve_adapters):
     [
         ("alien", "foreign", 400, "was trained on base"),
         ("pickled", "pickled", 400, "pickle file"),
+        # peft dropped its up_proj weights: served as the base there, where merging it applied them
+        ("untargeted", "untargeted", 400, "which the target_modules of its adapter_config.json do not name"),
         ("legal", "code", 400, "already loaded"),
         (BASE_NAME, "code", 400, "the base model's name"),
         ("bad/name", "code", 400, "adapter name 'bad/name' is invalid"),

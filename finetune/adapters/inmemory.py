@@ -401,6 +401,25 @@ class LoadedModel:
                         "unmerged; merge it (serve --merge, or merge()), or use it in a process of its own"
                     ) from None
         self._expert_rows.install(self._peft)
+        self._check_attached_whole(name, adapter)
+
+    def _check_attached_whole(self, name: str, adapter: Adapter) -> None:
+        """AdapterError (and the adapter detached again) unless peft put a LoRA layer of `name` on every module
+        its weights hold. peft builds the layers from `target_modules` in adapter_config.json and drops weights
+        of modules those do not name (a warning, hidden here): such an adapter was served, generated and `use`d
+        as the base on those modules, while merging it (`--merge`, `merge`) applied every update."""
+        for module in sorted(adapter.modules):
+            if self._expert_parameter(module) is not None or module in self._routers:
+                continue  # raw parameters: peft's `target_parameters`, applied by expert_rows
+            layer = self.model.get_submodule(module)
+            if name in getattr(layer, "lora_A", {}) or name in getattr(layer, "lora_embedding_A", {}):
+                continue
+            self._detach(name)
+            raise AdapterError(
+                f"adapter {name!r} ({adapter.path}) holds weights for {module}, which the target_modules of its "
+                "adapter_config.json do not name: peft would leave that update out unmerged; fix target_modules "
+                "(or re-save the adapter with peft)"
+            )
 
     def _row_tensor(self, name: str, adapters: tuple[str, ...]) -> torch.Tensor:
         """Tensor `name` (an expert tensor or a router's weight) as merging `adapters` (weight 1 each) over
@@ -479,16 +498,21 @@ class LoadedModel:
             raise AdapterError(f"adapter {name!r} is merged; subtract it before removing it")
         if name == self._active:
             raise AdapterError(f"adapter {name!r} is in use; call use(None) before removing it")
-        if self._peft is not None and name in self._peft.peft_config:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                if len(self._peft.peft_config) == 1:  # peft cannot hold zero adapters: take its layers out
-                    self._peft.unload()
-                    self._peft, self._per_row = None, False
-                else:
-                    self._peft.delete_adapter(name)
+        self._detach(name)
         del self.adapters[name]
         self._tokenizers.pop(name, None)
+
+    def _detach(self, name: str) -> None:
+        """Take adapter `name` out of peft's LoRA layers, if it is there (the adapter stays known)."""
+        if self._peft is None or name not in self._peft.peft_config:
+            return
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            if len(self._peft.peft_config) == 1:  # peft cannot hold zero adapters: take its layers out
+                self._peft.unload()
+                self._peft, self._per_row = None, False
+            else:
+                self._peft.delete_adapter(name)
 
     # ---- saving ------------------------------------------------------------------------------------
     def merged_state(self) -> dict[str, torch.Tensor]:
