@@ -71,6 +71,7 @@ def serve_adapters(tmp_path_factory, serve_base, tiny_base_dir) -> dict[str, Pat
         "med": make_adapter(serve_base, root / "med", seed=12, targets=("q_proj", "v_proj", "down_proj"), r=8),
         "code": make_adapter(serve_base, root / "code", seed=13, targets=("v_proj", "up_proj"), magnitude=0.4),
         "foreign": make_adapter(tiny_base_dir, root / "foreign", seed=14),  # same shapes, other weights
+        "overflowing": make_adapter(serve_base, root / "overflowing", seed=15, magnitude=1e20),  # NaN scores
     }
     untargeted = shutil.copytree(adapters["code"], root / "untargeted")  # weights on modules its config omits
     config = json.loads((untargeted / "adapter_config.json").read_text())
@@ -364,6 +365,32 @@ def test_load_and_unload_at_runtime(client, reference, serve_adapters):
     expected = greedy(reference, "code", prompt_ids(reference.tokenizer, PROMPTS[0]), MAX_TOKENS_LIMIT)
     assert choice["token_ids"] == expected
     assert_error(client.post("/v1/completions", json={"model": "code", "prompt": "x"}), 404, "'code' does not exist")
+    assert_still_serves(client, reference)
+
+
+def test_a_row_with_nan_scores_fails_alone_and_spares_its_batch(client, reference, serve_adapters):
+    """An adapter whose update overflows gives NaN scores: sampled, its row raised in the sampler and failed every
+    request sharing its forward with a 500; greedy, it answered token 0 after token 0. Now only its rows fail."""
+    body = {"lora_name": "overflowing", "lora_path": str(serve_adapters["overflowing"])}
+    assert client.post("/v1/load_lora_adapter", json=body).status_code == 200
+    try:
+        jobs = [("overflowing", 1.0), ("legal", 0.0), ("overflowing", 0.0), (BASE_NAME, 0.0)]
+        with ThreadPoolExecutor(len(jobs)) as pool:
+            send = lambda job: client.post(
+                "/v1/completions",
+                json={"model": job[0], "prompt": PROMPTS[1], "max_tokens": MAX_TOKENS, "temperature": job[1],
+                      "return_token_ids": True},
+            )  # fmt: skip
+            responses = list(pool.map(send, jobs))
+        for (model, _), response in zip(jobs, responses):
+            if model == "overflowing":
+                assert assert_error(response, 500, "gave NaN or infinite scores")["code"] == "non_finite_logits"
+            else:
+                assert response.status_code == 200, response.text
+                expected = greedy(reference, adapter_of(model), prompt_ids(reference.tokenizer, PROMPTS[1]))
+                assert response.json()["choices"][0]["token_ids"] == expected
+    finally:
+        assert client.post("/v1/unload_lora_adapter", json={"lora_name": "overflowing"}).status_code == 200
     assert_still_serves(client, reference)
 
 

@@ -350,8 +350,18 @@ class Batcher:
     def _pad_id(self) -> int:
         return self.engine.pad_token_id
 
-    @staticmethod
-    def _sample(sequences: list[Sequence], logits: torch.Tensor) -> list[int]:
+    def _sample(self, sequences: list[Sequence], logits: torch.Tensor) -> list[int]:
+        """The next token of each row. A row whose scores hold NaN or +inf (an adapter whose update overflows in
+        the model's dtype) fails alone, with a 500 naming its model: sampled, it raised in `torch.multinomial`
+        and failed every row of its forward (a 500 for other clients' requests too); greedy, it emitted token 0
+        after token 0 as a reply. Its scores are zeroed so the other rows still sample; `_deliver` drops it."""
+        broken = (logits.isnan() | logits.isposinf()).any(dim=-1).nonzero().flatten().tolist()
+        if broken:
+            logits = logits.clone()
+            for row in broken:
+                self._fail(sequences[row], _non_finite_error(sequences[row].model))
+                sequences[row].cancelled = True  # nobody waits for it any more: it leaves the batch
+                logits[row] = 0
         return next_tokens(logits, [s.sampling for s in sequences], [s.generator for s in sequences])
 
     def _deliver(self, sequences: list[Sequence], tokens: list[int]) -> list[int]:
@@ -401,6 +411,16 @@ class Batcher:
             sequence.emit(event)
         except Exception:  # the client's event loop is gone: nobody is listening
             logger.debug("finetune serve: dropped an event for a closed request", exc_info=True)
+
+
+def _non_finite_error(model: str) -> ServeError:
+    return ServeError(
+        f"the model {model!r} gave NaN or infinite scores for this request (its weights or activations overflow in "
+        "the served dtype); serve it in float32 (--dtype float32), or retrain or rescale the adapter",
+        status=500,
+        error_type="server_error",
+        code="non_finite_logits",
+    )
 
 
 def internal_error() -> ServeError:
