@@ -46,10 +46,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     _add_model_arguments(evaluate)
     evaluate.add_argument("--data", required=True, help="a .jsonl/.json/.csv/.parquet/.txt file or saved dataset")
     evaluate.add_argument("--format", default="text", choices=["text", "instruction", "chat"])
-    evaluate.add_argument("--max-seq-len", type=positive_int, default=1024)
+    evaluate.add_argument(
+        "--max-seq-len",
+        type=positive_int,
+        default=1024,
+        help="tokens per record: longer text is split into pieces scored apart, longer prompt+response cut "
+        "(data.overlength sets which; each is said on stderr)",
+    )
     evaluate.add_argument("--batch-size", type=positive_int, default=8)
     evaluate.add_argument(
-        "--json", action="store_true", help='print {"base": {eval_ppl, eval_loss, eval_tokens}, "adapter": {...}}'
+        "--json",
+        action="store_true",
+        help='print {"base": {eval_ppl, eval_loss, eval_tokens}, "adapter": {...} or null without --adapter}',
     )
     evaluate.add_argument(
         "overrides", nargs="*", default=[], metavar="data.KEY=VALUE",
