@@ -69,6 +69,15 @@ def test_repr_names_the_base_and_the_adapters_state(tiny_base_dir, adapter_dirs)
     )
 
 
+def test_a_weight_that_is_no_number_is_an_adapter_error(tiny_base_dir, adapter_dirs):
+    """`merge("legal", "0.5")`, as a notebook user may type it, raised a bare TypeError from the ledger's sum."""
+    m = finetune.load_model(str(tiny_base_dir), {"legal": adapter_dirs["legal"]})
+    for call in (lambda: m.merge("legal", "0.5"), lambda: m.subtract("legal", "1", negate=True)):
+        with pytest.raises(AdapterError, match=r"adapter weight '.*' is not a number; give a weight such as 1"):
+            call()
+    assert m.merged == {} and m.merge("legal", 0.5).merged == {"legal": 0.5}
+
+
 def test_switching_an_adapter_on_leaves_the_callers_random_generator_alone(tiny_base_dir, adapter_dirs):
     """peft draws the new LoRA layers' initial weights before loading the saved ones over them; a first `use`
     moved the caller's seeded generator, so a notebook's seeded sampling differed before and after it."""

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import math
+import numbers
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -25,6 +26,14 @@ from finetune.errors import AdapterError
 LEDGER_KEY = "finetune_merged"
 LEDGER_FORMAT = "finetune-merged/1"
 _ZERO_WEIGHT = 1e-12
+
+
+def as_weight(weight: object) -> float:
+    """A weight given as a number: from the Python API, `merge("legal", "0.5")` raised a bare TypeError from the
+    arithmetic below ("unsupported operand type(s) for +: 'float' and 'str'")."""
+    if isinstance(weight, bool) or not isinstance(weight, numbers.Real):
+        raise AdapterError(f"adapter weight {weight!r} is not a number; give a weight such as 1, 0.5 or -1")
+    return float(weight)
 
 
 def clean_weight(weight: float) -> float:
@@ -69,6 +78,7 @@ class Ledger:
 
     def plus(self, name: str, weight: float, adapter=None) -> Ledger:
         """The ledger after adding `weight` of adapter `name`; an entry whose weight reaches 0 disappears."""
+        weight = as_weight(weight)
         entries = dict(self.entries)
         old = entries.get(name)
         if adapter is not None:
@@ -117,8 +127,7 @@ class Ledger:
         (removing an update the model never had) and needs `negate`.
         """
         merged = self.entries[name].weight if name in self.entries else 0.0
-        if weight is None:
-            weight = merged if merged else 1.0
+        weight = (merged if merged else 1.0) if weight is None else as_weight(weight)
         remaining = merged - weight
         if not negate and (merged == 0.0 or remaining * merged < 0):
             held = ", ".join(f"{n}:{w:g}" for n, w in self.weights.items()) or "nothing"
