@@ -191,23 +191,28 @@ def check_writable(final: Path, error: type[FinetuneError]) -> None:
     only when it wrote its adapter had spent its whole time for nothing. A full disk cannot be foreseen. No
     directory is made: a run refused later (bad data) leaves none."""
     final = Path(final)
-    existing = next(p for p in (final.parent, *final.parent.parents) if p.exists())  # "/" or "." at the last
     with unwritable_as(error, final):
-        if not existing.is_dir():
-            raise OSError(errno.ENOTDIR, f"{existing} is a file, not a directory")
-        probe = existing / staging_path(final).name  # made and removed at once: nothing is left of the check
+        probe = _nearest_directory(final) / staging_path(final).name  # made and removed at once: nothing is left
         probe.mkdir()
         probe.rmdir()
 
 
 def _make_parent(final: Path) -> None:
     """Create `final`'s directory; a file on the way is named (mkdir says only "File exists")."""
-    for parent in (final.parent, *final.parent.parents):
-        if parent.exists():
-            if not parent.is_dir():
-                raise OSError(errno.ENOTDIR, f"{parent} is a file, not a directory")
-            break
+    _nearest_directory(final)
     final.parent.mkdir(parents=True, exist_ok=True)
+
+
+def _nearest_directory(final: Path) -> Path:
+    """The nearest of `final`'s ancestors that exists ("/" or "." at the last), which must be a directory.
+
+    Raises:
+        OSError: ENOTDIR, naming the file that is on the way.
+    """
+    existing = next(p for p in (final.parent, *final.parent.parents) if p.exists())
+    if not existing.is_dir():
+        raise OSError(errno.ENOTDIR, f"{existing} is a file, not a directory")
+    return existing
 
 
 def _os_error_of(exc: BaseException) -> tuple[int | None, str]:
