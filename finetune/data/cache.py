@@ -211,8 +211,7 @@ _ELSEWHERE = " (or set HF_DATASETS_CACHE to move the tokenized-data cache)"
 
 
 def _store(cache_root: Path, fingerprint: str, build: Build, inputs: dict[str, Any]) -> Path:
-    path = _entry_dir(cache_root, fingerprint)
-    cache_root.mkdir(parents=True, exist_ok=True)
+    path = _entry_dir(cache_root, fingerprint)  # cache_root was made by `store`
     remove_abandoned_staging(cache_root)
     staging = cache_root / f".tmp-{path.name[:16]}-{os.getpid()}-{uuid.uuid4().hex[:8]}-{socket.gethostname()}"
     try:
