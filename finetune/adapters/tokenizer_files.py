@@ -31,9 +31,11 @@ from finetune.errors import AdapterError, AdapterWarning
 
 TOKENIZER_CONFIG = "tokenizer_config.json"
 """The file that marks a directory as holding a tokenizer (what `from_pretrained` reads first)."""
+TOKENIZER_JSON = "tokenizer.json"
+"""A fast tokenizer's vocabulary, merges and special tokens in one file (what `check_vocabulary_files` reads)."""
 TOKENIZER_FILES = (
     TOKENIZER_CONFIG,
-    "tokenizer.json",
+    TOKENIZER_JSON,
     "special_tokens_map.json",
     "added_tokens.json",
     "chat_template.jinja",
@@ -89,9 +91,6 @@ def copy_tokenizer(source: Path, out_dir: Path) -> None:
     for name in _contents(Path(source)):
         (out_dir / name).parent.mkdir(exist_ok=True)
         shutil.copy2(Path(source) / name, out_dir / name)
-
-
-TOKENIZER_JSON = "tokenizer.json"
 
 
 def _tokenizer(directory: Path) -> Any:
